@@ -1,0 +1,66 @@
+"""Argument checks shared by every op: clear errors before a kernel can read out of bounds.
+
+A kernel trusts its pointers and sizes. Everything it cannot check (shape, dtype, contiguity,
+which device the array lives on) is checked here, naming the argument, so bad input raises a
+ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backend
+
+FLOAT_DTYPES = (backend.float32, backend.float16, backend.bfloat16, backend.float64)
+
+
+def array_module(**arrays):
+    """NumPy or CuPy for the named arrays (None entries skipped); a mix raises TypeError."""
+    names = list(arrays)
+    for n, a in arrays.items():
+        if a is not None and not (isinstance(a, np.ndarray) or backend.is_gpu_array(a)):
+            raise TypeError(f"{n} must be a NumPy or CuPy array, got {type(a).__name__}")
+    return backend.get_array_module(*arrays.values(), names=names)
+
+
+def check_array(name, a, *, ndim=None, shape=None, dtype=None, dtypes=FLOAT_DTYPES, contiguous=True):
+    """Validate one array. ``shape`` may hold None for 'any size' along an axis."""
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
+    if shape is not None:
+        if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(a.shape)}")
+    if dtype is not None and a.dtype != backend.resolve_dtype(dtype):
+        raise TypeError(f"{name} must be {backend.dtype_name(dtype)}, got {a.dtype}")
+    if dtypes is not None and a.dtype not in dtypes:
+        allowed = ", ".join(backend.dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {a.dtype}; supported: {allowed}")
+    if contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (row-major); call .copy() or xp.ascontiguousarray first")
+    if a.size == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(a.shape)})")
+    return a
+
+
+def check_same_dtype(**arrays):
+    dts = {n: a.dtype for n, a in arrays.items() if a is not None}
+    if len(set(dts.values())) > 1:
+        desc = ", ".join(f"{n}={backend.dtype_name(d)}" for n, d in dts.items())
+        raise TypeError(f"dtypes must match: {desc}")
+
+
+def check_out(out, shape, dtype, xp, name="out"):
+    """Validate a caller-provided output buffer, or allocate one."""
+    if out is None:
+        return xp.empty(shape, dtype=dtype)
+    if backend.get_array_module(out) is not xp:
+        raise TypeError(f"{name} must live on the same device as the inputs")
+    check_array(name, out, shape=tuple(shape), dtype=dtype)
+    return out
+
+
+def grid_size(n_items: int, block: int, max_blocks: int | None = None) -> int:
+    """Blocks needed to cover n_items with ``block`` threads, optionally capped (grid-stride loops)."""
+    g = max(1, -(-n_items // block))
+    return min(g, max_blocks) if max_blocks else g

@@ -1,0 +1,119 @@
+"""Row-major GEMMs through cuBLAS, fp32 accumulation, without transposing copies.
+
+cuBLAS speaks column-major (Fortran): an M × N matrix with leading dimension ``ld`` keeps element
+(i, j) at ``i + j * ld``. Our arrays are row-major (C): element (i, j) at ``i * N + j``. The same
+bytes read column-major are the *transpose*. So instead of copying, we use the identity
+
+    C = op(A) @ op(B)   ⟺   Cᵀ = op(B)ᵀ @ op(A)ᵀ
+
+and ask cuBLAS for Cᵀ (which, written column-major, *is* C row-major): swap the operands, swap M and
+N, and pass each array's row length as its leading dimension. No data moves; only the roles change.
+(Chapter 1 shows the wrong call too: passing leading dimensions that only fit column-major data.)
+
+Every call computes in fp32 (``CUBLAS_COMPUTE_32F``) whatever the storage type: fp32, fp16 or bf16
+inputs; fp32 storage runs true fp32, not TF32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backend
+from .checks import array_module, check_array
+
+# cudaDataType and cublasComputeType_t values (library_types.h, cublas_api.h)
+_CUDA_DTYPE = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+_OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
+_ONE = np.ones(1, np.float32)
+
+
+def _scalar(x) -> np.ndarray:
+    return _ONE if x == 1.0 else np.array([x], dtype=np.float32)
+
+
+def _mk(a, trans):
+    """(rows, cols) of op(a) over the last two axes."""
+    r, c = a.shape[-2], a.shape[-1]
+    return (c, r) if trans else (r, c)
+
+
+def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, out_dtype=None):
+    """``out = alpha · op(a) @ op(b) + beta · out`` for row-major arrays, fp32 accumulation.
+
+    ``a`` is [..., M, K] (or [..., K, M] with ``trans_a``), ``b`` is [..., K, N] (or [..., N, K]).
+    Leading (batch) axes must match, or ``b`` may be 2-D and shared by every batch entry.
+    ``out`` defaults to a new array of ``out_dtype`` (default: the input dtype); with ``beta != 0``
+    it must be given and is accumulated into (how weight gradients add up across micro-batches).
+    """
+    xp = array_module(a=a, b=b, out=out)
+    check_array("a", a)
+    check_array("b", b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"gemm needs matrices: a has shape {a.shape}, b has shape {b.shape}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype not in _CUDA_DTYPE:
+        raise TypeError(f"gemm supports fp32, fp16, bf16 inputs, got {a.dtype}")
+    m, k = _mk(a, trans_a)
+    k2, n = _mk(b, trans_b)
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
+    batch = a.shape[:-2]
+    if b.ndim > 2 and b.shape[:-2] != batch:
+        raise ValueError(f"batch shapes differ: a {a.shape}, b {b.shape}")
+    out_shape = (*batch, m, n)
+    if out is None:
+        if beta != 0.0:
+            raise ValueError("beta != 0 accumulates into out, so out must be given")
+        out = xp.empty(out_shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else a.dtype)
+    else:
+        check_array("out", out, shape=out_shape)
+        if out.dtype not in (a.dtype, backend.float32):
+            raise TypeError(f"out must be {a.dtype} or float32, got {out.dtype}")
+
+    if xp is np:
+        return _gemm_numpy(a, b, trans_a, trans_b, out, alpha, beta)
+
+    cp = xp
+    from cupy.cuda import cublas
+
+    handle = cp.cuda.device.get_cublas_handle()
+    alpha_h, beta_h = _scalar(alpha), _scalar(beta)
+    count = int(np.prod(batch)) if batch else 1
+    dt_in, dt_out = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
+    # The identity above: cuBLAS computes Cᵀ[n, m] = op(b)ᵀ op(a)ᵀ, column-major.
+    args_b = (b.data.ptr, dt_in, b.shape[-1], (k * n) if b.ndim > 2 else 0)
+    args_a = (a.data.ptr, dt_in, a.shape[-1], m * k)
+    if count == 1:
+        cublas.gemmEx(
+            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_h.ctypes.data,
+            *args_b[:3], *args_a[:3], beta_h.ctypes.data,
+            out.data.ptr, dt_out, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
+    else:
+        cublas.gemmStridedBatchedEx(
+            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_h.ctypes.data,
+            *args_b, *args_a, beta_h.ctypes.data,
+            out.data.ptr, dt_out, n, m * n, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
+    return out
+
+
+def _gemm_numpy(a, b, trans_a, trans_b, out, alpha, beta):
+    """Reference: the same product in float32 (float64 stays float64)."""
+    acc = np.float64 if a.dtype == np.float64 else np.float32
+    A = a.astype(acc, copy=False)
+    B = b.astype(acc, copy=False)
+    A = np.swapaxes(A, -1, -2) if trans_a else A
+    B = np.swapaxes(B, -1, -2) if trans_b else B
+    res = alpha * np.matmul(A, B)
+    if beta != 0.0:
+        res = res + beta * out.astype(acc)
+    out[...] = res.astype(out.dtype)
+    return out
+
+
+def gemm_flops(m: int, n: int, k: int, batch: int = 1) -> float:
+    return 2.0 * m * n * k * batch

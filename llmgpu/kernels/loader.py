@@ -1,0 +1,201 @@
+"""Compile the package's CUDA C sources with CuPy and hand out their kernels.
+
+Each ``llmgpu/kernels/<name>.cu`` file is one small module (one layer, one concept). Its kernels are
+usually templated on the element type, and the file itself lists the instantiations the package
+uses, one directive per line::
+
+    // llmgpu:kernel vector_add<{float,__half,__nv_bfloat16}>
+
+Braces expand (every combination), so that line declares three name expressions. The loader
+compiles the whole file once with exactly those expressions (NVRTC, through ``cupy.RawModule`` with
+``name_expressions``), caches the module per device, and returns ``RawKernel`` objects. The same list
+drives the GPU-free compile check (``python -m llmgpu.kernels.compile_check``), so what CI compiles
+is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .. import backend
+
+KERNEL_DIR = Path(__file__).resolve().parent
+_DIRECTIVE = re.compile(r"^\s*//\s*llmgpu:kernel\s+(.+?)\s*$", re.MULTILINE)
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+# Why these flags: C++17 for `if constexpr`; -I so that .cu files can include common.cuh;
+# no --use_fast_math: every kernel decides for itself where an approximate intrinsic is fine.
+BASE_OPTIONS = ("-std=c++17",)
+
+
+def available() -> list[str]:
+    """Names of all kernel source files (without .cu)."""
+    return sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+
+
+def source_path(name: str) -> Path:
+    path = KERNEL_DIR / f"{name}.cu"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {name}.cu in {KERNEL_DIR}; available: {available()}")
+    return path
+
+
+def source(name: str) -> str:
+    """The full CUDA C source of ``<name>.cu``."""
+    return source_path(name).read_text()
+
+
+def _expand(expr: str) -> list[str]:
+    parts = _BRACES.split(expr)  # literal, group, literal, group, ...
+    literals, groups = parts[0::2], [[s.strip() for s in g.split(",")] for g in parts[1::2]]
+    out = []
+    for combo in itertools.product(*groups):
+        pieces = [literals[0]]
+        for value, lit in zip(combo, literals[1:]):
+            pieces += [value, lit]
+        out.append("".join(pieces))
+    return out
+
+
+def name_expressions(name: str) -> list[str]:
+    """The kernel instantiations that ``<name>.cu`` declares with ``// llmgpu:kernel`` lines."""
+    exprs = []
+    for line in _DIRECTIVE.findall(source(name)):
+        exprs += _expand(line)
+    if not exprs:
+        raise ValueError(f"{name}.cu declares no kernels (add '// llmgpu:kernel <expr>' lines)")
+    return exprs
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_bf16.h when CUDA comes from pip wheels.
+
+    With a full CUDA toolkit CuPy finds the headers itself; with pip-installed CUDA
+    (``nvidia-cuda-runtime``) they live in site-packages, which NVRTC does not search.
+    """
+    dirs = []
+    for root in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            d = Path(root) / sub
+            if (d / "cuda_bf16.h").is_file():
+                dirs.append(str(d))
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            d = Path(os.environ[env]) / "include"
+            if (d / "cuda_bf16.h").is_file():
+                dirs.append(str(d))
+    d = Path("/usr/local/cuda/include")
+    if (d / "cuda_bf16.h").is_file():
+        dirs.append(str(d))
+    return list(dict.fromkeys(dirs))
+
+
+def compile_options() -> tuple[str, ...]:
+    return BASE_OPTIONS + (f"-I{KERNEL_DIR}",) + tuple(f"-I{d}" for d in cuda_include_dirs())
+
+
+@functools.cache
+def _module(name: str, device_id: int):
+    cp = backend.require_gpu()
+    return cp.RawModule(
+        code=source(name),
+        options=compile_options(),
+        name_expressions=name_expressions(name),
+    )
+
+
+def load(name: str):
+    """The compiled ``cupy.RawModule`` of ``<name>.cu`` for the current device (cached)."""
+    cp = backend.require_gpu()
+    return _module(name, cp.cuda.Device().id)
+
+
+def template_args(*args) -> str:
+    """Spell template arguments: dtypes become C types (float, __half, ...), others str()."""
+    spelled = []
+    for a in args:
+        if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
+            spelled.append(str(a))
+        elif isinstance(a, str) and not _looks_like_dtype(a):
+            spelled.append(a)
+        else:
+            spelled.append(backend.cuda_c_type(a))
+    return ", ".join(spelled)
+
+
+def _looks_like_dtype(s: str) -> bool:
+    try:
+        backend.resolve_dtype(s)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+@functools.cache
+def _kernel(name: str, expr: str, device_id: int):
+    declared = name_expressions(name)
+    if expr not in declared:
+        raise KeyError(f"{name}.cu does not instantiate {expr!r}; it declares {declared}")
+    return _module(name, device_id).get_function(expr)
+
+
+def get_kernel(name: str, function: str, *targs):
+    """The RawKernel ``function<targs...>`` from ``<name>.cu``, e.g.
+
+    ``get_kernel("vector_add", "vector_add", np.float32)`` → ``vector_add<float>``.
+    """
+    cp = backend.require_gpu()
+    expr = f"{function}<{template_args(*targs)}>" if targs else function
+    return _kernel(name, expr, cp.cuda.Device().id)
+
+
+# --------------------------------------------------------------------------- showing source
+
+
+def kernel_source(name: str, function: str | None = None) -> str:
+    """Source of one ``__global__`` function (with the comment block above it), or the whole file."""
+    text = source(name)
+    if function is None:
+        return text
+    m = re.search(r"__global__[^;{]*?\b" + re.escape(function) + r"\s*\(", text)
+    if m is None:
+        raise KeyError(f"no __global__ function {function!r} in {name}.cu")
+    # start: back up over `template <...>` / `extern "C"` / attribute lines and the comment above
+    lines = text[: m.start()].split("\n")
+    start_line = len(lines) - 1
+    while start_line > 0:
+        prev = lines[start_line - 1].strip()
+        if prev.startswith(("//", "template", "extern", "__launch_bounds__", "/*", "*")) and not prev.startswith(
+            "// llmgpu:"
+        ):
+            start_line -= 1
+        else:
+            break
+    start = sum(len(s) + 1 for s in lines[:start_line])
+    # end: the matching brace of the function body
+    depth, i = 0, text.index("{", m.end())
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start : j + 1]
+    raise ValueError(f"unbalanced braces in {name}.cu")
+
+
+def show_source(name: str, function: str | None = None):
+    """Display a kernel's CUDA source with syntax highlighting in a notebook (plain text elsewhere)."""
+    text = kernel_source(name, function)
+    try:
+        from IPython.display import Code
+    except ImportError:
+        return text
+    return Code(text, language="cuda")

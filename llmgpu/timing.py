@@ -1,0 +1,101 @@
+"""Timing GPU work honestly, and the two ceilings every measurement is compared with.
+
+GPU launches are asynchronous: a host clock read right after a launch measures the launch, not the
+kernel. ``time_fn`` records CUDA events around each call on the current stream, warms up first
+(compiles, cuBLAS handles, caches) and returns the median of many repetitions. On NumPy it falls
+back to ``time.perf_counter``.
+
+The ceilings are measured in the same run as the kernels they judge: the bandwidth of a large
+device-to-device copy (bytes read + written per second) for memory-bound kernels, and the rate of a
+large cuBLAS GEMM for matrix products.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import backend
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+
+    def gbps(self, nbytes: float) -> float:
+        """Achieved bandwidth in GB/s (1e9 bytes/s) for ``nbytes`` moved per call."""
+        return nbytes / (self.median_ms * 1e-3) / 1e9
+
+    def tflops(self, flops: float) -> float:
+        return flops / (self.median_ms * 1e-3) / 1e12
+
+
+def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0) -> Timing:
+    """Median time of ``fn()`` over ``reps`` calls after ``warmup`` calls.
+
+    On CuPy each call is bracketed by CUDA events on the current stream (no host clock). With
+    ``min_time_s``, repetitions are added until their total reaches that much time.
+    """
+    xp = xp or backend.default_xp()
+    for _ in range(warmup):
+        fn()
+    times = []
+    if xp is np:
+        total = 0.0
+        while len(times) < reps or total < min_time_s:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            total += times[-1] / 1e3
+    else:
+        cp = xp
+        stream = cp.cuda.get_current_stream()
+        stream.synchronize()
+        total = 0.0
+        while len(times) < reps or total < min_time_s:
+            batch = max(reps - len(times), 1)
+            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(batch)]
+            for start, end in events:
+                start.record(stream)
+                fn()
+                end.record(stream)
+            events[-1][1].synchronize()
+            for start, end in events:
+                times.append(cp.cuda.get_elapsed_time(start, end))
+            total = sum(times) / 1e3
+    return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def copy_bandwidth(nbytes: int = 2**31, *, xp=None, reps=20) -> float:
+    """Device-to-device copy ceiling in GB/s, counting bytes read + written (2 × nbytes per copy)."""
+    xp = xp or backend.default_xp()
+    n = nbytes // 4
+    src = xp.ones(n, dtype=np.float32)  # content does not matter for a copy
+    dst = xp.empty_like(src)
+    if xp is np:
+        t = time_fn(lambda: np.copyto(dst, src), xp=xp, warmup=1, reps=min(reps, 5))
+    else:
+        t = time_fn(lambda: dst.__setitem__(Ellipsis, src), xp=xp, reps=reps)
+    return t.gbps(2 * nbytes)
+
+
+def gemm_ceiling(n: int = 8192, dtype="bf16", *, xp=None, reps=10, seed=0) -> float:
+    """TFLOP/s of an n × n × n matrix product through the vendor library (cuBLAS; NumPy's BLAS on CPU).
+
+    Inputs are random (zeros run faster on some GPUs and would flatter the ceiling).
+    """
+    xp = xp or backend.default_xp()
+    dt = backend.resolve_dtype(dtype)
+    if xp is np and dt in (backend.bfloat16, backend.float16):
+        dt = backend.float32  # NumPy has no fast 16-bit GEMM; the CPU ceiling is fp32
+    rng = np.random.default_rng(seed)
+    a = backend.to_device(rng.standard_normal((n, n)).astype(dt), xp)
+    b = backend.to_device(rng.standard_normal((n, n)).astype(dt), xp)
+    t = time_fn(lambda: a @ b, xp=xp, warmup=2, reps=reps)
+    return t.tflops(2.0 * n**3)

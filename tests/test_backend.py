@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+
+from llmgpu import backend
+
+
+def test_import_without_cupy_in_a_subprocess(tmp_path):
+    """`import llmgpu` must work where CuPy cannot be imported, falling back to NumPy."""
+    import subprocess
+    import sys
+
+    # A fake `cupy` package that fails to import stands in for a machine without CuPy.
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise ImportError('no cupy here')\n")
+    code = (
+        "import numpy as np, llmgpu\n"
+        "from llmgpu import backend\n"
+        "assert backend.cupy_module() is None\n"
+        "assert backend.default_xp() is np\n"
+        "print(backend.gpu_unavailable_reason())\n"
+    )
+    import os
+    from pathlib import Path
+
+    import llmgpu
+
+    repo = Path(llmgpu.__file__).resolve().parent.parent
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)]), "PATH": "/usr/bin:/bin", "LLMGPU_DEVICE": "auto"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path.parent))
+    assert r.returncode == 0, r.stderr
+    assert "llmgpu[cuda13]" in r.stdout  # the message says which extra to install
+
+
+def test_device_override_cpu(monkeypatch):
+    monkeypatch.setenv("LLMGPU_DEVICE", "cpu")
+    assert backend.default_xp() is np
+    assert backend.device_info().backend == "numpy"
+
+
+def test_device_override_gpu_without_gpu_raises(monkeypatch):
+    if backend.gpu_available():
+        pytest.skip("a GPU is present; this checks the error raised without one")
+    monkeypatch.setenv("LLMGPU_DEVICE", "gpu")
+    with pytest.raises(backend.GPUUnavailableError, match="LLMGPU_DEVICE=gpu"):
+        backend.default_xp()
+
+
+def test_bad_device_value(monkeypatch):
+    monkeypatch.setenv("LLMGPU_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="LLMGPU_DEVICE"):
+        backend.default_xp()
+
+
+@pytest.mark.parametrize(
+    "name, expect",
+    [("bf16", backend.bfloat16), ("fp16", np.float16), ("float32", np.float32), ("fp64", np.float64)],
+)
+def test_resolve_dtype(name, expect):
+    assert backend.resolve_dtype(name) == np.dtype(expect)
+    assert backend.resolve_dtype(backend.resolve_dtype(name)) == np.dtype(expect)
+
+
+def test_resolve_dtype_rejects_unknown():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        backend.resolve_dtype("fp8")
+
+
+def test_cuda_c_types():
+    assert backend.cuda_c_type("bf16") == "__nv_bfloat16"
+    assert backend.cuda_c_type(np.float16) == "__half"
+    assert backend.cuda_c_type("fp32") == "float"
+    with pytest.raises(TypeError):
+        backend.cuda_c_type(np.int32)
+
+
+def test_bfloat16_roundtrip_numpy():
+    x = np.array([1.0, 3.140625, -2.5e-3], dtype=np.float32)
+    y = x.astype(backend.bfloat16).astype(np.float32)
+    assert np.allclose(x, y, rtol=2**-8)
+
+
+def test_mixed_numpy_and_other_rejected():
+    with pytest.raises(TypeError, match="NumPy arrays or all CuPy arrays"):
+        backend.get_array_module(np.ones(3), [1, 2, 3])
+
+
+@pytest.mark.gpu
+def test_mixed_numpy_cupy_rejected(cp):
+    with pytest.raises(TypeError, match="NumPy arrays or all CuPy arrays"):
+        backend.get_array_module(np.ones(3), cp.ones(3), names=["x", "w"])
+
+
+@pytest.mark.gpu
+def test_device_info_on_gpu(cp):
+    info = backend.device_info(cp)
+    assert info.backend == "cupy" and info.sm_count > 0 and info.memory_bytes > 2**30
+    assert info.compute_capability.count(".") == 1
+    assert "SMs" in info.summary()
+
+
+@pytest.mark.gpu
+def test_bfloat16_on_gpu_roundtrip(cp, rng):
+    x = rng.standard_normal(1000).astype(backend.bfloat16)
+    y = backend.to_numpy(backend.to_device(x, cp))
+    assert y.dtype == backend.bfloat16 and np.array_equal(x.view(np.uint16), y.view(np.uint16))

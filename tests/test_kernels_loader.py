@@ -1,0 +1,59 @@
+import numpy as np
+import pytest
+
+from llmgpu.kernels import compile_check, loader
+
+
+def test_every_kernel_file_declares_kernels():
+    names = loader.available()
+    assert "vector_add" in names and "matmul" in names
+    for name in names:
+        assert loader.name_expressions(name), name
+
+
+def test_brace_expansion():
+    assert loader._expand("f<{float,__half}, {1,2}>") == ["f<float, 1>", "f<float, 2>", "f<__half, 1>", "f<__half, 2>"]
+    assert loader._expand("plain") == ["plain"]
+
+
+def test_template_args_spelling():
+    assert loader.template_args(np.float32, 32) == "float, 32"
+    assert loader.template_args("bf16") == "__nv_bfloat16"
+    assert loader.template_args(np.int64(16)) == "16"
+
+
+def test_kernel_source_extracts_one_function():
+    src = loader.kernel_source("matmul", "matmul_tiled")
+    assert src.lstrip().startswith("template <int TILE>")
+    assert "matmul_naive" not in src and src.rstrip().endswith("}")
+    with pytest.raises(KeyError):
+        loader.kernel_source("matmul", "no_such_kernel")
+
+
+def test_missing_source_file_error():
+    with pytest.raises(FileNotFoundError, match="available"):
+        loader.source("nope")
+
+
+def test_show_source_returns_highlightable_code():
+    obj = loader.show_source("vector_add", "vector_add")
+    html = obj._repr_html_() if hasattr(obj, "_repr_html_") else str(obj)
+    assert "vector_add" in html
+
+
+@pytest.mark.parametrize("name", loader.available())
+def test_compiles_for_sm90_without_spills(name):
+    """The same NVRTC build CI runs, per file (needs CuPy's NVRTC, not a GPU)."""
+    pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")
+    r = compile_check.compile_file(name, "sm_90")
+    assert r.ok, r.log
+    assert {k.expression for k in r.kernels} == set(loader.name_expressions(name))
+    assert not [k.expression for k in r.kernels if k.spills]
+
+
+def test_compile_check_reports_errors(monkeypatch, tmp_path):
+    pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed")
+    bad = tmp_path / "broken.cu"
+    bad.write_text("// llmgpu:kernel broken\n__global__ void broken(float* x) { x[0] = undefined_name; }\n")
+    monkeypatch.setattr(loader, "KERNEL_DIR", tmp_path)
+    assert compile_check.main(["broken", "-a", "sm_90"]) == 1
