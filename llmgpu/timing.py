@@ -99,3 +99,36 @@ def gemm_ceiling(n: int = 8192, dtype="bf16", *, xp=None, reps=10, seed=0) -> fl
     b = backend.to_device(rng.standard_normal((n, n)).astype(dt), xp)
     t = time_fn(lambda: a @ b, xp=xp, warmup=2, reps=reps)
     return t.tflops(2.0 * n**3)
+
+
+def results_header(xp=None) -> dict:
+    """Who/where/when of a benchmark run, stored next to its numbers."""
+    import datetime
+    import platform
+
+    xp = xp or backend.default_xp()
+    head = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": backend.device_info(xp).as_dict(),
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import llmgpu
+
+        head["llmgpu"] = llmgpu.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return head
+
+
+def save_results(path, payload: dict, xp=None) -> dict:
+    """Write ``payload`` plus results_header() as indented JSON; returns what was written."""
+    import json
+    from pathlib import Path
+
+    data = {**results_header(xp), **payload}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    return data
