@@ -5,9 +5,21 @@ decide the path: CuPy arrays run the kernels, NumPy arrays the reference. CuPy i
 (``pip install 'llmgpu[cuda13]'``); without it everything runs on NumPy.
 """
 
-from . import backend
+from . import backend, ops, plotting, testing, timing
 from .backend import default_xp, device_info, get_array_module, gpu_available, on_gpu
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "default_xp", "device_info", "get_array_module", "gpu_available", "on_gpu", "__version__"]
+__all__ = [
+    "backend",
+    "ops",
+    "plotting",
+    "testing",
+    "timing",
+    "default_xp",
+    "device_info",
+    "get_array_module",
+    "gpu_available",
+    "on_gpu",
+    "__version__",
+]

@@ -6,6 +6,8 @@ reason* (never passed silently), so a CPU run's summary shows how many GPU check
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,9 @@ def pytest_collection_modifyitems(config, items):
     reason = backend.gpu_unavailable_reason()
     if reason is None:
         return
+    if os.environ.get("LLMGPU_REQUIRE_GPU"):
+        # tools/gpu_check.sh sets this: on the GPU machine a skipped GPU test is a failure.
+        pytest.exit(f"LLMGPU_REQUIRE_GPU is set but {reason}", returncode=3)
     skip = pytest.mark.skip(reason=f"GPU test not run: {reason}")
     for item in items:
         if "gpu" in item.keywords:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU check of the project, in one command, on a machine with an NVIDIA GPU:
+#   bash tools/gpu_check.sh [OUTDIR]          (default OUTDIR: gpu_results/)
+# 1. device facts and the kernel compile check
+# 2. pytest with LLMGPU_REQUIRE_GPU=1 (a GPU test that would skip is a failure here)
+# 3. nbval over every notebook (each runs top to bottom on the GPU backend)
+# 4. the notebooks executed in place, so their committed outputs come from this GPU
+# 5. the benchmarks (each writes benchmarks/results/*.json)
+# then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
+# STEPS="tests nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments.
+# Without network (the lab's H200): wheels in ./.whl are installed first (../shared/tools/gpu-wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_results}
+mkdir -p "$OUT/logs"
+STEPS=${STEPS:-"tests nbval execute bench"}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu MPLBACKEND=Agg
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+status=0
+run() {  # run NAME CMD...: log to $OUT/logs/NAME.log, remember failures, keep going
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "==> $name: $*"
+  "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/logs/$name.log"
+  echo "<== $name: exit $rc ($((SECONDS - t0)) s)"
+  [ $rc -eq 0 ] || { status=1; echo "$name" >> "$OUT/logs/FAILED"; }
+}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+run device python3 -c "import llmgpu, cupy; print(llmgpu.device_info().summary()); print('cupy', cupy.__version__)"
+run compile python3 -m llmgpu.kernels.compile_check -a sm_90
+has tests && run pytest env LLMGPU_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} tests
+has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
+has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
+if has bench; then
+  for b in benchmarks/bench_*.py; do
+    run "bench_$(basename "$b" .py)" python3 "$b"
+  done
+fi
+tar czf "$OUT/gpu_results.tar.gz" "$OUT/logs" book/*.ipynb benchmarks/results 2>/dev/null
+echo "packed $OUT/gpu_results.tar.gz; status $status"
+[ -f "$OUT/logs/FAILED" ] && { echo "failed steps:"; cat "$OUT/logs/FAILED"; }
+exit $status
