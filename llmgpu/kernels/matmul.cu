@@ -5,16 +5,18 @@
 //                    global memory, so each input element is read M or N times.
 //   matmul_tiled     a block computes a TILE x TILE patch; the K loop walks tiles of A and B staged
 //                    in shared memory, so each element is read from global memory K/TILE times less.
-//   matmul_blocked   a 64 x 64 patch per 256-thread block and a 4 x 4 patch of outputs per thread:
-//                    each shared-memory value loaded into a register feeds 4 multiply-adds instead
-//                    of 1, which is what moves the kernel from shared-memory bound toward the FMA
+//   matmul_blocked   a BM x BN patch per 256-thread block and a TM x TN patch of outputs per thread:
+//                    each shared-memory value loaded into a register feeds TN (or TM) multiply-adds
+//                    instead of 1, which moves the kernel from shared-memory bound toward the FMA
 //                    units (the idea behind every fast GEMM; cuBLAS adds tensor cores and pipelining).
+//                    Two instantiations: 64 x 64 tiles with 4 x 4 per thread, 128 x 128 with 8 x 8.
 // All three handle any M, N, K (bounds checks, zero padding of partial tiles).
 #include "common.cuh"
 
 // llmgpu:kernel matmul_naive
 // llmgpu:kernel matmul_tiled<{16,32}>
-// llmgpu:kernel matmul_blocked
+// llmgpu:kernel matmul_blocked<64, 64, 16, 4, 4>
+// llmgpu:kernel matmul_blocked<128, 128, 8, 8, 8>
 
 __global__ void matmul_naive(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,
                              int M, int N, int K) {
@@ -49,34 +51,35 @@ __global__ void matmul_tiled(const float* __restrict__ A, const float* __restric
     if (row < M && col < N) C[(long long)row * N + col] = acc;
 }
 
-#define BM 64
-#define BN 64
-#define BK 16
-#define TM 4
-#define TN 4
-
+template <int BM, int BN, int BK, int TM, int TN>
 __global__ void __launch_bounds__(256) matmul_blocked(const float* __restrict__ A, const float* __restrict__ B,
                                                       float* __restrict__ C, int M, int N, int K) {
     // A is stored transposed in shared memory (As[k][m]) so the inner loop reads both tiles along
-    // their contiguous axis. Thread (tx, ty) owns rows ty + 16 i and columns tx + 16 j: strided
-    // ownership keeps a warp's shared-memory reads on distinct banks (or broadcasts) and its
-    // global stores of C coalesced in runs of 16.
+    // their contiguous axis. With 16 x 16 threads, thread (tx, ty) owns rows ty + 16 i and columns
+    // tx + 16 j: strided ownership keeps a warp's shared-memory reads on distinct banks (or
+    // broadcasts) and its global stores of C coalesced in runs of 16. The +4 padding spreads the
+    // transposed stores of A over the banks.
+    static_assert((BM / TM) * (BN / TN) == 256 && BM / TM == 16 && BN / TN == 16, "16 x 16 threads");
+    static_assert((BM * BK) % 256 == 0 && (BN * BK) % 256 == 0, "tiles load evenly");
     __shared__ float As[BK][BM + 4];
     __shared__ float Bs[BK][BN + 4];
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
     float acc[TM][TN] = {};
     for (int k0 = 0; k0 < K; k0 += BK) {
-        // 256 threads load the 64 x 16 tile of A and the 16 x 64 tile of B, 4 elements each.
 #pragma unroll
-        for (int l = 0; l < 4; ++l) {
+        for (int l = 0; l < BM * BK / 256; ++l) {
             const int idx = threadIdx.x + l * 256;
-            const int am = idx / BK, ak = idx % BK;  // A tile: consecutive threads walk k (contiguous)
+            const int am = idx / BK, ak = idx % BK;  // consecutive threads walk k: contiguous in A
             const int gr = row0 + am, gk = k0 + ak;
             As[ak][am] = (gr < M && gk < K) ? A[(long long)gr * K + gk] : 0.0f;
-            const int bk = idx / BN, bn = idx % BN;  // B tile: consecutive threads walk n (contiguous)
-            const int gk2 = k0 + bk, gc = col0 + bn;
-            Bs[bk][bn] = (gk2 < K && gc < N) ? B[(long long)gk2 * N + gc] : 0.0f;
+        }
+#pragma unroll
+        for (int l = 0; l < BN * BK / 256; ++l) {
+            const int idx = threadIdx.x + l * 256;
+            const int bk = idx / BN, bn = idx % BN;  // consecutive threads walk n: contiguous in B
+            const int gk = k0 + bk, gc = col0 + bn;
+            Bs[bk][bn] = (gk < K && gc < N) ? B[(long long)gk * N + gc] : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -91,7 +94,7 @@ __global__ void __launch_bounds__(256) matmul_blocked(const float* __restrict__ 
 #pragma unroll
                 for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
-        __syncthreads();
+        __syncthreads();  // before the next iteration overwrites the tiles
     }
 #pragma unroll
     for (int i = 0; i < TM; ++i) {

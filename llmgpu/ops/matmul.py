@@ -4,7 +4,8 @@
 
 * ``"naive"``   one thread per output element (``matmul_naive``)
 * ``"tiled"``   shared-memory tiles of 32 × 32 (``matmul_tiled<32>``; ``"tiled16"`` for 16 × 16)
-* ``"blocked"`` 64 × 64 block tiles, 4 × 4 outputs per thread (``matmul_blocked``)
+* ``"blocked"`` 64 × 64 block tiles, 4 × 4 outputs per thread (``matmul_blocked<64, 64, 16, 4, 4>``)
+* ``"blocked8"`` 128 × 128 block tiles, 8 × 8 outputs per thread (``matmul_blocked<128, 128, 8, 8, 8>``)
 * ``"cublas"``  the vendor library through CuPy (``cupy.matmul``, fp32, no TF32)
 
 On NumPy arrays every method computes the same product with NumPy (the reference).
@@ -18,7 +19,8 @@ from .. import backend
 from ..checks import array_module, check_array, check_out
 from ..kernels import get_kernel
 
-METHODS = ("naive", "tiled16", "tiled", "blocked", "cublas")
+METHODS = ("naive", "tiled16", "tiled", "blocked", "blocked8", "cublas")
+_BLOCKED = {"blocked": (64, 64, 16, 4, 4), "blocked8": (128, 128, 8, 8, 8)}
 
 
 def matmul(a, b, method="blocked", out=None):
@@ -49,9 +51,10 @@ def matmul(a, b, method="blocked", out=None):
         tile = 16 if method == "tiled16" else 32
         grid = (-(-n // tile), -(-m // tile))
         get_kernel("matmul", "matmul_tiled", tile)(grid, (tile, tile), args)
-    else:  # blocked
-        grid = (-(-n // 64), -(-m // 64))
-        get_kernel("matmul", "matmul_blocked")(grid, (256,), args)
+    else:  # register-blocked: 16 x 16 threads, each owning a TM x TN patch
+        bm, bn, *_ = cfg = _BLOCKED[method]
+        grid = (-(-n // bn), -(-m // bm))
+        get_kernel("matmul", "matmul_blocked", *cfg)(grid, (256,), args)
     return out
 
 
