@@ -27,6 +27,7 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 _OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
 _ONE = np.ones(1, np.float32)
+CUDA_DATA_TYPES = _CUDA_DTYPE  # public name: cudaDataType of each storage dtype
 
 
 def _scalar(x) -> np.ndarray:
@@ -54,8 +55,8 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, o
         raise ValueError(f"gemm needs matrices: a has shape {a.shape}, b has shape {b.shape}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype not in _CUDA_DTYPE:
-        raise TypeError(f"gemm supports fp32, fp16, bf16 inputs, got {a.dtype}")
+    if a.dtype not in _CUDA_DTYPE and not (xp is np and a.dtype == backend.float64):
+        raise TypeError(f"gemm supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
     m, k = _mk(a, trans_a)
     k2, n = _mk(b, trans_b)
     if k != k2:
@@ -70,7 +71,7 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, o
         out = xp.empty(out_shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else a.dtype)
     else:
         check_array("out", out, shape=out_shape)
-        if out.dtype not in (a.dtype, backend.float32):
+        if out.dtype not in (a.dtype, backend.float32, backend.float64 if xp is np else a.dtype):
             raise TypeError(f"out must be {a.dtype} or float32, got {out.dtype}")
 
     if xp is np:

@@ -1,0 +1,204 @@
+"""Scaled dot-product attention, forward and backward, from batched GEMMs and the softmax kernels.
+
+Per (batch, head), with q, k, v of shape [T, D] and scale c = 1/√D::
+
+    forward    S = q kᵀ            [T, T]   GEMM
+               P = softmax(c·S)    [T, T]   row softmax, causal mask (key ≤ query) applied inside
+               O = P v             [T, D]   GEMM
+    backward   dV = Pᵀ dO          [T, D]   GEMM
+               dP = dO vᵀ          [T, T]   GEMM
+               dS = c · P ⊙ (dP − rowsum(P ⊙ dP))   softmax backward (the scale folded in)
+               dQ = dS k           [T, D]   GEMM
+               dK = dSᵀ q          [T, D]   GEMM
+
+All B·H products run as one strided-batched cuBLAS call (``llmgpu.gemm.gemm`` on [B·H, T, D] views,
+fp32 accumulation). The T × T matrices are what makes this "math path" memory-hungry: S and P cost
+B·H·T² elements each, against B·H·T·D for q, k, v. A fused (flash) kernel (Dao et al.,
+FlashAttention) never writes them: it keeps a tile of S in registers and stores only the row
+log-sum-exp for the backward, which recomputes P. The profiling chapter builds that path;
+``AttentionStats`` already has the slot for it (``lse``), so the signatures stay the same.
+
+Precision of the T × T intermediates for fp16/bf16 inputs (``fp32_scores=True``, the default):
+the scores S and the gradient dP come out of cuBLAS in **fp32** and are consumed right away by the
+softmax kernels; the probabilities P and the gradient dS are stored in the **input dtype**, because
+they feed the next GEMM (whose operands share a dtype) and P must be kept for the backward. This is
+the precision FlashAttention uses (fp32 scores in registers, 16-bit P into the PV product). Rounding
+S to bf16 instead would perturb every logit by up to 2⁻⁹·|S| (|S| grows like √D) before the
+exponential; fp32 S costs 2 extra bytes per score written and read once, while the stored
+activation (P) is the same 2 bytes per element either way. ``fp32_scores=False`` keeps S and dP in
+the input dtype (less traffic, less accuracy) for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..checks import array_module, check_array, check_same_dtype
+from ..gemm import gemm
+from .softmax import softmax_backward, softmax_forward
+
+_GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+
+
+@dataclass
+class AttentionStats:
+    """What ``attention_backward`` needs from ``attention_forward``.
+
+    This implementation keeps the probabilities ``p`` [B, H, T, T] (input dtype). A fused kernel
+    keeps only ``lse`` [B, H, T] (fp32 row log-sum-exp of the scaled scores) and recomputes P; both
+    fit this object, so callers pass it through without looking inside.
+    """
+
+    p: Any = None
+    lse: Any = None
+    scale: float = 1.0
+    causal: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "probs" if self.p is not None else "lse"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.p, self.lse) if a is not None)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _check_qkv(q, k, v):
+    xp = array_module(q=q, k=k, v=v)
+    check_array("q", q, ndim=4)
+    check_array("k", k, shape=q.shape)
+    check_array("v", v, shape=q.shape)
+    check_same_dtype(q=q, k=k, v=v)
+    if xp is not np and q.dtype not in _GPU_DTYPES:
+        raise TypeError(f"q, k, v have dtype {q.dtype}; the GPU path supports fp32, fp16, bf16")
+    return xp
+
+
+def _score_dtype(dtype, fp32_scores):
+    if dtype == backend.float64:
+        return backend.float64
+    return backend.float32 if fp32_scores else dtype
+
+
+def _mm(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None):
+    """Batched product through ``gemm``; float64 (NumPy only, for finite differences) through np.matmul,
+    since ``gemm`` takes fp32/fp16/bf16 inputs."""
+    if a.dtype == backend.float64:
+        A = np.swapaxes(a, -1, -2) if trans_a else a
+        B = np.swapaxes(b, -1, -2) if trans_b else b
+        return np.matmul(A, B, out=out)
+    return gemm(a, b, trans_a=trans_a, trans_b=trans_b, out=out, out_dtype=out_dtype)
+
+
+def attention_forward(q, k, v, causal=True, *, scale=None, method="auto", fp32_scores=True):
+    """``O = softmax(scale · q kᵀ, causal) v`` for q, k, v of shape [B, H, T, D]; returns ``(o, stats)``.
+
+    ``scale`` defaults to 1/√D; ``method`` picks the softmax kernel (see ``llmgpu.ops.softmax``).
+    """
+    _check_qkv(q, k, v)
+    B, H, T, D = q.shape
+    scale = default_scale(D) if scale is None else float(scale)
+    q3, k3, v3 = (a.reshape(B * H, T, D) for a in (q, k, v))
+    s = _mm(q3, k3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # S = q kᵀ  [BH, T, T]
+    p = softmax_forward(s, method=method, scale=scale, causal=causal, out_dtype=q.dtype)
+    del s  # the scores are not kept: the backward needs P only
+    o = _mm(p, v3)  # O = P v  [BH, T, D]
+    return o.reshape(B, H, T, D), AttentionStats(p=p.reshape(B, H, T, T), scale=scale, causal=causal)
+
+
+def attention_backward(do, q, k, v, o, stats, causal=True, *, method="auto", fp32_scores=True):
+    """Gradients ``(dq, dk, dv)`` of attention given dO, the inputs, the output and the forward's stats."""
+    array_module(do=do, q=q, k=k, v=v, o=o)
+    _check_qkv(q, k, v)
+    check_array("do", do, shape=q.shape)
+    check_array("o", o, shape=q.shape)
+    check_same_dtype(q=q, do=do, o=o)
+    if not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be the AttentionStats returned by attention_forward, got {type(stats).__name__}")
+    if stats.p is None:
+        raise ValueError("stats holds no probabilities (only lse): it comes from a fused kernel, not this path")
+    if stats.causal != causal:
+        raise ValueError(f"stats were computed with causal={stats.causal}, backward called with causal={causal}")
+    B, H, T, D = q.shape
+    array_module(q=q, **{"stats.p": stats.p})  # same device as q (TypeError naming stats.p otherwise)
+    check_array("stats.p", stats.p, shape=(B, H, T, T), dtype=q.dtype)
+
+    q3, k3, v3, do3 = (a.reshape(B * H, T, D) for a in (q, k, v, do))
+    p3 = stats.p.reshape(B * H, T, T)
+    dv = _mm(p3, do3, trans_a=True)  # dV = Pᵀ dO
+    dp = _mm(do3, v3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # dP = dO vᵀ
+    ds = softmax_backward(dp, p3, method=method, scale=stats.scale, causal=causal)  # dS, scale folded in
+    del dp
+    dq = _mm(ds, k3)  # dQ = dS k
+    dk = _mm(ds, q3, trans_a=True)  # dK = dSᵀ q
+    return tuple(a.reshape(B, H, T, D) for a in (dq, dk, dv))
+
+
+# --------------------------------------------------------------------------- accounting and profiling
+
+
+def attention_flops(B, H, T, D, causal=True, direction="fwd") -> float:
+    """Useful floating-point work, FlashAttention's convention: forward 4·B·H·T²·D (two GEMMs), halved
+    when causal (only the lower triangle counts); backward 2.5 × forward. The math path computes the
+    full T × T GEMMs even when causal, so its rate by this count is an *effective* rate."""
+    fwd = 4.0 * B * H * T * T * D * (0.5 if causal else 1.0)
+    return fwd if direction == "fwd" else 2.5 * fwd
+
+
+def attention_stage_times(q, k, v, do, causal=True, *, method="auto", fp32_scores=True, reps=20, warmup=3):
+    """Median milliseconds of each stage of the forward and backward, timed one stage at a time.
+
+    Returns a list of dicts ``{"pass": "fwd"|"bwd", "stage": ..., "kind": "gemm"|"softmax", "ms": ...}``.
+    Buffers are allocated once, and every stage runs once in order first so each reads real data.
+    """
+    from ..timing import time_fn
+
+    xp = _check_qkv(q, k, v)
+    check_array("do", do, shape=q.shape, dtype=q.dtype)
+    B, H, T, D = q.shape
+    scale = default_scale(D)
+    sdt = _score_dtype(q.dtype, fp32_scores)
+    q3, k3, v3, do3 = (a.reshape(B * H, T, D) for a in (q, k, v, do))
+    S = xp.empty((B * H, T, T), dtype=sdt)
+    P = xp.empty((B * H, T, T), dtype=q.dtype)
+    dP = xp.empty((B * H, T, T), dtype=sdt)
+    dS = xp.empty((B * H, T, T), dtype=q.dtype)
+    O, dV, dQ, dK = (xp.empty((B * H, T, D), dtype=q.dtype) for _ in range(4))
+    stages = [
+        ("fwd", "S = Q Kᵀ", "gemm", lambda: _mm(q3, k3, trans_b=True, out=S)),
+        ("fwd", "P = softmax(S)", "softmax",
+         lambda: softmax_forward(S, method=method, out=P, scale=scale, causal=causal, out_dtype=q.dtype)),
+        ("fwd", "O = P V", "gemm", lambda: _mm(P, v3, out=O)),
+        ("bwd", "dV = Pᵀ dO", "gemm", lambda: _mm(P, do3, trans_a=True, out=dV)),
+        ("bwd", "dP = dO Vᵀ", "gemm", lambda: _mm(do3, v3, trans_b=True, out=dP)),
+        ("bwd", "dS = softmax_bwd(dP, P)", "softmax",
+         lambda: softmax_backward(dP, P, method=method, out=dS, scale=scale, causal=causal)),
+        ("bwd", "dQ = dS K", "gemm", lambda: _mm(dS, k3, out=dQ)),
+        ("bwd", "dK = dSᵀ Q", "gemm", lambda: _mm(dS, q3, trans_a=True, out=dK)),
+    ]  # fmt: skip
+    for *_, fn in stages:
+        fn()
+    rows = []
+    for pas, stage, kind, fn in stages:
+        t = time_fn(fn, xp=xp, warmup=warmup, reps=reps)
+        rows.append({"pass": pas, "stage": stage, "kind": kind, "ms": t.median_ms})
+    return rows
+
+
+__all__ = [
+    "AttentionStats",
+    "attention_backward",
+    "attention_flops",
+    "attention_forward",
+    "attention_stage_times",
+    "default_scale",
+]
