@@ -1,0 +1,16 @@
+"""Chapter 4: the optimizer step. Fused AdamW over flat buffers, global-norm clipping, LR schedules.
+
+* ``adamw_update(param, grad, m, v, *, step, lr, ...)``: one tensor, in place (DESIGN.md's API).
+* ``AdamW(flat_params, ...)``: the whole model in one kernel launch (``per_tensor=True``: one per
+  tensor, the baseline).
+* ``global_grad_norm`` / ``clip_scale`` / ``grad_norm_fused`` / ``GradClipper``: the global L2 norm
+  and the clip factor as device scalars, no host sync.
+* ``lr_at``: warmup + cosine/linear/constant schedule (host side).
+"""
+
+from .adamw import AdamW, adamw_update
+from .clip import GradClipper, GradNorm, clip_scale, global_grad_norm, grad_norm_fused
+from .schedule import lr_at
+
+__all__ = ["AdamW", "GradClipper", "GradNorm", "adamw_update", "clip_scale", "global_grad_norm",
+           "grad_norm_fused", "lr_at"]
