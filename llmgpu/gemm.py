@@ -16,6 +16,8 @@ inputs; fp32 storage runs true fp32, not TF32.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import backend
@@ -26,12 +28,39 @@ _CUDA_DTYPE = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 _OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
-_ONE = np.ones(1, np.float32)
 CUDA_DATA_TYPES = _CUDA_DTYPE  # public name: cudaDataType of each storage dtype
 
 
-def _scalar(x) -> np.ndarray:
-    return _ONE if x == 1.0 else np.array([x], dtype=np.float32)
+_SCALAR_PTRS: dict = {}  # alpha/beta value -> (fp32 host array kept alive, its address)
+
+
+def _scalar_ptr(x) -> int:
+    """Host address of an fp32 copy of x (cuBLAS reads alpha/beta through pointers).
+
+    ``ndarray.ctypes.data`` costs microseconds per access, so the usual values are cached.
+    """
+    hit = _SCALAR_PTRS.get(x)
+    if hit is not None:
+        return hit[1]
+    arr = np.array([x], dtype=np.float32)
+    if len(_SCALAR_PTRS) < 256:
+        _SCALAR_PTRS[x] = (arr, arr.ctypes.data)
+        return arr.ctypes.data
+    _SCALAR_PTRS.setdefault("overflow", []).append(arr)  # keep alive: the call is asynchronous
+    del _SCALAR_PTRS["overflow"][:-64]
+    return arr.ctypes.data
+
+
+_cublas = None
+
+
+def _cublas_module():
+    global _cublas
+    if _cublas is None:
+        from cupy.cuda import cublas
+
+        _cublas = cublas
+    return _cublas
 
 
 def _mk(a, trans):
@@ -77,26 +106,24 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, o
     if xp is np:
         return _gemm_numpy(a, b, trans_a, trans_b, out, alpha, beta)
 
-    cp = xp
-    from cupy.cuda import cublas
-
-    handle = cp.cuda.device.get_cublas_handle()
-    alpha_h, beta_h = _scalar(alpha), _scalar(beta)
-    count = int(np.prod(batch)) if batch else 1
+    cublas = _cublas_module()
+    handle = xp.cuda.device.get_cublas_handle()
+    alpha_p, beta_p = _scalar_ptr(alpha), _scalar_ptr(beta)
+    count = math.prod(batch)
     dt_in, dt_out = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
     # The identity above: cuBLAS computes Cᵀ[n, m] = op(b)ᵀ op(a)ᵀ, column-major.
     args_b = (b.data.ptr, dt_in, b.shape[-1], (k * n) if b.ndim > 2 else 0)
     args_a = (a.data.ptr, dt_in, a.shape[-1], m * k)
     if count == 1:
         cublas.gemmEx(
-            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_h.ctypes.data,
-            *args_b[:3], *args_a[:3], beta_h.ctypes.data,
+            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_p,
+            *args_b[:3], *args_a[:3], beta_p,
             out.data.ptr, dt_out, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
     else:
         cublas.gemmStridedBatchedEx(
-            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_h.ctypes.data,
-            *args_b, *args_a, beta_h.ctypes.data,
+            handle, _OP[trans_b], _OP[trans_a], n, m, k, alpha_p,
+            *args_b, *args_a, beta_p,
             out.data.ptr, dt_out, n, m * n, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
     return out
