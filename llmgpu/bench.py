@@ -1,0 +1,573 @@
+"""``llmgpu bench``: GPT-2 training throughput, llmgpu next to PyTorch on the same GPU (chapter 8).
+
+One run trains the same model on the same synthetic tokens with
+
+* **llmgpu**: ``llmgpu.model.GPT`` (fp32 master weights in flat buffers, bf16 compute), the fused
+  global-norm clip and the fused AdamW of chapter 4 — the step of ``llmgpu train``;
+* **PyTorch** (when importable): a GPT-2 of identical architecture written here (nanoGPT-style:
+  learned position embeddings, pre-LayerNorm blocks, tanh-GELU MLP of width 4C, biases everywhere,
+  LM head tied to the token embedding, ``F.scaled_dot_product_attention(is_causal=True)``, i.e. flash
+  attention on the GPU), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
+
+and reports per mode the median milliseconds per optimizer step, tokens per second, MFU and peak
+memory. **MFU** (model FLOPs utilisation, Chowdhery et al., PaLM, appendix B) divides the FLOPs the
+model needs by the time taken, against the bf16 GEMM ceiling *measured in the same run*
+(``llmgpu.timing.gemm_ceiling``, cuBLAS 8192³)::
+
+    FLOPs per token = 6·N + 12·L·C·T
+    MFU = FLOPs per token × tokens/s ÷ ceiling
+
+N counts the parameters without the position embedding (a lookup costs no FLOPs), the tied LM head
+once, padded vocabulary rows included (they are computed); 6N is the forward (2N) plus backward (4N)
+of every weight matrix, 12·L·C·T the attention score and value products (forward + backward) that
+no parameter counts. Recomputation (activation checkpointing) does not count: MFU measures useful
+work. The same N enters both frameworks, so the tokens/s ratio is the honest comparison; MFU adds
+how far both are from the hardware.
+
+Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the high-water mark of
+CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes`` is the most it
+ever held; fragmentation can make that a little more than the live peak).
+
+Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_torch`` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from . import backend
+
+MODES = ("llmgpu", "llmgpu-graph", "torch-eager", "torch-compile")
+DEFAULT_MODES = ("llmgpu", "torch-eager", "torch-compile")
+LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+# --------------------------------------------------------------------------- FLOPs and MFU
+
+
+def num_flop_parameters(config) -> int:
+    """N of the MFU formula: every parameter except the position embedding; the tied LM head once;
+    padded vocabulary rows included."""
+    C, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
+    return V * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def flops_per_token(config, seq: int) -> float:
+    """Training FLOPs per token: ``6·N + 12·L·C·T`` (forward + backward, no recomputation)."""
+    return 6.0 * num_flop_parameters(config) + 12.0 * config.n_layer * config.n_embd * seq
+
+
+def mfu(tokens_per_s: float, config, seq: int, ceiling_tflops: float) -> float:
+    """Fraction of ``ceiling_tflops`` the model's useful FLOPs reach at ``tokens_per_s``."""
+    if not ceiling_tflops or ceiling_tflops <= 0:
+        return float("nan")
+    return flops_per_token(config, seq) * tokens_per_s / (ceiling_tflops * 1e12)
+
+
+MFU_FORMULA = ("MFU = (6·N + 12·L·C·T) FLOPs/token × tokens/s ÷ measured bf16 GEMM ceiling; "
+               "N = parameters without the position embedding (tied LM head once)")
+
+
+# --------------------------------------------------------------------------- the PyTorch reference
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"PyTorch is not installed ({e}); install torch to run the PyTorch reference") from None
+    return torch
+
+
+_TORCH_CLASSES = None
+
+
+def _torch_classes():
+    """The PyTorch GPT-2 modules (defined on first use: torch is imported lazily)."""
+    global _TORCH_CLASSES
+    if _TORCH_CLASSES is not None:
+        return _TORCH_CLASSES
+    torch = _torch()
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class SelfAttention(nn.Module):
+        def __init__(self, C, H):
+            super().__init__()
+            self.n_head = H
+            self.c_attn = nn.Linear(C, 3 * C)
+            self.c_proj = nn.Linear(C, C)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            H = self.n_head
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    class MLP(nn.Module):
+        def __init__(self, C):
+            super().__init__()
+            self.c_fc = nn.Linear(C, 4 * C)
+            self.c_proj = nn.Linear(4 * C, C)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+    class Block(nn.Module):
+        def __init__(self, C, H):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(C, eps=1e-5)
+            self.attn = SelfAttention(C, H)
+            self.ln_2 = nn.LayerNorm(C, eps=1e-5)
+            self.mlp = MLP(C)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class TorchGPT(nn.Module):
+        """GPT-2 with nanoGPT's parameter names (so ``llmgpu.model.GPT.state_dict()`` loads as is)."""
+
+        def __init__(self, config, mask_padded=False):
+            super().__init__()
+            C, V = config.n_embd, config.padded_vocab_size
+            self.config = config
+            self.transformer = nn.ModuleDict({
+                "wte": nn.Embedding(V, C), "wpe": nn.Embedding(config.block_size, C),
+                "h": nn.ModuleList([Block(C, config.n_head) for _ in range(config.n_layer)]),
+                "ln_f": nn.LayerNorm(C, eps=1e-5)})
+            self.lm_head = nn.Linear(C, V, bias=False)
+            self.transformer.wte.weight = self.lm_head.weight  # tied
+            pad = torch.zeros(V)
+            pad[config.vocab_size:] = -1.0e4
+            self.register_buffer("pad_logits", pad, persistent=False)
+            self.mask_padded = bool(mask_padded) and V != config.vocab_size
+
+        def forward(self, idx, targets=None):
+            T = idx.shape[1]
+            pos = torch.arange(T, device=idx.device)
+            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+            for blk in self.transformer.h:
+                x = blk(x)
+            logits = self.lm_head(self.transformer.ln_f(x))
+            if self.mask_padded:
+                logits = logits + self.pad_logits
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    _TORCH_CLASSES = TorchGPT
+    return TorchGPT
+
+
+def build_torch_gpt(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
+    """A PyTorch GPT-2 (fp32 parameters) of ``config``'s architecture on ``device`` (default: cuda if available).
+
+    ``state_dict``: nanoGPT-named arrays (e.g. ``llmgpu.model.GPT(...).state_dict()``: NumPy, CuPy or torch);
+    otherwise GPT-2's initialisation (N(0, 0.02), residual projections N(0, 0.02/√(2L)), zero biases).
+    ``mask_padded``: set the padded vocabulary logits to -1e4 as llmgpu does (default off, as nanoGPT's
+    50304-vocabulary runs; the FLOPs are the same either way).
+    """
+    torch = _torch()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    TorchGPT = _torch_classes()
+    torch.manual_seed(seed)
+    model = TorchGPT(config, mask_padded=mask_padded)
+    if state_dict is not None:
+        sd = {}
+        for k, v in state_dict.items():
+            if k.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            arr = v.detach().float().cpu() if hasattr(v, "detach") else torch.from_numpy(
+                np.ascontiguousarray(backend.to_numpy(v), dtype=np.float32))
+            sd[k] = arr
+        wte = "transformer.wte.weight"
+        emb = sd.get(wte, sd.get("lm_head.weight"))
+        if emb is not None and emb.shape[0] < config.padded_vocab_size:  # an unpadded embedding: zero rows
+            padded = torch.zeros(config.padded_vocab_size, config.n_embd)
+            padded[: emb.shape[0]] = emb
+            emb = padded
+        if emb is not None:
+            sd[wte] = sd["lm_head.weight"] = emb  # tied: both names, one tensor
+        model.load_state_dict(sd, strict=True)
+    else:
+        std_res = 0.02 / math.sqrt(2 * config.n_layer)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("c_proj.weight"):
+                    p.normal_(0.0, std_res)
+                elif p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+                elif name.endswith("bias"):
+                    p.zero_()
+    return model.to(device)
+
+
+def _torch_optimizer(torch, model, fused):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=fused)
+
+
+def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
+              dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False) -> dict:
+    """Train the PyTorch reference for ``warmup + steps`` steps on synthetic tokens; returns the metrics.
+
+    ``mode``: ``"eager"`` or ``"compile"`` (``torch.compile`` of the model; the optimizer stays eager).
+    ``dtype``: autocast dtype (``"bf16"``, ``"fp16"`` without a scaler is refused, ``"fp32"`` = no autocast).
+    Each step: forward + loss under autocast, backward, global-norm clip at 1.0, fused AdamW
+    (``fused=True`` on CUDA), ``zero_grad(set_to_none=True)``. Times: CUDA events per step, median.
+    """
+    torch = _torch()
+    if mode not in ("eager", "compile"):
+        raise ValueError(f"mode must be 'eager' or 'compile', got {mode!r}")
+    amp = {"bf16": torch.bfloat16, "fp32": None}.get(backend.dtype_name(dtype), "bad")
+    if amp == "bad":
+        raise ValueError(f"dtype must be bf16 or fp32 for the benchmark, got {dtype!r}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if warmup is None:
+        warmup = 5 if mode == "compile" else 3
+    model = build_torch_gpt(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
+    model.train()
+    opt = _torch_optimizer(torch, model, fused=cuda)
+    run = torch.compile(model) if mode == "compile" else model
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
+    y = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
+    params = list(model.parameters())
+
+    def autocast():
+        return torch.autocast(device_type=device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+
+    def step():
+        with autocast():
+            loss = run(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    if cuda:
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for a, b in evs:
+            a.record()
+            loss = step()
+            b.record()
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) for a, b in evs]
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            loss = step()
+            times.append((time.perf_counter() - t) * 1e3)
+    ms = statistics.median(times)
+    res = {"framework": "pytorch", "mode": f"torch-{mode}", "batch": batch, "seq": seq,
+           "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
+           "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
+           "final_loss": float(loss.detach().float().cpu()), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None}
+    return res
+
+
+def release_memory():
+    """Give cached GPU memory back between modes: CuPy's pool and PyTorch's caching allocator (and
+    torch.compile's caches), so one framework's leftovers do not squeeze the next one."""
+    import gc
+
+    gc.collect()
+    cp = backend.cupy_module()
+    if cp is not None and backend.gpu_available():
+        cp.cuda.Device().synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        try:
+            torch._dynamo.reset()
+        except Exception:
+            pass
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- llmgpu
+
+
+def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3, dtype: str = "bf16", xp=None,
+               checkpoint_every: int = 0, seed: int = 0, graph: bool = False) -> dict:
+    """Train ``llmgpu.model.GPT`` for ``warmup + steps`` steps on synthetic tokens; returns the metrics.
+
+    The step is ``llmgpu train``'s (``Trainer.train_step`` with one micro-batch): forward + backward
+    (weight gradients accumulated in fp32 into the flat buffer), one fused norm/clip launch, one fused
+    AdamW launch that also zeroes the gradient; fp16 adds the dynamic loss scaler. Nothing in the
+    step waits for the GPU. ``graph=True`` captures the step into a CUDA graph (``llmgpu.graphs``) and
+    times its replays: this needs every GEMM of the step routed through ``llmgpu.gemm_lt`` (CuPy's
+    cuBLAS refuses capture), otherwise the capture error is raised.
+    """
+    from .amp import Policy
+    from .model import GPT
+    from .optim import AdamW, GradClipper
+
+    xp = xp or backend.default_xp()
+    gpu = xp is not np
+    pool = xp.get_default_memory_pool() if gpu else None
+    if gpu:
+        xp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+    model = GPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
+    P = model.params
+    opt = AdamW(P, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    clipper = GradClipper(GRAD_CLIP, xp=xp)
+    scaler = Policy(backend.dtype_name(dtype)).make_scaler(xp)
+    rng = np.random.default_rng(seed)
+    x = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
+    y = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
+    static_bytes = int(pool.used_bytes()) if gpu else None
+
+    def step():
+        dloss = scaler.loss_scale_for_backward() if scaler.enabled else 1.0
+        loss = model.forward_backward(x, y, dloss=dloss)
+        if scaler.enabled:
+            res = scaler.check_and_clip(P.grad, GRAD_CLIP, out=clipper.result)
+        else:
+            res = clipper(P.grad)
+        opt.step(lr=LR, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
+        scaler.update(res.found_inf)
+        return loss
+
+    run = step
+    captured = None
+    t0 = time.perf_counter()
+    if graph:
+        if not gpu:
+            raise ValueError("graph=True needs the GPU (CuPy) backend")
+        from .graphs import capture
+
+        captured = capture(step, warmup=max(1, warmup))
+        captured.upload()
+        run = captured.replay
+    else:
+        for _ in range(warmup):
+            step()
+    if gpu:
+        xp.cuda.Device().synchronize()
+    warmup_s = time.perf_counter() - t0
+    times = []
+    if gpu:
+        evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
+        for a, b in evs:
+            a.record()
+            loss = run()
+            b.record()
+        evs[-1][1].synchronize()
+        times = [xp.cuda.get_elapsed_time(a, b) for a, b in evs]
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            loss = run()
+            times.append((time.perf_counter() - t) * 1e3)
+    ms = statistics.median(times)
+    final = float(backend.to_numpy(loss))
+    peak = None
+    if gpu:
+        peak = int(pool.total_bytes()) + (int(captured.pool.total_bytes()) if captured and captured.pool else 0)
+    res = {"framework": "llmgpu", "mode": "llmgpu-graph" if graph else "llmgpu", "batch": batch, "seq": seq,
+           "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
+           "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
+           "final_loss": final, "peak_memory_bytes": peak, "static_memory_bytes": static_bytes,
+           "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name}
+    if captured is not None:
+        res["graph_nodes"] = captured.node_counts()
+    return res
+
+
+# --------------------------------------------------------------------------- output
+
+
+def format_results(rows, *, ceiling_tflops=None) -> str:
+    """The benchmark table: mode, batch × seq, dtype, ms/step, tokens/s, MFU, peak memory, ratio to
+    torch.compile (the first torch-compile row), or the reason a mode did not run."""
+    ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
+    head = (f"{'mode':<15}{'B x T':>12}{'dtype':>6}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}"
+            f"{'vs compile':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("error") or r.get("skipped"):
+            lines.append(f"{r['mode']:<15}  {'skipped' if r.get('skipped') else 'FAILED'}: "
+                         f"{r.get('skipped') or r.get('error')}")
+            continue
+        mem = r.get("peak_memory_bytes")
+        m = r.get("mfu")
+        ratio = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+        lines.append(f"{r['mode']:<15}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['dtype']:>6}"
+                     f"{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12,.0f}"
+                     f"{'-' if m is None or m != m else f'{100 * m:.1f}%':>8}"
+                     f"{'-' if mem is None else f'{mem / 2**30:.2f}':>10}"
+                     f"{'-' if ratio is None else f'{ratio:.2f}x':>12}")
+    lines.append("-" * len(head))
+    if ceiling_tflops:
+        lines.append(f"{MFU_FORMULA}; ceiling {ceiling_tflops:.0f} TFLOP/s")
+    else:
+        lines.append(MFU_FORMULA)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``llmgpu bench`` (the CLI's sub-parser calls this)."""
+    p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU)")
+    p.add_argument("--batch", type=int, help="sequences per step (default 64 on GPU, 4 on CPU)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
+    p.add_argument("--steps", type=int, help="timed steps per mode (default 20 on GPU, 3 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 5 on GPU, 1 on CPU; torch.compile: +5)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute precision (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary (default: the preset's, 50257 for gpt2)")
+    p.add_argument("--pad-vocab", type=int, default=0, metavar="M",
+                   help="pad the vocabulary to a multiple of M in both frameworks (64: 50257 -> 50304)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="llmgpu activation checkpointing (0 = off)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})")
+    p.add_argument("--json", metavar="PATH", help="write the results here (default on GPU: bench.json)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the GEMM ceiling measurement (no MFU)")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _defaults(a, gpu):
+    d = ({"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"} if gpu else
+         {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"})
+    return {k: (getattr(a, k, None) if getattr(a, k, None) is not None else v) for k, v in d.items()}
+
+
+def _select_xp(device):
+    device = (device or "auto").lower()
+    if device == "cpu":
+        return np
+    if device == "gpu":
+        return backend.require_gpu()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return backend.default_xp()
+
+
+def bench_main(args) -> int:
+    """Run the benchmark described by ``args`` (``add_arguments``'s namespace), print the table, write JSON."""
+    from . import timing
+    from .model import GPTConfig
+
+    xp = _select_xp(getattr(args, "device", "auto"))
+    gpu = xp is not np
+    o = _defaults(args, gpu)
+    modes = [m.strip() for m in str(getattr(args, "modes", ",".join(DEFAULT_MODES))).split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    for k in ("batch", "seq", "steps"):
+        if o[k] < 1:
+            raise ValueError(f"--{k} must be >= 1, got {o[k]}")
+    overrides = {}
+    if getattr(args, "vocab_size", None):
+        overrides["vocab_size"] = int(args.vocab_size)
+    cfg = GPTConfig.preset(o["preset"], **overrides)
+    cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 0) or 0))
+    seed = int(getattr(args, "seed", 0) or 0)
+    print(f"device: {backend.device_info(xp).summary()}")
+    print(f"model: {o['preset']} (L={cfg.n_layer}, H={cfg.n_head}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
+          f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
+          f"B={o['batch']} T={o['seq']} {o['dtype']}; {o['steps']} timed steps after {o['warmup']} warm-up")
+    ceiling = None
+    if not getattr(args, "no_ceiling", False):
+        ceiling = timing.gemm_ceiling(8192 if gpu else 256, "bf16" if gpu else "fp32", xp=xp, reps=10 if gpu else 2)
+        print(f"GEMM ceiling ({'bf16 cuBLAS 8192³' if gpu else 'fp32 NumPy 256³'}): {ceiling:.3g} TFLOP/s")
+    fpt = flops_per_token(cfg, o["seq"])
+    print(f"FLOPs per token: {fpt / 1e9:.3f} GFLOP (6N + 12LCT, N = {num_flop_parameters(cfg):,})")
+
+    rows = []
+    torch_reason = None
+    try:
+        torch = _torch()
+        if gpu and not torch.cuda.is_available():
+            torch_reason = "PyTorch has no CUDA device here"
+    except ImportError as e:
+        torch, torch_reason = None, str(e)
+    for mode in modes:
+        print(f"running {mode} ...", flush=True)
+        try:
+            if mode.startswith("llmgpu"):
+                r = run_llmgpu(cfg, o["batch"], o["seq"], o["steps"], warmup=o["warmup"], dtype=o["dtype"], xp=xp,
+                               checkpoint_every=int(getattr(args, "checkpoint_every", 0) or 0), seed=seed,
+                               graph=mode == "llmgpu-graph")
+            else:
+                if torch_reason:
+                    rows.append({"mode": mode, "skipped": torch_reason})
+                    continue
+                tm = mode.split("-", 1)[1]
+                r = run_torch(cfg, o["batch"], o["seq"], o["steps"], tm, dtype=o["dtype"],
+                              warmup=o["warmup"] + (5 if tm == "compile" else 0),
+                              device="cuda" if gpu else "cpu", seed=seed)
+        except Exception as e:  # one failing mode (OOM, capture refused, ...) must not hide the others
+            release_memory()
+            rows.append({"mode": mode, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"})
+            print(f"  {mode} failed: {type(e).__name__}: {str(e).strip()[:300]}")
+            continue
+        release_memory()
+        r["flops_per_token"] = fpt
+        r["mfu"] = mfu(r["tokens_per_s"], cfg, o["seq"], ceiling) if ceiling else None
+        rows.append(r)
+        print(f"  {r['ms_per_step']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']:.3f}")
+    print()
+    print(format_results(rows, ceiling_tflops=ceiling))
+    ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
+    ours = next((r for r in rows if r.get("framework") == "llmgpu" and r.get("tokens_per_s")), None)
+    ratio = ours["tokens_per_s"] / ref["tokens_per_s"] if ours and ref else None
+    if ratio is not None:
+        print(f"llmgpu / torch.compile tokens/s: {ratio:.3f}")
+    out = getattr(args, "json", None) or ("bench.json" if gpu else None)
+    if out:
+        payload = {"benchmark": "llmgpu bench", "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
+                   "seq": o["seq"], "dtype": o["dtype"], "steps": o["steps"], "warmup": o["warmup"],
+                   "gemm_ceiling_tflops": ceiling, "flops_per_token": fpt, "mfu_formula": MFU_FORMULA,
+                   "torch": getattr(torch, "__version__", None) if torch else None,
+                   "cupy": getattr(backend.cupy_module(), "__version__", None) if gpu else None,
+                   "llmgpu_over_torch_compile": ratio, "results": rows}
+        timing.save_results(out, payload, xp=xp)
+        print(f"wrote {out}")
+    return 0 if any(r.get("tokens_per_s") for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="llmgpu bench", description=__doc__.split("\n\n")[0]))
+    return bench_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

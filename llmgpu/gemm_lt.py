@@ -1,0 +1,492 @@
+"""Row-major GEMMs through cuBLASLt, with fused epilogues, capturable in a CUDA graph (chapter 8).
+
+Why a second GEMM module next to ``llmgpu.gemm``:
+
+* **CUDA graphs.** CuPy refuses its own cuBLAS calls while a stream is capturing, so a training step
+  whose GEMMs go through ``cupy.cublas`` (``llmgpu.gemm.gemm``, ``cupy.matmul``) cannot become one
+  graph. cuBLASLt called directly (through ``nvmath-python``'s low-level bindings,
+  ``nvmath.bindings.cublasLt``) can: one ``cublasLtMatmul`` is one kernel launch on the stream we
+  name, with nothing allocated and nothing waited for.
+* **Epilogues.** cuBLASLt fuses cheap element-wise work into the GEMM's store: adding a bias,
+  applying GELU (and keeping the pre-activation for the backward pass), multiplying by GELU' in the
+  backward, and summing the bias gradient while the weight gradient is computed. Each one saves a
+  full read and write of an [N, 4C] activation.
+
+Same row-major ↔ column-major identity as ``llmgpu.gemm`` (read its docstring): for row-major
+``C[M, N] = op(a)[M, K] @ op(b)[K, N]`` we ask cuBLASLt for the column-major ``Cᵀ = op(b)ᵀ op(a)ᵀ``,
+so cuBLASLt's ``A`` operand is our ``b`` and its ``B`` operand is our ``a``. Epilogues in row-major
+terms (all arithmetic in fp32, whatever the storage type):
+
+===============  =============================================================  ===================
+``epilogue``     what is written                                                cuBLASLt epilogue
+===============  =============================================================  ===================
+``"none"``       ``out = alpha·op(a)op(b) + beta·out``                          DEFAULT
+``"bias"``       ``out = alpha·op(a)op(b) + beta·out + bias[None, :]``          BIAS
+``"gelu_bias"``  ``aux = op(a)op(b) + bias``; ``out = GELU(aux)``               GELU_AUX_BIAS
+``"dgelu"``      ``out = (op(a)op(b)) · GELU'(aux)``, aux = forward's pre-act   DGELU
+``"bgradb"``     ``out = alpha·op(a)op(b) + beta·out``; ``dbias = Σ_k op(a)``   BGRADB
+===============  =============================================================  ===================
+
+``bias`` has N entries (one per output column), ``aux`` is [M, N] like ``out``, ``dbias`` has M
+entries. For a linear layer ``y = x Wᵀ + b`` (x [T, Cin], W [Cout, Cin]):
+
+* forward with GELU:  ``lt_gemm(x, W, trans_b=True, out=h, bias=b, epilogue="gelu_bias", aux=pre)``
+* dgrad through GELU: ``lt_gemm(dh_next, W_next, out=dpre, epilogue="dgelu", aux=pre)``
+* wgrad + bias grad:  ``lt_gemm(dy, x, trans_a=True, out=dW, epilogue="bgradb", dbias=db)``
+  (BGRADB reduces cuBLASLt's B operand over K; under the identity that is our ``op(a) = dyᵀ``, so
+  ``db = Σ_rows dy``.) ``dbias`` is *overwritten*; accumulate it yourself when needed.
+
+cuBLASLt's GELU is the tanh approximation, the same function as ``llmgpu.ops.gelu`` (GPT-2's). The
+H200 probe (DESIGN.md) found all four epilogues correct, and DGELU_BGRAD (dgrad + bias gradient in
+one call) *slower* than DGELU followed by a separate bias-gradient reduction, so it is not offered.
+
+**Capturable.** Per call: a dictionary lookup for the plan (matmul descriptor, matrix layouts and
+the heuristic's algorithm, cached per shape / dtype / epilogue / pointer alignment), at most two
+descriptor attribute writes (the bias and aux pointers, host memory only), and the launch on
+CuPy's current stream with a preallocated per-device workspace (``WORKSPACE_BYTES``). No device
+allocation happens when ``out`` (and ``aux`` / ``dbias``) are given, no host synchronisation ever.
+Make the first call of every shape outside stream capture (a warm-up): it builds the plan, and the
+very first call on a device allocates the workspace.
+
+NumPy arrays run a reference of the same math (float32; float64 stays float64), so everything here
+is testable without a GPU. Without ``nvmath-python`` the CuPy path raises ``LtUnavailableError``
+naming the extra to install: ``pip install 'llmgpu[fast]'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import backend
+from .checks import array_module, check_array
+
+EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
+_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU",
+                "bgradb": "BGRADB"}
+
+# cudaDataType_t and cublasComputeType_t values (library_types.h, cublas_api.h)
+_CUDA_R = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}
+CUDA_R_32F = 0
+CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
+_GPU_DTYPES = tuple(_CUDA_R)
+
+WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
+_MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
+
+INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
+                "(brings nvmath-python==1.0.*, whose nvmath.bindings.cublasLt this module calls)")
+
+# tanh-GELU constants: the same function as llmgpu.ops.gelu and cuBLASLt's GELU epilogues
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_CUBIC = 0.044715
+
+
+class LtUnavailableError(backend.GPUUnavailableError):
+    """The cuBLASLt path was asked for but nvmath-python (or a GPU) is missing."""
+
+
+# --------------------------------------------------------------------------- availability
+
+
+@functools.cache
+def _import_lt():
+    """(nvmath.bindings.cublasLt module or None, reason when None)."""
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        return None, f"nvmath-python is not installed ({e}); {INSTALL_HINT}"
+    except Exception as e:  # a broken CUDA install can raise anything at import
+        return None, f"nvmath-python failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}"
+    return cublasLt, None
+
+
+def unavailable_reason() -> str | None:
+    """None when the cuBLASLt path can run here; otherwise one line saying what is missing."""
+    reason = backend.gpu_unavailable_reason()
+    if reason is not None:
+        return reason
+    return _import_lt()[1]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def _lt_module():
+    lt, reason = _import_lt()
+    if lt is None:
+        raise LtUnavailableError(reason)
+    return lt
+
+
+# --------------------------------------------------------------------------- per-device state
+
+
+class _DeviceState:
+    """The cuBLASLt handle and the workspace of one device (created once, outside capture)."""
+
+    def __init__(self, lt, cp, device_id: int):
+        if _is_capturing(cp):
+            raise RuntimeError(
+                "the first lt_gemm call on a device allocates its cuBLASLt workspace and cannot run while "
+                "the stream is capturing: call every GEMM shape once before capture (a warm-up step)")
+        self.device_id = device_id
+        self.workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
+        self.ws_ptr = int(self.workspace.data.ptr)
+        self.ws_size = int(self.workspace.nbytes)
+        self.attr_bias_pointer = int(lt.MatmulDescAttribute.BIAS_POINTER)
+        self.attr_aux_pointer = int(lt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
+        try:
+            self.handle = lt.create()
+        except Exception as e:
+            raise LtUnavailableError(f"cublasLtCreate failed ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
+
+
+_DEVICES: dict = {}  # device id -> _DeviceState
+_PLANS: dict = {}  # problem key -> _Plan
+
+
+def _is_capturing(cp) -> bool:
+    try:
+        return bool(cp.cuda.get_current_stream().is_capturing())
+    except Exception:  # the legacy default stream may refuse the query while another stream captures
+        return False
+
+
+def _device_state(lt, cp) -> _DeviceState:
+    dev = cp.cuda.Device().id
+    st = _DEVICES.get(dev)
+    if st is None:
+        st = _DEVICES[dev] = _DeviceState(lt, cp, dev)
+    return st
+
+
+_SCALARS: dict = {}  # alpha/beta value -> (fp32 host array kept alive, its address)
+
+
+def _scalar_ptr(x) -> int:
+    """Host address of an fp32 copy of x (cuBLASLt reads alpha/beta through host pointers at launch)."""
+    hit = _SCALARS.get(x)
+    if hit is None:
+        arr = np.array([x], dtype=np.float32)
+        hit = (arr, int(arr.ctypes.data))
+        if len(_SCALARS) < 1024:
+            _SCALARS[x] = hit
+        else:  # keep the last few alive: the launch is asynchronous, but the value is read at enqueue
+            _SCALARS.setdefault("overflow", []).append(hit)
+            del _SCALARS["overflow"][:-64]
+    return hit[1]
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _set_attr(setter, dtype_of, obj, attr, value):
+    buf = np.array([value], dtype=dtype_of(attr))
+    setter(obj, int(attr), buf.ctypes.data, buf.itemsize)
+
+
+def _alignment(ptr: int, stride_bytes: int = 0) -> int:
+    """Largest power of two (≤ 256) dividing the pointer and the batch stride in bytes."""
+    a = _MAX_ALIGN
+    for v in (ptr, stride_bytes):
+        if v:
+            a = min(a, v & -v)
+    return a
+
+
+class _Plan:
+    """One cublasLtMatmul problem: descriptor, layouts and the chosen algorithm, reused every call."""
+
+    __slots__ = ("desc", "layouts", "la", "lb", "lc", "algo", "algo_ptr", "ws_need", "ptr_buf", "ptr_addr",
+                 "last_bias", "last_aux", "has_bias", "has_aux", "describe")
+
+    def __init__(self, lt, st: _DeviceState, spec: dict, bias_ptr: int, aux_ptr: int):
+        A = lt.MatmulDescAttribute
+        L = lt.MatrixLayoutAttribute
+        P = lt.MatmulPreferenceAttribute
+        set_desc = functools.partial(_set_attr, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
+        set_lay = functools.partial(_set_attr, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
+        set_pref = functools.partial(_set_attr, lt.matmul_preference_set_attribute,
+                                     lt.get_matmul_preference_attribute_dtype)
+        self.describe = spec["describe"]
+        self.desc = None
+        self.layouts = []
+        self.ptr_buf = np.zeros(2, dtype=np.int64)  # [bias ptr, aux ptr] staging for attribute writes
+        self.ptr_addr = int(self.ptr_buf.ctypes.data)
+        self.has_bias = spec["bias_code"] is not None
+        self.has_aux = spec["aux_ld"] is not None
+        try:
+            self.desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
+            # cuBLASLt's A is our b and its B is our a (the row-major identity): transposes swap too
+            set_desc(self.desc, A.TRANSA, 1 if spec["trans_b"] else 0)
+            set_desc(self.desc, A.TRANSB, 1 if spec["trans_a"] else 0)
+            set_desc(self.desc, A.EPILOGUE, int(getattr(lt.Epilogue, _LT_EPILOGUE[spec["epilogue"]])))
+            if self.has_bias:
+                set_desc(self.desc, A.BIAS_DATA_TYPE, spec["bias_code"])
+                set_desc(self.desc, A.BIAS_POINTER, bias_ptr)
+            if self.has_aux:
+                set_desc(self.desc, A.EPILOGUE_AUX_POINTER, aux_ptr)
+                set_desc(self.desc, A.EPILOGUE_AUX_LD, spec["aux_ld"])
+                set_desc(self.desc, A.EPILOGUE_AUX_DATA_TYPE, spec["out_code"])
+            m, n, count = spec["m"], spec["n"], spec["count"]
+            (ar, ac), (br, bc) = spec["a_rc"], spec["b_rc"]
+            # column-major views of the row-major buffers: a [r, c] row-major is c x r with ld = c
+            self.la = lt.matrix_layout_create(spec["in_code"], bc, br, bc)  # our b
+            self.layouts.append(self.la)
+            self.lb = lt.matrix_layout_create(spec["in_code"], ac, ar, ac)  # our a
+            self.layouts.append(self.lb)
+            self.lc = lt.matrix_layout_create(spec["out_code"], n, m, n)  # out (C and D)
+            self.layouts.append(self.lc)
+            if count > 1:
+                for lay, stride in ((self.la, spec["b_stride"]), (self.lb, ar * ac), (self.lc, m * n)):
+                    set_lay(lay, L.BATCH_COUNT, count)
+                    set_lay(lay, L.STRIDED_BATCH_OFFSET, stride)
+            pref = lt.matmul_preference_create()
+            try:
+                set_pref(pref, P.MAX_WORKSPACE_BYTES, st.ws_size)
+                al_a, al_b, al_c = spec["align"]
+                set_pref(pref, P.MIN_ALIGNMENT_A_BYTES, al_b)  # cuBLASLt A = our b
+                set_pref(pref, P.MIN_ALIGNMENT_B_BYTES, al_a)
+                set_pref(pref, P.MIN_ALIGNMENT_C_BYTES, al_c)
+                set_pref(pref, P.MIN_ALIGNMENT_D_BYTES, al_c)
+                self.algo = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+                cnt = np.zeros(1, dtype=np.int32)
+                try:
+                    lt.matmul_algo_get_heuristic(st.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref, 1,
+                                                 self.algo.ctypes.data, cnt.ctypes.data)
+                except Exception as e:
+                    raise RuntimeError(f"cuBLASLt has no algorithm for {self.describe}: {type(e).__name__}: {e}") \
+                        from e
+            finally:
+                lt.matmul_preference_destroy(pref)
+            if int(cnt[0]) < 1 or int(self.algo["state"][0]) != 0:
+                raise RuntimeError(f"cuBLASLt heuristic returned no usable algorithm for {self.describe} "
+                                   f"(count {int(cnt[0])}, state {int(self.algo['state'][0])})")
+            self.ws_need = int(self.algo["workspace_size"][0])
+            self.algo_ptr = int(self.algo.ctypes.data)  # 'algo' is the first field of the result struct
+        except BaseException:
+            self.destroy(lt)
+            raise
+        self.last_bias, self.last_aux = bias_ptr, aux_ptr
+
+    def destroy(self, lt):
+        for lay in self.layouts:
+            lt.matrix_layout_destroy(lay)
+        self.layouts = []
+        if self.desc is not None:
+            lt.matmul_desc_destroy(self.desc)
+            self.desc = None
+
+
+def clear_plans():
+    """Destroy every cached plan (call after the GPU finished the work that used them)."""
+    lt = _import_lt()[0]
+    for p in _PLANS.values():
+        if lt is not None:
+            p.destroy(lt)
+    _PLANS.clear()
+
+
+def plan_count() -> int:
+    """Number of cached cuBLASLt plans (one per distinct problem seen)."""
+    return len(_PLANS)
+
+
+# --------------------------------------------------------------------------- the public call
+
+
+def _mk(a, trans):
+    r, c = a.shape[-2], a.shape[-1]
+    return (c, r) if trans else (r, c)
+
+
+def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue="none", aux=None, dbias=None,
+            alpha=1.0, beta=0.0, out_dtype=None):
+    """``out = epilogue(alpha · op(a) @ op(b) + beta · out)`` for row-major arrays via cuBLASLt; returns out.
+
+    ``a`` is [..., M, K] (or [..., K, M] with ``trans_a``), ``b`` is [..., K, N] (or [..., N, K]).
+    Batched (leading axes) only with ``epilogue="none"``; ``b`` may then be 2-D and shared (without
+    ``trans_a`` the batch is folded into M: one 2-D product). ``out``
+    defaults to a new array of ``out_dtype`` (default: the input dtype; fp32 also allowed, e.g. fp32
+    weight gradients from bf16 inputs). Epilogues (module docstring): ``"bias"`` needs ``bias`` [N];
+    ``"gelu_bias"`` needs ``bias`` [N] and ``aux`` [M, N] (written: the pre-activation);
+    ``"dgelu"`` needs ``aux`` [M, N] (read: the forward's pre-activation); ``"bgradb"`` needs
+    ``dbias`` [M] (written, fp32 or the input dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
+    1 for the GELU and bias-gradient epilogues and ``beta`` 0 for the GELU ones.
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    xp = array_module(a=a, b=b, out=out, bias=bias, aux=aux, dbias=dbias)
+    check_array("a", a)
+    check_array("b", b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"lt_gemm needs matrices: a has shape {tuple(a.shape)}, b has shape {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    on_np = xp is np
+    if a.dtype not in _GPU_DTYPES and not (on_np and a.dtype == backend.float64):
+        raise TypeError(f"lt_gemm supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
+    m, k = _mk(a, trans_a)
+    k2, n = _mk(b, trans_b)
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
+    batch = a.shape[:-2]
+    if b.ndim > 2 and b.shape[:-2] != batch:
+        raise ValueError(f"batch shapes differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if batch and epilogue != "none":
+        raise ValueError(f"epilogue {epilogue!r} takes 2-D a and b; batched products support epilogue='none' only")
+    out_shape = (*batch, m, n)
+    if out is None:
+        if beta != 0.0:
+            raise ValueError("beta != 0 accumulates into out, so out must be given")
+        out = xp.empty(out_shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else a.dtype)
+    else:
+        check_array("out", out, shape=out_shape)
+        allowed = (a.dtype, backend.float32) + ((backend.float64,) if on_np else ())
+        if out.dtype not in allowed:
+            raise TypeError(f"out must be {backend.dtype_name(a.dtype)} or fp32, got {out.dtype}")
+    alpha, beta = float(alpha), float(beta)
+
+    # ---- epilogue operands
+    need = {"none": (), "bias": ("bias",), "gelu_bias": ("bias", "aux"), "dgelu": ("aux",), "bgradb": ("dbias",)}
+    given = {"bias": bias, "aux": aux, "dbias": dbias}
+    for name, arr in given.items():
+        if name in need[epilogue] and arr is None:
+            raise ValueError(f"epilogue {epilogue!r} needs {name}=")
+        if name not in need[epilogue] and arr is not None:
+            raise ValueError(f"{name}= was given but epilogue {epilogue!r} does not use it")
+    if bias is not None:
+        check_array("bias", bias, shape=(n,))
+        if bias.dtype not in (a.dtype, out.dtype, backend.float32):
+            raise TypeError(f"bias must be {backend.dtype_name(a.dtype)} or fp32, got {bias.dtype}")
+    if aux is not None:
+        check_array("aux", aux, shape=(m, n), dtype=out.dtype)
+    if dbias is not None:
+        check_array("dbias", dbias, shape=(m,))
+        if dbias.dtype not in (a.dtype, backend.float32) + ((backend.float64,) if on_np else ()):
+            raise TypeError(f"dbias must be fp32 or {backend.dtype_name(a.dtype)}, got {dbias.dtype}")
+    if epilogue in ("gelu_bias", "dgelu", "bgradb") and alpha != 1.0:
+        raise ValueError(f"epilogue {epilogue!r} requires alpha == 1, got {alpha}")
+    if epilogue in ("gelu_bias", "dgelu") and beta != 0.0:
+        raise ValueError(f"epilogue {epilogue!r} requires beta == 0, got {beta}")
+
+    if batch and b.ndim == 2 and not trans_a:
+        # a shared b and row-major a: the batch folds into M, one 2-D product instead of a strided batch
+        a2, o2 = a.reshape(-1, a.shape[-1]), out.reshape(-1, n)
+        if on_np:
+            _lt_numpy(a2, b, False, trans_b, o2, None, "none", None, None, alpha, beta)
+        else:
+            _lt_cupy(xp, a2, b, False, trans_b, o2, None, "none", None, None, alpha, beta, a2.shape[0], n, k, ())
+        return out
+    if on_np:
+        return _lt_numpy(a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta)
+    if aux is not None and n % 8:
+        raise ValueError(f"cuBLASLt's GELU aux buffer needs a leading dimension (N = {n}) divisible by 8")
+    return _lt_cupy(xp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch)
+
+
+gemm = lt_gemm  # drop-in name: same arguments as llmgpu.gemm.gemm (plus the epilogue ones)
+
+
+def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch):
+    lt = _lt_module()
+    st = _device_state(lt, cp)
+    count = math.prod(batch) if batch else 1
+    b_batched = b.ndim > 2
+    it_in, it_out = a.dtype.itemsize, out.dtype.itemsize
+    a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
+    b_stride = k * n if b_batched else 0
+    if count > 1:
+        align = (_alignment(a_ptr, m * k * it_in), _alignment(b_ptr, b_stride * it_in),
+                 _alignment(o_ptr, m * n * it_out))
+    else:
+        align = (_alignment(a_ptr), _alignment(b_ptr), _alignment(o_ptr))
+    bias_arr = bias if bias is not None else dbias
+    bias_code = _CUDA_R[bias_arr.dtype] if bias_arr is not None else None
+    key = (st.device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a),
+           bool(trans_b), m, n, k, count, b_batched, align)
+    plan = _PLANS.get(key)
+    bias_ptr = int(bias_arr.data.ptr) if bias_arr is not None else 0
+    aux_ptr = int(aux.data.ptr) if aux is not None else 0
+    if plan is None:
+        spec = {
+            "epilogue": epilogue, "trans_a": trans_a, "trans_b": trans_b, "m": m, "n": n, "k": k, "count": count,
+            "a_rc": a.shape[-2:], "b_rc": b.shape[-2:], "b_stride": b_stride, "align": align,
+            "in_code": _CUDA_R[a.dtype], "out_code": _CUDA_R[out.dtype], "bias_code": bias_code,
+            "aux_ld": n if aux is not None else None,
+            "describe": (f"{'batch ' + str(count) + ' x ' if count > 1 else ''}op(a)[{m}x{k}] @ op(b)[{k}x{n}] "
+                         f"{backend.dtype_name(a.dtype)}->{backend.dtype_name(out.dtype)} epilogue={epilogue}"
+                         f" (trans_a={trans_a}, trans_b={trans_b}, alignment a/b/out {align} B)"),
+        }
+        plan = _PLANS[key] = _Plan(lt, st, spec, bias_ptr, aux_ptr)
+    if plan.has_bias and bias_ptr != plan.last_bias:  # a host-side descriptor write, no device work
+        plan.ptr_buf[0] = bias_ptr
+        lt.matmul_desc_set_attribute(plan.desc, st.attr_bias_pointer, plan.ptr_addr, 8)
+        plan.last_bias = bias_ptr
+    if plan.has_aux and aux_ptr != plan.last_aux:
+        plan.ptr_buf[1] = aux_ptr
+        lt.matmul_desc_set_attribute(plan.desc, st.attr_aux_pointer, plan.ptr_addr + 8, 8)
+        plan.last_aux = aux_ptr
+    stream = cp.cuda.get_current_stream().ptr
+    try:
+        lt.matmul(st.handle, plan.desc, _scalar_ptr(alpha), b_ptr, plan.la, a_ptr, plan.lb, _scalar_ptr(beta),
+                  o_ptr, plan.lc, o_ptr, plan.lc, plan.algo_ptr, st.ws_ptr, st.ws_size, stream)
+    except Exception as e:
+        raise RuntimeError(f"cublasLtMatmul failed for {plan.describe}: {type(e).__name__}: {e}") from e
+    return out
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+def gelu_reference(x):
+    """tanh-GELU in x's (float32/float64) precision: the function of cuBLASLt's epilogues and ops.gelu."""
+    c = x.dtype.type
+    return c(0.5) * x * (c(1.0) + np.tanh(c(_SQRT_2_OVER_PI) * (x + c(_CUBIC) * x**3)))
+
+
+def gelu_grad_reference(x):
+    """d GELU(x) / dx for the tanh approximation."""
+    c = x.dtype.type
+    t = np.tanh(c(_SQRT_2_OVER_PI) * (x + c(_CUBIC) * x**3))
+    return c(0.5) * (c(1.0) + t) + c(0.5) * x * (c(1.0) - t * t) * c(_SQRT_2_OVER_PI) * (
+        c(1.0) + c(3.0 * _CUBIC) * x * x)
+
+
+def _lt_numpy(a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta):
+    """The same math in float32 (float64 stays float64); results cast to the output dtypes."""
+    acc = np.float64 if a.dtype == np.float64 else np.float32
+    A = a.astype(acc, copy=False)
+    B = b.astype(acc, copy=False)
+    A = np.swapaxes(A, -1, -2) if trans_a else A
+    B = np.swapaxes(B, -1, -2) if trans_b else B
+    r = np.matmul(A, B)
+    if epilogue in ("none", "bias", "bgradb"):
+        r = alpha * r
+        if beta != 0.0:
+            r = r + beta * out.astype(acc)
+    if epilogue == "bias":
+        r = r + bias.astype(acc)
+    elif epilogue == "gelu_bias":
+        r = r + bias.astype(acc)
+        aux[...] = r.astype(aux.dtype)
+        r = gelu_reference(r)
+    elif epilogue == "dgelu":
+        r = r * gelu_grad_reference(aux.astype(acc))
+    elif epilogue == "bgradb":
+        dbias[...] = A.sum(axis=-1).astype(dbias.dtype)  # Σ_k op(a)[m, k]
+    out[...] = r.astype(out.dtype)
+    return out
+
+
+def lt_flops(m: int, n: int, k: int, batch: int = 1) -> float:
+    return 2.0 * m * n * k * batch
+
+
+__all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "clear_plans",
+           "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm", "plan_count",
+           "unavailable_reason"]

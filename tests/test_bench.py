@@ -1,0 +1,178 @@
+"""``llmgpu bench`` (chapter 8): the MFU formula, the results table, the llmgpu runner on NumPy, the
+PyTorch reference model (when PyTorch is installed), and a whole quick run writing JSON."""
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from llmgpu import bench
+from llmgpu.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.ch8
+
+SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=61, block_size=16)
+
+
+# --------------------------------------------------------------------------- FLOPs and MFU
+
+
+def test_flops_per_token_gpt2_small():
+    cfg = GPTConfig.preset("gpt2")
+    # 124,439,808 parameters; the position embedding (1024 x 768) costs no FLOPs
+    assert bench.num_flop_parameters(cfg) == 124_439_808 - 1024 * 768
+    want = 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024
+    assert bench.flops_per_token(cfg, 1024) == pytest.approx(want, rel=1e-15)
+    padded = replace(cfg, pad_vocab_to=64)
+    assert bench.num_flop_parameters(padded) - bench.num_flop_parameters(cfg) == (50304 - 50257) * 768
+
+
+def test_flop_parameters_agree_with_the_model():
+    for cfg in (SMALL, GPTConfig.preset("gpt2"), replace(SMALL, pad_vocab_to=64)):
+        assert bench.num_flop_parameters(cfg) == cfg.num_parameters() - cfg.block_size * cfg.n_embd
+        assert GPT(cfg, xp=np, init=False).num_parameters() == cfg.num_parameters()
+
+
+def test_mfu():
+    cfg = GPTConfig.preset("gpt2")
+    fpt = bench.flops_per_token(cfg, 1024)
+    # 500 K tokens/s at 800 TFLOP/s
+    assert bench.mfu(500_000, cfg, 1024, 800.0) == pytest.approx(fpt * 5e5 / 8e14)
+    assert 0.5 < bench.mfu(500_000, cfg, 1024, 800.0) < 0.6  # ~855 MFLOP per token
+    assert math.isnan(bench.mfu(1.0, cfg, 1024, 0.0))
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_format_results():
+    rows = [
+        {"mode": "llmgpu", "batch": 64, "seq": 1024, "dtype": "bf16", "ms_per_step": 120.0,
+         "tokens_per_s": 546_133.0, "mfu": 0.41, "peak_memory_bytes": 30 * 2**30},
+        {"mode": "torch-eager", "skipped": "PyTorch is not installed"},
+        {"mode": "llmgpu-graph", "error": "GraphCaptureError: cuBLAS refused"},
+        {"mode": "torch-compile", "batch": 64, "seq": 1024, "dtype": "bf16", "ms_per_step": 133.0,
+         "tokens_per_s": 492_000.0, "mfu": 0.37, "peak_memory_bytes": None},
+    ]
+    text = bench.format_results(rows, ceiling_tflops=790.0)
+    lines = text.splitlines()
+    assert lines[0].split()[0] == "mode"
+    ours = next(ln for ln in lines if ln.startswith("llmgpu "))
+    assert "64 x 1024" in ours and "546,133" in ours and "41.0%" in ours and "30.00" in ours and "1.11x" in ours
+    assert "skipped: PyTorch is not installed" in text and "FAILED: GraphCaptureError" in text
+    comp = next(ln for ln in lines if ln.startswith("torch-compile"))
+    assert "1.00x" in comp and comp.split()[-2] == "-"  # no peak memory known
+    assert "6·N + 12·L·C·T" in text and "790" in text
+    assert "vs compile" in lines[0]
+    assert "1.11x" not in bench.format_results(rows[:1])  # no torch.compile row: no ratio
+
+
+# --------------------------------------------------------------------------- runners on NumPy
+
+
+def test_run_llmgpu_on_numpy():
+    r = bench.run_llmgpu(SMALL, batch=2, seq=16, steps=2, warmup=1, dtype="fp32", xp=np)
+    assert r["framework"] == "llmgpu" and r["mode"] == "llmgpu"
+    assert r["ms_per_step"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 16 / (r["ms_per_step"] * 1e-3))
+    assert math.isfinite(r["final_loss"]) and abs(r["final_loss"] - math.log(61)) < 1.0
+    assert r["peak_memory_bytes"] is None  # no memory pool on NumPy
+    with pytest.raises(ValueError, match="GPU"):
+        bench.run_llmgpu(SMALL, batch=1, seq=8, steps=1, warmup=0, dtype="fp32", xp=np, graph=True)
+
+
+def _args(**kw):
+    p = bench.add_arguments(argparse.ArgumentParser())
+    ns = p.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_bench_main_quick_run_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.bench_main(_args(device="cpu", preset="tiny", batch=2, seq=16, steps=1, warmup=0,
+                                modes="llmgpu,torch-eager", json=str(out)))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "FLOPs per token" in text and "llmgpu" in text and f"wrote {out}" in text
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "llmgpu bench" and data["batch"] == 2 and data["seq"] == 16
+    assert "6·N" in data["mfu_formula"] and data["gemm_ceiling_tflops"] > 0
+    modes = [r["mode"] for r in data["results"]]
+    assert modes == ["llmgpu", "torch-eager"]
+    ours = data["results"][0]
+    assert ours["tokens_per_s"] > 0 and ours["mfu"] > 0 and ours["flops_per_token"] == data["flops_per_token"]
+    torch_row = data["results"][1]
+    assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
+    assert "date" in data and "device" in data  # the results header of llmgpu.timing.save_results
+
+
+def test_bench_main_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench.bench_main(_args(device="cpu", modes="llmgpu,jax"))
+
+
+# --------------------------------------------------------------------------- the PyTorch reference
+
+
+def _torch_or_skip():
+    return pytest.importorskip("torch", reason="PyTorch is not installed: the reference model is not tested here")
+
+
+@pytest.mark.parametrize("pad", [0, 64])
+def test_torch_reference_matches_llmgpu_model(pad):
+    torch = _torch_or_skip()
+    cfg = replace(SMALL, pad_vocab_to=pad)
+    model = GPT(cfg, dtype="fp32", xp=np, seed=3)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    tgt = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    _, loss = model.forward(idx, tgt)
+    tm = bench.build_torch_gpt(cfg, state_dict=model.state_dict(), device="cpu", mask_padded=True)
+    assert tm.transformer.wte.weight is tm.lm_head.weight  # tied
+    with torch.no_grad():
+        tl = tm(torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(tgt.astype(np.int64)))
+    assert float(tl) == pytest.approx(float(loss), rel=1e-5)
+    # and the gradients of one backward pass
+    model.zero_grad()
+    model.forward_backward(idx, tgt)
+    tl = tm(torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(tgt.astype(np.int64)))
+    tl.backward()
+    tg = dict(tm.named_parameters())
+    for name in ("transformer.h.1.mlp.c_fc.weight", "transformer.h.0.attn.c_attn.bias", "transformer.wpe.weight",
+                 "transformer.ln_f.weight"):
+        ours = model.grads()[name]
+        theirs = tg[name].grad.numpy()
+        assert np.linalg.norm(ours - theirs) <= 1e-4 * np.linalg.norm(theirs) + 1e-7, name
+    V = cfg.vocab_size  # the tied embedding / LM head is listed once, under its first name
+    ours = model.grads()["transformer.wte.weight"][:V]
+    theirs = tg["transformer.wte.weight"].grad.numpy()[:V]
+    assert np.linalg.norm(ours - theirs) <= 1e-4 * np.linalg.norm(theirs)
+
+
+def test_torch_reference_init_and_run_on_cpu():
+    torch = _torch_or_skip()
+    tm = bench.build_torch_gpt(SMALL, device="cpu", seed=1)
+    names = {n for n, _ in tm.named_parameters()}
+    assert "transformer.h.0.mlp.c_proj.weight" in names and "lm_head.weight" not in names  # tied: listed once
+    std = float(tm.transformer.h[0].mlp.c_proj.weight.std())
+    assert std == pytest.approx(0.02 / math.sqrt(2 * SMALL.n_layer), rel=0.2)
+    assert float(tm.transformer.h[0].attn.c_attn.bias.abs().max()) == 0.0
+    r = bench.run_torch(SMALL, 2, 16, steps=2, mode="eager", warmup=1, dtype="fp32", device="cpu")
+    assert r["mode"] == "torch-eager" and r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"])
+    assert r["torch"] == torch.__version__
+    with pytest.raises(ValueError, match="mode"):
+        bench.run_torch(SMALL, 2, 16, steps=1, mode="jit", device="cpu")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_run_llmgpu_reports_memory(cp):
+    r = bench.run_llmgpu(replace(SMALL, n_embd=64, n_head=4), batch=4, seq=16, steps=3, warmup=1, dtype="bf16")
+    assert r["peak_memory_bytes"] >= r["static_memory_bytes"] > 0
+    assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0

@@ -1,0 +1,246 @@
+"""Profiling tools (chapter 8): per-op timing tables, NVTX ranges, occupancy, roofline, launch overhead,
+and CUDA-graph capture (``llmgpu.profile``, ``llmgpu.graphs``)."""
+
+import numpy as np
+import pytest
+
+from llmgpu import backend, graphs, profile
+from llmgpu.profile import SMLimits, summarize, theoretical_occupancy
+
+pytestmark = pytest.mark.ch8
+
+
+# --------------------------------------------------------------------------- table math (CPU)
+
+
+def test_summarize_aggregates_and_rates():
+    recs = [
+        {"name": "attn.fwd", "ms": 2.0, "bytes": 4e9, "flops": None, "depth": 0},
+        {"name": "mlp.fc", "ms": 1.0, "bytes": None, "flops": 5e11, "depth": 0},
+        {"name": "attn.fwd", "ms": 2.0, "bytes": 4e9, "flops": None, "depth": 0},
+        {"name": "attn.fwd/softmax", "ms": 0.5, "bytes": 1e9, "flops": None, "depth": 1},
+    ]
+    rows = summarize(recs, gbps_ceiling=4000.0, tflops_ceiling=800.0)
+    by = {r["op"]: r for r in rows}
+    assert [r["op"] for r in rows] == ["attn.fwd", "mlp.fc", "attn.fwd/softmax"]  # by total time
+    a = by["attn.fwd"]
+    assert a["calls"] == 2 and a["total_ms"] == 4.0 and a["ms_per_call"] == 2.0
+    assert a["step_ms"] == 5.0  # depth-0 records only: 2 + 1 + 2
+    assert a["pct_of_step"] == pytest.approx(80.0)
+    assert a["gbps"] == pytest.approx(8e9 / 4e-3 / 1e9)  # 2000 GB/s
+    assert a["pct_of_copy"] == pytest.approx(50.0)
+    assert a["tflops"] is None and a["pct_of_gemm"] is None
+    m = by["mlp.fc"]
+    assert m["tflops"] == pytest.approx(500.0) and m["pct_of_gemm"] == pytest.approx(62.5) and m["gbps"] is None
+    assert by["attn.fwd/softmax"]["depth"] == 1 and by["attn.fwd/softmax"]["pct_of_step"] == pytest.approx(10.0)
+    rows2 = summarize(recs, step_ms=10.0, sort=False)
+    assert [r["op"] for r in rows2][0] == "attn.fwd" and rows2[0]["pct_of_step"] == pytest.approx(40.0)
+    assert rows2[0]["pct_of_copy"] is None
+
+
+def test_format_table_lists_every_op():
+    rows = summarize([{"name": "lm_head.fwd", "ms": 3.0, "bytes": None, "flops": 3e12, "depth": 0},
+                      {"name": "layernorm.fwd", "ms": 1.0, "bytes": 2e9, "flops": None, "depth": 0}],
+                     gbps_ceiling=4000.0, tflops_ceiling=800.0)
+    text = profile.format_table(rows)
+    assert "lm_head.fwd" in text and "layernorm.fwd" in text and "step: 4.000 ms" in text
+    assert "1000.0" in text and "75.0" in text  # 3e12 FLOP / 3 ms = 1000 TFLOP/s, 75 % of the step
+    assert profile.format_table([]).count("\n") == 1
+
+
+def test_cpu_timer_records_regions_and_nesting():
+    t = profile.OpTimer(xp=np)
+    x = np.ones((64, 64), np.float32)
+    with t.step():
+        for _ in range(3):
+            with t.region("matmul", flops=2 * 64**3):
+                x = x @ x * 1e-3
+                with t.region("inner"):
+                    x = x + 1.0
+    rows = {r["op"]: r for r in t.rows()}
+    assert rows["matmul"]["calls"] == 3 and rows["inner"]["calls"] == 3
+    assert rows["inner"]["depth"] == 1 and rows["matmul"]["depth"] == 0
+    assert rows["matmul"]["total_ms"] >= rows["inner"]["total_ms"] > 0
+    assert rows["matmul"]["tflops"] is not None and rows["matmul"]["pct_of_step"] <= 100.0 + 1e-9
+    assert len(t.step_ms()) == 1
+    t.reset()
+    assert t.records() == [] and t.step_ms() == []
+
+
+def test_disabled_timer_and_inactive_region_are_noops():
+    t = profile.OpTimer(enabled=False, xp=np)
+    r1, r2 = t.region("a"), t.region("b", bytes=10)
+    assert r1 is r2  # one shared object, nothing allocated per call
+    with r1:
+        pass
+    assert t.records() == []
+    assert profile.active_timer() is None
+    assert profile.region("x") is r1
+    on = profile.OpTimer(xp=np)
+    with profile.activate(on):
+        with profile.region("hooked", bytes=100):
+            pass
+    assert profile.active_timer() is None
+    assert [r["name"] for r in on.records()] == ["hooked"] and on.records()[0]["bytes"] == 100
+
+
+def test_nvtx_range_never_fails():
+    with profile.nvtx_range("chapter8"):
+        pass
+    old = profile.set_nvtx(True)
+    try:
+        with profile.region("with-nvtx"):
+            pass
+    finally:
+        profile.set_nvtx(old)
+
+
+# --------------------------------------------------------------------------- occupancy formula (CPU)
+
+
+H100 = SMLimits()
+
+
+@pytest.mark.parametrize("block,regs,smem,blocks,occ,limiter", [
+    (256, 32, 0, 8, 1.0, "warps"),  # 8 warps per block, 64 warps per SM
+    (256, 64, 0, 4, 0.5, "registers"),  # 2048 registers per warp: 8 warps per sub-partition
+    (256, 40, 0, 6, 0.75, "registers"),  # 1280 per warp: 12 per sub-partition -> 48 warps -> 6 blocks
+    (128, 16, 48 * 1024, 4, 0.25, "shared memory"),  # 49152 + 1024 reserved -> 4 blocks of 228 KiB
+    (32, 16, 0, 32, 0.5, "blocks"),  # 32-thread blocks: the 32-blocks-per-SM limit
+    (1024, 65, 0, 0, 0.0, "registers"),  # 65 regs x 1024 threads > 65536 per block: cannot launch
+    (96, 0, 0, 21, 21 * 3 / 64, "warps"),  # 3 warps per block, regs unknown (0): no register limit
+])
+def test_theoretical_occupancy_formula(block, regs, smem, blocks, occ, limiter):
+    r = theoretical_occupancy(block=block, regs=regs, smem_bytes=smem, limits=H100)
+    assert r["blocks_per_sm"] == blocks
+    assert r["occupancy"] == pytest.approx(occ)
+    assert r["limiter"] == limiter
+
+
+def test_occupancy_limits_on_cpu_and_bad_args():
+    assert SMLimits.for_device(np) == SMLimits()
+    assert SMLimits().max_warps_per_sm == 64
+    with pytest.raises(ValueError, match="block"):
+        theoretical_occupancy(block=0, regs=32)
+    r = theoretical_occupancy(block=256, regs=32, max_threads_per_block=128)
+    assert r["blocks_per_sm"] == 0 and r["limiter"] == "max threads per block"
+
+
+# --------------------------------------------------------------------------- roofline (CPU)
+
+
+def test_roofline_plot_saves_png(tmp_path):
+    rows = [{"name": "gemm 8192³", "flops": 2 * 8192.0**3, "bytes": 3 * 8192**2 * 2, "ms": 1.4},
+            {"name": "layernorm", "flops": 8 * 65536 * 768, "bytes": 4 * 65536 * 768, "ms": 0.05},
+            {"name": "copy", "flops": 0, "bytes": 1e9, "ms": 0.3}]  # no FLOPs: skipped
+    path = tmp_path / "roofline.png"
+    ax = profile.roofline_plot(rows, peak_tflops=790.0, peak_gbps=4200.0, path=path, title="test")
+    assert path.is_file() and path.stat().st_size > 5000
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    assert len(ax.collections) == 2  # one scatter per placed kernel
+    with pytest.raises(ValueError, match="positive"):
+        profile.roofline_plot(rows, peak_tflops=0.0, peak_gbps=1.0)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_gpu_only_helpers_say_so_on_cpu():
+    if backend.gpu_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(backend.GPUUnavailableError):
+        profile.launch_overhead(10)
+    with pytest.raises(backend.GPUUnavailableError):
+        graphs.capture(lambda: None)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_timer_tables_kernels(cp):
+    from llmgpu.ops.vector_add import vector_add
+
+    n = 1 << 22
+    a, b = cp.ones(n, np.float32), cp.ones(n, np.float32)
+    c = cp.empty_like(a)
+    t = profile.OpTimer(nvtx=True)
+    with t.step():
+        for _ in range(5):
+            with t.region("vector_add", bytes=3 * 4 * n):
+                vector_add(a, b, out=c)
+        with t.region("copy", bytes=2 * 4 * n):
+            c[...] = a
+    rows = {r["op"]: r for r in t.rows(gbps_ceiling=4000.0)}
+    assert rows["vector_add"]["calls"] == 5 and rows["copy"]["calls"] == 1
+    assert all(r["total_ms"] > 0 and r["gbps"] > 0 for r in rows.values())
+    assert 0 < rows["vector_add"]["pct_of_step"] < 100
+    assert "vector_add" in t.table(gbps_ceiling=4000.0)
+    t.reset()
+    with t.region("again"):
+        vector_add(a, b, out=c)
+    assert len(t.records()) == 1  # recycled events still time correctly
+
+
+@pytest.mark.gpu
+def test_gpu_occupancy_api_agrees_with_formula(cp):
+    from llmgpu.kernels import get_kernel
+
+    ks = {"vector_add<float>": get_kernel("vector_add", "vector_add", np.float32),
+          "gelu_forward<bf16,vec>": get_kernel("gelu", "gelu_forward", backend.bfloat16, 1)}
+    rows = profile.occupancy_table(ks, block={"vector_add<float>": 256, "gelu_forward<bf16,vec>": 256})
+    for r in rows:
+        assert r["regs"] > 0 and r["max_threads_per_block"] >= 256 and r["local_bytes"] == 0
+        assert r["blocks_per_sm"] >= 1
+        if r["blocks_per_sm_api"] is not None:
+            assert r["blocks_per_sm"] == r["blocks_per_sm_api"], r
+    assert "vector_add<float>" in profile.format_occupancy_table(rows)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_overhead_graph_is_cheaper(cp):
+    r = profile.launch_overhead(500, reps=3)
+    assert r.kernels_in_graph == 500
+    assert r.eager_host_us > 0 and r.graph_wall_us > 0
+    assert r.graph_wall_us < r.eager_wall_us
+
+
+@pytest.mark.gpu
+def test_gpu_capture_rawkernels_replay_equals_eager(cp, rng):
+    from llmgpu.ops.vector_add import vector_add
+
+    n = 1000  # not a multiple of the block size
+    a = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    b = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    acc = cp.zeros(n, np.float32)
+
+    def step():
+        t = vector_add(a, b)  # allocated during capture: served by the graph's private pool
+        vector_add(acc, t, out=acc)
+        return vector_add(t, t)
+
+    g = graphs.capture(step, warmup=1)  # the warm-up ran once: acc = a + b
+    cp.cuda.Device().synchronize()
+    eager_acc = acc.copy()
+    out = g.replay()
+    cp.cuda.Device().synchronize()
+    assert out is g.outputs
+    cp.testing.assert_array_equal(out, 2 * (a + b))
+    cp.testing.assert_array_equal(acc, eager_acc + (a + b))  # the captured step ran exactly once more
+    a[...] = 1.0
+    g.replay()
+    cp.cuda.Device().synchronize()
+    cp.testing.assert_array_equal(out, cp.full(n, 2.0, np.float32) + 2 * b)
+    counts = g.node_counts()
+    assert counts.get("kernel") == 3, counts
+    assert profile.launch_count(lambda: vector_add(a, b, out=out)).get("kernel") == 1
+
+
+@pytest.mark.gpu
+def test_gpu_capture_refuses_cupy_cublas_with_advice(cp):
+    a = cp.ones((64, 64), np.float32)
+    # warm-up outside capture works; under capture CuPy's cuBLAS refuses the capturing stream
+    with pytest.raises(graphs.GraphCaptureError, match="lt_gemm"):
+        graphs.capture(lambda: a @ a)
+    # the failed capture left the device usable
+    cp.testing.assert_array_equal(a @ a, cp.full((64, 64), 64.0, np.float32))
