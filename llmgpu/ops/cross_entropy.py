@@ -1,0 +1,238 @@
+"""Softmax + cross-entropy loss, fused, forward and backward (chapter 3, ``kernels/cross_entropy.cu``).
+
+For logits ``[N, V]`` (or ``[..., V]``) and integer targets ``[N]`` (or ``[...]``)::
+
+    lse_i  = log sum_v exp(logits[i, v])
+    loss   = mean over rows i with targets[i] != ignore_index of (lse_i - logits[i, targets[i]])
+    dlogits[i, v] = (exp(logits[i, v] - lse_i) - [v == targets[i]]) * dloss / n_valid
+
+``cross_entropy_forward`` returns ``(loss, cache)``: ``loss`` is a 0-d fp32 array on the inputs'
+backend (on the GPU a device array: reading it is the caller's choice, nothing here synchronizes);
+``cache`` keeps what the backward needs (a reference to the logits, the targets, the per-row
+log-sum-exp and the number of counted rows as a device value). ``cross_entropy_backward(cache,
+dloss)`` recomputes the softmax from the saved log-sum-exp while it writes dlogits: the logits are
+read once and dlogits written once. It may write into the logits buffer itself (``out=cache.logits``).
+
+Rules, the same on both backends where possible:
+
+* ``ignore_index`` rows (default -100, as PyTorch) add nothing to the loss, do not count in
+  ``n_valid`` and get a zero gradient row. **All rows ignored gives loss 0 and a zero gradient**
+  (PyTorch returns NaN there; a batch with nothing to learn from should not poison a loss scaler).
+* A target outside ``[0, V)`` (other than ignore_index): the NumPy path raises ValueError; the GPU
+  path cannot raise without a host synchronization, so the kernel reads nothing out of bounds,
+  sets that row's loss to NaN (the mean loss becomes NaN) and its gradient row to NaN. Loud, not
+  silently wrong; a loss scaler skips the step.
+* Targets must be int32 or int64; float targets are refused.
+
+``method``: ``"optimized"`` (fused, online softmax, 16-byte loads) or ``"naive"`` (softmax kernel
+writing the N x V probabilities, then -log p[target], and a backward reading the probabilities).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import backend
+from ..checks import array_module, check_array, check_out
+from ..kernels import get_kernel
+
+METHODS = ("naive", "optimized")
+GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+TARGET_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+@dataclass
+class CrossEntropyCache:
+    """What ``cross_entropy_backward`` needs from the forward."""
+
+    logits: object  # [N, V] view of the forward's logits (not a copy)
+    targets: object  # [N]
+    lse: object  # [N] fp32 log-sum-exp per row (None on the naive GPU path)
+    n_valid: object  # 0-d int32: rows whose target is not ignore_index
+    ignore_index: int
+    shape: tuple  # the logits' original shape
+    method: str = "optimized"
+    probs: object = None  # [N, V] softmax, naive GPU path only
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _compute_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _threads(v, dtype):
+    """Threads per row block: enough for one 16-byte pack each, a multiple of 32, at most 512."""
+    packs = -(-v // (16 // np.dtype(dtype).itemsize))
+    return min(512, max(32, -(-packs // 32) * 32))
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+def cross_entropy_forward_reference(logits2, targets1, ignore_index):
+    """Returns (loss 0-d, lse [N], n_valid) on NumPy arrays, logits [N, V]."""
+    ct = _compute_dtype(logits2.dtype)
+    x = logits2.astype(ct)
+    m = x.max(axis=1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+    valid = targets1 != ignore_index
+    picked = x[np.arange(x.shape[0]), np.where(valid, targets1, 0)]
+    losses = np.where(valid, lse - picked, ct(0.0))
+    n_valid = int(valid.sum())
+    loss = np.asarray(losses.sum() / max(n_valid, 1), dtype=ct)
+    return loss, lse.astype(ct), n_valid
+
+
+def cross_entropy_backward_reference(logits2, targets1, lse, n_valid, ignore_index, dloss=1.0):
+    ct = _compute_dtype(logits2.dtype)
+    x = logits2.astype(ct)
+    valid = targets1 != ignore_index
+    g = np.exp(x - lse.astype(ct)[:, None])
+    rows = np.flatnonzero(valid)
+    g[rows, targets1[rows]] -= ct(1.0)
+    g *= ct(dloss) / ct(max(int(n_valid), 1))
+    g[~valid] = 0.0
+    return g.astype(logits2.dtype)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="optimized"):
+    """Mean cross-entropy of ``logits [..., V]`` against integer ``targets [...]``: ``(loss, cache)``."""
+    _check_method(method)
+    xp = array_module(logits=logits, targets=targets)
+    check_array("logits", logits)
+    if logits.ndim < 2:
+        raise ValueError(f"logits must be at least 2-D ([N, V] or [..., V]), got shape {tuple(logits.shape)}")
+    check_array("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=TARGET_DTYPES)
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    ignore_index = int(ignore_index)
+    v = logits.shape[-1]
+    n = math.prod(logits.shape[:-1])
+    lf = logits.reshape(n, v)
+    tf = targets.reshape(n)
+
+    if xp is np:
+        bad = (tf != ignore_index) & ((tf < 0) | (tf >= v))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"targets must lie in [0, {v}) or equal ignore_index={ignore_index}; "
+                f"{int(bad.sum())} do not (first: targets[{i}] = {int(tf[i])})"
+            )
+        loss, lse, n_valid = cross_entropy_forward_reference(lf, tf, ignore_index)
+        cache = CrossEntropyCache(lf, tf, lse, np.asarray(n_valid, dtype=np.int32), ignore_index,
+                                  tuple(logits.shape), method)
+        return loss, cache
+
+    if logits.dtype not in GPU_DTYPES:
+        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16 logits, got {logits.dtype}")
+    if n >= 2**31 or v >= 2**31:
+        raise ValueError(f"N and V must be below 2**31, got N={n}, V={v}")
+    ti = _C_INDEX[targets.dtype]
+    loss_rows = xp.empty(n, dtype=np.float32)
+    loss = xp.empty((), dtype=np.float32)
+    n_valid = xp.empty((), dtype=np.int32)
+    ign = np.int64(ignore_index)
+    lse = probs = None
+    if method == "optimized":
+        lse = xp.empty(n, dtype=np.float32)
+        get_kernel("cross_entropy", "cross_entropy_forward_fused", logits.dtype, ti)(
+            (n,), (_threads(v, logits.dtype),), (lf, tf, lse, loss_rows, np.int32(v), ign)
+        )
+    else:
+        probs = xp.empty((n, v), dtype=logits.dtype)
+        get_kernel("cross_entropy", "cross_entropy_softmax_naive", logits.dtype)((n,), (256,), (lf, probs, np.int32(v)))
+        get_kernel("cross_entropy", "cross_entropy_nll_naive", logits.dtype, ti)(
+            (-(-n // 256),), (256,), (probs, tf, loss_rows, np.int32(n), np.int32(v), ign)
+        )
+    get_kernel("cross_entropy", "cross_entropy_mean", ti)(
+        (1,), (1024,), (loss_rows, tf, np.int32(n), ign, loss, n_valid)
+    )
+    cache = CrossEntropyCache(lf, tf, lse, n_valid, ignore_index, tuple(logits.shape), method, probs)
+    return loss, cache
+
+
+def cross_entropy_backward(cache, dloss=1.0, *, out=None):
+    """dlogits (shape and dtype of the forward's logits) for upstream gradient ``dloss``.
+
+    ``dloss``: a number, or a 0-d/size-1 array (on the GPU a device array is read on the device, so
+    a loss scale never has to visit the host). ``out``: shaped like the forward's logits or
+    ``[N, V]``; it may be the logits themselves (``out=cache.logits``: in place).
+    """
+    if not isinstance(cache, CrossEntropyCache):
+        raise TypeError(f"cache must be the CrossEntropyCache from cross_entropy_forward, got {type(cache).__name__}")
+    lf, tf = cache.logits, cache.targets
+    dloss_arr = dloss if (isinstance(dloss, np.ndarray) or backend.is_gpu_array(dloss)) else None
+    xp = array_module(logits=lf, dloss=dloss_arr if backend.is_gpu_array(dloss_arr) else None, out=out)
+    if dloss_arr is not None and dloss_arr.size != 1:
+        raise ValueError(f"dloss must be a scalar or a size-1 array, got shape {tuple(dloss_arr.shape)}")
+    n, v = lf.shape
+
+    if out is not None:
+        # the forward's shape or its [N, V] view (cache.logits itself, for the in-place update)
+        shape = tuple(out.shape) if tuple(out.shape) in (cache.shape, (n, v)) else cache.shape
+        check_out(out, shape, lf.dtype, xp)
+
+    if xp is np:
+        g = cross_entropy_backward_reference(lf, tf, cache.lse, cache.n_valid, cache.ignore_index,
+                                             float(np.asarray(dloss).reshape(())))
+        if out is None:
+            return g.reshape(cache.shape)
+        out[...] = g.reshape(out.shape)
+        return out
+
+    result = check_out(out, cache.shape, lf.dtype, xp) if out is None else out
+    out2 = result.reshape(n, v)  # a view; the kernel reads each element before writing it (in place is fine)
+    if backend.is_gpu_array(dloss_arr):
+        if dloss_arr.dtype.kind != "f":
+            raise TypeError(f"dloss must be a float array, got {dloss_arr.dtype}")
+        dloss_dev, use_dev, dloss_host = dloss_arr.reshape(()).astype(np.float32, copy=False), 1, 0.0
+    else:  # a host number; the pointer argument is a dummy the kernel never reads
+        dloss_dev, use_dev, dloss_host = cache.n_valid, 0, float(np.asarray(dloss).reshape(()))
+    dl = (dloss_dev, np.int32(use_dev), np.float32(dloss_host))
+    ti = _C_INDEX[tf.dtype]
+    ign = np.int64(cache.ignore_index)
+    if cache.method == "optimized":
+        vec = (out2.data.ptr - lf.data.ptr) % 16 == 0
+        get_kernel("cross_entropy", "cross_entropy_backward_fused", lf.dtype, ti, int(vec))(
+            (n,), (_threads(v, lf.dtype),),
+            (lf, tf, cache.lse, cache.n_valid, *dl, out2, np.int32(v), ign),
+        )
+    else:
+        sms = backend.device_info(xp).sm_count or 1
+        blocks = max(1, min(-(-(n * v) // 256), 8 * sms))
+        get_kernel("cross_entropy", "cross_entropy_backward_naive", lf.dtype, ti)(
+            (blocks,), (256,), (cache.probs, tf, cache.n_valid, *dl, out2, np.int64(n), np.int32(v), ign)
+        )
+    return result
+
+
+def traffic_bytes(n, v, dtype, backward=False, target_itemsize=8):
+    """Minimum bytes: forward reads logits and targets, writes lse (and a scalar); backward reads
+    logits, targets, lse, writes dlogits."""
+    s = backend.resolve_dtype(dtype).itemsize
+    if backward:
+        return 2 * n * v * s + n * (target_itemsize + 4)
+    return n * v * s + n * (target_itemsize + 4) + 4
+
+
+__all__ = [
+    "METHODS",
+    "CrossEntropyCache",
+    "cross_entropy_backward",
+    "cross_entropy_backward_reference",
+    "cross_entropy_forward",
+    "cross_entropy_forward_reference",
+    "traffic_bytes",
+]

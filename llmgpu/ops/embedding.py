@@ -1,0 +1,217 @@
+"""Token + position embedding, forward and backward (chapter 3, ``kernels/embedding.cu``)::
+
+    x[b, t, :]  = wte[idx[b, t], :] + wpe[t, :]              idx [B, T] int32/int64, T <= maxT
+    dwte[v, :]  = sum of dx[b, t, :] over all (b, t) with idx[b, t] == v
+    dwpe[t, :]  = sum_b dx[b, t, :]       (rows t >= T are zero)
+
+The backward of a gather is a scatter-add: several positions write the same row of dwte. The
+``"naive"`` GPU path does it with float atomics (fp32 scratch, then cast): short, but the order of
+the additions, and so the last bits of dwte, changes from run to run. The ``"optimized"`` path is
+deterministic: it sorts the (token, position) keys (``cupy.sort``), finds each token's run by binary
+search and gives each token row to one group of threads that sums its positions in ascending order
+-- every dwte row is written exactly once, the same bits every run. (The sort goes through CuPy's
+Thrust binding, which may synchronize the stream: fine for eager training, not for CUDA-graph
+capture.)
+
+Token ids outside ``[0, V)``: the NumPy path raises ValueError. The GPU path does not read out of
+bounds; the forward writes NaN into those rows of x (the loss turns NaN: loud), and the backward
+leaves those positions out of dwte (they still count in dwpe).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..checks import array_module, check_array, check_out, check_same_dtype
+from ..kernels import get_kernel
+
+METHODS = ("naive", "optimized")
+GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+THREADS = 256
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _compute_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _check_ids_numpy(idx, v):
+    bad = (idx < 0) | (idx >= v)
+    if bad.any():
+        i = tuple(int(k) for k in np.argwhere(bad)[0])
+        raise ValueError(f"idx must lie in [0, {v}); {int(bad.sum())} do not (first: idx{list(i)} = {int(idx[i])})")
+
+
+def _check_gpu_dtype(dtype):
+    if dtype not in GPU_DTYPES:
+        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {dtype} (float64 runs on NumPy only)")
+
+
+def _pack_grid(rows, c, dtype, arrays):
+    """(vec, grid, block) for kernels with one block row per output row and threads over packs."""
+    width = 16 // np.dtype(dtype).itemsize
+    vec = c % width == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+    nvec = c // width if vec else c
+    bx = min(THREADS, -(-nvec // 32) * 32)
+    return vec, (rows, -(-nvec // bx)), (bx,)
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+def embedding_forward_reference(idx, wte, wpe):
+    ct = _compute_dtype(wte.dtype)
+    t = idx.shape[1]
+    return (wte.astype(ct)[idx] + wpe.astype(ct)[:t][None]).astype(wte.dtype)
+
+
+def embedding_backward_reference(dx, idx, vocab_size, max_t):
+    ct = _compute_dtype(dx.dtype)
+    b, t, c = dx.shape
+    d = dx.astype(ct)
+    dwte = np.zeros((vocab_size, c), dtype=ct)
+    np.add.at(dwte, idx.reshape(-1), d.reshape(b * t, c))  # positions in order
+    dwpe = np.zeros((max_t, c), dtype=ct)
+    dwpe[:t] = d.sum(axis=0)
+    return dwte.astype(dx.dtype), dwpe.astype(dx.dtype)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
+    """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]``."""
+    _check_method(method)
+    xp = array_module(idx=idx, wte=wte, wpe=wpe, out=out)
+    check_array("idx", idx, ndim=2, dtypes=INDEX_DTYPES)
+    check_array("wte", wte, ndim=2)
+    v, c = wte.shape
+    check_array("wpe", wpe, shape=(None, c))
+    check_same_dtype(wte=wte, wpe=wpe)
+    b, t = idx.shape
+    if t > wpe.shape[0]:
+        raise ValueError(f"idx has T={t} positions but wpe holds only {wpe.shape[0]}")
+
+    if xp is np:
+        _check_ids_numpy(idx, v)
+        x = embedding_forward_reference(idx, wte, wpe)
+        if out is None:
+            return x
+        check_out(out, (b, t, c), wte.dtype, xp)[...] = x
+        return out
+
+    _check_gpu_dtype(wte.dtype)
+    if b * t >= 2**31 or v >= 2**31:
+        raise ValueError("B*T and V must be below 2**31")
+    out = check_out(out, (b, t, c), wte.dtype, xp)
+    ti = _C_INDEX[idx.dtype]
+    if method == "naive":
+        n = b * t * c
+        get_kernel("embedding", "embedding_forward_naive", wte.dtype, ti)(
+            (-(-n // THREADS),), (THREADS,),
+            (idx, wte, wpe, out, np.int64(b * t), np.int32(t), np.int32(c), np.int32(v)),
+        )
+        return out
+    vec, grid, block = _pack_grid(b * t, c, wte.dtype, (wte, wpe, out))
+    get_kernel("embedding", "embedding_forward", wte.dtype, ti, int(vec))(
+        grid, block, (idx, wte, wpe, out, np.int32(t), np.int32(c), np.int32(v))
+    )
+    return out
+
+
+def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_out=None, dwpe_out=None):
+    """``(dwte [V, C], dwpe [maxT, C])`` from ``dx [B, T, C]`` and the forward's ``idx [B, T]``.
+
+    ``max_t`` is wpe's number of rows (an int, or wpe's shape). Gradients have dx's dtype, summed in
+    fp32; on the optimized GPU path in an order fixed by idx alone (bitwise reproducible).
+    """
+    _check_method(method)
+    xp = array_module(dx=dx, idx=idx, dwte_out=dwte_out, dwpe_out=dwpe_out)
+    check_array("dx", dx, ndim=3)
+    b, t, c = dx.shape
+    check_array("idx", idx, shape=(b, t), dtypes=INDEX_DTYPES)
+    if isinstance(max_t, (tuple, list)):
+        if len(max_t) != 2 or max_t[1] != c:
+            raise ValueError(f"max_t given as a shape must be wpe's shape (maxT, {c}), got {tuple(max_t)}")
+        max_t = max_t[0]
+    for name, val in (("vocab_size", vocab_size), ("max_t", max_t)):
+        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    v, max_t = int(vocab_size), int(max_t)
+    if t > max_t:
+        raise ValueError(f"dx has T={t} positions but max_t is {max_t}")
+
+    if xp is np:
+        _check_ids_numpy(idx, v)
+        dwte, dwpe = embedding_backward_reference(dx, idx, v, max_t)
+        res = []
+        for name, val, o in (("dwte_out", dwte, dwte_out), ("dwpe_out", dwpe, dwpe_out)):
+            if o is not None:
+                check_out(o, val.shape, val.dtype, xp, name=name)[...] = val
+                val = o
+            res.append(val)
+        return tuple(res)
+
+    _check_gpu_dtype(dx.dtype)
+    bt = b * t
+    if bt >= 2**31 or v >= 2**31:
+        raise ValueError("B*T and V must be below 2**31")
+    dwte = check_out(dwte_out, (v, c), dx.dtype, xp, name="dwte_out")
+    dwpe = check_out(dwpe_out, (max_t, c), dx.dtype, xp, name="dwpe_out")
+    ti = _C_INDEX[idx.dtype]
+
+    if method == "naive":
+        dwte32 = xp.zeros((v, c), dtype=np.float32)
+        dwpe32 = xp.zeros((max_t, c), dtype=np.float32)
+        sms = backend.device_info(xp).sm_count or 1
+        blocks = max(1, min(-(-(bt * c) // THREADS), 8 * sms))
+        get_kernel("embedding", "embedding_backward_naive", dx.dtype, ti)(
+            (blocks,), (THREADS,), (dx, idx, dwte32, dwpe32, np.int64(bt), np.int32(t), np.int32(c), np.int32(v))
+        )
+        dwte[...] = dwte32
+        dwpe[...] = dwpe32
+        return dwte, dwpe
+
+    keys = xp.empty(bt, dtype=np.int64)
+    get_kernel("embedding", "embedding_make_keys", ti)(
+        (-(-bt // THREADS),), (THREADS,), (idx, np.int64(bt), np.int32(v), keys)
+    )
+    keys = xp.sort(keys)
+    starts = xp.empty(v + 1, dtype=np.int64)
+    get_kernel("embedding", "embedding_segment_starts")(
+        (-(-(v + 1) // THREADS),), (THREADS,), (keys, np.int64(bt), np.int32(v), starts)
+    )
+    vec, grid, block = _pack_grid(v, c, dx.dtype, (dx, dwte, dwpe))
+    get_kernel("embedding", "embedding_backward_wte", dx.dtype, int(vec))(
+        grid, block, (dx, keys, starts, dwte, np.int32(c), np.int64(bt))
+    )
+    get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec))(
+        (max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
+    )
+    return dwte, dwpe
+
+
+def traffic_bytes(b, t, c, vocab_size, max_t, dtype, backward=False, index_itemsize=8):
+    """Minimum bytes. Forward: read idx, the B*T gathered wte rows, wpe[:T]; write x. Backward:
+    read dx and idx; write dwte and dwpe."""
+    s = backend.resolve_dtype(dtype).itemsize
+    if backward:
+        return b * t * c * s + b * t * index_itemsize + (vocab_size + max_t) * c * s
+    return 2 * b * t * c * s + t * c * s + b * t * index_itemsize
+
+
+__all__ = [
+    "METHODS",
+    "embedding_backward",
+    "embedding_backward_reference",
+    "embedding_forward",
+    "embedding_forward_reference",
+    "traffic_bytes",
+]

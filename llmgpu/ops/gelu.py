@@ -1,0 +1,111 @@
+"""GELU, tanh approximation (GPT-2's), forward and backward (chapter 3, ``kernels/gelu.cu``)::
+
+    u = sqrt(2/pi) * (x + 0.044715 x**3),   t = tanh(u)
+    y = 0.5 x (1 + t)
+    dy/dx = 0.5 (1 + t) + 0.5 x (1 - t**2) sqrt(2/pi) (1 + 3 * 0.044715 x**2)
+
+The same as PyTorch's ``F.gelu(x, approximate='tanh')``. Elementwise on any shape (contiguous);
+storage fp32, fp16 or bf16, arithmetic fp32. ``method``: ``"naive"`` (one thread per element, scalar)
+or ``"optimized"`` (grid-stride over 16-byte packs). NumPy arrays run the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..checks import array_module, check_array, check_out, check_same_dtype
+from ..kernels import get_kernel
+
+METHODS = ("naive", "optimized")
+GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
+CUBIC = 0.044715
+THREADS = 256
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _compute_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def gelu_forward_reference(x):
+    ct = _compute_dtype(x.dtype)
+    xf = x.astype(ct)
+    t = np.tanh(ct(SQRT_2_OVER_PI) * (xf + ct(CUBIC) * xf**3))
+    return (ct(0.5) * xf * (ct(1.0) + t)).astype(x.dtype)
+
+
+def gelu_backward_reference(dy, x):
+    ct = _compute_dtype(x.dtype)
+    xf = x.astype(ct)
+    t = np.tanh(ct(SQRT_2_OVER_PI) * (xf + ct(CUBIC) * xf**3))
+    grad = ct(0.5) * (ct(1.0) + t) + ct(0.5) * xf * (ct(1.0) - t * t) * ct(SQRT_2_OVER_PI) * (
+        ct(1.0) + ct(3.0 * CUBIC) * xf * xf
+    )
+    return (dy.astype(ct) * grad).astype(x.dtype)
+
+
+def _launch(xp, n, ptrs, dtype, method, name, args):
+    if method == "naive":
+        get_kernel("gelu", f"{name}_naive", dtype)((-(-n // THREADS),), (THREADS,), args)
+        return
+    width = 16 // np.dtype(dtype).itemsize
+    vec = all(p % 16 == 0 for p in ptrs)
+    packs = n // width if vec else n
+    sms = backend.device_info(xp).sm_count or 1
+    blocks = max(1, min(-(-packs // THREADS), 8 * sms))  # a grid-stride loop: enough blocks to fill the GPU
+    get_kernel("gelu", name, dtype, int(vec))((blocks,), (THREADS,), args)
+
+
+def gelu_forward(x, *, out=None, method="optimized"):
+    """y = GELU(x) (tanh approximation), same shape and dtype as x."""
+    _check_method(method)
+    xp = array_module(x=x, out=out)
+    check_array("x", x)
+    if xp is np:
+        y = gelu_forward_reference(x)
+        if out is None:
+            return y
+        check_out(out, x.shape, x.dtype, xp)[...] = y
+        return out
+    if x.dtype not in GPU_DTYPES:
+        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+    out = check_out(out, x.shape, x.dtype, xp)
+    _launch(xp, x.size, (x.data.ptr, out.data.ptr), x.dtype, method, "gelu_forward", (x, out, np.int64(x.size)))
+    return out
+
+
+def gelu_backward(dy, x, *, out=None, method="optimized"):
+    """dx = dy * GELU'(x), same shape and dtype as x."""
+    _check_method(method)
+    xp = array_module(dy=dy, x=x, out=out)
+    check_array("x", x)
+    check_array("dy", dy, shape=tuple(x.shape))
+    check_same_dtype(dy=dy, x=x)
+    if xp is np:
+        dx = gelu_backward_reference(dy, x)
+        if out is None:
+            return dx
+        check_out(out, x.shape, x.dtype, xp)[...] = dx
+        return out
+    if x.dtype not in GPU_DTYPES:
+        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+    out = check_out(out, x.shape, x.dtype, xp)
+    _launch(xp, x.size, (dy.data.ptr, x.data.ptr, out.data.ptr), x.dtype, method, "gelu_backward",
+            (dy, x, out, np.int64(x.size)))
+    return out
+
+
+def traffic_bytes(n, dtype, backward=False):
+    """Minimum bytes: forward reads x, writes y; backward reads dy and x, writes dx."""
+    s = backend.resolve_dtype(dtype).itemsize
+    return (3 if backward else 2) * n * s
+
+
+__all__ = ["METHODS", "gelu_backward", "gelu_backward_reference", "gelu_forward", "gelu_forward_reference",
+           "traffic_bytes"]
