@@ -1,0 +1,496 @@
+"""Training data: an embedded corpus, text files, llm.c token shards, and a loader that overlaps copies.
+
+Three sources, one shape (a list of 1-D token arrays):
+
+* the **embedded corpus**: the Python standard library's own source files, found through
+  ``sysconfig.get_paths()['stdlib']`` and read in sorted path order, so every machine with Python has
+  the same ~10 MB of real text without a download (byte-level tokens, vocabulary 256);
+* **plain text files** (UTF-8 bytes, vocabulary 256);
+* **llm.c token shards** (``.bin``): a header of 256 int32 (magic 20240520, version 1, token count)
+  followed by that many uint16 tokens (GPT-2 ids), so shards prepared for llm.c load unchanged.
+
+The token stream is cut into windows of ``seq + 1`` tokens (inputs and next-token targets). Each epoch
+visits the windows in an order drawn from a generator seeded with ``(seed, epoch)``; the loader's
+position is two integers (epoch, cursor), saved in checkpoints so a resumed run sees the same batches.
+
+On the GPU, the next batch is copied host → device from pinned memory on a side stream while the
+current step runs (``GPUPrefetcher``); the compute stream waits on an event, never the host.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import backend
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+GPT2_VOCAB = 50257
+BYTE_VOCAB = 256
+
+# Directories of the standard library that are not "prose-like" source: test suites, vendored
+# packages, generated codec tables.
+_STDLIB_EXCLUDE = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3", "encodings",
+     "ensurepip"}
+)
+EMBEDDED = "stdlib"  # the --data name of the embedded corpus
+FULL_SCAN_TOKENS = 2_000_000_000  # above this, load_corpus scans only some files for the largest token id
+
+
+class DataError(ValueError):
+    """Bad training data (missing file, bad shard header, token ids the model cannot embed...).
+
+    The message is one line meant for the user; the CLI prints it without a traceback.
+    """
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The embedded corpus' files: ``*.py`` under the stdlib directory, sorted by relative path."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(f"the Python standard library directory {root} does not exist")
+    rel = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _STDLIB_EXCLUDE)
+        rel += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    rel.sort(key=lambda p: Path(p).as_posix())
+    return [root / p for p in rel]
+
+
+def embedded_corpus(max_bytes: int | None = None, root=None) -> bytes:
+    """The standard library's sources concatenated (a header line per file), as bytes."""
+    chunks, total = [], 0
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    for p in stdlib_files(base):
+        try:
+            data = p.read_bytes()
+        except OSError:
+            continue
+        piece = b"# file: " + p.relative_to(base).as_posix().encode() + b"\n" + data + b"\n"
+        chunks.append(piece)
+        total += len(piece)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    corpus = b"".join(chunks)
+    if max_bytes is not None:
+        corpus = corpus[:max_bytes]
+    if not corpus:
+        raise DataError(f"no Python source files found under {base}")
+    return corpus
+
+
+def write_shard(path, tokens) -> Path:
+    """Write tokens as an llm.c shard (header 256 int32: magic, version, count; then uint16)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError("llm.c version-1 shards hold uint16 tokens (0..65535)")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    return path
+
+
+def read_shard(path) -> np.ndarray:
+    """An llm.c shard's tokens as a read-only uint16 memmap, after checking its header."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"token shard {path} does not exist")
+    size = path.stat().st_size
+    if size < SHARD_HEADER_BYTES:
+        raise DataError(f"{path} is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte llm.c shard header")
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path} is not an llm.c token shard: magic {int(header[0])}, expected {SHARD_MAGIC}")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported shard version {int(header[1])} (llmgpu reads version {SHARD_VERSION},"
+                        " uint16 GPT-2 tokens)")
+    n = int(header[2])
+    if n <= 0 or size != SHARD_HEADER_BYTES + 2 * n:
+        raise DataError(f"{path}: header says {n} tokens but the file holds {(size - SHARD_HEADER_BYTES) / 2:g}")
+    return np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
+
+
+def read_text(path) -> np.ndarray:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"text file {path} does not exist")
+    data = path.read_bytes()
+    if not data:
+        raise DataError(f"text file {path} is empty")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, needs nothing installed."""
+
+    name = "bytes"
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through ``tiktoken`` when it is installed; otherwise token ids are shown as numbers."""
+
+    name = "gpt2"
+    vocab_size = GPT2_VOCAB
+
+    def __init__(self):
+        try:
+            import tiktoken
+
+            self._enc = tiktoken.get_encoding("gpt2")
+        except Exception:  # not installed, or no network to fetch its files
+            self._enc = None
+
+    @property
+    def available(self) -> bool:
+        return self._enc is not None
+
+    def encode(self, text: str) -> list[int]:
+        if self._enc is None:
+            raise DataError("encoding text for a GPT-2-token model needs tiktoken (pip install tiktoken); "
+                            "or give the prompt as token ids")
+        return self._enc.encode(text, allowed_special={"<|endoftext|>"})
+
+    def decode(self, ids) -> str:
+        if self._enc is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self._enc.decode([int(i) for i in ids])
+
+
+def get_tokenizer(name: str):
+    if name == "bytes":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    raise DataError(f"unknown tokenizer {name!r} (bytes or gpt2)")
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass
+class Corpus:
+    """Train and validation token streams (lists of 1-D arrays), their vocabulary and tokenizer."""
+
+    train: list
+    val: list
+    vocab_size: int  # the smallest vocabulary that covers every token id present
+    tokenizer: str  # 'bytes' or 'gpt2'
+    description: str
+    max_token: int = field(default=-1)
+
+    @property
+    def n_train(self) -> int:
+        return int(sum(a.size for a in self.train))
+
+    @property
+    def n_val(self) -> int:
+        return int(sum(a.size for a in self.val))
+
+    def check_vocab(self, model_vocab: int):
+        """DataError when a token id does not fit the model's vocabulary."""
+        if self.max_token >= model_vocab:
+            raise DataError(f"the data has token id {self.max_token} but the model's vocabulary is {model_vocab}: "
+                            f"use a model with --vocab-size >= {self.max_token + 1}")
+
+
+def _expand(spec: str) -> list[Path]:
+    """A file, a directory (its .bin shards, else its text files), or a glob pattern."""
+    if any(ch in spec for ch in "*?["):
+        paths = sorted(Path(p) for p in glob.glob(spec))
+        if not paths:
+            raise DataError(f"no files match {spec!r}")
+        return paths
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        shards = sorted(p.glob("*.bin"))
+        if shards:
+            return shards
+        texts = sorted(q for q in p.iterdir() if q.is_file() and q.suffix in (".txt", ".md", ".py", ".rst"))
+        if not texts:
+            raise DataError(f"directory {p} holds no .bin shards and no .txt/.md/.py/.rst files")
+        return texts
+    if not p.exists():
+        raise DataError(f"data file {p} does not exist")
+    return [p]
+
+
+def _read_any(paths: list[Path]) -> tuple[list, str]:
+    kinds = {"shard" if p.suffix == ".bin" else "text" for p in paths}
+    if len(kinds) > 1:
+        raise DataError("mixing token shards (.bin) and text files in one data set is not supported")
+    if kinds == {"shard"}:
+        return [read_shard(p) for p in paths], "gpt2"
+    return [read_text(p) for p in paths], "bytes"
+
+
+def _tail_split(arrays: list, frac: float) -> tuple[list, list]:
+    """Hold out the last ``frac`` of the concatenated stream (views, no copies)."""
+    total = sum(a.size for a in arrays)
+    n_val = int(round(total * frac))
+    train, val, need = list(arrays), [], n_val
+    while need > 0 and train:
+        last = train.pop()
+        if last.size <= need:
+            val.insert(0, last)
+            need -= last.size
+        else:
+            cut = last.size - need
+            train.append(last[:cut])
+            val.insert(0, last[cut:])
+            need = 0
+    return train, val
+
+
+def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fraction: float = 0.05,
+                max_bytes: int | None = None) -> Corpus:
+    """Load the training data named by ``data`` (None or 'stdlib': the embedded corpus).
+
+    Validation data: ``val_data`` if given; else shard files whose name contains 'val' (llm.c's
+    ``*_val_*.bin`` convention); else the last ``val_fraction`` of the stream.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if data in (None, "", EMBEDDED, "embedded"):
+        raw = embedded_corpus(max_bytes)
+        arrays, tok = [np.frombuffer(raw, dtype=np.uint8)], "bytes"
+        digest = hashlib.sha1(raw).hexdigest()[:10]
+        desc = (f"embedded corpus: Python {sysconfig.get_python_version()} standard library sources "
+                f"({len(raw) / 1e6:.1f} MB, sha1 {digest})")
+    else:
+        paths = _expand(data)
+        arrays, tok = _read_any(paths)
+        desc = f"{data} ({len(paths)} file{'s' if len(paths) > 1 else ''})"
+        if val_data is None and tok == "gpt2" and len(paths) > 1:
+            is_val = ["val" in p.name for p in paths]
+            if any(is_val) and not all(is_val):
+                val = [a for a, v in zip(arrays, is_val) if v]
+                train = [a for a, v in zip(arrays, is_val) if not v]
+                return _finish(train, val, tok, desc)
+    if val_data is not None:
+        val_arrays, val_tok = _read_any(_expand(val_data))
+        if val_tok != tok:
+            raise DataError(f"--val-data holds {val_tok} tokens but --data holds {tok} tokens")
+        return _finish(arrays, val_arrays, tok, desc)
+    train, val = _tail_split(arrays, val_fraction)
+    return _finish(train, val, tok, desc)
+
+
+def _finish(train, val, tok, desc) -> Corpus:
+    train = [a for a in train if a.size]
+    val = [a for a in val if a.size]
+    if not train:
+        raise DataError(f"{desc}: no training tokens")
+    every = train + val
+    if sum(a.size for a in every) > FULL_SCAN_TOKENS:  # a large shard set: first and last file here,
+        every = [train[0], train[-1], *val[:1]]  # every batch is checked again as it is read
+    mx = max(int(a.max()) for a in every)
+    vocab = BYTE_VOCAB if tok == "bytes" else max(GPT2_VOCAB, mx + 1)
+    return Corpus(train=train, val=val, vocab_size=vocab, tokenizer=tok, description=desc, max_token=mx)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+class BatchLoader:
+    """Batches of ``[batch, seq]`` inputs and next-token targets from windows of ``seq + 1`` tokens.
+
+    Windows start every ``seq`` tokens and never cross a file boundary. ``shuffle=True`` visits them
+    in a fresh seeded order each epoch; ``shuffle=False`` walks them in order (validation).
+    ``next_host()`` returns an int32 array ``[2, batch, seq]`` (inputs, targets).
+    """
+
+    def __init__(self, arrays: list, batch: int, seq: int, *, seed: int = 0, shuffle: bool = True,
+                 name: str = "train", vocab_size: int | None = None):
+        if batch < 1 or seq < 1:
+            raise DataError(f"batch and sequence length must be >= 1, got batch={batch}, seq={seq}")
+        self.arrays = [a for a in arrays if a.size > seq]
+        counts = np.array([(a.size - 1) // seq for a in self.arrays], dtype=np.int64)
+        self.n_windows = int(counts.sum())
+        if self.n_windows < batch:
+            total = sum(a.size for a in arrays)
+            raise DataError(f"the {name} data has {total} tokens: too few for one batch of {batch} x {seq + 1} "
+                            "tokens (lower --batch/--seq or give more data)")
+        self._starts = np.concatenate([[0], np.cumsum(counts)])
+        self.batch, self.seq, self.seed, self.shuffle, self.name = batch, seq, seed, shuffle, name
+        self.vocab_size = vocab_size  # when given, every batch is checked against it
+        self.epoch, self.cursor = 0, 0
+        self._perm = None
+        self._perm_epoch = None
+
+    # --- position (checkpointable)
+    def state_dict(self) -> dict:
+        return {"epoch": int(self.epoch), "cursor": int(self.cursor), "seed": int(self.seed),
+                "n_windows": self.n_windows, "batch": self.batch, "seq": self.seq}
+
+    def load_state_dict(self, state: dict):
+        if (state.get("n_windows", self.n_windows), state.get("seq", self.seq)) != (self.n_windows, self.seq):
+            raise DataError(f"the checkpoint's data position is for {state.get('n_windows')} windows of "
+                            f"{state.get('seq')} tokens, this data has {self.n_windows} of {self.seq}: "
+                            "resume with the same data and --seq")
+        self.epoch, self.cursor, self.seed = int(state["epoch"]), int(state["cursor"]), int(state["seed"])
+
+    def reset(self):
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self):
+        if not self.shuffle:
+            return None
+        if self._perm_epoch != self.epoch:
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _window(self, w: int) -> np.ndarray:
+        f = int(np.searchsorted(self._starts, w, side="right")) - 1
+        off = (w - int(self._starts[f])) * self.seq
+        return self.arrays[f][off:off + self.seq + 1]
+
+    def next_host(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The next batch as int32 ``[2, batch, seq]``; advances the position (epochs wrap)."""
+        if self.cursor + self.batch > self.n_windows:
+            self.epoch += 1
+            self.cursor = 0
+        order = self._order()
+        ids = range(self.cursor, self.cursor + self.batch)
+        if out is None:
+            out = np.empty((2, self.batch, self.seq), dtype=np.int32)
+        for r, i in enumerate(ids):
+            win = self._window(int(order[i]) if order is not None else i)
+            out[0, r] = win[:-1]
+            out[1, r] = win[1:]
+        if self.vocab_size is not None and int(out.max()) >= self.vocab_size:
+            raise DataError(f"the {self.name} data has token id {int(out.max())} but the model's vocabulary is "
+                            f"{self.vocab_size}")
+        self.cursor += self.batch
+        return out
+
+    def batches_per_epoch(self) -> int:
+        return self.n_windows // self.batch
+
+
+class GPUPrefetcher:
+    """Host → device copies of the next batch from pinned memory, on a side stream.
+
+    ``next()`` makes the compute (current) stream wait for batch i's copy event, then starts copying
+    batch i+1 while the caller enqueues step i. A ring of three slots keeps a slot from being
+    overwritten while a step that reads it may still be running: before slot s is refilled, the side
+    stream waits for the event recorded on the compute stream after slot s's batch was consumed.
+    The only host wait is on a *copy* that finished long ago (pinned-buffer reuse), never on compute.
+    """
+
+    SLOTS = 3
+
+    def __init__(self, loader: BatchLoader, cp=None):
+        self.cp = cp or backend.require_gpu()
+        cp = self.cp
+        import cupyx
+
+        self.loader = loader
+        shape = (2, loader.batch, loader.seq)
+        self.stream = cp.cuda.Stream(non_blocking=True)  # does not serialize with the legacy null stream
+        self.host = [cupyx.empty_pinned(shape, dtype=np.int32) for _ in range(self.SLOTS)]
+        self.dev = [cp.empty(shape, dtype=np.int32) for _ in range(self.SLOTS)]
+        self.copied = [None] * self.SLOTS
+        self.released = [None] * self.SLOTS
+        self._next_slot = 0
+        self._pending = None  # (slot, loader state *before* that batch)
+        self._current = None
+
+    def _stage(self):
+        s = self._next_slot
+        self._next_slot = (s + 1) % self.SLOTS
+        if self.copied[s] is not None:
+            self.copied[s].synchronize()  # the pinned buffer's previous copy (finished long ago)
+        state_before = self.loader.state_dict()
+        self.loader.next_host(out=self.host[s])
+        if self.released[s] is not None:
+            self.stream.wait_event(self.released[s])
+        self.dev[s].set(self.host[s], stream=self.stream)
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        self.copied[s] = ev
+        self._pending = (s, state_before)
+
+    def next(self):
+        """(x, y) on the device, ready to use on the current stream; batch i+1 starts copying."""
+        cp = self.cp
+        compute = cp.cuda.get_current_stream()
+        if self._current is not None:
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(compute)
+            self.released[self._current] = ev
+        if self._pending is None:
+            self._stage()
+        s, _ = self._pending
+        compute.wait_event(self.copied[s])
+        self._current = s
+        self._stage()  # the next batch, overlapping the step the caller is about to enqueue
+        return self.dev[s][0], self.dev[s][1]
+
+    def position(self) -> dict:
+        """The loader position after the batches handed out so far (prefetched ones not counted)."""
+        if self._pending is None:
+            return self.loader.state_dict()
+        return self._pending[1]
+
+    def load_position(self, state: dict):
+        self.loader.load_state_dict(state)
+        self._pending = None
+
+
+class DataStream:
+    """What the trainer uses: ``next()`` → ``(x, y)`` on the model's backend, and a checkpointable position.
+
+    On NumPy it returns host arrays. On CuPy it uses ``GPUPrefetcher`` (``async_copy=True``) or a
+    plain synchronous copy (``async_copy=False``, for comparison).
+    """
+
+    def __init__(self, loader: BatchLoader, xp=np, *, async_copy: bool = True):
+        self.loader, self.xp = loader, xp
+        self._pf = GPUPrefetcher(loader, xp) if (xp is not np and async_copy) else None
+
+    def next(self):
+        if self._pf is not None:
+            return self._pf.next()
+        b = self.loader.next_host()
+        if self.xp is np:
+            return b[0], b[1]
+        d = self.xp.asarray(b)
+        return d[0], d[1]
+
+    def state_dict(self) -> dict:
+        return self._pf.position() if self._pf is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict):
+        if self._pf is not None:
+            self._pf.load_position(state)
+        else:
+            self.loader.load_state_dict(state)

@@ -1,0 +1,93 @@
+"""The ``llmgpu`` command line: train / sample / info / bench, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llmgpu.cli import main
+from llmgpu.data import write_shard
+
+pytestmark = pytest.mark.ch7
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--eval-batches", "1",
+        "--quiet", "--no-plot"]
+
+
+def _one_error_line(capsys, code, *needles):
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("llmgpu: error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_train_then_sample(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", *TINY, "--steps", "3", "--eval-every", "2", "--sample-tokens", "8", "--out", str(out)])
+    assert code == 0
+    assert (out / "checkpoint" / "model.npz").is_file() and (out / "log.jsonl").is_file()
+    capsys.readouterr()
+    assert main(["sample", "--from", str(out), "--prompt", "import", "--tokens", "10", "--device", "cpu",
+                 "--seed", "1"]) == 0
+    text1 = capsys.readouterr().out
+    assert text1.startswith("import") and len(text1.encode()) >= len("import") + 1
+    main(["sample", "--from", str(out / "checkpoint"), "--prompt", "import", "--tokens", "10", "--device", "cpu",
+          "--seed", "1"])
+    assert capsys.readouterr().out == text1  # same seed, same text; a run dir or its checkpoint/ both work
+    # resume for more steps from the command line
+    assert main(["train", "--resume", str(out), "--steps", "5", "--quiet", "--no-plot", "--sample-tokens", "0"]) == 0
+    steps = [ln for ln in (out / "log.jsonl").read_text().splitlines() if '"type": "train"' in ln]
+    assert len(steps) == 5
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["train", "--steps", "0"], ["--steps must be >= 1"]),
+    (["train", "--dtype", "fp8"], ["invalid choice", "fp8"]),
+    (["train", "--preset", "huge"], ["invalid choice", "huge"]),
+    (["train", "--lr", "-1"], ["--lr must be a positive number"]),
+    (["train", "--frobnicate"], ["unrecognized arguments: --frobnicate"]),
+    (["train", "--batch", "two"], ["--batch must be an integer"]),
+    (["sample"], ["--from"]),
+    (["nonsense"], ["invalid choice"]),
+])
+def test_bad_flags_give_one_error_line(capsys, argv, needles):
+    _one_error_line(capsys, main(argv), *needles)
+
+
+def test_bad_data_gives_one_error_line(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(tmp_path / "no.txt")]),
+                    "does not exist")
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(np.array([1234, 1, 10] + [0] * 253, "<i4").tobytes() + b"\0" * 20)
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(bad)]),
+                    "magic 1234", "20240520")
+    shard = write_shard(tmp_path / "tok.bin", np.arange(3000) % 1000)
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(shard),
+                                  "--vocab-size", "256"]), "token id 999", "vocabulary is 256")
+    _one_error_line(capsys, main(["sample", "--from", str(tmp_path / "nowhere")]), "does not exist")
+    (tmp_path / "small.txt").write_text("tiny")
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data",
+                                  str(tmp_path / "small.txt")]), "too few for one batch")
+
+
+def test_info_and_bench(capsys):
+    assert main(["info"]) == 0
+    assert "device:" in capsys.readouterr().out
+    assert main(["info", "--json"]) == 0
+    assert '"device"' in capsys.readouterr().out
+    _one_error_line(capsys, main(["bench"]), "not yet available (issue 6)")
+
+
+def test_module_entry_point_error_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "llmgpu", "train", "--steps", "0"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["llmgpu: error: argument --steps: --steps must be >= 1, got 0 "
+                                             "(see 'llmgpu train --help')"]
