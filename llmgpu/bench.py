@@ -429,7 +429,7 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x':>12}")
     lines.append("-" * len(head))
     if ceiling_tflops:
-        lines.append(f"{MFU_FORMULA}; ceiling {ceiling_tflops:.0f} TFLOP/s")
+        lines.append(f"{MFU_FORMULA}; ceiling {ceiling_tflops:.3g} TFLOP/s")
     else:
         lines.append(MFU_FORMULA)
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The ``llmgpu`` command: ``train``, ``sample``, ``info`` (and ``bench``, arriving with issue 6).
+"""The ``llmgpu`` command: ``train``, ``sample``, ``info`` and ``bench``.
 
 ``llmgpu train`` with no arguments trains on the embedded corpus (the Python standard library's
 sources, byte-level): on a CPU the ``tiny`` preset for about three minutes, on a GPU GPT-2 small
@@ -138,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="device facts: GPU, memory, CuPy/CUDA versions, peak FLOP/s")
     i.add_argument("--json", action="store_true", help="print JSON")
 
-    sub.add_parser("bench", help="benchmarks (not yet available: issue 6)")
+    b = sub.add_parser("bench", help="train steps of llmgpu and PyTorch (eager, torch.compile) side by side")
+    from . import bench
+
+    bench.add_arguments(b)
     return p
 
 
@@ -237,7 +240,12 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    raise UsageError("'llmgpu bench' is not yet available (issue 6); run the scripts in benchmarks/ meanwhile")
+    from . import bench
+
+    try:
+        return bench.bench_main(a)
+    except ValueError as e:  # unknown mode, bad sizes
+        raise UsageError(str(e)) from None
 
 
 def main(argv=None) -> int:

@@ -82,7 +82,7 @@ def test_info_and_bench(capsys):
     assert "device:" in capsys.readouterr().out
     assert main(["info", "--json"]) == 0
     assert '"device"' in capsys.readouterr().out
-    _one_error_line(capsys, main(["bench"]), "not yet available (issue 6)")
+    _one_error_line(capsys, main(["bench", "--modes", "llmgpu,warp-speed"]), "unknown mode")
 
 
 def test_module_entry_point_error_is_one_line():
