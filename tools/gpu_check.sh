@@ -7,7 +7,8 @@
 # 4. the notebooks executed in place, so their committed outputs come from this GPU
 # 5. the benchmarks (each writes benchmarks/results/*.json)
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
-# STEPS="tests nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments.
+# STEPS="tests nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
+# STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
 # Without network (the lab's H200): wheels in ./.whl are installed first (../shared/tools/gpu-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ run() {  # run NAME CMD...: log to $OUT/logs/NAME.log, remember failures, keep g
   local name=$1; shift
   local t0=$SECONDS
   echo "==> $name: $*"
-  "$@" > "$OUT/logs/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-0}" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/logs/$name.log"
   echo "<== $name: exit $rc ($((SECONDS - t0)) s)"
@@ -35,7 +36,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 run device python3 -c "import llmgpu, cupy; print(llmgpu.device_info().summary()); print('cupy', cupy.__version__)"
 run compile python3 -m llmgpu.kernels.compile_check -a sm_90
-has tests && run pytest env LLMGPU_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} tests
+has tests && run pytest env LLMGPU_REQUIRE_GPU=1 python3 -m pytest -q -rs --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} tests
 has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
 has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
 if has bench; then
