@@ -315,7 +315,7 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     weight gradients from bf16 inputs). Epilogues (module docstring): ``"bias"`` needs ``bias`` [N];
     ``"gelu_bias"`` needs ``bias`` [N] and ``aux`` [M, N] (written: the pre-activation);
     ``"dgelu"`` needs ``aux`` [M, N] (read: the forward's pre-activation); ``"bgradb"`` needs
-    ``dbias`` [M] (written, fp32 or the input dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
+    ``dbias`` [M] (written, in ``out``'s dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
     1 for the GELU and bias-gradient epilogues and ``beta`` 0 for the GELU ones.
     """
     if epilogue not in EPILOGUES:
@@ -367,8 +367,14 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
         check_array("aux", aux, shape=(m, n), dtype=out.dtype)
     if dbias is not None:
         check_array("dbias", dbias, shape=(m,))
-        if dbias.dtype not in (a.dtype, backend.float32) + ((backend.float64,) if on_np else ()):
-            raise TypeError(f"dbias must be fp32 or {backend.dtype_name(a.dtype)}, got {dbias.dtype}")
+        # cuBLASLt writes the bias gradient in the output's type: on the H200, bf16/fp16 inputs with a
+        # 16-bit out and an fp32 dbias found no algorithm (CUBLAS_STATUS_INVALID_VALUE), while fp32
+        # out + fp32 dbias and 16-bit out + 16-bit dbias ran. Refuse the rest here, on both backends.
+        if dbias.dtype != out.dtype and not (on_np and dbias.dtype == backend.float64):
+            raise TypeError(
+                f"dbias must have out's dtype ({backend.dtype_name(out.dtype)}), got {dbias.dtype}; "
+                "for an fp32 bias gradient pass an fp32 out (as the fp32 weight-gradient buffers are)"
+            )
     if epilogue in ("gelu_bias", "dgelu", "bgradb") and alpha != 1.0:
         raise ValueError(f"epilogue {epilogue!r} requires alpha == 1, got {alpha}")
     if epilogue in ("gelu_bias", "dgelu") and beta != 0.0:
@@ -444,17 +450,17 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
 
 
 def gelu_reference(x):
-    """tanh-GELU in x's (float32/float64) precision: the function of cuBLASLt's epilogues and ops.gelu."""
-    c = x.dtype.type
-    return c(0.5) * x * (c(1.0) + np.tanh(c(_SQRT_2_OVER_PI) * (x + c(_CUBIC) * x**3)))
+    """tanh-GELU (the function of cuBLASLt's epilogues), computed as ``ops.gelu`` does (in float64)."""
+    from .ops.gelu import gelu_forward_reference
+
+    return gelu_forward_reference(x)
 
 
 def gelu_grad_reference(x):
-    """d GELU(x) / dx for the tanh approximation."""
-    c = x.dtype.type
-    t = np.tanh(c(_SQRT_2_OVER_PI) * (x + c(_CUBIC) * x**3))
-    return c(0.5) * (c(1.0) + t) + c(0.5) * x * (c(1.0) - t * t) * c(_SQRT_2_OVER_PI) * (
-        c(1.0) + c(3.0 * _CUBIC) * x * x)
+    """d GELU(x) / dx for the tanh approximation, as ``ops.gelu`` computes it."""
+    from .ops.gelu import gelu_backward_reference
+
+    return gelu_backward_reference(np.ones_like(x), x)
 
 
 def _lt_numpy(a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta):

@@ -31,9 +31,10 @@ def ref_adamw64(p, m, v, grads, *, lr, beta1, beta2, eps, wd, scales, lrs=None):
     return p, m, v
 
 
-def _rel(a, b):
+def _rel(a, b, scale=None):
+    """‖a − b‖ over ‖b‖, or over ``scale`` where b is a difference of terms that can cancel."""
     a, b = (backend.to_numpy(x).astype(np.float64) for x in (a, b))
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b) if scale is None else scale, 1e-30)
 
 
 def _init(P, rng):

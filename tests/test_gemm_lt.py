@@ -240,8 +240,14 @@ def test_gpu_bgradb_matches_separate_ops(cp, lt, rng, dtype, shape, db_dtype):
     dy, x = _dev(cp, rng, (T, Cout), dtype), _dev(cp, rng, (T, Cin), dtype)
     dbt = "fp32" if db_dtype == "fp32" else dtype
     db = poisoned((Cout,), dbt, cp)
-    dw = lt_gemm(dy, x, trans_a=True, out=poisoned((Cout, Cin), dtype, cp), epilogue="bgradb", dbias=db)
-    assert_close(dw, gemm(dy, x, trans_a=True), dtype, name="dW")
+    if dbt != dtype:  # an fp32 bias gradient needs an fp32 out (cuBLASLt has no algorithm otherwise)
+        with pytest.raises(TypeError, match="dbias must have out's dtype"):
+            lt_gemm(dy, x, trans_a=True, out=poisoned((Cout, Cin), dtype, cp), epilogue="bgradb", dbias=db)
+        dw = lt_gemm(dy, x, trans_a=True, out=poisoned((Cout, Cin), "fp32", cp), epilogue="bgradb", dbias=db)
+        assert_close(dw, gemm(dy, x, trans_a=True, out_dtype="fp32"), dtype, name="dW")
+    else:
+        dw = lt_gemm(dy, x, trans_a=True, out=poisoned((Cout, Cin), dtype, cp), epilogue="bgradb", dbias=db)
+        assert_close(dw, gemm(dy, x, trans_a=True), dtype, name="dW")
     assert_close(db, bias_grad(dy, out=cp.empty((Cout,), np.float32)), dtype, name="db")
 
 
@@ -285,7 +291,7 @@ def test_gpu_less_aligned_views(cp, lt, rng):
     heuristic for that alignment instead of assuming cuBLASLt's default."""
     from llmgpu.gemm import gemm
 
-    flat = _dev(cp, rng, (16 + 64 * 48 + 16 + 48,), "bf16")
+    flat = _dev(cp, rng, (16 + 64 * 48 + 16 + 64,), "bf16")  # weight [64, 48], then a bias of 64
     w = flat[16:16 + 64 * 48].reshape(64, 48)
     b = flat[16 + 64 * 48 + 16:]
     assert w.data.ptr % 256 != 0

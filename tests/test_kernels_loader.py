@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -41,14 +44,25 @@ def test_show_source_returns_highlightable_code():
     assert "vector_add" in html
 
 
-@pytest.mark.parametrize("name", loader.available())
-def test_compiles_for_sm90_without_spills(name):
-    """The same NVRTC build CI runs, per file (needs CuPy's NVRTC, not a GPU)."""
+@pytest.fixture(scope="module")
+def sm90_report():
+    """The CI compile check for sm_90, in a fresh process as CI runs it.
+
+    A fresh process matters: in a process that has already loaded another NVRTC (PyTorch brings its
+    own), NVRTC's ptxas report came back empty on the H200, and the report is what shows spills.
+    """
     pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")
-    r = compile_check.compile_file(name, "sm_90")
-    assert r.ok, r.log
-    assert {k.expression for k in r.kernels} == set(loader.name_expressions(name))
-    assert not [k.expression for k in r.kernels if k.spills]
+    r = subprocess.run([sys.executable, "-m", "llmgpu.kernels.compile_check", "-a", "sm_90"],
+                       capture_output=True, text=True, timeout=600)
+    return r
+
+
+@pytest.mark.parametrize("name", loader.available())
+def test_compiles_for_sm90_without_spills(sm90_report, name):
+    lines = [ln for ln in sm90_report.stdout.splitlines() if ln[5:].startswith(f"{name}.cu [sm_90]")]
+    assert lines, sm90_report.stdout + sm90_report.stderr
+    n_declared = len(loader.name_expressions(name))
+    assert lines[0] == f"ok   {name}.cu [sm_90]: {n_declared} kernels", sm90_report.stdout
 
 
 def test_compile_check_reports_errors(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from llmgpu import backend
 from llmgpu.ops.layernorm import METHODS, layernorm_backward, layernorm_forward
-from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
+from llmgpu.testing import assert_close, check_gradient, poisoned, random_array, tolerance
 
 pytestmark = pytest.mark.ch3
 
@@ -151,7 +151,16 @@ def test_gpu_matches_reference(cp, rng, dtype, method, n, c):
         dyd, xd, gd, mean, rstd, method=method, dx_out=poisoned((n, c), dtype, cp),
         dgamma_out=poisoned((c,), dtype, cp), dbeta_out=poisoned((c,), dtype, cp),
     )
-    assert_close(dx, ref_dx, dtype, name="dx")
+    if c == 1:
+        # With one channel x̂ = 0 and dx is exactly 0 in exact arithmetic; what is left after rounding
+        # is a residue of order eps · rstd · |dy·γ| (rstd = 1/sqrt(eps) ≈ 316 here), not an error
+        # that a relative measure against 0 could judge. Bound it by that scale instead.
+        f64 = lambda a: np.asarray(a, np.float64)
+        scale = np.abs(f64(ref_r)[:, None] * f64(dy) * f64(gamma))
+        residue = np.abs(backend.to_numpy(dx).astype(np.float64))
+        assert np.all(np.isfinite(residue)) and residue.max() <= tolerance(dtype) * scale.max()
+    else:
+        assert_close(dx, ref_dx, dtype, name="dx")
     assert_close(dg, ref_dg, dtype, name="dgamma")
     assert_close(db, ref_db, dtype, name="dbeta")
 

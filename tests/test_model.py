@@ -379,8 +379,8 @@ def test_gpu_ten_adamw_steps_match_pytorch(cp, rng, dtype, tol):
     opt = AdamW(m.params, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     clip = GradClipper(1.0, xp=cp)
     ours, theirs = [], []
+    idx, tgt = _batch(rng, cfg, B=4, T=32)  # one batch, seen 10 times: the loss must fall
     for _ in range(10):
-        idx, tgt = _batch(rng, cfg, B=4, T=32)
         loss = m.forward_backward(cp.asarray(idx), cp.asarray(tgt))
         res = clip(m.params.grad)
         opt.step(grad_scale=res.scale, zero_grad=True)

@@ -435,6 +435,14 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     for n, a in (("do", do), ("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         if a.data.ptr % 16:
             raise ValueError(f"{n} must start on a 16-byte boundary")
+    if T == 1:
+        # One position: softmax over a single score is 1, so o = v and the scores get no gradient
+        # (dS = P ⊙ (dP − Σ P⊙dP) = 0): dq = dk = 0, dv = dO. cuDNN (frontend 1.32, seen on the H200)
+        # builds no backward graph for T = 1, so this exact special case stands in for it.
+        dq[...] = 0
+        dk[...] = 0
+        dv[...] = do
+        return dq, dk, dv
     cudnn = _cudnn()
     dev = _device(cudnn, xp)
     arrays = {"q": q, "k": k, "v": v, "o": o, "dO": do, "stats": lse, "dQ": dq, "dK": dk, "dV": dv}
