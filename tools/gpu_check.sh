@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-gpu_results}
 mkdir -p "$OUT/logs"
 STEPS=${STEPS:-"tests nbval execute bench"}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu MPLBACKEND=Agg
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu  # no MPLBACKEND: notebooks need the inline backend
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
