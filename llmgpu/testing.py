@@ -29,26 +29,31 @@ def tolerance(dtype) -> float:
     return TOLERANCE[backend.resolve_dtype(dtype)]
 
 
-def rel_error(out, ref) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64 (NumPy or CuPy arrays); inf when out has NaN/inf."""
+def rel_error(out, ref, scale=None) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (NumPy or CuPy arrays); inf when out has NaN/inf.
+
+    ``scale`` replaces ‖ref‖ in the denominator for outputs that are differences of larger terms
+    (softmax backward's ``dp − Σ p⊙dp`` when one probability is ≈ 1, AdamW's moments): rounding
+    error is proportional to the terms, so that is the size to measure it against.
+    """
     out = backend.to_numpy(out).astype(np.float64)
     ref = backend.to_numpy(ref).astype(np.float64)
     if out.shape != ref.shape:
         raise AssertionError(f"shape mismatch: out {out.shape} vs reference {ref.shape}")
     if not np.all(np.isfinite(out)):
         return float("inf")
-    denom = np.linalg.norm(ref.ravel())
+    denom = np.linalg.norm(ref.ravel()) if scale is None else float(scale)
     num = np.linalg.norm((out - ref).ravel())
     if denom == 0.0:
         return float(num)
     return float(num / denom)
 
 
-def assert_close(out, ref, dtype=None, rtol=None, name="output"):
-    """Fail unless rel_error(out, ref) <= rtol (default: TOLERANCE of ``dtype`` or of out's dtype)."""
+def assert_close(out, ref, dtype=None, rtol=None, name="output", scale=None):
+    """Fail unless rel_error(out, ref, scale) <= rtol (default: TOLERANCE of ``dtype`` or out's dtype)."""
     if rtol is None:
         rtol = tolerance(dtype if dtype is not None else out.dtype)
-    err = rel_error(out, ref)
+    err = rel_error(out, ref, scale)
     if not err <= rtol:  # also catches NaN
         n_bad = int(np.sum(~np.isfinite(backend.to_numpy(out).astype(np.float64))))
         extra = f" ({n_bad} non-finite elements: unwritten output?)" if n_bad else ""

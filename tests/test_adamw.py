@@ -213,7 +213,10 @@ def test_adamw_update_gpu_vs_reference(cp, rng, n, gdt):
     dp, dm, dv, dg = (cp.asarray(a) for a in (p, m, v, g))
     w = cp.full(n, cp.nan, dtype=cp.dtype(backend.bfloat16))  # poisoned working copy
     adamw_update(dp, dg, dm, dv, working=w, **kw)
-    assert _rel(dp, rp) < 1e-6 and _rel(dm, rm) < 1e-6 and _rel(dv, rv) < 1e-6
+    # m = β1·m + (1 − β1)·s·g can cancel to a tiny value (seen with n=1 on the H200): measure its
+    # error against the size of the two terms, which is what fp32 rounding is proportional to.
+    m_terms = np.linalg.norm(0.9 * np.abs(m) + 0.1 * 0.5 * np.abs(g.astype(np.float64)))
+    assert _rel(dp, rp) < 1e-6 and _rel(dm, rm, scale=m_terms) < 1e-6 and _rel(dv, rv) < 1e-6
     np.testing.assert_array_equal(backend.to_numpy(w).view(np.uint16),
                                   backend.to_numpy(dp).astype(backend.bfloat16).view(np.uint16))
 
