@@ -33,7 +33,7 @@ from llmgpu.ops.attention import (  # noqa: E402
     attention_stage_times,
 )
 from llmgpu.testing import random_array  # noqa: E402
-from llmgpu.timing import copy_bandwidth, save_results, time_fn  # noqa: E402
+from llmgpu.timing import copy_bandwidth, save_results, time_fn, time_torch, torch_cuda  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ch2_softmax_attention.json"
 KERNELS = ("naive", "warp", "block")
@@ -167,24 +167,8 @@ def bench_torch_attention(B, H, T, D, table, reps, ours):
 # --------------------------------------------------------------------------- torch helpers
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def _time_torch(torch, fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return float(np.median([a.elapsed_time(b) for a, b in ev]))
+_torch = torch_cuda
+_time_torch = time_torch
 
 
 # --------------------------------------------------------------------------- main

@@ -51,29 +51,13 @@ def parse_args(argv):
 
 
 def _torch():
-    try:
-        import torch
-        import torch.nn.functional as F
-    except Exception:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return torch, F
+    torch = timing.torch_cuda()
+    return None if torch is None else (torch, torch.nn.functional)
 
 
-def _time_torch(torch, fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return float(np.median([s.elapsed_time(e) for s, e in events]))
+_time_torch = timing.time_torch
+
+
 
 
 def _torch_layernorm(torch, F, sz, dt, reps):

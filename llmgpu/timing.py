@@ -132,3 +132,28 @@ def save_results(path, payload: dict, xp=None) -> dict:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2, default=float) + "\n")
     return data
+
+
+def torch_cuda():
+    """The ``torch`` module when PyTorch is importable and sees a CUDA device, else None.
+
+    Benchmarks time PyTorch's equivalent of each kernel in the same run when it is there.
+    """
+    try:
+        import torch
+    except Exception:  # not installed, or a broken install: no comparison, not a crash
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def time_torch(torch, fn, reps: int, warmup: int = 3) -> float:
+    """Median ms of ``fn()`` over ``reps`` calls, each bracketed by PyTorch CUDA events."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(np.median([start.elapsed_time(end) for start, end in events]))
