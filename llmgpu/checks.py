@@ -43,6 +43,19 @@ def check_array(name, a, *, ndim=None, shape=None, dtype=None, dtypes=FLOAT_DTYP
     return a
 
 
+def check_choice(name, value, choices):
+    """``value`` must be one of ``choices`` (e.g. an op's ``method``)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def reference_dtype(*dtypes):
+    """Arithmetic type of the NumPy references (a scalar type, callable on constants): float64 when
+    any input is float64, else float32."""
+    return np.float64 if any(np.dtype(d) == backend.float64 for d in dtypes) else np.float32
+
+
 def check_same_dtype(**arrays):
     dts = {n: a.dtype for n, a in arrays.items() if a is not None}
     if len(set(dts.values())) > 1:

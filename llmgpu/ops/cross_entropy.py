@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out
+from ..checks import array_module, check_array, check_choice, check_out, reference_dtype
 from ..kernels import get_kernel
 
 METHODS = ("naive", "optimized")
@@ -60,12 +60,10 @@ class CrossEntropyCache:
 
 
 def _check_method(method):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)
 
 
-def _compute_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
+_compute_dtype = reference_dtype
 
 
 def _threads(v, dtype):

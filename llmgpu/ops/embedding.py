@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype
+from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
 
 METHODS = ("naive", "optimized")
@@ -34,12 +34,10 @@ THREADS = 256
 
 
 def _check_method(method):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)
 
 
-def _compute_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
+_compute_dtype = reference_dtype
 
 
 def _check_ids_numpy(idx, v):

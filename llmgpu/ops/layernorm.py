@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype
+from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
 
 METHODS = ("naive", "optimized")
@@ -48,8 +48,7 @@ _FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory varia
 
 
 def _check_method(method):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)
 
 
 def _rows(x):
@@ -74,8 +73,7 @@ def _check_stats(name, a, x, n_rows):
 # --------------------------------------------------------------------------- NumPy reference
 
 
-def _compute_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
+_compute_dtype = reference_dtype
 
 
 def layernorm_forward_reference(x2, gamma, beta, eps):

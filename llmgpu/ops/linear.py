@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype
+from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype
 from ..gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
 from ..kernels import get_kernel
 
@@ -204,8 +204,7 @@ def _store(dst, value, accumulate):
     dst[...] = value.astype(dst.dtype)
 
 
-def _acc_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
+_acc_dtype = reference_dtype
 
 
 # --------------------------------------------------------------------------- argument checks

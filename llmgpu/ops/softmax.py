@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out
+from ..checks import array_module, check_array, check_out, reference_dtype
 from ..kernels import get_kernel
 
 METHODS = ("naive", "warp", "block", "auto")
@@ -82,8 +82,7 @@ def _causal_mask(T):
     return np.tril(np.ones((T, T), dtype=bool))
 
 
-def _compute_dtype(*dtypes):
-    return np.float64 if any(d == backend.float64 for d in dtypes) else np.float32
+_compute_dtype = reference_dtype
 
 
 # --------------------------------------------------------------------------- forward
