@@ -69,6 +69,46 @@ def _mk(a, trans):
     return (c, r) if trans else (r, c)
 
 
+def check_operands(a, b, trans_a, trans_b, xp, op="gemm"):
+    """Validate the operands of ``op(a) @ op(b)`` and return ``(m, n, k, batch)``.
+
+    Shared by :func:`gemm` and :func:`llmgpu.gemm_lt.lt_gemm`: same layouts, dtypes and batching rules.
+    """
+    check_array("a", a)
+    check_array("b", b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"{op} needs matrices: a has shape {tuple(a.shape)}, b has shape {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype not in _CUDA_DTYPE and not (xp is np and a.dtype == backend.float64):
+        raise TypeError(f"{op} supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
+    m, k = _mk(a, trans_a)
+    k2, n = _mk(b, trans_b)
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
+    batch = a.shape[:-2]
+    if b.ndim > 2 and b.shape[:-2] != batch:
+        raise ValueError(f"batch shapes differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    return m, n, k, batch
+
+
+def prepare_out(out, shape, in_dtype, xp, *, beta=0.0, out_dtype=None):
+    """The output buffer: a new one (``out_dtype``, default the input dtype) or the caller's, checked.
+
+    ``out`` may hold the input dtype or fp32 (fp64 too on NumPy); ``beta != 0`` accumulates into it,
+    so then it must be given.
+    """
+    if out is None:
+        if beta != 0.0:
+            raise ValueError("beta != 0 accumulates into out, so out must be given")
+        return xp.empty(shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else in_dtype)
+    check_array("out", out, shape=shape)
+    allowed = (in_dtype, backend.float32) + ((backend.float64,) if xp is np else ())
+    if out.dtype not in allowed:
+        raise TypeError(f"out must be {backend.dtype_name(in_dtype)} or fp32, got {out.dtype}")
+    return out
+
+
 def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, out_dtype=None):
     """``out = alpha · op(a) @ op(b) + beta · out`` for row-major arrays, fp32 accumulation.
 
@@ -78,30 +118,8 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, o
     it must be given and is accumulated into (how weight gradients add up across micro-batches).
     """
     xp = array_module(a=a, b=b, out=out)
-    check_array("a", a)
-    check_array("b", b)
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"gemm needs matrices: a has shape {a.shape}, b has shape {b.shape}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype not in _CUDA_DTYPE and not (xp is np and a.dtype == backend.float64):
-        raise TypeError(f"gemm supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
-    m, k = _mk(a, trans_a)
-    k2, n = _mk(b, trans_b)
-    if k != k2:
-        raise ValueError(f"inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
-    batch = a.shape[:-2]
-    if b.ndim > 2 and b.shape[:-2] != batch:
-        raise ValueError(f"batch shapes differ: a {a.shape}, b {b.shape}")
-    out_shape = (*batch, m, n)
-    if out is None:
-        if beta != 0.0:
-            raise ValueError("beta != 0 accumulates into out, so out must be given")
-        out = xp.empty(out_shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else a.dtype)
-    else:
-        check_array("out", out, shape=out_shape)
-        if out.dtype not in (a.dtype, backend.float32, backend.float64 if xp is np else a.dtype):
-            raise TypeError(f"out must be {a.dtype} or float32, got {out.dtype}")
+    m, n, k, batch = check_operands(a, b, trans_a, trans_b, xp)
+    out = prepare_out(out, (*batch, m, n), a.dtype, xp, beta=beta, out_dtype=out_dtype)
 
     if xp is np:
         return _gemm_numpy(a, b, trans_a, trans_b, out, alpha, beta)

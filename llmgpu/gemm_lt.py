@@ -62,16 +62,15 @@ import numpy as np
 
 from . import backend
 from .checks import array_module, check_array
+from .gemm import CUDA_DATA_TYPES, check_operands, prepare_out
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
 _LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU",
                 "bgradb": "BGRADB"}
 
 # cudaDataType_t and cublasComputeType_t values (library_types.h, cublas_api.h)
-_CUDA_R = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}
 CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
-_GPU_DTYPES = tuple(_CUDA_R)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
 _MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
@@ -299,11 +298,6 @@ def plan_count() -> int:
 # --------------------------------------------------------------------------- the public call
 
 
-def _mk(a, trans):
-    r, c = a.shape[-2], a.shape[-1]
-    return (c, r) if trans else (r, c)
-
-
 def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue="none", aux=None, dbias=None,
             alpha=1.0, beta=0.0, out_dtype=None):
     """``out = epilogue(alpha · op(a) @ op(b) + beta · out)`` for row-major arrays via cuBLASLt; returns out.
@@ -321,34 +315,12 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     xp = array_module(a=a, b=b, out=out, bias=bias, aux=aux, dbias=dbias)
-    check_array("a", a)
-    check_array("b", b)
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"lt_gemm needs matrices: a has shape {tuple(a.shape)}, b has shape {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
     on_np = xp is np
-    if a.dtype not in _GPU_DTYPES and not (on_np and a.dtype == backend.float64):
-        raise TypeError(f"lt_gemm supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
-    m, k = _mk(a, trans_a)
-    k2, n = _mk(b, trans_b)
-    if k != k2:
-        raise ValueError(f"inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
-    batch = a.shape[:-2]
-    if b.ndim > 2 and b.shape[:-2] != batch:
-        raise ValueError(f"batch shapes differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    m, n, k, batch = check_operands(a, b, trans_a, trans_b, xp, op="lt_gemm")
     if batch and epilogue != "none":
         raise ValueError(f"epilogue {epilogue!r} takes 2-D a and b; batched products support epilogue='none' only")
     out_shape = (*batch, m, n)
-    if out is None:
-        if beta != 0.0:
-            raise ValueError("beta != 0 accumulates into out, so out must be given")
-        out = xp.empty(out_shape, dtype=backend.resolve_dtype(out_dtype) if out_dtype else a.dtype)
-    else:
-        check_array("out", out, shape=out_shape)
-        allowed = (a.dtype, backend.float32) + ((backend.float64,) if on_np else ())
-        if out.dtype not in allowed:
-            raise TypeError(f"out must be {backend.dtype_name(a.dtype)} or fp32, got {out.dtype}")
+    out = prepare_out(out, out_shape, a.dtype, xp, beta=beta, out_dtype=out_dtype)
     alpha, beta = float(alpha), float(beta)
 
     # ---- epilogue operands
@@ -412,7 +384,7 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
     else:
         align = (_alignment(a_ptr), _alignment(b_ptr), _alignment(o_ptr))
     bias_arr = bias if bias is not None else dbias
-    bias_code = _CUDA_R[bias_arr.dtype] if bias_arr is not None else None
+    bias_code = CUDA_DATA_TYPES[bias_arr.dtype] if bias_arr is not None else None
     key = (st.device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a),
            bool(trans_b), m, n, k, count, b_batched, align)
     plan = _PLANS.get(key)
@@ -422,7 +394,7 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
         spec = {
             "epilogue": epilogue, "trans_a": trans_a, "trans_b": trans_b, "m": m, "n": n, "k": k, "count": count,
             "a_rc": a.shape[-2:], "b_rc": b.shape[-2:], "b_stride": b_stride, "align": align,
-            "in_code": _CUDA_R[a.dtype], "out_code": _CUDA_R[out.dtype], "bias_code": bias_code,
+            "in_code": CUDA_DATA_TYPES[a.dtype], "out_code": CUDA_DATA_TYPES[out.dtype], "bias_code": bias_code,
             "aux_ld": n if aux is not None else None,
             "describe": (f"{'batch ' + str(count) + ' x ' if count > 1 else ''}op(a)[{m}x{k}] @ op(b)[{k}x{n}] "
                          f"{backend.dtype_name(a.dtype)}->{backend.dtype_name(out.dtype)} epilogue={epilogue}"
