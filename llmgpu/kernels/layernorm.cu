@@ -39,6 +39,14 @@
 //      the 16 thread partials added in order, and rounds once to the parameter dtype.
 // (llm.c's layernorm_backward accumulates in shared memory with atomics instead; Apex and PyTorch
 // use a separate column-reduction kernel that reads x and dy a second time.)
+//
+// A third generation, at the end of the file, is written for bandwidth first:
+//   layernorm_backward_fast      the backward with the row held in registers, the next row's loads
+//                                issued before the current row is reduced (two rows in flight per
+//                                warp), gamma in shared memory, optional dresidual added into dx;
+//   layernorm_param_grad_finish  the second stage for it (many loads in flight per thread; can add
+//                                into fp32 gradient buffers);
+//   add_layernorm_forward_warp   residual add + LayerNorm in one pass (s = a + b, y = LN(s)).
 #include "common.cuh"
 
 // llmgpu:kernel layernorm_forward_naive<{float,__half,__nv_bfloat16}>
@@ -49,6 +57,10 @@
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 0, 0>
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}>
+// llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
+// llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
 
 // W consecutive elements moved as one access (16 bytes when sizeof(T) * W == 16), as llm.c's Packed128.
 template <typename T, int W>
@@ -437,5 +449,361 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
         } else {
             dbeta[col - C] = from_float<T>(r);
         }
+    }
+}
+
+// ===================================================================================== "fast"
+//
+// Why the "optimized" backward above stops near 65 % of the copy bandwidth (H200, 65536 x 768 bf16)
+// and how layernorm_backward_fast is shaped instead:
+//
+//  * Memory-level parallelism. A memory-bound kernel runs at full bandwidth only while enough bytes
+//    are in flight: by Little's law ~4.3 TB/s x ~1-2 us loaded DRAM latency = 4-8 MB over 132 SMs,
+//    30-65 KB of outstanding loads per SM. In layernorm_backward_warp each warp alternates phases:
+//    load the row -> two warp reductions -> load the row again (L1/L2) -> store dx -> next row. Only
+//    in the first phase does it have DRAM loads outstanding, so on average an SM holds far fewer
+//    bytes in flight than its warps could. Here each warp keeps its whole row in registers (dy and
+//    x as raw 16-byte packs: 4 registers per pack, P packs per lane) and issues the loads of its
+//    NEXT row before it starts reducing the current one (software pipelining, two rows in flight per
+//    warp). While it shuffles, computes and stores row r, row r + 1 is already on its way.
+//  * No second pass. dy and x are read from DRAM exactly once and never re-read; gamma (the same
+//    for every row) is converted to fp32 once per block into shared memory, laid out so that a
+//    warp's 16-byte reads are conflict-free ((p * Q + q) * 32 + lane, in float4 units).
+//  * Registers are the budget. Row buffers (2 rows x {dy, x[, dresidual]}) + dgamma/dbeta
+//    accumulators (2 P W floats, they stay in registers across all rows of the warp) are what a
+//    thread holds; LnFastPlan estimates it and __launch_bounds__ asks for 2 blocks of 8 warps per
+//    SM where the estimate fits 128 registers (16 warps x 2 rows x 3 KB = 96 KB in flight for
+//    768 bf16), else 1 block (8 warps x 2 rows; bigger rows, same bytes in flight).
+//  * Every warp does the same number of rows: the host picks the grid so that the rows divide as
+//    evenly as the resident warps allow (no tail wave).
+//  * Streaming loads (__ldcs, evict-first) for dy, x and dresidual: each byte is used once.
+//  * Deterministic dgamma/dbeta without atomics: lane accumulators in row order, then the block's
+//    warps in order w = 0..7 (one round through shared memory: all warps store, every thread adds
+//    its columns over w in order), one [gridDim.x, 2, C] fp32 partial row per block, and
+//    layernorm_param_grad_finish sums the blocks in a fixed order. Same inputs, same grid (the grid
+//    depends only on N, C, the SM count and the kernel's register count), same bits.
+//  * dx = LN backward + dresidual in the same kernel (the gradient of the residual branch that
+//    skips the LayerNorm): one read of dresidual instead of a separate add kernel. dx may alias
+//    dresidual (in place): every element is read by the lane that later writes it, before it is
+//    written, and the two pointers are not __restrict__.
+//
+// Restrictions (the host falls back to the "optimized" kernels otherwise): C a multiple of the pack
+// width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (1024 for
+// 16-bit, 768 for fp32: beyond that the accumulators alone would not fit in registers).
+
+#if defined(__HIPCC__)
+#define LN_LOAD_STREAM(p) (*(p))
+#else
+#define LN_LOAD_STREAM(p) __ldcs(p)  // ld.global.cs: evict-first, the data is not reused
+#endif
+
+// One 16-byte pack, loaded with a streaming load, kept raw (4 registers whatever T is).
+template <typename T>
+__device__ __forceinline__ LnPack<T, 16 / (int)sizeof(T)> ln_load_stream(const T* p) {
+    LnPack<T, 16 / (int)sizeof(T)> r;
+    *reinterpret_cast<uint4*>(&r) = LN_LOAD_STREAM(reinterpret_cast<const uint4*>(p));
+    return r;
+}
+
+// Element k of a raw pack as fp32. For bf16 the float is the 16 bits moved to the top of a 32-bit
+// word: one shift or mask on the word that holds the pair (sm_90's cvt.f32.bf16 path first unpacks
+// 16-bit halves into registers of their own, which costs the registers this kernel is short of).
+template <typename T, int W>
+__device__ __forceinline__ float ln_elem(const LnPack<T, W>& p, int k) {
+    return to_float(p.v[k]);
+}
+template <>
+__device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const LnPack<__nv_bfloat16, 8>& p, int k) {
+    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
+    return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+
+// Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
+template <typename T, int P, int RES>
+struct LnFastPlan {
+    static constexpr int W = 16 / (int)sizeof(T);
+    static constexpr int regs = 2 * P * W              // dgamma, dbeta accumulators
+                                + 2 * (2 + RES) * 4 * P  // current + next row: dy, x (, dresidual) packs
+                                + 32;                    // addresses, statistics, loop state, temporaries
+    static constexpr int min_blocks = regs <= 128 ? 2 : 1;  // blocks of 256 threads
+};
+
+// Backward, one warp per row, rows gw, gw + nw, gw + 2 nw, ... (gw = global warp id, nw = warps in
+// the grid). blockDim.x == 256 (8 warps). Dynamic shared memory: 4 * max(32 * P * W, 8 * C) bytes.
+// RES = 1: dx = LN backward + dres (dres may be dx itself).
+template <typename T, int P, int RES>
+__global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
+    layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+                            const float* __restrict__ mean, const float* __restrict__ rstd, const T* dres, T* dx,
+                            float* __restrict__ partial, int N, int C) {
+    constexpr int W = 16 / (int)sizeof(T);
+    constexpr int Q = W / 4;  // float4s per pack
+    using Pack = LnPack<T, W>;
+    extern __shared__ float4 ln_fast_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
+    const float inv_c = 1.0f / (float)C;
+
+    // gamma -> shared memory, fp32, float4 (p, q) of lane l at (p * Q + q) * 32 + l
+    for (int i = threadIdx.x; i < nvec * Q; i += blockDim.x) {
+        const int j = i / Q, q = i - j * Q;           // pack j, quarter q
+        const int p = j >> 5, l = j & 31;             // owned by lane l as its pack p
+        const T* g = gamma + j * W + 4 * q;
+        ln_fast_smem[(p * Q + q) * 32 + l] =
+            make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
+    }
+    __syncthreads();
+
+    float adg[P][W], adb[P][W];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) adg[p][k] = adb[p][k] = 0.0f;
+    }
+
+    // Row indices stay 32-bit (the host keeps N + warps in the grid below 2**31); element offsets
+    // are 64-bit. Each lane's packs of a row sit at base + 32 * W * p: one address per row and
+    // array, the per-pack offsets are immediates.
+    const int nw = gridDim.x * wpb;
+    int row = blockIdx.x * wpb + warp;
+    Pack cd[P], cx[P], cr[P];  // the current row: dy, x, dresidual
+    float cm = 0.0f, cs = 0.0f;
+    if (row < N) {
+        const long long off = (long long)row * C + lane * W;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+                cd[p] = ln_load_stream(dy + off + 32 * W * p);
+                cx[p] = ln_load_stream(x + off + 32 * W * p);
+                if constexpr (RES) cr[p] = ln_load_stream(dres + off + 32 * W * p);
+            }
+        }
+        cm = mean[row];
+        cs = rstd[row];
+    }
+
+    for (; row < N; row += nw) {
+        // 1. issue the next row's loads first: they travel while this row is reduced and stored
+        const int nxt = row + nw;
+        Pack nd[P], nx[P], nr[P];
+        float nm = 0.0f, ns = 0.0f;
+        if (nxt < N) {
+            const long long off = (long long)nxt * C + lane * W;
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                if (lane + 32 * p < nvec) {
+                    nd[p] = ln_load_stream(dy + off + 32 * W * p);
+                    nx[p] = ln_load_stream(x + off + 32 * W * p);
+                    if constexpr (RES) nr[p] = ln_load_stream(dres + off + 32 * W * p);
+                }
+            }
+            nm = mean[nxt];
+            ns = rstd[nxt];
+        }
+
+        // 2. the two row reductions and this row's share of dgamma/dbeta, all from registers
+        float sum_g = 0.0f, sum_gx = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const float4 g4 = ln_fast_smem[(p * Q + q) * 32 + lane];
+                    const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int k = 4 * q + e;
+                        const float d = ln_elem(cd[p], k);
+                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
+                        const float g = d * ga[e];
+                        sum_g += g;
+                        sum_gx += g * xh;
+                        adg[p][k] += d * xh;
+                        adb[p][k] += d;
+                    }
+                }
+            }
+        }
+        const float mg = warp_sum(sum_g) * inv_c, mgx = warp_sum(sum_gx) * inv_c;
+
+        // 3. dx (+ dresidual), one 16-byte store per pack
+        T* dxr = dx + (long long)row * C + lane * W;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+                Pack o;
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const float4 g4 = ln_fast_smem[(p * Q + q) * 32 + lane];
+                    const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int k = 4 * q + e;
+                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
+                        float v = cs * (ln_elem(cd[p], k) * ga[e] - mg - xh * mgx);
+                        if constexpr (RES) v += ln_elem(cr[p], k);
+                        o.v[k] = from_float<T>(v);
+                    }
+                }
+                *reinterpret_cast<Pack*>(dxr + 32 * W * p) = o;
+            }
+        }
+
+        // 4. the next row becomes the current one (register renaming after unrolling)
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            cd[p] = nd[p];
+            cx[p] = nx[p];
+            if constexpr (RES) cr[p] = nr[p];
+        }
+        cm = nm;
+        cs = ns;
+    }
+
+    // The block's sum, one half (dgamma, then dbeta) at a time through wpb * C floats of shared
+    // memory: every warp stores its columns, then thread t adds columns t, t + 256, ... over the
+    // warps in the fixed order w = 0, 1, ..., wpb - 1.
+    float* slab = reinterpret_cast<float*>(ln_fast_smem);
+    float* out = partial + (long long)blockIdx.x * 2 * C;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        __syncthreads();  // gamma (first round) or the previous half (second round) no longer read
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                float4* dst = reinterpret_cast<float4*>(slab + (long long)warp * C + j * W);
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const int k = 4 * q;
+                    dst[q] = half == 0 ? make_float4(adg[p][k], adg[p][k + 1], adg[p][k + 2], adg[p][k + 3])
+                                       : make_float4(adb[p][k], adb[p][k + 1], adb[p][k + 2], adb[p][k + 3]);
+                }
+            }
+        }
+        __syncthreads();
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float t = slab[c];
+            for (int w = 1; w < wpb; ++w) t += slab[(long long)w * C + c];
+            out[half * C + c] = t;
+        }
+    }
+}
+
+// Second stage of the fast backward: dgamma[c] = sum_b partial[b, 0, c], dbeta[c] = sum_b
+// partial[b, 1, c], in a fixed order, written as TO (the gradient buffer's dtype, fp32 or gamma's)
+// or, with ACC = 1, added to what the buffer holds (dgamma += ..., in fp32: the model accumulates
+// straight into its fp32 gradient buffers).
+// Block (32, 32), 32 columns of the 2C per block: thread (x, y) sums blocks b = y, y + 32, ... in
+// order, eight independent loads in flight at a time (the reduction is latency-bound: a few hundred
+// KB in total); then warp y adds the 32 partial sums of column y with a butterfly (fixed order too).
+template <typename TO, int ACC>
+__global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float* __restrict__ partial, int nparts,
+                                                                    int C, TO* dgamma, TO* dbeta) {
+    __shared__ float red[32][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const long long ld = 2LL * C;
+    const int col = blockIdx.x * 32 + tx;
+    float t = 0.0f;
+    if (col < 2 * C) {
+        const float* src = partial + col;
+        int b = ty;
+        for (; b + 7 * 32 < nparts; b += 8 * 32) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = src[(long long)(b + 32 * i) * ld];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t += v[i];
+        }
+        for (; b < nparts; b += 32) t += src[(long long)b * ld];
+    }
+    red[ty][tx] = t;
+    __syncthreads();
+    const float r = warp_sum(red[tx][ty]);  // warp ty: column blockIdx.x * 32 + ty, over the 32 rows
+    const int c = blockIdx.x * 32 + ty;
+    if (tx == 0 && c < 2 * C) {
+        TO* dst = c < C ? dgamma + c : dbeta + (c - C);
+        *dst = from_float<TO>(ACC ? to_float(*dst) + r : r);
+    }
+}
+
+// Residual add + LayerNorm forward, one warp per row (rows blockIdx.x * wpb + warp):
+//   s = a + b rounded to T (the residual stream, written to s),  y = LayerNorm(s),
+// statistics from the ROUNDED s, so y equals layernorm_forward(s) up to the order of the sums. One
+// pass over memory: read a, b; write s, y, mean, rstd (the unfused pair reads s back once more).
+// s may alias a or b (in place, residual_out=a): each lane loads all its packs of a and b before it
+// stores any of s, only that lane touches those addresses, and a, b, s are not __restrict__. Loading
+// everything first is also what keeps the loads in flight together (the compiler may not move a
+// load of a past a store to s that might alias it). 16-byte packs only (W = 16 / sizeof(T)), the row
+// in registers, P packs per lane; the host falls back to an add + layernorm_forward otherwise.
+template <typename T, int P>
+__global__ void __launch_bounds__(256) add_layernorm_forward_warp(const T* a, const T* b, const T* __restrict__ gamma,
+                                                                  const T* __restrict__ beta, T* s, T* y,
+                                                                  float* __restrict__ mean,
+                                                                  float* __restrict__ rstd, int N, int C, float eps) {
+    constexpr int W = 16 / (int)sizeof(T);
+    using Pack = LnPack<T, W>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (row >= N) return;
+    const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
+    const long long off = (long long)row * C;
+
+    Pack ra[P], rb[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int j = lane + 32 * p;
+        if (j < nvec) {
+            ra[p] = *reinterpret_cast<const Pack*>(a + off + j * W);
+            rb[p] = *reinterpret_cast<const Pack*>(b + off + j * W);
+        }
+    }
+    float v[P][W];
+    float sum = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int j = lane + 32 * p;
+        if (j < nvec) {
+            Pack st;
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                st.v[k] = from_float<T>(to_float(ra[p].v[k]) + to_float(rb[p].v[k]));
+                v[p][k] = to_float(st.v[k]);  // the rounded sum: what the next layer will read
+                sum += v[p][k];
+            }
+            *reinterpret_cast<Pack*>(s + off + j * W) = st;
+        } else {
+#pragma unroll
+            for (int k = 0; k < W; ++k) v[p][k] = 0.0f;
+        }
+    }
+    const float m = warp_sum(sum) / (float)C;
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (lane + 32 * p < nvec) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                const float d = v[p][k] - m;
+                ss += d * d;
+            }
+        }
+    }
+    const float r = rsqrtf(warp_sum(ss) / (float)C + eps);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int j = lane + 32 * p;
+        if (j < nvec) {
+            float g[W], bb[W], o[W];
+            load_pack<T, W>(gamma + j * W, g);
+            load_pack<T, W>(beta + j * W, bb);
+#pragma unroll
+            for (int k = 0; k < W; ++k) o[k] = (v[p][k] - m) * r * g[k] + bb[k];
+            store_pack<T, W>(y + off + j * W, o);
+        }
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
     }
 }

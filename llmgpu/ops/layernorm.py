@@ -17,7 +17,17 @@ multiply away, instead of two fresh reductions per row::
 
 * ``"naive"``      one thread per row (and one per column for dgamma/dbeta);
 * ``"optimized"``  one warp per row, 16-byte loads, the row kept in registers (one read of x in the
-  forward), dgamma/dbeta reduced in a fixed order (bitwise identical run to run, no atomics).
+  forward), dgamma/dbeta reduced in a fixed order (bitwise identical run to run, no atomics);
+* ``"fast"``       the backward written for bandwidth: the row in registers and read once, the next
+  row's loads in flight while the current one is reduced (two rows per warp), gamma in shared
+  memory, optional ``dresidual`` added into dx and ``accumulate_params`` added into fp32 gradient
+  buffers in the same kernels; deterministic too. Rows it cannot take (C not a multiple of 8 for
+  fp16/bf16 or 4 for fp32, unaligned pointers, C above 1024 (16-bit) or 768 (fp32)) run the
+  "optimized" kernels. Its forward is the "optimized" forward.
+
+``add_layernorm_forward(a, b, gamma, beta)`` fuses the residual add in front of the forward (the
+transformer's ``x = x + attn(...)`` followed by ``ln_2(x)``): one pass that writes both the new
+residual stream ``s = a + b`` (rounded to the storage dtype) and ``y = LayerNorm(s)``.
 
 Storage dtypes fp32, fp16, bf16 (x, gamma, beta, dy share one dtype); all arithmetic is fp32. The
 NumPy reference computes in fp32 (float64 for float64 input, used by the finite-difference checks).
@@ -33,7 +43,7 @@ from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
 
-METHODS = ("naive", "optimized")
+METHODS = ("naive", "optimized", "fast")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 # Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
@@ -42,6 +52,11 @@ _SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without opting 
 _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
 _FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory variant even where registers fit
+# "fast" backward: packs per lane it is instantiated for, by element size (C <= 32 * W * P_max), and warps
+# per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
+_FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
+_FAST_WARPS = 8
+_ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 
 
 # --------------------------------------------------------------------------- validation
@@ -51,9 +66,9 @@ def _check_method(method):
     check_choice("method", method, METHODS)
 
 
-def _rows(x):
+def _rows(x, name="x"):
     if x.ndim < 2:
-        raise ValueError(f"x must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
@@ -68,6 +83,43 @@ def _check_stats(name, a, x, n_rows):
     check_array(name, a, dtypes=(backend.float32, backend.float64))
     if tuple(a.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
         raise ValueError(f"{name} must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(a.shape)}")
+
+
+def _address(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _overlap(u, v):
+    """Whether two (contiguous) arrays share any byte."""
+    if u is None or v is None:
+        return False
+    pu, pv = _address(u), _address(v)
+    return pu < pv + v.nbytes and pv < pu + u.nbytes
+
+
+def _same_buffer(u, v):
+    return _address(u) == _address(v) and u.nbytes == v.nbytes
+
+
+def _check_alias(out_name, out, in_name, inp):
+    """``out`` may be ``inp`` itself (in place) but must not overlap it any other way."""
+    if _overlap(out, inp) and not _same_buffer(out, inp):
+        raise ValueError(f"{out_name} overlaps {in_name} without being the same buffer: pass {out_name}={in_name} "
+                         "for in place, or separate buffers")
+
+
+def _param_grad_dtype(gamma, dgamma_out, dbeta_out):
+    """dtype of dgamma/dbeta: gamma's, or fp32 when the caller passes fp32 buffers (both alike)."""
+    allowed = (gamma.dtype, np.dtype(np.float32))
+    for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
+        if o is not None and o.dtype not in allowed:
+            raise TypeError(f"{name} must be {backend.dtype_name(gamma.dtype)} (gamma's dtype) or fp32, got {o.dtype}")
+    if dgamma_out is not None and dbeta_out is not None and dgamma_out.dtype != dbeta_out.dtype:
+        raise TypeError(f"dgamma_out and dbeta_out must share one dtype, got {dgamma_out.dtype} and {dbeta_out.dtype}")
+    for o in (dgamma_out, dbeta_out):
+        if o is not None:
+            return o.dtype
+    return gamma.dtype
 
 
 # --------------------------------------------------------------------------- NumPy reference
@@ -88,16 +140,39 @@ def layernorm_forward_reference(x2, gamma, beta, eps):
     return y.astype(x2.dtype), mean.astype(ct), rstd.astype(ct)
 
 
-def layernorm_backward_reference(dy2, x2, gamma, mean, rstd):
-    """The math of the backward on NumPy arrays: returns (dx, dgamma, dbeta)."""
+def _backward_math(dy2, x2, gamma, mean, rstd, dresidual=None):
+    """(dx, dgamma, dbeta) in the compute dtype (float32, float64 for float64 input), not rounded."""
     ct = _compute_dtype(x2.dtype)
     xhat = (x2.astype(ct) - mean.astype(ct)[:, None]) * rstd.astype(ct)[:, None]
     d = dy2.astype(ct)
     g = d * gamma.astype(ct)
     dx = rstd.astype(ct)[:, None] * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
+    if dresidual is not None:
+        dx = dx + dresidual.astype(ct)
     dgamma = (d * xhat).sum(axis=0)
     dbeta = d.sum(axis=0)
+    return dx, dgamma, dbeta
+
+
+def layernorm_backward_reference(dy2, x2, gamma, mean, rstd, dresidual=None):
+    """The math of the backward on NumPy arrays: returns (dx, dgamma, dbeta).
+
+    With ``dresidual [N, C]`` the gradient of a residual branch around the LayerNorm is added to dx
+    before the one rounding to x's dtype.
+    """
+    dx, dgamma, dbeta = _backward_math(dy2, x2, gamma, mean, rstd, dresidual)
     return dx.astype(x2.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+def add_layernorm_forward_reference(a2, b2, gamma, beta, eps):
+    """The math of the fused residual add + forward on NumPy arrays ``[N, C]``: returns (s, y, mean, rstd).
+
+    ``s = a + b`` rounded to the storage dtype first; the LayerNorm reads that rounded ``s`` (what the
+    next layer and the backward will see), so y equals ``layernorm_forward_reference(s)``.
+    """
+    ct = _compute_dtype(a2.dtype)
+    s = (a2.astype(ct) + b2.astype(ct)).astype(a2.dtype)
+    return (s, *layernorm_forward_reference(s, gamma, beta, eps))
 
 
 # --------------------------------------------------------------------------- public API
@@ -108,7 +183,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
     ``x [..., C]`` (at least 2-D), ``gamma [C]``, ``beta [C]`` of one dtype. ``y`` has x's shape and
     dtype (written into ``out`` when given); ``mean`` and ``rstd`` are fp32 shaped ``x.shape[:-1]``
-    (float64 on the NumPy path for float64 input).
+    (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward.
     """
     _check_method(method)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
@@ -154,46 +229,94 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
 
 def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=None, dgamma_out=None,
-                       dbeta_out=None):
+                       dbeta_out=None, dresidual=None, accumulate_params=False):
     """Gradients of LayerNorm from the saved statistics: returns ``(dx, dgamma, dbeta)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``gamma [C]``; ``mean``, ``rstd`` are what
     ``layernorm_forward`` returned. dgamma/dbeta have gamma's dtype and are summed in fp32 in an
     order fixed by the shapes: on the GPU the same inputs give the same bits every run.
+
+    ``dresidual`` (shape and dtype of dy): the gradient of a residual branch around the LayerNorm,
+    added to dx (``dx = LN backward + dresidual``, rounded once; in the same kernel on "fast").
+    ``dx_out`` may be ``dresidual`` itself (in place).
+    ``accumulate_params=True`` adds the parameter gradients into ``dgamma_out``/``dbeta_out`` (then
+    required) instead of overwriting them. Those buffers may be fp32 when gamma is fp16/bf16 (both
+    the same dtype), so a model accumulates straight into its fp32 gradient buffers.
     """
     _check_method(method)
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
-                      dbeta_out=dbeta_out)
+                      dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
     n_rows, c = _rows(x)
     check_array("dy", dy, shape=tuple(x.shape))
     check_array("gamma", gamma, shape=(c,))
-    check_same_dtype(dy=dy, x=x, gamma=gamma)
+    if dresidual is not None:
+        check_array("dresidual", dresidual, shape=tuple(x.shape))
+    check_same_dtype(dy=dy, x=x, gamma=gamma, dresidual=dresidual)
     _check_stats("mean", mean, x, n_rows)
     _check_stats("rstd", rstd, x, n_rows)
+    if not isinstance(accumulate_params, (bool, np.bool_)):
+        raise TypeError(f"accumulate_params must be True or False, got {accumulate_params!r}")
+    accumulate = bool(accumulate_params)
+    if accumulate and (dgamma_out is None or dbeta_out is None):
+        raise ValueError("accumulate_params=True adds into dgamma_out and dbeta_out: pass both buffers")
+    pdt = _param_grad_dtype(gamma, dgamma_out, dbeta_out)
+    if dx_out is not None:
+        check_out(dx_out, x.shape, x.dtype, xp, name="dx_out")
+    for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
+        if o is not None:
+            check_out(o, (c,), pdt, xp, name=name)
+    _check_alias("dx_out", dx_out, "dresidual", dresidual)
+    if _overlap(dgamma_out, dbeta_out):
+        raise ValueError("dgamma_out and dbeta_out must be separate buffers")
 
     if xp is np:
-        dx, dgamma, dbeta = layernorm_backward_reference(
-            dy.reshape(n_rows, c), x.reshape(n_rows, c), gamma, mean.reshape(n_rows), rstd.reshape(n_rows)
-        )
-        dx = dx.reshape(x.shape)
-        res = []
-        outs = (("dx_out", dx, dx_out), ("dgamma_out", dgamma, dgamma_out), ("dbeta_out", dbeta, dbeta_out))
-        for name, val, o in outs:
-            if o is not None:
-                check_out(o, val.shape, val.dtype, xp, name=name)[...] = val
-                val = o
-            res.append(val)
-        return tuple(res)
+        dres2 = None if dresidual is None else dresidual.reshape(n_rows, c)
+        dx, dgamma, dbeta = _backward_math(dy.reshape(n_rows, c), x.reshape(n_rows, c), gamma,
+                                           mean.reshape(n_rows), rstd.reshape(n_rows), dres2)
+        dx = dx.astype(x.dtype).reshape(x.shape)
+        if dx_out is not None:
+            dx_out[...] = dx
+            dx = dx_out
+        grads = []
+        for val, o in ((dgamma, dgamma_out), (dbeta, dbeta_out)):
+            if accumulate:
+                o[...] = (o.astype(val.dtype) + val).astype(o.dtype)
+            elif o is not None:
+                o[...] = val.astype(pdt)
+            else:
+                o = val.astype(pdt)
+            grads.append(o)
+        return dx, grads[0], grads[1]
 
     _check_gpu(x, n_rows, c)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.dtype != np.float32:
             raise TypeError(f"{name} must be fp32 on the GPU path, got {a.dtype}")
-    dx = check_out(dx_out, x.shape, x.dtype, xp, name="dx_out")
-    dgamma = check_out(dgamma_out, (c,), gamma.dtype, xp, name="dgamma_out")
-    dbeta = check_out(dbeta_out, (c,), gamma.dtype, xp, name="dbeta_out")
+    dx = xp.empty(x.shape, dtype=x.dtype) if dx_out is None else dx_out
+    dgamma = xp.empty((c,), dtype=pdt) if dgamma_out is None else dgamma_out
+    dbeta = xp.empty((c,), dtype=pdt) if dbeta_out is None else dbeta_out
 
+    if method == "fast":
+        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+            return dx, dgamma, dbeta
+        method = "optimized"  # rows the fast kernel does not take
+
+    # "naive" / "optimized" (and "fast"'s fallback): the LayerNorm gradients from their kernels, then
+    # the residual gradient and the accumulation with plain array operations (fp32 math, one rounding).
+    ln_dx = xp.empty_like(dx) if _overlap(dx, dresidual) else dx
+    kg, kb = (xp.empty((c,), dtype=np.float32), xp.empty((c,), dtype=np.float32)) if accumulate else (dgamma, dbeta)
+    _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp)
+    if dresidual is not None:
+        dx[...] = ln_dx.astype(np.float32, copy=False) + dresidual.astype(np.float32, copy=False)
+    if accumulate:
+        for o, k in ((dgamma, kg), (dbeta, kb)):
+            o[...] = o.astype(np.float32, copy=False) + k
+    return dx, dgamma, dbeta
+
+
+def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp):
+    """The "naive" or "optimized" kernels: dx into ``dx``; dgamma/dbeta (gamma's dtype or fp32) overwritten."""
     if method == "optimized":
         vec, packs = _vector_plan(c, x.dtype, (dy, x, gamma, dx))
         if _FORCE_SMEM_ACCUMULATORS:
@@ -205,25 +328,117 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
             wpb = max(1, min(_BWD_WARPS, _SMEM_DEFAULT // (8 * c)))
             smem = wpb * 8 * c
         kern = get_kernel("layernorm", "layernorm_backward_warp", x.dtype, int(vec), max(packs, 0))
-        if smem > _SMEM_DEFAULT and not _opt_in_shared_memory(kern, smem, xp):
-            method = "naive"  # rows too long for any shared-memory plan: the naive kernels handle any C
-        else:
+        if not (smem > _SMEM_DEFAULT and not _opt_in_shared_memory(kern, smem, xp)):
             blocks = min(-(-n_rows // wpb), _resident_blocks(kern, 32 * wpb, smem, xp))
             partial = xp.empty((blocks, 2, c), dtype=np.float32)
             kern((blocks,), (32 * wpb,), (dy, x, gamma, mean, rstd, dx, partial, np.int32(n_rows), np.int32(c)),
                  shared_mem=smem)
-            red = get_kernel("layernorm", "layernorm_param_grad_reduce", gamma.dtype)
+            red = get_kernel("layernorm", "layernorm_param_grad_reduce", dgamma.dtype)
             red((-(-2 * c // 32),), (32, 16), (partial, np.int32(blocks), np.int32(c), dgamma, dbeta))
-            return dx, dgamma, dbeta
+            return
+        # rows too long for any shared-memory plan: the naive kernels handle any C
 
     threads = 128
     get_kernel("layernorm", "layernorm_backward_naive_dx", x.dtype)(
         (-(-n_rows // threads),), (threads,), (dy, x, gamma, mean, rstd, dx, np.int32(n_rows), np.int32(c))
     )
+    tg, tb = (dgamma, dbeta) if dgamma.dtype == x.dtype else (xp.empty((c,), x.dtype), xp.empty((c,), x.dtype))
     get_kernel("layernorm", "layernorm_backward_naive_dparams", x.dtype)(
-        (-(-c // threads),), (threads,), (dy, x, mean, rstd, dgamma, dbeta, np.int32(n_rows), np.int32(c))
+        (-(-c // threads),), (threads,), (dy, x, mean, rstd, tg, tb, np.int32(n_rows), np.int32(c))
     )
-    return dx, dgamma, dbeta
+    if tg is not dgamma:
+        dgamma[...] = tg
+        dbeta[...] = tb
+
+
+def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+    """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
+    width = 16 // x.dtype.itemsize
+    arrays = (dy, x, dx) if dres is None else (dy, x, dx, dres)
+    if c % width or any(a.data.ptr % 16 for a in arrays):
+        return False
+    per_lane = -(-(c // width) // 32)
+    packs = next((p for p in _FAST_PACKS[x.dtype.itemsize] if p >= per_lane), None)
+    if packs is None:
+        return False
+    kern = get_kernel("layernorm", "layernorm_backward_fast", x.dtype, packs, int(dres is not None))
+    threads = 32 * _FAST_WARPS
+    smem = 4 * max(32 * packs * width, _FAST_WARPS * c)  # gamma (fp32), then the block's dgamma/dbeta slab
+    # As many rows per warp as one wave of resident warps needs, then as few blocks as give every
+    # warp that many: all warps finish together and there are fewer partial rows to add.
+    resident = _resident_blocks(kern, threads, smem, xp)
+    rows_per_warp = -(-n_rows // (resident * _FAST_WARPS))
+    blocks = -(-n_rows // (_FAST_WARPS * rows_per_warp))
+    if n_rows + blocks * _FAST_WARPS >= 2**31:  # the kernel's row indices are 32-bit
+        return False
+    partial = xp.empty((blocks, 2, c), dtype=np.float32)
+    kern((blocks,), (threads,),
+         (dy, x, gamma, mean, rstd, dy if dres is None else dres, dx, partial, np.int32(n_rows), np.int32(c)),
+         shared_mem=smem)
+    fin = get_kernel("layernorm", "layernorm_param_grad_finish", dgamma.dtype, int(accumulate))
+    fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dgamma, dbeta))
+    return True
+
+
+def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out=None):
+    """Residual add and LayerNorm in one pass: returns ``(s, y, mean, rstd)``.
+
+    ``s = a + b`` (the residual stream, rounded to a's dtype) and ``y = LayerNorm(s)`` computed from
+    that rounded ``s``, so ``y`` equals ``layernorm_forward(s)`` up to the order of the sums.
+    ``a``, ``b`` share shape ``[..., C]`` and dtype with ``gamma [C]`` and ``beta [C]``. ``s`` goes to
+    ``residual_out`` when given, which may be ``a`` or ``b`` itself (in place); ``y`` goes to ``out``
+    (its own buffer). ``mean``/``rstd`` as in ``layernorm_forward``. On the GPU one kernel reads a, b
+    and writes s, y, mean, rstd (rows it cannot take, see ``"fast"``, run an add and the forward).
+    """
+    xp = array_module(a=a, b=b, gamma=gamma, beta=beta, residual_out=residual_out, out=out)
+    check_array("a", a)
+    n_rows, c = _rows(a, "a")
+    check_array("b", b, shape=tuple(a.shape))
+    check_array("gamma", gamma, shape=(c,))
+    check_array("beta", beta, shape=(c,))
+    check_same_dtype(a=a, b=b, gamma=gamma, beta=beta)
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if residual_out is not None:
+        check_out(residual_out, a.shape, a.dtype, xp, name="residual_out")
+    if out is not None:
+        check_out(out, a.shape, a.dtype, xp, name="out")
+    _check_alias("residual_out", residual_out, "a", a)
+    _check_alias("residual_out", residual_out, "b", b)
+    for name, other in (("a", a), ("b", b), ("residual_out", residual_out)):
+        if _overlap(out, other):
+            raise ValueError(f"out overlaps {name}: y needs a buffer of its own")
+    lead = tuple(a.shape[:-1])
+
+    if xp is np:
+        s, y, mean, rstd = add_layernorm_forward_reference(a.reshape(n_rows, c), b.reshape(n_rows, c), gamma, beta,
+                                                           eps)
+        s, y = s.reshape(a.shape), y.reshape(a.shape)
+        if residual_out is not None:
+            residual_out[...] = s
+            s = residual_out
+        if out is not None:
+            out[...] = y
+            y = out
+        return s, y, mean.reshape(lead), rstd.reshape(lead)
+
+    _check_gpu(a, n_rows, c)
+    s = xp.empty(a.shape, dtype=a.dtype) if residual_out is None else residual_out
+    y = xp.empty(a.shape, dtype=a.dtype) if out is None else out
+    vec, packs = _vector_plan(c, a.dtype, (a, b, s, y, gamma, beta))
+    if vec and packs > 0:
+        mean = xp.empty(lead, dtype=np.float32)
+        rstd = xp.empty(lead, dtype=np.float32)
+        kern = get_kernel("layernorm", "add_layernorm_forward_warp", a.dtype, packs)
+        kern((-(-n_rows // _ADD_WARPS),), (32 * _ADD_WARPS,),
+             (a, b, gamma, beta, s, y, mean, rstd, np.int32(n_rows), np.int32(c), np.float32(eps)))
+        return s, y, mean, rstd
+    # unaligned, C not a multiple of the pack width, or rows too long to hold: add (fp32, one rounding),
+    # then the forward on the rounded sum
+    s[...] = a.astype(np.float32, copy=False) + b.astype(np.float32, copy=False)
+    y, mean, rstd = layernorm_forward(s, gamma, beta, eps, out=y)
+    return s, y, mean, rstd
 
 
 # --------------------------------------------------------------------------- launch planning
@@ -272,16 +487,24 @@ def _resident_blocks(kern, threads, smem, xp):
 # --------------------------------------------------------------------------- bandwidth accounting
 
 
-def traffic_bytes(n_rows, c, dtype, backward=False):
-    """Minimum bytes a LayerNorm pass moves: each input read once, each output written once."""
+def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
+    """Minimum bytes a LayerNorm pass moves: each input read once, each output written once.
+
+    ``residual=True``: the fused variants, ``add_layernorm_forward`` (also reads b, writes s) and the
+    backward with ``dresidual`` (also reads dresidual).
+    """
     s = backend.resolve_dtype(dtype).itemsize
-    if backward:  # read dy, x, gamma, mean, rstd; write dx, dgamma, dbeta
-        return 3 * n_rows * c * s + 3 * c * s + 8 * n_rows
-    return 2 * n_rows * c * s + 2 * c * s + 8 * n_rows  # read x, gamma, beta; write y, mean, rstd
+    rows = n_rows * c * s
+    if backward:  # read dy, x, gamma, mean, rstd (, dresidual); write dx, dgamma, dbeta
+        return (4 if residual else 3) * rows + 3 * c * s + 8 * n_rows
+    # read x (a, b), gamma, beta; write y (, s), mean, rstd
+    return (4 if residual else 2) * rows + 2 * c * s + 8 * n_rows
 
 
 __all__ = [
     "METHODS",
+    "add_layernorm_forward",
+    "add_layernorm_forward_reference",
     "layernorm_backward",
     "layernorm_backward_reference",
     "layernorm_forward",
