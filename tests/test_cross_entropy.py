@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.ops.cross_entropy import METHODS, CrossEntropyCache, cross_entropy_backward, cross_entropy_forward
+from llmgpu.ops.cross_entropy import (
+    FUSED_METHODS,
+    METHODS,
+    CrossEntropyCache,
+    cross_entropy_backward,
+    cross_entropy_forward,
+)
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array, rel_error
 
 pytestmark = pytest.mark.ch3
@@ -145,79 +151,116 @@ def test_gpu_matches_reference(cp, rng, dtype, method, n, v):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", FUSED_METHODS)
 @pytest.mark.parametrize("tdtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_gpu_target_dtypes_leading_axes_in_place(cp, rng, tdtype, dtype):
+def test_gpu_target_dtypes_leading_axes_in_place(cp, rng, tdtype, dtype, method):
     b, t_len, v = 2, 5, 50257
     logits = random_array(rng, (b, t_len, v), dtype)
     t = _targets(rng, b * t_len, v, tdtype).reshape(b, t_len)
     ref_loss, ref_cache = cross_entropy_forward(logits, t)
     ref_g = cross_entropy_backward(ref_cache, 0.5)
     ld = cp.asarray(logits)
-    loss, cache = cross_entropy_forward(ld, cp.asarray(t))
+    loss, cache = cross_entropy_forward(ld, cp.asarray(t), method=method)
+    assert cache.method == method
     assert_close(loss, ref_loss, rtol=1e-5)
     g = cross_entropy_backward(cache, cp.asarray(0.5, dtype=cp.float32), out=ld)  # device dloss, in place
     assert g is ld
     assert_close(g, ref_g, dtype)
     ld2 = cp.asarray(logits)
-    _, cache2 = cross_entropy_forward(ld2, cp.asarray(t))
+    _, cache2 = cross_entropy_forward(ld2, cp.asarray(t), method=method)
     g2 = cross_entropy_backward(cache2, 0.5, out=cache2.logits)  # the [N, V] view, as the model does
     assert g2 is cache2.logits
     assert_close(ld2, ref_g, dtype)
 
 
 @pytest.mark.gpu
-def test_gpu_misaligned_output(cp, rng):
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_gpu_misaligned_output(cp, rng, method):
     """dlogits whose 16-byte phase differs from the logits' takes the scalar backward."""
     n, v = 9, 1003
     logits = random_array(rng, (n, v), "bf16")
     t = _targets(rng, n, v)
     _, ref_cache = cross_entropy_forward(logits, t)
     ref_g = cross_entropy_backward(ref_cache)
-    _, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t))
+    _, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t), method=method)
     buf = cp.full(n * v + 1, np.nan, dtype=backend.bfloat16)
     out = buf[1:].reshape(n, v)
     assert_close(cross_entropy_backward(cache, out=out), ref_g, "bf16")
 
 
 @pytest.mark.gpu
-def test_gpu_bad_targets_are_loud_and_all_ignored_is_zero(cp, rng):
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_gpu_bad_targets_are_loud_and_all_ignored_is_zero(cp, rng, method):
     n, v = 6, 1000
     logits = cp.asarray(random_array(rng, (n, v), "fp32"))
     t = cp.asarray(np.array([1, 2, v, 3, -7, 4], dtype=np.int64))  # rows 2 and 4 out of range
-    loss, cache = cross_entropy_forward(logits, t)
+    loss, cache = cross_entropy_forward(logits, t, method=method)
     assert np.isnan(float(loss))
+    assert int(cache.n_valid) == n
     g = backend.to_numpy(cross_entropy_backward(cache))
     assert np.isnan(g[[2, 4]]).all() and np.isfinite(g[[0, 1, 3, 5]]).all()
 
     t_ign = cp.full(n, -100, dtype=cp.int32)
-    for method in METHODS:
-        loss, cache = cross_entropy_forward(logits, t_ign, method=method)
+    for m in METHODS:
+        loss, cache = cross_entropy_forward(logits, t_ign, method=m)
         assert float(loss) == 0.0 and int(cache.n_valid) == 0
         assert not cp.any(cross_entropy_backward(cache, out=poisoned((n, v), "fp32", cp)))
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic(cp, rng):
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_gpu_deterministic(cp, rng, method):
     logits = cp.asarray(random_array(rng, (1000, 50257), "bf16"))
     t = cp.asarray(_targets(rng, 1000, 50257))
-    a = [backend.to_numpy(cross_entropy_forward(logits, t)[0]).tobytes() for _ in range(3)]
+    a = [backend.to_numpy(cross_entropy_forward(logits, t, method=method)[0]).tobytes() for _ in range(3)]
     assert a[0] == a[1] == a[2]
 
 
 @pytest.mark.gpu
-def test_gpu_bad_inputs(cp, rng):
+@pytest.mark.parametrize("method", FUSED_METHODS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_masked_logits(cp, rng, method, dtype):
+    """-inf logits (a padded or masked vocabulary) add nothing, wherever they sit in the row: at the
+    end, over the first half (a thread's running max stays -inf for several groups), everywhere but
+    one element (lse = that logit, loss 0); NaN anywhere makes the row's loss NaN."""
+    n, v = 5, 50301  # odd: rows start off the 16-byte grid, so head and tail elements are in play
+    logits = random_array(rng, (n, v), dtype, scale=2.0)
+    neg = -np.inf
+    logits[0, 50257:] = neg
+    logits[1, : v // 2] = neg
+    logits[2, :] = neg
+    logits[2, 777] = 3.0
+    logits[3, 1:] = neg  # only the first element, a head element (row 3 starts 14 or 12 bytes off)
+    t = np.array([5, v - 3, 777, 0, 9], dtype=np.int64)
+    ref_loss, ref_cache = cross_entropy_forward(logits, t)
+    ref_g = cross_entropy_backward(ref_cache)
+    loss, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t), method=method)
+    assert np.isfinite(backend.to_numpy(cache.lse)).all()
+    assert_close(cache.lse, ref_cache.lse, rtol=1e-5, name="lse")
+    assert_close(loss, ref_loss, rtol=1e-5, name="loss")
+    assert_close(cross_entropy_backward(cache, out=poisoned((n, v), dtype, cp)), ref_g, dtype, name="dlogits")
+    bad = logits.copy()
+    bad[4, 12345] = np.nan
+    loss_nan, cache_nan = cross_entropy_forward(cp.asarray(bad), cp.asarray(t), method=method)
+    lse = backend.to_numpy(cache_nan.lse)
+    assert np.isnan(float(loss_nan)) and np.isnan(lse[4]) and np.isfinite(lse[:4]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_gpu_bad_inputs(cp, rng, method):
     logits = random_array(rng, (4, 6), "fp32")
     t = _targets(rng, 4, 6)
     with pytest.raises(TypeError, match="targets=ndarray|targets=numpy"):
-        cross_entropy_forward(cp.asarray(logits), t)
+        cross_entropy_forward(cp.asarray(logits), t, method=method)
     with pytest.raises(TypeError, match="targets has dtype float32"):
-        cross_entropy_forward(cp.asarray(logits), cp.asarray(t, dtype=cp.float32))
+        cross_entropy_forward(cp.asarray(logits), cp.asarray(t, dtype=cp.float32), method=method)
     with pytest.raises(ValueError, match="targets must have shape"):
-        cross_entropy_forward(cp.asarray(logits), cp.asarray(t[:2]))
+        cross_entropy_forward(cp.asarray(logits), cp.asarray(t[:2]), method=method)
     with pytest.raises(TypeError, match="float64"):
-        cross_entropy_forward(cp.asarray(logits, dtype=cp.float64), cp.asarray(t))
-    _, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t))
+        cross_entropy_forward(cp.asarray(logits, dtype=cp.float64), cp.asarray(t), method=method)
+    _, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t), method=method)
     with pytest.raises(ValueError, match="out"):
         cross_entropy_backward(cache, out=cp.empty((4, 7), cp.float32))
     assert rel_error(cross_entropy_backward(cache, np.float32(2.0)), 2 * cross_entropy_backward(cache)) < 1e-6

@@ -2,11 +2,14 @@
 differences, CUDA kernels vs the reference, argument checks."""
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from llmgpu import backend
+from llmgpu.kernels import loader
 from llmgpu.ops.gelu import METHODS, gelu_backward, gelu_forward
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
 
@@ -16,6 +19,42 @@ pytestmark = pytest.mark.ch3
 def _gelu64(x):
     x = np.asarray(x, dtype=np.float64)
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _gelu64_sigmoid(x):
+    """GELU and GELU' in float64 through the sigmoid: 0.5 (1 + tanh u) = s = 1 / (1 + exp(-2u)).
+
+    The tanh form cancels in float64 too where GELU is below ~1e-16 (x < ~ -6); this one does not.
+    Also returns the scale of the gradient's two terms, |s| + |2 x u' s (1 - s)|, to measure its
+    error against near its zero (x ~ -0.75, where the terms cancel).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    c = math.sqrt(2.0 / math.pi)
+    u = c * (x + 0.044715 * x**3)
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-2.0 * u))
+    term = 2.0 * x * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * x * x)
+    return x * s, s + term, np.abs(s) + np.abs(term)
+
+
+def test_fast_kernel_constants():
+    """The constants of gelu.cu's fast form, and the form itself in float64, against the tanh formula."""
+    text = Path(loader.source_path("gelu")).read_text()
+    k = {m[0]: float(m[1]) for m in re.findall(r"#define (GELU_FAST_\w+) (-?[0-9.e-]+)f", text)}
+    c = math.sqrt(2.0 / math.pi)
+    assert k["GELU_FAST_A"] == pytest.approx(-2.0 * c / math.log(2.0), rel=1e-15)
+    assert k["GELU_FAST_B"] == pytest.approx(0.044715 * k["GELU_FAST_A"], rel=1e-15)
+    assert k["GELU_FAST_C1"] == pytest.approx(2.0 * c, rel=1e-15)
+    assert k["GELU_FAST_C2"] == pytest.approx(6.0 * c * 0.044715, rel=1e-15)
+    x = np.linspace(-6.0, 6.0, 2001)
+    e = np.exp2(x * (k["GELU_FAST_A"] + k["GELU_FAST_B"] * x * x))
+    s = 1.0 / (1.0 + e)
+    y = x * s
+    g = s * (1.0 + x * (k["GELU_FAST_C1"] + k["GELU_FAST_C2"] * x * x) * (e * s))
+    y_ref, g_ref, _ = _gelu64_sigmoid(x)
+    np.testing.assert_allclose(y, _gelu64(x), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-15)
 
 
 def test_forward_matches_float64_formula(rng):
@@ -85,7 +124,8 @@ def test_gpu_matches_reference(cp, rng, dtype, method, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gpu_misaligned_view_and_extremes(cp, rng, dtype):
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_misaligned_view_and_extremes(cp, rng, dtype, method):
     dt = backend.resolve_dtype(dtype)
     x = np.concatenate([random_array(rng, (1001,), dtype, scale=3.0),
                         np.array([-1e4, -100, -20, -5, 0, 5, 20, 100, 1e4], dtype=dt)])
@@ -94,9 +134,47 @@ def test_gpu_misaligned_view_and_extremes(cp, rng, dtype):
     buf[1:] = cp.asarray(x)
     xd = buf[1:]
     assert xd.data.ptr % 16 != 0
-    y = gelu_forward(xd)
+    y = gelu_forward(xd, method=method)
     assert_close(y, gelu_forward(x), dtype)
-    assert_close(gelu_backward(cp.asarray(dy), xd), gelu_backward(dy, x), dtype)
+    assert_close(gelu_backward(cp.asarray(dy), xd, method=method), gelu_backward(dy, x), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_fp32_accuracy_wide_range(cp, rng, method):
+    """Elementwise relative error against float64 on x in [-20, 20], fp32 storage.
+
+    Bounds (catch a 1e-4 relative error anywhere): 5e-6 on [-3, 3] and x > 3; 4e-5 on [-9.3, -3),
+    where GELU is tiny and float32 rounding of the exponent (~|z| ulp, z ~ 100) is amplified by exp:
+    any float32 evaluation has it (a NumPy model of both kernels gives ~1e-5 there, ~1e-6 elsewhere).
+    Below ~1e-30 (x < -9.3) the output must just be that small, and far out it must be exact:
+    y == x and dy/dx == 1 for x >= 10; y == 0 and dy/dx == 0 for x <= -20. No NaN for finite x.
+    """
+    far = [10.0, 20.0, 100.0, 1e4, -20.0, -30.0, -100.0, -1e4]
+    if method == "fast":  # the expf kernels give NaN for dy/dx when x^2 overflows; the fast one does not
+        far += [1e20, 3e38, -1e20, -3e38]
+    x = np.concatenate([np.linspace(-20.0, 20.0, 400_001), rng.uniform(-20.0, 20.0, 100_000),
+                        np.array(far)]).astype(np.float32)
+    xd = cp.asarray(x)
+    y = backend.to_numpy(gelu_forward(xd, method=method)).astype(np.float64)
+    g = backend.to_numpy(gelu_backward(cp.ones_like(xd), xd, method=method)).astype(np.float64)
+    assert np.isfinite(y).all() and np.isfinite(g).all()
+    y_ref, g_ref, g_scale = _gelu64_sigmoid(x)
+    normal = np.abs(y_ref) > 1e-30
+    for lo, hi, tol in [(-9.3, -3.0, 4e-5), (-3.0, 3.0, 5e-6), (3.0, np.inf, 5e-6)]:
+        sel = normal & (x >= lo) & (x < hi)
+        err_y = (np.abs(y - y_ref) / np.abs(y_ref))[sel]
+        err_g = (np.abs(g - g_ref) / g_scale)[sel]
+        xs = x[sel]
+        assert err_y.max() <= tol, f"y on [{lo}, {hi}): relative error {err_y.max():.2e} at x = {xs[err_y.argmax()]}"
+        assert err_g.max() <= tol, f"dy/dx on [{lo}, {hi}): error {err_g.max():.2e} at x = {xs[err_g.argmax()]}"
+    tiny = ~normal & (x < -9.0)
+    assert tiny.sum() > 1000 and np.abs(y[tiny]).max() <= 1e-29 and np.abs(g[tiny]).max() <= 1e-27
+    big, small = x >= 10.0, x <= -20.0
+    np.testing.assert_array_equal(y[big], x[big].astype(np.float64))
+    np.testing.assert_array_equal(g[big], 1.0)
+    np.testing.assert_array_equal(y[small], 0.0)
+    np.testing.assert_array_equal(g[small], 0.0)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,10 @@
 // fused kernels walk each row as head (scalar, up to the first 16-byte boundary), body (16-byte
 // packs) and tail (scalar).
 //
+// Fast (method "fast"): the fused forward reshaped for 16-bit logits (cross_entropy_forward_fast,
+// then cross_entropy_loss_fast for the target lookups and the mean); the backward is
+// cross_entropy_backward_fused, from the same lse.
+//
 // Targets (int or long long): t == ignore_index -> loss 0 and a zero gradient row, and the row does
 // not count in n_valid. t outside [0, V) otherwise -> the kernel does not read out of bounds; the
 // row's loss is NaN (so the mean loss is NaN) and its gradient row is NaN: loud, never silently
@@ -31,6 +35,8 @@
 // llmgpu:kernel cross_entropy_forward_fused<{float,__half,__nv_bfloat16}, {int,long long}>
 // llmgpu:kernel cross_entropy_backward_fused<{float,__half,__nv_bfloat16}, {int,long long}, {0,1}>
 // llmgpu:kernel cross_entropy_mean<{int,long long}>
+// llmgpu:kernel cross_entropy_forward_fast<{float,__half,__nv_bfloat16}>
+// llmgpu:kernel cross_entropy_loss_fast<{float,__half,__nv_bfloat16}, {int,long long}>
 // llmgpu:kernel cross_entropy_softmax_naive<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel cross_entropy_nll_naive<{float,__half,__nv_bfloat16}, {int,long long}>
 // llmgpu:kernel cross_entropy_backward_naive<{float,__half,__nv_bfloat16}, {int,long long}>
@@ -252,6 +258,223 @@ __global__ void __launch_bounds__(1024) cross_entropy_backward_fused(
     }
     for (int i = head + nvec * W + threadIdx.x; i < V; i += blockDim.x) {
         gr[i] = from_float<T>((__expf(to_float(xr[i]) - L) - (i == t ? 1.0f : 0.0f)) * scale);
+    }
+}
+
+// ------------------------------------------------------------------------------------- fast
+//
+// Why a second fused forward. It reads N x V logits and writes 12 bytes per row, so it should run
+// at the read bandwidth; bf16 reached 85 % of copy where fp32 reached 95 %. A bf16 pack is 8 logits,
+// so per byte the bf16 kernel does twice the work, and cross_entropy_forward_fused spends it badly:
+// one 16-byte load in flight per thread (load, then 8 exps, then the next load), a branch per pack
+// for the rescale, __expf(v - m) as three instructions plus the conversion, the max and the add,
+// and the target logit read at the very end (a dependent global load after the block reduction
+// that every row waits for). This kernel:
+//  * loads UNROLL = 4 packs per thread before touching them (64 bytes in flight per thread instead
+//    of 16: the H200 needs ~30 KB in flight per SM to cover DRAM latency at full bandwidth);
+//  * does one online-softmax step per group of 4 packs (32 bf16 logits): the group's max first,
+//    then a single rescale of the running sum and one exp per logit, no per-pack branch; the
+//    exps of each pack go to their own partial sum, so the dependent add chain is 8 long, not 32;
+//  * uses a "safe" max (0 while the max is -inf) instead of branches, so that -inf logits (a
+//    masked or padded vocabulary) add exactly 0 and a row of all -inf gives lse = -inf, as the
+//    fused kernel does; NaN still poisons the sum, and +inf gives NaN (inf - inf), as the reference;
+//  * exp(v - m) = ex2((v - m) log2 e), one MUFU.EX2 (ex2.approx.ftz, ~2 ulp, as __expf); v - m is
+//    formed first (exact for nearby values), so large logits do not cost accuracy;
+//  * leaves the target out: the row kernel computes lse only, and cross_entropy_loss_fast (one
+//    block, after it) looks up logits[i, target_i] for all rows at once and takes the mean. In a
+//    row block that lookup is two dependent DRAM round trips (target, then logit) that the whole
+//    block waits for; batched, they cost the GPU a few microseconds once;
+//  * handles head and tail (the scalar elements before the first and after the last 16-byte
+//    pack: rows of an odd V start anywhere) as one more step: thread i < W takes head element i
+//    and tail element i, loaded before the sweep and added after it, no scalar loops.
+// One block of 256 threads per row (a GPT-2 row of 50257 bf16 logits: 6282 packs, ~25 per thread),
+// 48 registers (bf16): 5 blocks = 1280 threads per SM, 80 KB of loads in flight; blocks of other
+// rows keep the SM busy while one block reduces.
+
+#define CE_FAST_THREADS 256
+#define CE_FAST_UNROLL 4
+#define CE_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ float ce_ex2(float z) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
+    return r;
+}
+
+// The running sum's shift: the max, or 0 while the max is -inf (so that -inf - shift = -inf, exp 0).
+__device__ __forceinline__ float ce_shift(float m) { return m == -LLMGPU_INF ? 0.0f : m; }
+
+// Factor for the running sum when the shift moves from m to c (>= m): exp(m - c); exactly 1 when the
+// max did not change (most groups), 0 when m = -inf (the sum is 0 then, or NaN and stays NaN).
+__device__ __forceinline__ float ce_rescale(float m, float c) {
+    return m == c ? 1.0f : ce_ex2((m - c) * CE_LOG2E);
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_unpack2(unsigned w, float& lo, float& hi);
+template <>
+__device__ __forceinline__ void ce_unpack2<__nv_bfloat16>(unsigned w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+template <>
+__device__ __forceinline__ void ce_unpack2<__half>(unsigned w, float& lo, float& hi) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    const float2 f = __half22float2(h);
+    lo = f.x;
+    hi = f.y;
+}
+
+// One 16-byte pack (p 16-byte aligned) to W floats.
+template <typename T, int W>
+__device__ __forceinline__ void ce_load_pack(const T* __restrict__ p, float (&v)[W]) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+    } else {
+        const uint4 q = *reinterpret_cast<const uint4*>(p);
+        ce_unpack2<T>(q.x, v[0], v[1]);
+        ce_unpack2<T>(q.y, v[2], v[3]);
+        ce_unpack2<T>(q.z, v[4], v[5]);
+        ce_unpack2<T>(q.w, v[6], v[7]);
+    }
+}
+
+// Block per row (grid = N, 256 threads): lse[row] only. The loss needs logits[row, target], one
+// dependent load (target, then logit) per row; a block waiting for it would hold its SM slot for a
+// DRAM round trip or two, so cross_entropy_loss_fast does all rows' lookups at once afterwards.
+template <typename T>
+__global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(const T* __restrict__ logits,
+                                                                              float* __restrict__ lse, int V) {
+    constexpr int W = 16 / (int)sizeof(T);
+    constexpr int U = CE_FAST_UNROLL;
+    const long long row = blockIdx.x;
+    const T* xr = logits + row * V;
+    const int tid = threadIdx.x;
+
+    const int head = head_elements(xr, V);  // < W
+    const int nvec = (V - head) / W;
+    const int tail0 = head + nvec * W;  // V - tail0 < W
+    const T* body = xr + head;
+    // Head element tid and tail element tid (blockDim.x = 256 >= W): loaded now, kept raw and
+    // converted after the sweep, so that nothing waits for them before the sweep's loads are issued.
+    T a_raw = from_float<T>(-LLMGPU_INF), b_raw = from_float<T>(-LLMGPU_INF);
+    if (tid < head) a_raw = xr[tid];
+    if (tail0 + tid < V) b_raw = xr[tail0 + tid];
+
+    float m = -LLMGPU_INF, s = 0.0f;
+    // Full groups of U packs (no bounds checks inside), then the last few packs one at a time.
+    int j = tid;
+    for (; j + (U - 1) * CE_FAST_THREADS < nvec; j += U * CE_FAST_THREADS) {
+        float v[U][W];
+#pragma unroll
+        for (int k = 0; k < U; ++k) ce_load_pack<T, W>(body + (long long)(j + k * CE_FAST_THREADS) * W, v[k]);
+        float gm = m;
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) gm = fmaxf(gm, v[k][i]);  // skips NaN; the sum catches it
+        }
+        const float c = ce_shift(gm);
+        float acc[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            acc[k] = ce_ex2((v[k][0] - c) * CE_LOG2E);
+#pragma unroll
+            for (int i = 1; i < W; ++i) acc[k] += ce_ex2((v[k][i] - c) * CE_LOG2E);
+        }
+        float group = acc[0];
+#pragma unroll
+        for (int k = 1; k < U; ++k) group += acc[k];
+        s = s * ce_rescale(m, c) + group;
+        m = gm;
+    }
+    for (; j < nvec; j += CE_FAST_THREADS) {
+        float v[W];
+        ce_load_pack<T, W>(body + (long long)j * W, v);
+        float gm = m;
+#pragma unroll
+        for (int i = 0; i < W; ++i) gm = fmaxf(gm, v[i]);
+        const float c = ce_shift(gm);
+        float acc = ce_ex2((v[0] - c) * CE_LOG2E);
+#pragma unroll
+        for (int i = 1; i < W; ++i) acc += ce_ex2((v[i] - c) * CE_LOG2E);
+        s = s * ce_rescale(m, c) + acc;
+        m = gm;
+    }
+    {
+        const float a = to_float(a_raw), b = to_float(b_raw);
+        const float gm = fmaxf(m, fmaxf(a, b));
+        const float c = ce_shift(gm);
+        s = s * ce_rescale(m, c) + (ce_ex2((a - c) * CE_LOG2E) + ce_ex2((b - c) * CE_LOG2E));
+        m = gm;
+    }
+
+    const float L = block_logsumexp(m, s);
+    if (tid == 0) lse[row] = L;
+}
+
+// One block (1024 threads) after cross_entropy_forward_fast: loss = mean over counted rows of
+// lse[i] - logits[i, targets[i]], n_valid = #(targets != ignore_index); an out-of-range target makes
+// its row's loss NaN (no out-of-bounds read), as in the fused kernels. Each thread takes rows
+// i = tid, tid + 1024, ... in batches of 8 and issues all 8 target loads, then all 8 logit lookups
+// and lse loads, before adding: a few DRAM round trips for the whole batch instead of one or two
+// per row. The same rows per thread in the same order, then a fixed tree: deterministic.
+template <typename T, typename TI>
+__global__ void __launch_bounds__(1024) cross_entropy_loss_fast(const T* __restrict__ logits,
+                                                                const TI* __restrict__ targets,
+                                                                const float* __restrict__ lse, int N, int V,
+                                                                long long ignore_index, float* __restrict__ loss,
+                                                                int* __restrict__ n_valid) {
+    constexpr int K = 8;
+    __shared__ float scratch[32];
+    __shared__ int iscratch[32];
+    float s = 0.0f;
+    int c = 0;
+    for (long long base = threadIdx.x; base < N; base += K * blockDim.x) {  // 64-bit: N may be near 2^31
+        long long tt[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const long long i = base + k * blockDim.x;
+            tt[k] = i < N ? (long long)targets[i] : ignore_index;
+        }
+        float picked[K], l[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const long long i = base + k * blockDim.x;
+            const bool in_range = tt[k] >= 0 && tt[k] < V;
+            picked[k] = (i < N && in_range) ? to_float(logits[i * V + tt[k]]) : 0.0f;
+            l[k] = i < N ? lse[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            float lk;
+            if (tt[k] == ignore_index) {
+                lk = 0.0f;  // also the padding rows i >= N
+            } else if (tt[k] < 0 || tt[k] >= V) {
+                lk = CE_NAN;
+            } else {
+                lk = l[k] - picked[k];
+            }
+            s += lk;
+            c += tt[k] != ignore_index ? 1 : 0;
+        }
+    }
+    s = block_sum(s, scratch);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
+    if (lane == 0) iscratch[warp] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < nwarps; ++w) total += iscratch[w];
+        *n_valid = total;
+        *loss = s / (float)max(total, 1);
     }
 }
 

@@ -24,8 +24,11 @@ Rules, the same on both backends where possible:
   silently wrong; a loss scaler skips the step.
 * Targets must be int32 or int64; float targets are refused.
 
-``method``: ``"optimized"`` (fused, online softmax, 16-byte loads) or ``"naive"`` (softmax kernel
-writing the N x V probabilities, then -log p[target], and a backward reading the probabilities).
+``method``: ``"optimized"`` (fused, online softmax, 16-byte loads), ``"fast"`` (the fused forward
+reshaped for 16-bit logits: 4 packs in flight per thread, one online-softmax step per 32 logits, the
+target lookups of all rows batched into the final one-block kernel; the same fused backward) or
+``"naive"`` (softmax kernel writing the N x V probabilities, then -log p[target], and a backward
+reading the probabilities).
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, reference_dtype
 from ..kernels import get_kernel
 
-METHODS = ("naive", "optimized")
+METHODS = ("naive", "optimized", "fast")
+FUSED_METHODS = ("optimized", "fast")  # keep lse, share cross_entropy_backward_fused
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 TARGET_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+FAST_THREADS = 256  # CE_FAST_THREADS in cross_entropy.cu: the fast forward assumes exactly this
 
 
 @dataclass
@@ -55,7 +60,7 @@ class CrossEntropyCache:
     n_valid: object  # 0-d int32: rows whose target is not ignore_index
     ignore_index: int
     shape: tuple  # the logits' original shape
-    method: str = "optimized"
+    method: str = "optimized"  # picks the backward kernel: "naive" reads probs, the others lse
     probs: object = None  # [N, V] softmax, naive GPU path only
 
 
@@ -138,11 +143,21 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="optimiz
     if n >= 2**31 or v >= 2**31:
         raise ValueError(f"N and V must be below 2**31, got N={n}, V={v}")
     ti = _C_INDEX[targets.dtype]
-    loss_rows = xp.empty(n, dtype=np.float32)
     loss = xp.empty((), dtype=np.float32)
     n_valid = xp.empty((), dtype=np.int32)
     ign = np.int64(ignore_index)
     lse = probs = None
+    if method == "fast":
+        lse = xp.empty(n, dtype=np.float32)
+        get_kernel("cross_entropy", "cross_entropy_forward_fast", logits.dtype)(
+            (n,), (FAST_THREADS,), (lf, lse, np.int32(v))
+        )
+        get_kernel("cross_entropy", "cross_entropy_loss_fast", logits.dtype, ti)(
+            (1,), (1024,), (lf, tf, lse, np.int32(n), np.int32(v), ign, loss, n_valid)
+        )
+        cache = CrossEntropyCache(lf, tf, lse, n_valid, ignore_index, tuple(logits.shape), method)
+        return loss, cache
+    loss_rows = xp.empty(n, dtype=np.float32)
     if method == "optimized":
         lse = xp.empty(n, dtype=np.float32)
         get_kernel("cross_entropy", "cross_entropy_forward_fused", logits.dtype, ti)(
@@ -201,7 +216,7 @@ def cross_entropy_backward(cache, dloss=1.0, *, out=None):
     dl = (dloss_dev, np.int32(use_dev), np.float32(dloss_host))
     ti = _C_INDEX[tf.dtype]
     ign = np.int64(cache.ignore_index)
-    if cache.method == "optimized":
+    if cache.method in FUSED_METHODS:
         vec = (out2.data.ptr - lf.data.ptr) % 16 == 0
         get_kernel("cross_entropy", "cross_entropy_backward_fused", lf.dtype, ti, int(vec))(
             (n,), (_threads(v, lf.dtype),),
