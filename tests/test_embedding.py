@@ -1,11 +1,17 @@
 """Token + position embedding (chapter 3): reference vs finite differences (repeated tokens), CUDA
-kernels vs the reference, determinism of the sorted scatter-add, bad ids, argument checks."""
+kernels vs the reference, determinism of the sorted scatter-add, the counting sort (a NumPy model of
+its steps on the CPU; the kernels against the reference, against "optimized" bit for bit, and under
+CUDA-graph capture on the GPU), bad ids, argument checks."""
+
+import re
 
 import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.ops.embedding import METHODS, embedding_backward, embedding_forward
+from llmgpu.kernels import loader
+from llmgpu.ops import embedding as em
+from llmgpu.ops.embedding import METHODS, embedding_backward, embedding_backward_reference, embedding_forward
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
 
 pytestmark = pytest.mark.ch3
@@ -87,6 +93,163 @@ def test_bad_inputs(rng):
         embedding_backward(dx, idx, 5, (6, 3))
 
 
+# --------------------------------------------------------------------------- counting sort, NumPy model
+# A NumPy mirror of the "counting" path's kernels (embedding_count_* and embedding_backward_wte_pos),
+# step by step, with the kernels' constants: it checks the index arithmetic without a GPU.
+
+
+def _counting_sort_model(ids, v, chunk=em.COUNT_CHUNK, scan_block=em.SCAN_BLOCK):
+    """Steps a-d of the counting sort; returns (pos, start) as the kernels leave them."""
+    ids = np.asarray(ids).reshape(-1).astype(np.int64)
+    n = ids.size
+    tok = np.where((ids >= 0) & (ids < v), ids, -1)  # emb_token
+    nchunks = -(-n // chunk)
+    # a. histogram per chunk
+    table = np.zeros((nchunks, v), np.int64)
+    inr = tok >= 0
+    np.add.at(table, (np.flatnonzero(inr) // chunk, tok[inr]), 1)
+    # b. exclusive prefix over chunks (in place), column totals, scan inside blocks of scan_block
+    #    tokens (tokens 0..V: token V counts 0)
+    count = table.sum(axis=0)
+    table = np.cumsum(table, axis=0) - table
+    nscan = -(-(v + 1) // scan_block)
+    blocks = np.zeros(nscan * scan_block, np.int64)
+    blocks[:v] = count
+    blocks = blocks.reshape(nscan, scan_block)
+    local = (np.cumsum(blocks, axis=1) - blocks).reshape(-1)[: v + 1]
+    blocksum = blocks.sum(axis=1)
+    # c. scan of the block sums; start(v) = blockoff[v // scan_block] + local[v]
+    blockoff = np.cumsum(blocksum) - blocksum
+    start = blockoff[np.arange(v + 1) // scan_block] + local
+    # d. scatter: rank = lanes before in the warp with the same token + entries before the warp
+    pos = np.full(start[v], -1, np.int64)
+    lane = np.arange(chunk) % 32
+    for c in range(nchunks):
+        seg = tok[c * chunk : (c + 1) * chunk]
+        k = np.arange(seg.size)
+        eq = seg[:, None] == seg[None, :]
+        before_warp = k[None, :] < (k - lane[: seg.size])[:, None]
+        in_warp_before = (k[None, :] < k[:, None]) & ~before_warp
+        rank = (eq & in_warp_before).sum(axis=1) + (eq & before_warp).sum(axis=1)
+        ok = seg >= 0
+        dest = start[seg[ok]] + table[c, seg[ok]] + rank[ok]
+        assert (pos[dest] == -1).all() and len(np.unique(dest)) == dest.size, "a slot written twice"
+        pos[dest] = c * chunk + k[ok]
+    assert (pos >= 0).all(), "a slot never written"
+    return pos, start
+
+
+def _wte_walk_model(d, pos, start, v, rows=em.ROWS_PER_WARP, batch=em.BATCH):
+    """embedding_backward_wte_pos's walk (a warp per `rows` rows, all columns as one tile), in fp32."""
+    c = d.shape[1]
+    dwte = np.full((v, c), np.nan, np.float32)
+    writes = np.zeros(v, np.int64)
+    for v0 in range(0, v, rows):
+        nrows = min(rows, v - v0)
+        st = start[v0 : v0 + nrows + 1]  # lane r holds start(v0 + r)
+        qa, qb = st[0], st[nrows]
+        r, row_end = 0, st[1]
+        acc = np.zeros(c, np.float32)
+
+        def flush(r, acc):
+            dwte[v0 + r] = acc
+            writes[v0 + r] += 1
+            return r + 1, np.zeros(c, np.float32)
+
+        qbuf, q = qa, qa
+        buf = pos[qa : qa + 32]  # lane l holds pos[qbuf + l]
+        while q < qb:
+            if q - qbuf >= 32:
+                qbuf, buf = q, pos[q : q + 32]
+            n = min(batch, qb - q, qbuf + 32 - q)
+            raw = [d[buf[(q - qbuf + u) & 31]] for u in range(n)]
+            for u in range(n):
+                while q + u >= row_end:
+                    r, acc = flush(r, acc)
+                    row_end = st[r + 1]
+                acc = acc + raw[u]
+            q += n
+        while r < nrows:
+            r, acc = flush(r, acc)
+    assert (writes == 1).all(), "every row of dwte is written exactly once"
+    return dwte
+
+
+def _ids(rng, kind, n, v):
+    if kind == "uniform":
+        return rng.integers(0, v, n)
+    if kind == "same":
+        return np.full(n, v // 2)
+    if kind == "two":
+        return rng.choice([0, v - 1], n)
+    if kind == "zipf":  # a few hot tokens, like text
+        return np.minimum(rng.zipf(1.3, n) - 1, v - 1)
+    if kind == "bad":  # out-of-range ids mixed in
+        a = rng.integers(0, v, n)
+        a[rng.random(n) < 0.2] = -1
+        a[rng.random(n) < 0.1] = v
+        a[rng.random(n) < 0.05] = 2**40
+        return a
+    raise ValueError(kind)
+
+
+def test_counting_constants_match_kernel_source():
+    src = loader.source("embedding")
+    for name, value in (("EMB_CHUNK", em.COUNT_CHUNK), ("EMB_SCAN_BLOCK", em.SCAN_BLOCK),
+                        ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH)):
+        m = re.search(rf"^#define {name} (\d+)", src, re.MULTILINE)
+        assert m and int(m.group(1)) == value, name
+    kps = re.search(r"embedding_backward_wte_pos<[^>]*\{([\d,]+)\}>", src).group(1)
+    assert kps == ",".join(str(k) for k in range(1, em.MAX_PACKS_PER_LANE + 1))
+
+
+@pytest.mark.parametrize(
+    ("n", "v", "kind", "chunk", "scan_block"),
+    [
+        (1, 1, "uniform", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (7, 7, "uniform", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (1000, 7, "uniform", em.COUNT_CHUNK, em.SCAN_BLOCK),  # fewer positions than a chunk
+        (3 * 1024 + 5, 50257, "uniform", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (3 * 1024 + 5, 300, "same", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (2048, 1, "same", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (2500, 1000, "two", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (4096, 50257, "zipf", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (2000, 13, "bad", em.COUNT_CHUNK, em.SCAN_BLOCK),
+        (701, 1000, "uniform", 64, 4),  # small chunks and scan blocks: many of each
+        (701, 5, "zipf", 32, 2),
+        (700, 9, "bad", 96, 8),
+    ],
+)
+def test_counting_sort_model_is_the_stable_sort(rng, n, v, kind, chunk, scan_block):
+    ids = _ids(rng, kind, n, v)
+    pos, start = _counting_sort_model(ids, v, chunk, scan_block)
+    inr = np.flatnonzero((ids >= 0) & (ids < v))
+    np.testing.assert_array_equal(pos, inr[np.argsort(ids[inr], kind="stable")])
+    np.testing.assert_array_equal(start, np.searchsorted(np.sort(ids[inr]), np.arange(v + 1)))
+
+
+@pytest.mark.parametrize(
+    ("n", "v", "kind", "rows", "batch"),
+    [(1, 1, "uniform", em.ROWS_PER_WARP, em.BATCH), (37, 7, "uniform", em.ROWS_PER_WARP, em.BATCH),
+     (300, 1000, "uniform", em.ROWS_PER_WARP, em.BATCH), (333, 17, "same", em.ROWS_PER_WARP, em.BATCH),
+     (500, 50257, "zipf", em.ROWS_PER_WARP, em.BATCH), (400, 41, "two", em.ROWS_PER_WARP, em.BATCH),
+     (300, 9, "bad", em.ROWS_PER_WARP, em.BATCH), (90, 64, "zipf", em.ROWS_PER_WARP, em.BATCH),
+     # other constants (batches that straddle the 32-position register buffer, odd group sizes)
+     (333, 17, "same", 5, 3), (400, 101, "zipf", 3, 5), (250, 30, "uniform", 31, 7)],
+)
+def test_counting_row_walk_model_matches_reference_bitwise(rng, n, v, kind, rows, batch):
+    """The row walk (batches across rows, 32 positions per register load, flushes at row ends)
+    sums every row in ascending position order from 0.0f: the same fp32 bits as np.add.at."""
+    c = 5
+    ids = _ids(rng, kind, n, v)
+    d = rng.standard_normal((n, c)).astype(np.float32)
+    pos, start = _counting_sort_model(ids, v)
+    got = _wte_walk_model(d, pos, start, v, rows, batch)
+    ok = (ids >= 0) & (ids < v)
+    ref, _ = embedding_backward_reference(d[ok][None], ids[ok][None], v, max(1, int(ok.sum())))
+    np.testing.assert_array_equal(got, ref)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -165,3 +328,115 @@ def test_gpu_bad_inputs(cp, rng):
         embedding_backward(cp.asarray(dx), cp.asarray(idx, dtype=cp.float32), 5, 6)
     with pytest.raises(TypeError, match="float64"):
         embedding_forward(cp.asarray(idx), cp.asarray(wte, dtype=cp.float64), cp.asarray(wpe, dtype=cp.float64))
+
+
+# --------------------------------------------------------------------------- GPU: counting sort
+
+_COUNTING_CASES = [  # (B, T, C, V, ids)
+    (1, 1, 1, 1, "uniform"),
+    (1, 1, 768, 50257, "uniform"),
+    (1, 7, 7, 7, "uniform"),
+    (4, 7, 770, 7, "uniform"),
+    (1, 1000, 768, 1000, "uniform"),  # B*T < chunk
+    (2, 1024, 7, 50257, "uniform"),  # B*T = 2 chunks
+    (17, 181, 768, 50257, "uniform"),  # B*T = 3 chunks + 5
+    (3, 1000, 770, 1000, "zipf"),
+    (17, 181, 1, 7, "uniform"),
+    (4, 1000, 768, 50257, "same"),  # one token: a row of 4000 positions
+    (4, 1000, 7, 1, "same"),
+    (3, 700, 770, 1000, "two"),
+    (5, 333, 768, 13, "bad"),
+    (2, 64, 33, 50257, "bad"),
+]
+
+
+def _counting_inputs(rng, b, t, c, v, kind, dtype, idx_dtype):
+    idx = _ids(rng, kind, b * t, v).reshape(b, t)
+    if idx_dtype == np.int32:
+        idx = np.where(idx >= 2**31, v, idx)
+    idx = idx.astype(idx_dtype)
+    dx = random_array(rng, (b, t, c), dtype)
+    ok = (idx >= 0) & (idx < v)
+    dx_ok = dx.copy()
+    dx_ok[~ok] = 0  # out-of-range positions do not reach dwte ...
+    ref_dwte, _ = embedding_backward(dx_ok, np.where(ok, idx, 0), v, t + 2)
+    _, ref_dwpe = embedding_backward(dx, np.where(ok, idx, 0), v, t + 2)  # ... but do reach dwpe
+    return idx, dx, ref_dwte, ref_dwpe
+
+
+def _bits(a):
+    return backend.to_numpy(a).view(np.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", _COUNTING_CASES, ids=lambda k: "x".join(map(str, k)))
+def test_gpu_counting_matches_reference_and_optimized(cp, rng, dtype, case):
+    b, t, c, v, kind = case
+    idx_dtype = np.int32 if (b + c) % 2 else np.int64
+    idx, dx, ref_dwte, ref_dwpe = _counting_inputs(rng, b, t, c, v, kind, dtype, idx_dtype)
+    idd, dxd = cp.asarray(idx), cp.asarray(dx)
+    dwte, dwpe = embedding_backward(
+        dxd, idd, v, t + 2, method="counting",
+        dwte_out=poisoned((v, c), dtype, cp), dwpe_out=poisoned((t + 2, c), dtype, cp),
+    )
+    assert_close(dwte, ref_dwte, dtype, name="dwte")
+    assert_close(dwpe, ref_dwpe, dtype, name="dwpe")
+    if dtype == "fp32":  # the same fp32 additions in the same order as np.add.at
+        np.testing.assert_array_equal(backend.to_numpy(dwte), ref_dwte)
+    opt = embedding_backward(dxd, idd, v, t + 2, method="optimized")
+    np.testing.assert_array_equal(_bits(dwte), _bits(opt[0]), err_msg="counting vs optimized: dwte bits")
+    np.testing.assert_array_equal(_bits(dwpe), _bits(opt[1]), err_msg="counting vs optimized: dwpe bits")
+    again = embedding_backward(dxd, idd, v, t + 2, method="counting")
+    np.testing.assert_array_equal(_bits(dwte), _bits(again[0]), err_msg="counting run to run: dwte bits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
+def test_gpu_counting_bitwise_at_gpt2_size(cp, rng, idx_dtype):
+    b, t, c, v = 8, 1024, 768, 50304
+    idx = _ids(rng, "zipf", b * t, v).reshape(b, t).astype(idx_dtype)
+    idd = cp.asarray(idx)
+    dx = cp.asarray(random_array(rng, (b, t, c), "bf16"))
+    first = [_bits(a) for a in embedding_backward(dx, idd, v, t, method="counting")]
+    opt = [_bits(a) for a in embedding_backward(dx, idd, v, t, method="optimized")]
+    for a, o in zip(first, opt):
+        np.testing.assert_array_equal(a, o)
+    for _ in range(2):
+        for a, f in zip(embedding_backward(dx, idd, v, t, method="counting"), first):
+            np.testing.assert_array_equal(_bits(a), f)
+
+
+@pytest.mark.gpu
+def test_gpu_counting_misaligned_dx_takes_the_scalar_path(cp, rng):
+    b, t, c, v = 3, 50, 64, 20
+    idx, dx, ref_dwte, ref_dwpe = _counting_inputs(rng, b, t, c, v, "uniform", "bf16", np.int64)
+    buf = cp.empty(dx.size + 1, dtype=dx.dtype)
+    buf[1:] = cp.asarray(dx).ravel()
+    dxd = buf[1:].reshape(dx.shape)
+    assert dxd.data.ptr % 16 != 0
+    dwte, dwpe = embedding_backward(dxd, cp.asarray(idx), v, t + 2, method="counting")
+    assert_close(dwte, ref_dwte, "bf16", name="dwte")
+    assert_close(dwpe, ref_dwpe, "bf16", name="dwpe")
+
+
+@pytest.mark.gpu
+def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
+    """Launch configurations and scratch sizes depend on the shapes only: one capture serves any idx."""
+    from llmgpu.graphs import capture
+
+    b, t, c, v = 4, 700, 768, 1000
+    idd = cp.asarray(rng.integers(0, v, (b, t)))
+    dxd = cp.asarray(random_array(rng, (b, t, c), "bf16"))
+    dwte, dwpe = cp.empty((v, c), dxd.dtype), cp.empty((t, c), dxd.dtype)
+    g = capture(lambda: embedding_backward(dxd, idd, v, t, method="counting", dwte_out=dwte, dwpe_out=dwpe))
+    for kind in ("zipf", "same", "uniform"):
+        idx = _ids(rng, kind, b * t, v).reshape(b, t)
+        dx = random_array(rng, (b, t, c), "bf16")
+        idd[...] = cp.asarray(idx)
+        dxd[...] = cp.asarray(dx)
+        g.replay()
+        cp.cuda.get_current_stream().synchronize()
+        ref = embedding_backward(dxd, idd, v, t, method="optimized")
+        np.testing.assert_array_equal(_bits(dwte), _bits(ref[0]), err_msg=kind)
+        np.testing.assert_array_equal(_bits(dwpe), _bits(ref[1]), err_msg=kind)

@@ -18,6 +18,12 @@
 // (zero for tokens that do not occur), and the result is bitwise identical run to run.
 // dwpe is a plain sum over the batch in order b = 0..B-1 (embedding_backward_wpe).
 //
+// The "counting" path gets the same order without a library sort, with launch configurations that
+// depend only on (B, T, C, V) and no host synchronization, so a CUDA graph can capture it: a stable
+// counting sort of the positions by token (a histogram per chunk of positions, prefix sums, a
+// scatter; see "Counting sort" below) and then embedding_backward_wte_pos, which sums every row of
+// dwte in the same ascending position order as embedding_backward_wte: the same bits.
+//
 // Token ids outside [0, V): the forward writes NaN in that row of x (loud, no out-of-bounds read);
 // the backward drops those positions from dwte (their gradient has nowhere to go) but keeps them in
 // dwpe. The NumPy path raises ValueError instead.
@@ -30,6 +36,11 @@
 // llmgpu:kernel embedding_segment_starts
 // llmgpu:kernel embedding_backward_wte<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel embedding_backward_wpe<{float,__half,__nv_bfloat16}, {0,1}>
+// llmgpu:kernel embedding_count_histogram<{int,long long}>
+// llmgpu:kernel embedding_count_prefix
+// llmgpu:kernel embedding_count_scan_blocks
+// llmgpu:kernel embedding_count_scatter<{int,long long}>
+// llmgpu:kernel embedding_backward_wte_pos<{float,__half,__nv_bfloat16}, {0,1}, {1,2,3}>
 
 #define EMB_NAN __int_as_float(0x7fffffff)
 
@@ -202,4 +213,285 @@ __global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restric
         }
     }
     store_pack<T, W>(dwpe + (long long)t * C + (long long)j * W, acc);
+}
+
+// ------------------------------------------------------------------ backward: counting sort
+//
+// Counting sort ("counting" in ops/embedding.py). Goal: pos[0..N) = the in-range positions i
+// (0 <= idx[i] < V) ordered by token and, within a token, by ascending i (a stable sort), with
+// start(v) = the first slot of token v, so that token v's positions are pos[start(v) .. start(v+1)).
+// Every count is an integer, so the atomics below give the same result in any order: the output
+// is deterministic, and no launch configuration depends on the data.
+//
+//   a. embedding_count_histogram: table[c][v] = how many positions of chunk c (positions
+//      c*EMB_CHUNK .. c*EMB_CHUNK + EMB_CHUNK-1) hold token v (the host zeroed table [nchunks, V]).
+//   b. embedding_count_prefix, a thread per token v: table[c][v] becomes the exclusive prefix over
+//      chunks (how many positions of token v lie in chunks before c); the column total is v's count,
+//      and a block scan over EMB_SCAN_BLOCK consecutive tokens gives local[v] (the positions of the
+//      tokens v' < v of the same block) and blocksum[block] (the positions of all its tokens).
+//   c. embedding_count_scan_blocks, one block: blockoff = exclusive scan of blocksum.
+//      start(v) = blockoff[v / EMB_SCAN_BLOCK] + local[v]  for v = 0..V  (start(V) = N).
+//   d. embedding_count_scatter: position i of chunk c with token v goes to slot
+//      start(v) + table[c][v] + rank(i), rank(i) = number of earlier positions of chunk c with token v.
+//
+// Sizes: table is nchunks * V ints (64 * 50304 * 4 B = 13 MB at GPT-2 size: memset, one read-write
+// pass in b.), pos is B*T ints. A bigger chunk shrinks the table but makes the rank loop of d. longer.
+
+#define EMB_CHUNK 1024       // positions per chunk (a multiple of 256)
+#define EMB_SCAN_BLOCK 256   // tokens per block of embedding_count_prefix (start(v) uses v >> 8)
+#define EMB_SCAN_SHIFT 8
+#define EMB_PREFIX_BATCH 16  // table loads in flight per thread in embedding_count_prefix
+#define EMB_ROWS 8           // token rows per warp in embedding_backward_wte_pos
+#define EMB_BATCH 4          // dx rows in flight per lane in embedding_backward_wte_pos
+static_assert(EMB_CHUNK % 256 == 0, "the scatter splits a chunk over blocks of 256 threads");
+static_assert(EMB_SCAN_BLOCK == (1 << EMB_SCAN_SHIFT), "start(v) uses a shift");
+static_assert(EMB_ROWS < 32, "one lane per row start");
+
+// Token id as an int, -1 for ids outside [0, V) (they take no slot).
+template <typename TI>
+__device__ __forceinline__ int emb_token(TI raw, int V) {
+    const long long id = (long long)raw;
+    return (id < 0 || id >= V) ? -1 : (int)id;
+}
+
+// First slot of token v in pos (v = 0..V).
+__device__ __forceinline__ int emb_start(const int* __restrict__ local, const int* __restrict__ blockoff, long long v) {
+    return blockoff[v >> EMB_SCAN_SHIFT] + local[v];
+}
+
+// Exclusive prefix sum over a block of NT threads (NT a multiple of 32, at most 1024); *total gets
+// the block's sum. scratch: 33 ints of shared memory; the trailing barrier lets callers reuse it.
+template <int NT>
+__device__ __forceinline__ int emb_block_exclusive_scan(int x, int* scratch, int& total) {
+    constexpr int NW = NT / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < NW ? scratch[lane] : 0;
+        int wi = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, wi, o);
+            if (lane >= o) wi += y;
+        }
+        if (lane < NW) scratch[lane] = wi - w;  // exclusive offset of warp `lane`
+        if (lane == 31) scratch[32] = wi;       // block total
+    }
+    __syncthreads();
+    total = scratch[32];
+    const int res = scratch[warp] + incl - x;
+    __syncthreads();
+    return res;
+}
+
+// a. Grid ceil(BT / 256), 256 threads. A warp's 32 positions lie in one chunk (EMB_CHUNK is a
+// multiple of 32), so the lanes with the same token (__match_any_sync) add their count with one
+// atomic: a hot token costs one atomic per warp, not one per position.
+template <typename TI>
+__global__ void __launch_bounds__(256) embedding_count_histogram(const TI* __restrict__ idx, long long BT, int V,
+                                                                 int* __restrict__ table) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int id = i < BT ? emb_token(idx[i], V) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    const int lane = threadIdx.x & 31;
+    if (id >= 0 && lane == __ffs(peers) - 1) atomicAdd(table + (i / EMB_CHUNK) * (long long)V + id, __popc(peers));
+}
+
+// b. Grid ceil((V + 1) / EMB_SCAN_BLOCK), EMB_SCAN_BLOCK threads, thread = token v (v = V counts 0:
+// it makes local[V] + blockoff[V >> 8] = N). The column walk loads EMB_PREFIX_BATCH chunks before
+// storing any, so a thread waits for one memory latency per batch, not per chunk.
+__global__ void __launch_bounds__(EMB_SCAN_BLOCK) embedding_count_prefix(int* __restrict__ table, int nchunks, int V,
+                                                                         int* __restrict__ local,
+                                                                         int* __restrict__ blocksum) {
+    __shared__ int scratch[33];
+    const long long v = (long long)blockIdx.x * EMB_SCAN_BLOCK + threadIdx.x;
+    int run = 0;
+    if (v < V) {
+        int* col = table + v;
+        for (int c0 = 0; c0 < nchunks; c0 += EMB_PREFIX_BATCH) {
+            int x[EMB_PREFIX_BATCH];
+#pragma unroll
+            for (int k = 0; k < EMB_PREFIX_BATCH; ++k)
+                x[k] = (c0 + k < nchunks) ? col[(long long)(c0 + k) * V] : 0;
+#pragma unroll
+            for (int k = 0; k < EMB_PREFIX_BATCH; ++k) {
+                if (c0 + k < nchunks) {
+                    col[(long long)(c0 + k) * V] = run;
+                    run += x[k];
+                }
+            }
+        }
+    }
+    int total;
+    const int excl = emb_block_exclusive_scan<EMB_SCAN_BLOCK>(run, scratch, total);
+    if (v <= V) local[v] = excl;
+    if (threadIdx.x == 0) blocksum[blockIdx.x] = total;
+}
+
+// c. One block of 1024 threads: blockoff[k] = sum of blocksum[0..k), in tiles of 1024 (nb is
+// ceil((V + 1) / 256): one tile at GPT-2 size, 4 for V = 2^20).
+__global__ void __launch_bounds__(1024) embedding_count_scan_blocks(const int* __restrict__ blocksum, int nb,
+                                                                    int* __restrict__ blockoff) {
+    __shared__ int scratch[33];
+    int carry = 0;
+    for (int base = 0; base < nb; base += 1024) {
+        const int k = base + threadIdx.x;
+        const int x = k < nb ? blocksum[k] : 0;
+        int total;
+        const int excl = emb_block_exclusive_scan<1024>(x, scratch, total);
+        if (k < nb) blockoff[k] = carry + excl;
+        carry += total;
+    }
+}
+
+// d. Grid (nchunks, EMB_CHUNK / 256), 256 threads: block (c, y) places positions
+// c*EMB_CHUNK + y*256 + tid. It stages the chunk's tokens up to its own last position in shared
+// memory; a thread's rank among the earlier positions of its chunk with the same token is
+//   (lanes before it in its warp with that token: __match_any_sync, then a popcount)
+// + (entries before its warp, counted in a loop over shared memory: every lane reads the same
+//    int4 at once, a broadcast, and compares 4 tokens per read).
+// The loop costs ~chunk^2/2 compares per chunk whatever the data (no data-dependent work, no
+// atomics); the split of a chunk over 4 blocks spreads it over 4x more SMs.
+template <typename TI>
+__global__ void __launch_bounds__(256) embedding_count_scatter(const TI* __restrict__ idx, long long BT, int V,
+                                                               const int* __restrict__ table,
+                                                               const int* __restrict__ local,
+                                                               const int* __restrict__ blockoff,
+                                                               int* __restrict__ pos) {
+    __shared__ __align__(16) int s_id[EMB_CHUNK];
+    const long long c = blockIdx.x;
+    const long long chunk0 = c * EMB_CHUNK;
+    const int n_stage = (blockIdx.y + 1) * 256;
+    for (int k = threadIdx.x; k < n_stage; k += 256) {
+        const long long i = chunk0 + k;
+        s_id[k] = i < BT ? emb_token(idx[i], V) : -1;
+    }
+    __syncthreads();
+    const int kk = blockIdx.y * 256 + threadIdx.x;  // position within the chunk
+    const int lane = threadIdx.x & 31;
+    const int id = s_id[kk];
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    int rank = __popc(peers & ((1u << lane) - 1u));
+    const int4* s4 = reinterpret_cast<const int4*>(s_id);
+    const int n4 = (kk - lane) >> 2;  // entries before this warp, 4 per int4 (kk - lane is a multiple of 32)
+#pragma unroll 4
+    for (int k4 = 0; k4 < n4; ++k4) {
+        const int4 a = s4[k4];
+        rank += (a.x == id) + (a.y == id) + (a.z == id) + (a.w == id);
+    }
+    if (id < 0) return;  // out-of-range token, or past the end of idx
+    pos[emb_start(local, blockoff, id) + table[c * V + id] + rank] = (int)(chunk0 + kk);
+}
+
+// acc[e] += float(raw.v[e]). For bf16 the conversion is the exact bit move (the bf16 bits are the
+// top half of the fp32 bits), written out so that the compiler keeps the packed values until the
+// add instead of widening a whole batch into fp32 registers early.
+template <typename T> struct EmbIsBf16 { static constexpr bool value = false; };
+template <> struct EmbIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+template <typename T, int W>
+__device__ __forceinline__ void emb_add_pack(float (&acc)[W], const EmbPack<T, W>& raw) {
+    if constexpr (EmbIsBf16<T>::value && W % 2 == 0) {
+        const unsigned* b = reinterpret_cast<const unsigned*>(raw.v);
+#pragma unroll
+        for (int e = 0; e < W / 2; ++e) {
+            acc[2 * e] += __uint_as_float(b[e] << 16);
+            acc[2 * e + 1] += __uint_as_float(b[e] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) acc[e] += to_float(raw.v[e]);
+    }
+}
+
+// e. Grid (ceil(V / (EMB_ROWS * 4)), ntiles), 128 threads = 4 warps. A warp owns EMB_ROWS
+// consecutive token rows v0.. and one column tile of 32*KP packs (lane's packs: tile*32*KP + lane
+// + 32k, k < KP). The rows' positions are one contiguous range pos[start(v0) .. start(v0 + rows)),
+// which the warp walks in order in batches of EMB_BATCH positions -- a batch may span several rows,
+// so rows with one or two positions (most of the vocabulary) do not each wait a full memory
+// latency -- holding the positions 32 at a time in a register per lane (shuffled out). Each row is
+// summed from 0.0f in ascending position order, exactly as embedding_backward_wte does, and
+// written once (zeros for tokens that do not occur). VEC = 1 needs C % W == 0 and 16-byte aligned
+// dx and dwte (the host checks).
+// The price of the fixed order: a row's additions are a chain, so a hot token (~3% of the positions
+// for "," in text: ~2000 rows of dx at GPT-2 size) costs ~count / EMB_BATCH memory latencies in one
+// warp, while the rest of the vocabulary runs beside it. Exactly as in embedding_backward_wte.
+template <typename T, int VEC, int KP>
+__global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __restrict__ dx, const int* __restrict__ pos,
+                                                                  const int* __restrict__ local,
+                                                                  const int* __restrict__ blockoff,
+                                                                  T* __restrict__ dwte, int C, int V) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    constexpr int U = EMB_BATCH;
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const long long v0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * EMB_ROWS;
+    if (v0 >= V) return;  // the whole warp
+    const int nrows = (int)min((long long)EMB_ROWS, (long long)V - v0);
+    const int nvec = C / W;
+    const int j0 = blockIdx.y * (32 * KP) + lane;
+
+    // lane r (r <= nrows) holds start(v0 + r)
+    const int my_start = lane <= nrows ? emb_start(local, blockoff, v0 + lane) : 0;
+    const int qa = __shfl_sync(full, my_start, 0);
+    const int qb = __shfl_sync(full, my_start, nrows);
+    int r = 0;                                       // row being summed
+    int row_end = __shfl_sync(full, my_start, 1);    // start(v0 + r + 1)
+    float acc[KP][W];
+#pragma unroll
+    for (int k = 0; k < KP; ++k)
+#pragma unroll
+        for (int e = 0; e < W; ++e) acc[k][e] = 0.0f;
+
+    auto flush_row = [&]() {  // write row r, start the next one from zero
+        T* out = dwte + (v0 + r) * (long long)C;
+#pragma unroll
+        for (int k = 0; k < KP; ++k) {
+            const int j = j0 + 32 * k;
+            if (j < nvec) store_pack<T, W>(out + (long long)j * W, acc[k]);
+#pragma unroll
+            for (int e = 0; e < W; ++e) acc[k][e] = 0.0f;
+        }
+        ++r;
+    };
+
+    int qbuf = qa;  // lane l holds pos[qbuf + l]
+    int pbuf = qa + lane < qb ? pos[qa + lane] : 0;
+    for (int q = qa; q < qb;) {
+        if (q - qbuf >= 32) {
+            qbuf = q;
+            pbuf = q + lane < qb ? pos[q + lane] : 0;
+        }
+        const int n = min(U, min(qb - q, qbuf + 32 - q));  // 1..U positions in this batch
+        EmbPack<T, W> raw[U][KP];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long p = __shfl_sync(full, pbuf, (q - qbuf + u) & 31);
+            const EmbPack<T, W>* src = reinterpret_cast<const EmbPack<T, W>*>(dx + p * C) + j0;
+#pragma unroll
+            for (int k = 0; k < KP; ++k)
+                if (u < n && j0 + 32 * k < nvec) raw[u][k] = src[32 * k];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (u < n) {
+                while (q + u >= row_end) {  // the rows before this position are complete
+                    flush_row();
+                    row_end = __shfl_sync(full, my_start, r + 1);
+                }
+#pragma unroll
+                for (int k = 0; k < KP; ++k)
+                    if (j0 + 32 * k < nvec) emb_add_pack<T, W>(acc[k], raw[u][k]);
+            }
+        }
+        q += n;
+    }
+    while (r < nrows) flush_row();  // the last row with positions, then empty rows
 }

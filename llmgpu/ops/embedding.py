@@ -9,9 +9,41 @@ The backward of a gather is a scatter-add: several positions write the same row 
 the additions, and so the last bits of dwte, changes from run to run. The ``"optimized"`` path is
 deterministic: it sorts the (token, position) keys (``cupy.sort``), finds each token's run by binary
 search and gives each token row to one group of threads that sums its positions in ascending order
--- every dwte row is written exactly once, the same bits every run. (The sort goes through CuPy's
-Thrust binding, which may synchronize the stream: fine for eager training, not for CUDA-graph
-capture.)
+-- every dwte row is written exactly once, the same bits every run. The sort goes through CuPy's
+Thrust binding, which allocates its scratch and may synchronize the stream: fine for eager training,
+not for CUDA-graph capture.
+
+The ``"counting"`` path sums in exactly the same order (so its dwte has the same bits as
+``"optimized"``) but sorts with a counting sort of its own (below): no host synchronization, scratch
+whose size depends only on (B, T, V), and launch configurations that depend only on (B, T, C, V),
+so a whole training step that uses it can be captured in a CUDA graph. The forward has no scatter;
+its ``"counting"`` method is the optimized gather.
+
+Counting sort (``method="counting"``; kernels ``embedding_count_*`` and ``embedding_backward_wte_pos``)
+    We need ``pos``: the in-range positions ``i`` (``0 <= idx[i] < V``) ordered by token, ties in
+    ascending ``i`` (a *stable* sort by token), and ``start[v]``, the first slot of token ``v``, so
+    that token ``v``'s positions are ``pos[start[v]:start[v+1]]``. Token ids are small integers
+    (below ``V``), which is the case for a counting sort: count, prefix-sum, place.
+
+    a. Cut the ``N = B*T`` positions into chunks of ``CHUNK = 1024`` consecutive positions. A
+       histogram per chunk: ``table[c, v]`` = number of positions of chunk ``c`` holding token ``v``
+       (integer atomics, so the counts do not depend on their order).
+    b. Per token, an exclusive prefix over the chunks, in place: ``table[c, v]`` becomes the number of
+       positions of token ``v`` in chunks before ``c``; the column total is ``count[v]``.
+    c. ``start[v] = count[0] + ... + count[v-1]`` (an exclusive scan over the vocabulary; done as a
+       scan inside blocks of 256 tokens plus a scan of the block sums).
+    d. Place: position ``i`` of chunk ``c`` with token ``v`` goes to slot
+       ``start[v] + table[c, v] + rank(i)``, where ``rank(i)`` counts the earlier positions of the
+       same chunk with the same token (a loop over the chunk's tokens in shared memory).
+       Positions of ``v`` from earlier chunks come first, then earlier ones of the same chunk: the
+       slots are exactly the stable order, and each is written once.
+
+    Then one warp per 8 consecutive token rows walks their (contiguous) range of ``pos`` and sums
+    each row from zero in ascending position order, as the optimized kernel does. The scratch is a
+    ``[ceil(N/1024), V]`` int32 table (13 MB at GPT-2 size), ``N`` int32 slots and ``O(V)`` ints,
+    allocated from CuPy's pool at each call (their sizes depend only on the shapes: under graph
+    capture, use a private memory pool as for any other temporary). ``test_embedding.py`` checks a
+    NumPy model of these steps against ``np.argsort(idx, kind="stable")``.
 
 Token ids outside ``[0, V)``: the NumPy path raises ValueError. The GPU path does not read out of
 bounds; the forward writes NaN into those rows of x (the loss turns NaN: loud), and the backward
@@ -26,11 +58,18 @@ from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
 
-METHODS = ("naive", "optimized")
+METHODS = ("naive", "optimized", "counting")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 THREADS = 256
+# The counting sort's constants, as #defined in kernels/embedding.cu (a test compares them).
+COUNT_CHUNK = 1024  # EMB_CHUNK: positions per chunk of the histogram table
+SCAN_BLOCK = 256  # EMB_SCAN_BLOCK: tokens per block of the prefix kernel
+ROWS_PER_WARP = 8  # EMB_ROWS: token rows per warp in embedding_backward_wte_pos
+BATCH = 4  # EMB_BATCH: dx rows in flight per lane in embedding_backward_wte_pos
+WARPS_PER_BLOCK = 4  # embedding_backward_wte_pos runs 128-thread blocks
+MAX_PACKS_PER_LANE = 3  # the KP instantiations of embedding_backward_wte_pos: 1, 2, 3
 
 
 def _check_method(method):
@@ -85,7 +124,9 @@ def embedding_backward_reference(dx, idx, vocab_size, max_t):
 
 
 def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
-    """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]``."""
+    """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]``.
+
+    ``method="counting"`` is the optimized gather (the methods differ in the backward only)."""
     _check_method(method)
     xp = array_module(idx=idx, wte=wte, wpe=wpe, out=out)
     check_array("idx", idx, ndim=2, dtypes=INDEX_DTYPES)
@@ -128,7 +169,9 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     """``(dwte [V, C], dwpe [maxT, C])`` from ``dx [B, T, C]`` and the forward's ``idx [B, T]``.
 
     ``max_t`` is wpe's number of rows (an int, or wpe's shape). Gradients have dx's dtype, summed in
-    fp32; on the optimized GPU path in an order fixed by idx alone (bitwise reproducible).
+    fp32; on the optimized and counting GPU paths in an order fixed by idx alone (bitwise
+    reproducible, and the two give the same bits). ``"counting"`` neither synchronizes nor sizes
+    anything by the data: it can be captured in a CUDA graph (see the module docstring).
     """
     _check_method(method)
     xp = array_module(dx=dx, idx=idx, dwte_out=dwte_out, dwpe_out=dwpe_out)
@@ -177,6 +220,14 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
         dwpe[...] = dwpe32
         return dwte, dwpe
 
+    if method == "counting":
+        _backward_counting(xp, dx, idx, dwte, v, ti)
+        vec, grid, block = _pack_grid(v, c, dx.dtype, (dx, dwte, dwpe))
+        get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec))(
+            (max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
+        )
+        return dwte, dwpe
+
     keys = xp.empty(bt, dtype=np.int64)
     get_kernel("embedding", "embedding_make_keys", ti)(
         (-(-bt // THREADS),), (THREADS,), (idx, np.int64(bt), np.int32(v), keys)
@@ -194,6 +245,46 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
         (max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
     )
     return dwte, dwpe
+
+
+def _backward_counting(xp, dx, idx, dwte, v, ti):
+    """dwte through the counting sort (module docstring, steps a-d, then the row sums)."""
+    b, t, c = dx.shape
+    bt = b * t
+    # Row sums (below): a warp per ROWS_PER_WARP rows and per column tile of 32*kp packs (kp <= 3).
+    width = 16 // np.dtype(dx.dtype).itemsize
+    vec = c % width == 0 and dx.data.ptr % 16 == 0 and dwte.data.ptr % 16 == 0
+    nvec = c // width if vec else c
+    ntiles = -(-nvec // (32 * MAX_PACKS_PER_LANE))
+    kp = -(-nvec // (32 * ntiles))
+    if ntiles > 65535:  # gridDim.y
+        raise ValueError(f"C={c} is too large for the counting path's column tiles (at most {65535 * 96} packs)")
+    nchunks = -(-bt // COUNT_CHUNK)
+    nscan = -(-(v + 1) // SCAN_BLOCK)  # blocks of the prefix kernel (token V included: start[V] = N)
+    # Scratch, sized by the shapes only: the histogram table (zeroed: a memset), then local
+    # starts [V + 1], block sums and block offsets [nscan] each, and the sorted positions [B*T].
+    table = xp.zeros(nchunks * v, dtype=np.int32)
+    work = xp.empty((v + 1) + 2 * nscan + bt, dtype=np.int32)
+    local = work[: v + 1]
+    blocksum = work[v + 1 : v + 1 + nscan]
+    blockoff = work[v + 1 + nscan : v + 1 + 2 * nscan]
+    pos = work[v + 1 + 2 * nscan :]
+    n64, v32 = np.int64(bt), np.int32(v)
+
+    get_kernel("embedding", "embedding_count_histogram", ti)((-(-bt // 256),), (256,), (idx, n64, v32, table))
+    get_kernel("embedding", "embedding_count_prefix")(
+        (nscan,), (SCAN_BLOCK,), (table, np.int32(nchunks), v32, local, blocksum)
+    )
+    get_kernel("embedding", "embedding_count_scan_blocks")((1,), (1024,), (blocksum, np.int32(nscan), blockoff))
+    get_kernel("embedding", "embedding_count_scatter", ti)(
+        (nchunks, COUNT_CHUNK // 256), (256,), (idx, n64, v32, table, local, blockoff, pos)
+    )
+
+    ngroups = -(-v // ROWS_PER_WARP)
+    get_kernel("embedding", "embedding_backward_wte_pos", dx.dtype, int(vec), kp)(
+        (-(-ngroups // WARPS_PER_BLOCK), ntiles), (32 * WARPS_PER_BLOCK,),
+        (dx, pos, local, blockoff, dwte, np.int32(c), v32),
+    )
 
 
 def traffic_bytes(b, t, c, vocab_size, max_t, dtype, backward=False, index_itemsize=8):
