@@ -154,12 +154,35 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
             ln._FORCE_SMEM_ACCUMULATORS = False
 
     cases = []
-    for m in ln.METHODS:
-        r = reps if m == "optimized" else slow
+    for m in ln.METHODS:  # naive, optimized, fast ("fast" forward = the optimized forward)
+        r = slow if m == "naive" else reps
         cases.append(("layernorm", "fwd", m, shape, fwd(m), fwd_bytes, r))
         cases.append(("layernorm", "bwd", m, shape, bwd(m), bwd_bytes, r))
     if xp is not np:
         cases.append(("layernorm", "bwd", "optimized-smem", shape, smem_variant, bwd_bytes, reps))
+
+    # The chapter 8 model's fused pattern. Forward: residual add + LayerNorm in one pass against a
+    # separate add then the forward. Backward: dx += dresidual and dgamma/dbeta added into fp32
+    # gradient buffers, in the fast kernels against the optimized kernels plus array operations.
+    # Both count the fused minimum traffic (read a, b; write s, y / read dy, x, dresidual; write dx).
+    a2, s_buf, dres = _rand(rng, xp, dt, n, c), xp.empty_like(x), _rand(rng, xp, dt, n, c)
+    dg32, db32 = xp.zeros(c, dtype=np.float32), xp.zeros(c, dtype=np.float32)
+    res_fwd = ln.traffic_bytes(n, c, dt, residual=True)
+    res_bwd = ln.traffic_bytes(n, c, dt, backward=True, residual=True)
+
+    def add_then_ln():
+        xp.add(x, a2, out=s_buf)
+        ln.layernorm_forward(s_buf, g, b, out=y)
+
+    def bwd_fused(m):
+        return lambda: ln.layernorm_backward(dy, x, g, mean, rstd, method=m, dx_out=dx, dresidual=dres,
+                                             dgamma_out=dg32, dbeta_out=db32, accumulate_params=True)
+
+    cases.append(("add+layernorm", "fwd", "fused", shape,
+                  lambda: ln.add_layernorm_forward(x, a2, g, b, residual_out=s_buf, out=y), res_fwd, reps))
+    cases.append(("add+layernorm", "fwd", "add,then-ln", shape, add_then_ln, res_fwd, reps))
+    cases.append(("layernorm", "bwd", "fast+dres+acc", shape, bwd_fused("fast"), res_bwd, reps))
+    cases.append(("layernorm", "bwd", "opt+dres+acc", shape, bwd_fused("optimized"), res_bwd, reps))
     return cases
 
 
@@ -169,7 +192,7 @@ def _gelu_cases(xp, rng, sz, dt, reps, slow):
     y, dx = xp.empty_like(x), xp.empty_like(x)
     shape = f"{n}x{c}"
     cases = []
-    for m in ge.METHODS:
+    for m in ge.METHODS:  # naive, optimized, fast
         cases.append(("gelu", "fwd", m, shape, lambda m=m: ge.gelu_forward(x, out=y, method=m),
                       ge.traffic_bytes(x.size, dt), reps))
         cases.append(("gelu", "bwd", m, shape, lambda m=m: ge.gelu_backward(dy, x, out=dx, method=m),
@@ -184,8 +207,8 @@ def _ce_cases(xp, rng, sz, dt, reps, slow):
     dl = xp.empty_like(logits)
     shape = f"{n}x{v}"
     cases = []
-    for m in ce.METHODS:
-        r = reps if m == "optimized" else slow
+    for m in ce.METHODS:  # "fast" shares the fused backward: its bwd row re-measures that kernel
+        r = slow if m == "naive" else reps
         _, cache = ce.cross_entropy_forward(logits, t, method=m)
         cases.append(("cross_entropy", "fwd", m, shape, lambda m=m: ce.cross_entropy_forward(logits, t, method=m),
                       ce.traffic_bytes(n, v, dt), r))
@@ -197,16 +220,28 @@ def _ce_cases(xp, rng, sz, dt, reps, slow):
 def _emb_cases(xp, rng, sz, dt, reps, slow):
     bsz, tl, c, v, maxt = sz["emb"]
     idx = backend.to_device(rng.integers(0, v, (bsz, tl)).astype(np.int64), xp)
+    # Text-like ids: Zipf-Mandelbrot frequencies p(rank) ~ 1/(rank + 3) (the top token ~3% of the
+    # positions, like "," or " the" in GPT-2 text) on randomly chosen ids. Long runs of one token
+    # are what the deterministic backwards sum serially.
+    p = 1.0 / (np.arange(v) + 3.0)
+    zipf = backend.to_device(rng.permutation(v)[rng.choice(v, (bsz, tl), p=p / p.sum())].astype(np.int64), xp)
     wte, wpe, dxe = _rand(rng, xp, dt, v, c), _rand(rng, xp, dt, maxt, c), _rand(rng, xp, dt, bsz, tl, c)
     xo, dwte, dwpe = xp.empty((bsz, tl, c), dtype=dt), xp.empty_like(wte), xp.empty_like(wpe)
     shape = f"{bsz}x{tl}x{c},V={v}"
+    fwd_bytes = em.traffic_bytes(bsz, tl, c, v, maxt, dt)
+    bwd_bytes = em.traffic_bytes(bsz, tl, c, v, maxt, dt, backward=True)
     cases = []
-    for m in em.METHODS:
+    for m in ("naive", "optimized"):  # the forward of "counting" is the optimized gather
         cases.append(("embedding", "fwd", m, shape, lambda m=m: em.embedding_forward(idx, wte, wpe, out=xo, method=m),
-                      em.traffic_bytes(bsz, tl, c, v, maxt, dt), reps))
+                      fwd_bytes, reps))
+    for m in em.METHODS:  # naive (float atomics), optimized (cupy.sort), counting (graph-capturable)
         cases.append(("embedding", "bwd", m, shape,
                       lambda m=m: em.embedding_backward(dxe, idx, v, maxt, method=m, dwte_out=dwte, dwpe_out=dwpe),
-                      em.traffic_bytes(bsz, tl, c, v, maxt, dt, backward=True), reps))
+                      bwd_bytes, reps))
+    for m in ("optimized", "counting"):
+        cases.append(("embedding", "bwd", m, shape + ",zipf",
+                      lambda m=m: em.embedding_backward(dxe, zipf, v, maxt, method=m, dwte_out=dwte, dwpe_out=dwpe),
+                      bwd_bytes, reps))
     return cases
 
 
@@ -249,7 +284,7 @@ def main(argv=None):
                    "median_ms": t.median_ms, "bytes": nbytes, "gbps": gbps, "pct_of_copy": 100.0 * gbps / ceiling}
             line = (f"{op:<15}{direction:<5}{method:<16}{shape:<26}{dtype:<6}{t.median_ms:9.3f}{gbps:9.0f}"
                     f"{row['pct_of_copy']:7.1f}%")
-            if tf and method == "optimized" and (op, direction) in tt:
+            if tf and method in ("optimized", "fast") and (op, direction) in tt:
                 row["torch_ms"] = tt[(op, direction)]
                 row["torch_over_ours"] = tt[(op, direction)] / t.median_ms
                 line += f"{row['torch_ms']:10.3f}{row['torch_over_ours']:10.2f}x"
@@ -257,10 +292,16 @@ def main(argv=None):
             print(line, flush=True)
 
     if on_gpu:
-        met = [r for r in rows if r["method"] == "optimized" and r["kernel"] != "embedding"]
-        below = [f"{r['kernel']} {r['direction']} {r['dtype']} ({r['pct_of_copy']:.0f}%)" for r in met
+        # per kernel, direction and dtype: the better of the "optimized" and "fast" variants
+        best = {}
+        for r in rows:
+            if r["method"] in ("optimized", "fast") and r["kernel"] != "embedding":
+                k = (r["kernel"], r["direction"], r["dtype"])
+                if k not in best or r["pct_of_copy"] > best[k]["pct_of_copy"]:
+                    best[k] = r
+        below = [f"{k[0]} {k[1]} {k[2]} ({r['method']}: {r['pct_of_copy']:.0f}%)" for k, r in best.items()
                  if r["pct_of_copy"] < TARGET_PCT]
-        print(f"optimized LayerNorm/GELU/cross-entropy at >= {TARGET_PCT:.0f}% of copy: "
+        print(f"best LayerNorm/GELU/cross-entropy kernels at >= {TARGET_PCT:.0f}% of copy: "
               + ("all" if not below else "not: " + ", ".join(below)))
 
     out = args.out or (RESULTS if on_gpu else None)
