@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     g.add_argument("--sync-copy", action="store_true", help="copy batches synchronously (for comparison)")
+    g.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
+                   help="the chapter 8 model: cuBLASLt GEMMs with fused epilogues, fused residual+LayerNorm, "
+                        "flash attention (default: on when the GPU, bf16/fp16 and the 'fast' extra allow it)")
+    g.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each step as one CUDA graph (default: with --fast)")
     g.add_argument("--cpu-threads", type=_nonneg_int("--cpu-threads"), metavar="N",
                    help="BLAS threads on the CPU backend (default 1: small GEMMs; 0: the BLAS default)")
     g.add_argument("--sample-tokens", type=_nonneg_int("--sample-tokens"), default=200)
@@ -162,7 +167,7 @@ def cmd_train(a) -> int:
         log_every=a.log_every, save_every=a.save_every, out=out, resume=a.resume, seed=a.seed,
         vocab_size=a.vocab_size, pad_vocab=a.pad_vocab, device=a.device, async_copy=not a.sync_copy,
         sample_tokens=a.sample_tokens, prompt=a.prompt, progress=not a.quiet, plot=not a.no_plot,
-        cpu_threads=a.cpu_threads,
+        cpu_threads=a.cpu_threads, fast=a.fast, graph=a.graph,
     )
     summary = train(cfg)
     if "sample" in summary and not a.quiet:

@@ -47,6 +47,7 @@ from .ops.gelu import gelu_backward, gelu_forward
 from .ops.layernorm import layernorm_backward, layernorm_forward
 from .ops.linear import linear_backward, linear_forward
 from .params import FlatParams, gpt2_param_shapes
+from .profile import region
 
 PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
 
@@ -253,24 +254,35 @@ class GPT:
         B, T, C = x.shape
         H, D = cfg.n_head, cfg.head_dim
         n = _block_names(i)
-        x2d = x.reshape(B * T, C)
-        h1, mean1, rstd1 = layernorm_forward(x2d, self._w(n["ln_1.weight"]), self._w(n["ln_1.bias"]))
-        qkv = linear_forward(h1, self._w(n["attn.c_attn.weight"]), self._w(n["attn.c_attn.bias"]))
-        # [B,T,3,H,D] -> [3,B,H,T,D]: q, k, v as contiguous [B,H,T,D] arrays (one transposing copy)
-        qkv5 = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4))
-        del qkv
-        q, k, v = qkv5[0], qkv5[1], qkv5[2]
-        o, stats = attention_forward(q, k, v, causal=True)
-        y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
-        a = linear_forward(y, self._w(n["attn.c_proj.weight"]), self._w(n["attn.c_proj.bias"]))
-        x2 = xp.add(x2d, a, out=a)  # residual; a's buffer is reused
-        h2, mean2, rstd2 = layernorm_forward(x2, self._w(n["ln_2.weight"]), self._w(n["ln_2.bias"]))
-        f = linear_forward(h2, self._w(n["mlp.c_fc.weight"]), self._w(n["mlp.c_fc.bias"]))
-        g = gelu_forward(f)
+        N = B * T
+        x2d = x.reshape(N, C)
+        with region("ln_1 fwd", bytes=2 * x2d.nbytes):
+            h1, mean1, rstd1 = layernorm_forward(x2d, self._w(n["ln_1.weight"]), self._w(n["ln_1.bias"]))
+        with region("attn.qkv fwd", flops=6.0 * N * C * C):
+            qkv = linear_forward(h1, self._w(n["attn.c_attn.weight"]), self._w(n["attn.c_attn.bias"]))
+        with region("attn.core fwd", flops=4.0 * B * H * T * T * D):
+            # [B,T,3,H,D] -> [3,B,H,T,D]: q, k, v as contiguous [B,H,T,D] arrays (one transposing copy)
+            qkv5 = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4))
+            del qkv
+            q, k, v = qkv5[0], qkv5[1], qkv5[2]
+            o, stats = attention_forward(q, k, v, causal=True)
+            y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(N, C)
+        with region("attn.proj fwd", flops=2.0 * N * C * C):
+            a = linear_forward(y, self._w(n["attn.c_proj.weight"]), self._w(n["attn.c_proj.bias"]))
+        with region("residual add", bytes=3 * a.nbytes):
+            x2 = xp.add(x2d, a, out=a)  # residual; a's buffer is reused
+        with region("ln_2 fwd", bytes=2 * x2.nbytes):
+            h2, mean2, rstd2 = layernorm_forward(x2, self._w(n["ln_2.weight"]), self._w(n["ln_2.bias"]))
+        with region("mlp.fc fwd", flops=8.0 * N * C * C):
+            f = linear_forward(h2, self._w(n["mlp.c_fc.weight"]), self._w(n["mlp.c_fc.bias"]))
+        with region("gelu fwd", bytes=2 * f.nbytes):
+            g = gelu_forward(f)
         out = None
         if need_output:
-            m = linear_forward(g, self._w(n["mlp.c_proj.weight"]), self._w(n["mlp.c_proj.bias"]))
-            out = xp.add(x2, m, out=m).reshape(B, T, C)
+            with region("mlp.proj fwd", flops=8.0 * N * C * C):
+                m = linear_forward(g, self._w(n["mlp.c_proj.weight"]), self._w(n["mlp.c_proj.bias"]))
+            with region("residual add", bytes=3 * m.nbytes):
+                out = xp.add(x2, m, out=m).reshape(B, T, C)
         cache = None
         if store:
             cache = {"x": x2d, "h1": h1, "mean1": mean1, "rstd1": rstd1, "qkv5": qkv5, "o": o, "stats": stats,
@@ -284,40 +296,52 @@ class GPT:
         H, D = cfg.n_head, cfg.head_dim
         n = _block_names(i)
         G = P.grad_of
-        d2 = dout.reshape(B * T, C)
+        N = B * T
+        d2 = dout.reshape(N, C)
         # MLP
-        dg, _, _ = linear_backward(d2, c["g"], self._w(n["mlp.c_proj.weight"]), dw_out=G(n["mlp.c_proj.weight"]),
-                                   db_out=G(n["mlp.c_proj.bias"]), accumulate=True)
-        df = gelu_backward(dg, c["f"])
+        with region("mlp.proj bwd", flops=16.0 * N * C * C):
+            dg, _, _ = linear_backward(d2, c["g"], self._w(n["mlp.c_proj.weight"]),
+                                       dw_out=G(n["mlp.c_proj.weight"]), db_out=G(n["mlp.c_proj.bias"]),
+                                       accumulate=True)
+        with region("gelu bwd", bytes=3 * dg.nbytes):
+            df = gelu_backward(dg, c["f"])
         del dg
-        dh2, _, _ = linear_backward(df, c["h2"], self._w(n["mlp.c_fc.weight"]), dw_out=G(n["mlp.c_fc.weight"]),
-                                    db_out=G(n["mlp.c_fc.bias"]), accumulate=True)
+        with region("mlp.fc bwd", flops=16.0 * N * C * C):
+            dh2, _, _ = linear_backward(df, c["h2"], self._w(n["mlp.c_fc.weight"]), dw_out=G(n["mlp.c_fc.weight"]),
+                                        db_out=G(n["mlp.c_fc.bias"]), accumulate=True)
         del df
-        dx2, dgam, dbet = layernorm_backward(dh2, c["x2"], self._w(n["ln_2.weight"]), c["mean2"], c["rstd2"])
-        _acc(G(n["ln_2.weight"]), dgam)
-        _acc(G(n["ln_2.bias"]), dbet)
-        dx2 = xp.add(dx2, d2, out=dx2)  # the residual branch passes the gradient straight through
+        with region("ln_2 bwd", bytes=3 * dh2.nbytes):
+            dx2, dgam, dbet = layernorm_backward(dh2, c["x2"], self._w(n["ln_2.weight"]), c["mean2"], c["rstd2"])
+            _acc(G(n["ln_2.weight"]), dgam)
+            _acc(G(n["ln_2.bias"]), dbet)
+        with region("residual add", bytes=3 * dx2.nbytes):
+            dx2 = xp.add(dx2, d2, out=dx2)  # the residual branch passes the gradient straight through
         # attention
-        dy, _, _ = linear_backward(dx2, c["y"], self._w(n["attn.c_proj.weight"]),
-                                   dw_out=G(n["attn.c_proj.weight"]), db_out=G(n["attn.c_proj.bias"]),
-                                   accumulate=True)
-        do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-        del dy
-        qkv5 = c["qkv5"]
-        dq, dk, dv = attention_backward(do, qkv5[0], qkv5[1], qkv5[2], c["o"], c["stats"], causal=True)
-        del do
-        dqkv = xp.empty((B, T, 3, H, D), dtype=dq.dtype)
-        for j, dpart in enumerate((dq, dk, dv)):
-            dqkv[:, :, j] = dpart.transpose(0, 2, 1, 3)
-        del dq, dk, dv
-        dh1, _, _ = linear_backward(dqkv.reshape(B * T, 3 * C), c["h1"], self._w(n["attn.c_attn.weight"]),
-                                    dw_out=G(n["attn.c_attn.weight"]), db_out=G(n["attn.c_attn.bias"]),
-                                    accumulate=True)
+        with region("attn.proj bwd", flops=4.0 * N * C * C):
+            dy, _, _ = linear_backward(dx2, c["y"], self._w(n["attn.c_proj.weight"]),
+                                       dw_out=G(n["attn.c_proj.weight"]), db_out=G(n["attn.c_proj.bias"]),
+                                       accumulate=True)
+        with region("attn.core bwd", flops=8.0 * B * H * T * T * D):
+            do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+            del dy
+            qkv5 = c["qkv5"]
+            dq, dk, dv = attention_backward(do, qkv5[0], qkv5[1], qkv5[2], c["o"], c["stats"], causal=True)
+            del do
+            dqkv = xp.empty((B, T, 3, H, D), dtype=dq.dtype)
+            for j, dpart in enumerate((dq, dk, dv)):
+                dqkv[:, :, j] = dpart.transpose(0, 2, 1, 3)
+            del dq, dk, dv
+        with region("attn.qkv bwd", flops=12.0 * N * C * C):
+            dh1, _, _ = linear_backward(dqkv.reshape(N, 3 * C), c["h1"], self._w(n["attn.c_attn.weight"]),
+                                        dw_out=G(n["attn.c_attn.weight"]), db_out=G(n["attn.c_attn.bias"]),
+                                        accumulate=True)
         del dqkv
-        dx, dgam, dbet = layernorm_backward(dh1, c["x"], self._w(n["ln_1.weight"]), c["mean1"], c["rstd1"])
-        _acc(G(n["ln_1.weight"]), dgam)
-        _acc(G(n["ln_1.bias"]), dbet)
-        dx = xp.add(dx, dx2, out=dx)
+        with region("ln_1 bwd", bytes=3 * dh1.nbytes):
+            dx, dgam, dbet = layernorm_backward(dh1, c["x"], self._w(n["ln_1.weight"]), c["mean1"], c["rstd1"])
+            _acc(G(n["ln_1.weight"]), dgam)
+            _acc(G(n["ln_1.bias"]), dbet)
+        with region("residual add", bytes=3 * dx.nbytes):
+            dx = xp.add(dx, dx2, out=dx)
         return dx.reshape(B, T, C)
 
     # ------------------------------------------------------------------ the whole model
@@ -340,11 +364,14 @@ class GPT:
         """ln_f and the tied LM head on x [B,T,C]: (hf, mean, rstd, logits [B·T, Vp])."""
         B, T, C = x.shape
         x2d = x.reshape(B * T, C)
-        hf, mean, rstd = layernorm_forward(x2d, self._w(LNF_W), self._w(LNF_B))
-        logits = linear_forward(hf, self._w(WTE))
+        with region("ln_f fwd", bytes=2 * x2d.nbytes):
+            hf, mean, rstd = layernorm_forward(x2d, self._w(LNF_W), self._w(LNF_B))
         V, Vp = self.config.vocab_size, self.config.padded_vocab_size
+        with region("lm_head fwd", flops=2.0 * B * T * C * Vp):
+            logits = linear_forward(hf, self._w(WTE))
         if Vp != V:
-            logits[:, V:] = PAD_LOGIT
+            with region("lm_head pad"):
+                logits[:, V:] = PAD_LOGIT
         return hf, mean, rstd, logits
 
     def _trunk(self, idx):
@@ -394,7 +421,8 @@ class GPT:
         G = self.params.grad_of
 
         # ---- forward
-        x = embedding_forward(idx, self._w(WTE), self._w(WPE))
+        with region("embedding fwd"):
+            x = embedding_forward(idx, self._w(WTE), self._w(WPE))
         caches: list = [None] * L
         inputs: list = [None] * L  # checkpointed span inputs
         for i in range(L):
@@ -406,18 +434,22 @@ class GPT:
                 x, _ = self._block_forward(i, x, store=False)
         stored = _nbytes(caches) + _nbytes(inputs)
         hf, meanf, rstdf, logits = self._head(x)
-        loss, ce_cache = cross_entropy_forward(logits, targets.reshape(-1))
+        with region("cross_entropy fwd", bytes=logits.nbytes):
+            loss, ce_cache = cross_entropy_forward(logits, targets.reshape(-1))
         del logits
 
         # ---- backward: LM head and ln_f (dlogits overwrite the logits: one [B·T, V] buffer, not two)
-        dlogits = cross_entropy_backward(ce_cache, dloss, out=ce_cache.logits)
+        with region("cross_entropy bwd", bytes=2 * ce_cache.logits.nbytes):
+            dlogits = cross_entropy_backward(ce_cache, dloss, out=ce_cache.logits)
         del ce_cache
-        dhf, _, _ = linear_backward(dlogits, hf, self._w(WTE), bias=False, dw_out=G(WTE), accumulate=True)
-        del dlogits, hf
         C = cfg.n_embd
-        dx, dgam, dbet = layernorm_backward(dhf, x.reshape(B * T, C), self._w(LNF_W), meanf, rstdf)
-        _acc(G(LNF_W), dgam)
-        _acc(G(LNF_B), dbet)
+        with region("lm_head bwd", flops=4.0 * B * T * C * cfg.padded_vocab_size):
+            dhf, _, _ = linear_backward(dlogits, hf, self._w(WTE), bias=False, dw_out=G(WTE), accumulate=True)
+        del dlogits, hf
+        with region("ln_f bwd", bytes=3 * dhf.nbytes):
+            dx, dgam, dbet = layernorm_backward(dhf, x.reshape(B * T, C), self._w(LNF_W), meanf, rstdf)
+            _acc(G(LNF_W), dgam)
+            _acc(G(LNF_B), dbet)
         del dhf, x
         dx = dx.reshape(B, T, C)
 
@@ -441,9 +473,10 @@ class GPT:
                 inputs[s] = None
 
         # ---- embeddings
-        dwte, dwpe = embedding_backward(dx, idx, cfg.padded_vocab_size, cfg.block_size)
-        _acc(G(WTE), dwte)
-        _acc(G(WPE), dwpe)
+        with region("embedding bwd"):
+            dwte, dwpe = embedding_backward(dx, idx, cfg.padded_vocab_size, cfg.block_size)
+            _acc(G(WTE), dwte)
+            _acc(G(WPE), dwpe)
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 

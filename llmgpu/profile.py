@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -92,7 +93,7 @@ def nvtx_range(name: str):
     return _NULL if mod is None else _NvtxRange(str(name), mod)
 
 
-_NVTX_ON = False
+_NVTX_ON = os.environ.get("LLMGPU_NVTX", "0") not in ("", "0")  # LLMGPU_NVTX=1: NVTX ranges from the start
 _ACTIVE = None  # the OpTimer that module-level region() reports to
 
 
@@ -512,6 +513,35 @@ def roofline_plot(rows, peak_tflops: float, peak_gbps: float, *, ax=None, path=N
     return ax
 
 
+def plot_step_breakdown(steps: dict, *, top: int = 16, ax=None, title=None):
+    """Grouped horizontal bars of milliseconds per op, one colour per step: ``steps`` maps a label
+    (``"book"``, ``"fast"``) to the rows of ``profile_step`` / ``OpTimer.rows``. Shows the ``top`` ops by
+    their largest time in any step; the legend gives each step's total."""
+    from .plotting import _plt
+
+    plt = _plt()
+    labels = list(steps)
+    ms = {lab: {r["op"]: r["total_ms"] for r in rows if r.get("depth", 0) == 0} for lab, rows in steps.items()}
+    ops = sorted({op for d in ms.values() for op in d}, key=lambda op: -max(d.get(op, 0.0) for d in ms.values()))
+    ops = ops[:top]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.32 * len(ops) * max(1, len(labels)) + 1.2))
+    yy = np.arange(len(ops))
+    h = 0.8 / max(1, len(labels))
+    for j, lab in enumerate(labels):
+        total = sum(ms[lab].values())
+        ax.barh(yy + (j - (len(labels) - 1) / 2) * h, [ms[lab].get(op, 0.0) for op in ops], height=h,
+                label=f"{lab}: {total:.2f} ms in regions")
+    ax.set_yticks(yy, ops, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.set_title(title or "time per op")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
 # --------------------------------------------------------------------------- launch overhead
 
 
@@ -606,6 +636,73 @@ def launch_count(fn, *, warmup: int = 1) -> dict:
     return capture(fn, warmup=warmup).node_counts()
 
 
+# --------------------------------------------------------------------------- does a step wait for the GPU?
+
+
+def gpu_spin(ms: float):
+    """Queue a kernel on the current stream that keeps the GPU busy for ``ms`` milliseconds (wall clock);
+    returns a CUDA event recorded right after it. Nothing waits for it."""
+    cp = backend.require_gpu()
+    from .kernels import get_kernel
+
+    if not ms >= 0:
+        raise ValueError(f"ms must be >= 0, got {ms}")
+    get_kernel("spin", "gpu_spin")((1,), (32,), (np.uint64(int(ms * 1e6)),))
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record()
+    return ev
+
+
+def host_runs_ahead(fn, *, spin_ms: float = 300.0) -> dict:
+    """Does ``fn()`` (e.g. one training step) synchronise with the GPU? Queue a ``spin_ms`` spin kernel,
+    call ``fn``, and look at the clock and the spin kernel when ``fn`` returns.
+
+    If anything inside ``fn`` waited for the GPU (``.item()``, a copy to the host, a synchronising
+    library call), it waited for the spin kernel first, so ``fn`` took at least ``spin_ms`` and the spin
+    has finished. Returns ``{host_ms, spin_ms, spin_still_running, gpu_ms}`` where ``host_ms`` is how long
+    ``fn`` held the host, ``spin_still_running`` whether the spin kernel was still running when ``fn``
+    returned (True: no synchronisation inside ``fn``), and ``gpu_ms`` the GPU time of ``fn``'s work
+    (CUDA events, read after everything finished). Warm ``fn`` up first: compilation is not the point.
+    """
+    cp = backend.require_gpu()
+    cp.cuda.Device().synchronize()
+    spun = gpu_spin(spin_ms)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    still = not spun.done
+    end.synchronize()
+    return {"host_ms": host_ms, "spin_ms": float(spin_ms), "spin_still_running": bool(still),
+            "gpu_ms": float(cp.cuda.get_elapsed_time(start, end))}
+
+
+def profile_step(fn, *, reps: int = 3, warmup: int = 1, gbps_ceiling=None, tflops_ceiling=None, nvtx=False,
+                 xp=None) -> list[dict]:
+    """The per-op table of a training step: ``fn()`` (one step) run ``warmup`` times unmeasured, then
+    ``reps`` times under an ``OpTimer``. Times and totals in the rows are per step (divided by ``reps``);
+    ``pct_of_step`` is against the measured step. Every ``profile.region`` inside ``fn`` becomes a row."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    for _ in range(warmup):
+        fn()
+    timer = OpTimer(xp=xp, nvtx=nvtx)
+    with activate(timer):
+        for _ in range(reps):
+            with timer.step():
+                fn()
+    rows = timer.rows(gbps_ceiling=gbps_ceiling, tflops_ceiling=tflops_ceiling)
+    for r in rows:
+        r["calls"] = round(r["calls"] / reps)  # the same regions every step
+        for key in ("total_ms", "bytes", "flops", "step_ms"):
+            if r.get(key) is not None:
+                r[key] = r[key] / reps
+    return rows
+
+
 __all__ = ["LaunchOverhead", "OpTimer", "SMLimits", "activate", "active_timer", "format_occupancy_table",
-           "format_table", "kernel_attributes", "launch_count", "launch_overhead", "nvtx_range", "occupancy",
-           "occupancy_table", "region", "roofline_plot", "set_nvtx", "summarize", "theoretical_occupancy"]
+           "format_table", "gpu_spin", "host_runs_ahead", "kernel_attributes", "launch_count", "launch_overhead",
+           "nvtx_range", "occupancy", "occupancy_table", "plot_step_breakdown", "profile_step", "region",
+           "roofline_plot", "set_nvtx", "summarize", "theoretical_occupancy"]

@@ -40,6 +40,7 @@ from .checkpoint_io import load_checkpoint, save_checkpoint
 from .data import BatchLoader, Corpus, DataError, DataStream, get_tokenizer, load_corpus
 from .model import GPT, GPTConfig
 from .optim import AdamW, GradClipper, lr_at
+from .profile import region
 
 # --------------------------------------------------------------------------- configuration
 
@@ -86,6 +87,8 @@ class TrainConfig:
     plot: bool = True
     time_budget_probe: int = 5  # steps timed to fit the schedule to max_time
     cpu_threads: int | None = None  # BLAS threads on the NumPy backend (None: 1, 0: leave as is; blas_threads)
+    fast: bool | None = None  # the chapter 8 model (FastGPT); None: on the GPU when its extras are installed
+    graph: bool | None = None  # replay the step as one CUDA graph; None: whenever the fast model runs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,7 +96,8 @@ class TrainConfig:
 
 # keys a resumed run takes from the command line rather than from the checkpoint
 RESUME_OVERRIDES = ("steps", "max_time", "out", "eval_every", "log_every", "save_every", "progress", "plot",
-                    "sample_tokens", "prompt", "temperature", "top_k", "device", "async_copy", "resume", "cpu_threads")
+                    "sample_tokens", "prompt", "temperature", "top_k", "device", "async_copy", "resume", "cpu_threads",
+                    "fast", "graph")
 
 CPU_DEFAULTS = dict(preset="tiny", batch=8, seq=128, dtype="fp32", lr=3e-3, warmup=20, eval_every=25,
                     max_time=180.0, pad_vocab=0)
@@ -131,7 +135,35 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
             upd[k] = v
     cfg = replace(cfg, **upd)
     _validate(cfg)
+    fast, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)
+    if cfg.fast and not fast:
+        raise DataError(f"--fast: {why}")
+    if cfg.fast is None:
+        cfg = replace(cfg, fast=fast)
+    if cfg.graph and not cfg.fast:
+        raise DataError("--graph needs the fast model (--fast): CuPy's cuBLAS calls of the book model cannot be "
+                        "captured into a CUDA graph")
+    if cfg.graph is None:
+        cfg = replace(cfg, graph=bool(cfg.fast))
     return cfg
+
+
+def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
+    """(whether ``FastGPT`` can train here, why not): a GPU, bf16/fp16, no checkpointing, the ``fast`` extra."""
+    if xp is np:
+        return False, "the fast model is a GPU path (cuBLASLt, cuDNN); on the CPU the book model runs"
+    if checkpoint_every:
+        return False, "the fast model does not implement activation checkpointing (--checkpoint-every 0)"
+    if backend.resolve_dtype(dtype) not in (backend.bfloat16, backend.float16):
+        return False, "the fast model's flash attention takes bf16 or fp16 (--dtype)"
+    from . import gemm_lt
+    from .ops import flash_attention
+
+    for mod in (gemm_lt, flash_attention):
+        why = mod.unavailable_reason()
+        if why:
+            return False, why
+    return True, ""
 
 
 def _validate(cfg: TrainConfig):
@@ -325,7 +357,8 @@ class Trainer:
                                    if k in {f.name for f in fields(TrainConfig)}})
             # what the command line sets explicitly wins; everything else comes from the checkpoint
             over = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if getattr(cfg, k) is not None}
-            cfg = replace(saved, **over)
+            # the fast path and the graph are choices of this machine, not of the run: decide them afresh
+            cfg = replace(replace(saved, fast=None, graph=None), **over)
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
         self.policy = Policy(cfg.dtype)
@@ -350,7 +383,11 @@ class Trainer:
         self.val_loader = _val_loader(self.corpus.val, cfg.batch, cfg.seq, mcfg.vocab_size)
 
         # model, optimizer, precision
-        self.model = GPT(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
+        if cfg.fast:
+            from .fast_model import FastGPT as model_cls
+        else:
+            model_cls = GPT
+        self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
                          init=meta is None)
         self.params = self.model.params
         self.opt = AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
@@ -363,6 +400,9 @@ class Trainer:
         if meta is not None:
             self._restore(ckpt_model, ckpt_optim, meta)
         self.flops_per_step = mcfg.flops_per_token(cfg.seq) * self.tokens_per_step
+        self._graph = None  # the captured step (cfg.graph): static inputs, lr on the device
+        self._graph_inputs = self._graph_lr = None
+        self._graph_warm = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -375,27 +415,62 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; no host synchronization.
 
         Returns a device array ``[mean loss, gradient norm (unscaled, before clipping), found_inf]``.
+        With ``cfg.graph`` the first step runs eagerly (it compiles kernels, builds cuBLASLt plans and
+        cuDNN graphs), the second is captured into a CUDA graph, and every step from then on copies its
+        batches and learning rate into the graph's static inputs and replays it: one launch per step.
         """
+        batches = [self.stream.next() for _ in range(self.cfg.grad_accum)]  # on the device already
+        if not self.cfg.graph:
+            out = self._step_body(batches, lr)
+        else:
+            out = self._graph_step(batches, lr)
+        self.step += 1
+        return out
+
+    def _step_body(self, batches, lr):
+        """Forward + backward over the micro-batches, unscale + clip, AdamW (+ cast), scaler update."""
         xp, model, P = self.xp, self.model, self.params
-        n = self.cfg.grad_accum
+        n = len(batches)
         if self.scaler.enabled:
             dloss = self.scaler.scale * np.float32(1.0 / n)  # 0-d device array
         else:
             dloss = 1.0 / n
         loss_sum = None
-        for _ in range(n):
-            x, y = self.stream.next()  # already on the device (copied during the previous step)
+        for x, y in batches:
             loss = model.forward_backward(x, y, dloss=dloss)
             loss_sum = loss if loss_sum is None else loss_sum + loss
-        if self.scaler.enabled:
-            res = self.scaler.check_and_clip(P.grad, self.cfg.grad_clip, out=self.clipper.result)
-        else:
-            res = self.clipper(P.grad)
-        self.opt.step(lr=lr, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
+        with region("clip (grad norm)", bytes=P.grad.nbytes, flops=2.0 * P.numel):
+            if self.scaler.enabled:
+                res = self.scaler.check_and_clip(P.grad, self.cfg.grad_clip, out=self.clipper.result)
+            else:
+                res = self.clipper(P.grad)
+        with region("adamw", bytes=P.numel * (4 * 4 + 4 * 4 + P.working.dtype.itemsize), flops=15.0 * P.numel):
+            self.opt.step(lr=lr, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
         self.scaler.update(res.found_inf)
-        self.step += 1
         mean = loss_sum if n == 1 else loss_sum * np.float32(1.0 / n)
         return xp.stack([mean.astype(np.float32).reshape(()), res.norm, res.found_inf])
+
+    def _graph_step(self, batches, lr):
+        xp = self.xp
+        if self._graph_inputs is None:  # first step: static buffers, one eager step (the warm-up)
+            self._graph_inputs = xp.empty((len(batches), 2) + tuple(batches[0][0].shape), dtype=np.int32)
+            self._graph_lr = xp.empty((), dtype=np.float32)
+        gin, glr = self._graph_inputs, self._graph_lr
+        for j, (x, y) in enumerate(batches):
+            gin[j, 0] = x
+            gin[j, 1] = y
+        glr.fill(lr)
+        static = [(gin[j, 0], gin[j, 1]) for j in range(len(batches))]
+        if not self._graph_warm:
+            self._graph_warm = True
+            return self._step_body(static, glr)
+        if self._graph is None:
+            from .graphs import capture
+
+            xp.get_default_memory_pool().free_all_blocks()  # the eager step's cached blocks: the graph has its own
+            self._graph = capture(lambda: self._step_body(static, glr), warmup=0)
+        self._graph.replay()
+        return self._graph.outputs.copy()  # the graph rewrites its output buffer at every replay
 
     def lr_at(self, step: int) -> float:
         c = self.cfg

@@ -7,19 +7,21 @@ reference implementation (float32/float64), which is also the chapter's math.
     chapter 1      linear_forward, linear_backward
     chapter 2      softmax_forward, softmax_backward, attention_forward, attention_backward
     chapter 3      layernorm_*, gelu_*, cross_entropy_*, embedding_*
+    chapter 8      add_layernorm_forward (residual add fused into LayerNorm); flash_attention (cuDNN, optional)
 """
 
 from .attention import attention_backward, attention_forward
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward
 from .embedding import embedding_backward, embedding_forward
 from .gelu import gelu_backward, gelu_forward
-from .layernorm import layernorm_backward, layernorm_forward
+from .layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .matmul import matmul
 from .softmax import softmax_backward, softmax_forward
 from .vector_add import vector_add
 
 __all__ = [
+    "add_layernorm_forward",
     "attention_backward",
     "attention_forward",
     "cross_entropy_backward",

@@ -1,0 +1,287 @@
+"""The chapter 8 GPT: the same model as ``llmgpu.model.GPT``, with the step rebuilt for speed.
+
+``FastGPT`` shares everything with ``GPT`` (configuration, parameters in one ``FlatParams``, state
+dict names, initialization, sampling) and replaces the forward and backward passes. What changes,
+and why (chapter 8 measures each item):
+
+* **Every GEMM through cuBLASLt** (``llmgpu.gemm_lt.lt_gemm``): CuPy refuses its own cuBLAS calls
+  while a stream is capturing, cuBLASLt called directly does not, so the whole training step can
+  become one CUDA graph (``Trainer(graph=True)``). Weight gradients are written by the GEMM straight
+  into the fp32 gradient buffer (``beta=1`` accumulates).
+* **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)``
+  is one GEMM that also keeps the pre-activation (GELU_AUX_BIAS), and the backward's
+  ``(dm W₂) ⊙ GELU'(f)`` is one GEMM (DGELU). Each removes a read and a write of an ``[N, 4C]`` or
+  ``[N, C]`` activation.
+* **Residual add + LayerNorm in one kernel** (``add_layernorm_forward``): ``x ← x + a`` followed by
+  ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
+  added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
+  the fp32 gradient buffer (``accumulate_params=True``).
+* **Flash attention** (cuDNN, ``llmgpu.ops.flash_attention``) on strided views of the QKV buffer: no
+  ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
+  precision on the GPU (cuDNN's flash attention takes fp16/bf16) the chapter 2 kernels run instead.
+
+The gradients agree with ``GPT``'s to rounding (the fusions round at different points; in fp32 on
+NumPy the two agree to ~1e-6), not bitwise. Activation checkpointing is not implemented on this path
+(``checkpoint_every`` must be 0): the fused add + LayerNorm crosses block boundaries, which is where
+the book path cuts its spans.
+
+Every op sits in a ``profile.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
+the per-op table of chapter 8 and ``nsys`` timelines read like the model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backend
+from .gemm_lt import lt_gemm
+from .model import GPT, PAD_LOGIT, WPE, WTE, GPTConfig, _acc, _block_names, _nbytes
+from .ops.attention import attention_backward, attention_forward
+from .ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from .ops.embedding import embedding_backward, embedding_forward
+from .ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
+from .ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
+from .ops.linear import bias_grad
+from .profile import region
+
+# kernel variants of chapter 3 this path uses (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
+EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
+LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
+CROSS_ENTROPY_METHOD = "fast"
+
+
+class FastGPT(GPT):
+    """GPT-2 with the chapter 8 step: cuBLASLt GEMMs with fused epilogues, fused residual + LayerNorm,
+    flash attention. Same constructor as ``GPT`` (``checkpoint_every`` must be 0)."""
+
+    def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
+                 init: bool = True):
+        if int(checkpoint_every) != 0:
+            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0); "
+                             "use llmgpu.GPT for checkpointed training")
+        super().__init__(config, dtype=dtype, checkpoint_every=0, xp=xp, seed=seed, init=init)
+        on_np = self.xp is np
+        # cuDNN's flash attention takes fp16/bf16; the NumPy reference runs any float type
+        self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
+
+    @GPT.checkpoint_every.setter
+    def checkpoint_every(self, k: int):
+        if int(k) != 0:
+            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0)")
+        self._ckpt = 0
+
+    # ------------------------------------------------------------------ pieces
+
+    def _linear(self, x, w_name, b_name=None, *, name, epilogue=None, aux=None):
+        """``x Wᵀ (+ b)`` through cuBLASLt, the bias in the epilogue."""
+        w = self._w(w_name)
+        n, k = x.shape
+        m = w.shape[0]
+        nbytes = (n * k + k * m + n * m * (2 if aux is not None else 1)) * x.dtype.itemsize
+        with region(name, flops=2.0 * n * k * m, bytes=nbytes):
+            if b_name is None:
+                return lt_gemm(x, w, trans_b=True)
+            return lt_gemm(x, w, trans_b=True, bias=self._w(b_name), epilogue=epilogue or "bias", aux=aux)
+
+    def _linear_grads(self, dy, x, w_name, b_name, *, name):
+        """dW += dyᵀ x (fp32, in the GEMM) and db += Σ dy (deterministic reduction)."""
+        G = self.params.grad_of
+        n, cout = dy.shape
+        cin = x.shape[1]
+        with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=(n * cout + n * cin) * dy.dtype.itemsize
+                    + 8 * cout * cin):
+            lt_gemm(dy, x, trans_a=True, out=G(w_name), beta=1.0)
+        if b_name is not None:
+            with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
+                bias_grad(dy, out=G(b_name), accumulate=True)
+
+    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None):
+        w = self._w(w_name)
+        n = dy.shape[0]
+        m, k = w.shape
+        nbytes = (n * m + m * k + n * k * (2 if aux is not None else 1)) * dy.dtype.itemsize
+        with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
+            return lt_gemm(dy, w, epilogue=epilogue, aux=aux)
+
+    def _add_ln(self, x, a, ln, *, name):
+        """(x + a written over a, LN(x + a), mean, rstd)."""
+        it = x.dtype.itemsize
+        with region(name, bytes=4 * x.nbytes + 8 * x.shape[0] + 2 * it * x.shape[1], flops=10.0 * x.size):
+            return add_layernorm_forward(x, a, self._w(ln + ".weight"), self._w(ln + ".bias"), residual_out=a)
+
+    def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name):
+        """d(LN input) + the residual gradient ``dres`` (None: none), written over ``dres``; dγ, dβ accumulated
+        in fp32 into the gradient buffer."""
+        G = self.params.grad_of
+        with region(name, bytes=(3 if dres is None else 4) * x.nbytes + 8 * x.shape[0], flops=12.0 * x.size):
+            dx, _, _ = layernorm_backward(dh, x, self._w(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
+                                          dgamma_out=G(ln + ".weight"), dbeta_out=G(ln + ".bias"),
+                                          accumulate_params=True, method=LAYERNORM_BACKWARD_METHOD)
+        return dx
+
+    def _attention_forward(self, qkv, B, T):
+        """Causal attention on the ``[N, 3C]`` QKV buffer: ``(y [N, C], state for the backward)``."""
+        cfg, xp = self.config, self.xp
+        H, C = cfg.n_head, cfg.n_embd
+        D = C // H
+        it = qkv.dtype.itemsize
+        with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=4 * B * T * C * it):
+            q, k, v = split_qkv(qkv.reshape(B, T, 3 * C), H)
+            if self.flash:
+                y = xp.empty((B, T, C), dtype=qkv.dtype)
+                o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H))
+                return y.reshape(B * T, C), (q, k, v, o, stats)
+            qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
+            o, stats = attention_forward(qc, kc, vc, causal=True)
+            y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
+            return y, (qc, kc, vc, o, stats)
+
+    def _attention_backward(self, dy, state, B, T):
+        """``dqkv [N, 3C]`` from ``dy [N, C]``."""
+        cfg, xp = self.config, self.xp
+        H, C = cfg.n_head, cfg.n_embd
+        D = C // H
+        q, k, v, o, stats = state
+        it = dy.dtype.itemsize
+        with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=8 * B * T * C * it):
+            dqkv = xp.empty((B, T, 3 * C), dtype=dy.dtype)
+            if self.flash:
+                dq, dk, dv = split_qkv(dqkv, H)
+                flash_attention_backward(heads_view(dy.reshape(B, T, C), H), q, k, v, o, stats, causal=True,
+                                         dq=dq, dk=dk, dv=dv)
+            else:
+                do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+                grads = attention_backward(do, q, k, v, o, stats, causal=True)
+                d5 = dqkv.reshape(B, T, 3, H, D)
+                for j, g in enumerate(grads):
+                    d5[:, :, j] = g.transpose(0, 2, 1, 3)
+            return dqkv.reshape(B * T, 3 * C)
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward_trunk(self, idx, store: bool):
+        """Embeddings, the blocks and ln_f. Returns (x_L [N, C], hf, mean_f, rstd_f, caches)."""
+        cfg = self.config
+        B, T = idx.shape
+        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        it = self.dtype.itemsize
+        with region("embedding fwd", bytes=2 * N * C * it + T * C * it + 4 * N, flops=float(N * C)):
+            x = embedding_forward(idx, self._w(WTE), self._w(WPE)).reshape(N, C)
+        with region("ln_1 fwd", bytes=2 * x.nbytes + 8 * N, flops=8.0 * x.size):
+            h, mean, rstd = layernorm_forward(x, self._w("transformer.h.0.ln_1.weight"),
+                                              self._w("transformer.h.0.ln_1.bias"))
+        caches = [None] * L
+        for i in range(L):
+            n = _block_names(i)
+            qkv = self._linear(h, n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv fwd")
+            y, att = self._attention_forward(qkv, B, T)
+            a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
+            x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
+            f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
+            g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
+                             epilogue="gelu_bias", aux=f)
+            m = self._linear(g, n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj fwd")
+            nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
+            x_next, h_next, mean_n, rstd_n = self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L
+                                                          else "residual+ln_f fwd")
+            if store:
+                caches[i] = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
+                             "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
+            x, h, mean, rstd = x_next, h_next, mean_n, rstd_n
+        return x, h, mean, rstd, caches
+
+    def _logits(self, hf):
+        N = hf.shape[0]
+        Vp, V = self.config.padded_vocab_size, self.config.vocab_size
+        logits = self._linear(hf, WTE, name="lm_head fwd")
+        if Vp != V:
+            with region("lm_head pad", bytes=N * (Vp - V) * logits.dtype.itemsize, flops=float(N * (Vp - V))):
+                logits[:, V:] = PAD_LOGIT
+        return logits
+
+    def forward(self, idx, targets=None, *, last_only: bool = False):
+        """Inference with the fast kernels; same contract as ``GPT.forward``."""
+        idx = self._check_idx(idx)
+        B, T = idx.shape
+        V, C = self.config.vocab_size, self.config.n_embd
+        _, hf, _, _, _ = self._forward_trunk(idx, store=False)
+        if last_only:
+            hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
+        logits = self._logits(hf)
+        loss = None
+        if targets is not None:
+            targets = self._check_idx(targets, "targets")
+            loss, _ = cross_entropy_forward(logits, targets.reshape(-1))
+        Tl = 1 if last_only else T
+        logits = logits.reshape(B, Tl, -1)[:, :, :V]
+        if last_only:
+            logits = logits[:, 0]
+        return logits, loss
+
+    # ------------------------------------------------------------------ forward + backward
+
+    def forward_backward(self, idx, targets, dloss=1.0):
+        """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``."""
+        cfg = self.config
+        idx = self._check_idx(idx)
+        targets = self._check_idx(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        B, T = idx.shape
+        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        Vp = cfg.padded_vocab_size
+        G = self.params.grad_of
+        it = self.dtype.itemsize
+
+        xL, hf, meanf, rstdf, caches = self._forward_trunk(idx, store=True)
+        stored = _nbytes(caches)
+        logits = self._logits(hf)
+        with region("cross_entropy fwd", bytes=logits.nbytes + 8 * N, flops=4.0 * logits.size):
+            loss, ce = cross_entropy_forward(logits, targets.reshape(-1), method=CROSS_ENTROPY_METHOD)
+        del logits
+        with region("cross_entropy bwd", bytes=2 * N * Vp * it + 8 * N, flops=4.0 * N * Vp):
+            dlogits = cross_entropy_backward(ce, dloss, out=ce.logits)  # in place over the logits
+        del ce
+        dhf = self._dgrad(dlogits, WTE, name="lm_head")
+        with region("lm_head wgrad", flops=2.0 * N * Vp * C, bytes=(N * Vp + N * C) * it + 8 * Vp * C):
+            lt_gemm(dlogits, hf, trans_a=True, out=G(WTE), beta=1.0)
+        del dlogits, hf
+        # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
+        dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
+        del dhf, xL
+
+        for i in reversed(range(L)):
+            n, c = _block_names(i), caches[i]
+            # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
+            self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
+            df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
+            self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
+            dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
+            del df
+            dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
+                                   name="ln_2+residual bwd")
+            del dh2
+            # attention: a = y Wpᵀ + bp; da = dx
+            self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj")
+            dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
+            dqkv = self._attention_backward(dy, c["att"], B, T)
+            del dy
+            self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv")
+            dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
+            del dqkv
+            dx = self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
+                                   name="ln_1+residual bwd")
+            del dh1
+            caches[i] = None
+
+        with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
+                    flops=float(N * C)):
+            dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size,
+                                            method=EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized")
+            _acc(G(WTE), dwte)
+            _acc(G(WPE), dwpe)
+        self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": stored}
+        return loss
+
+
+__all__ = ["FastGPT"]

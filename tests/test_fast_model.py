@@ -1,0 +1,156 @@
+"""Chapter 8: FastGPT computes GPT's function and gradients; the step is graph-capturable and sync-free."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmgpu import backend
+from llmgpu.fast_model import FastGPT
+from llmgpu.model import GPT, GPTConfig
+from llmgpu.train import TrainConfig, Trainer, fast_path_available, read_log
+
+pytestmark = pytest.mark.ch8
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=37, block_size=8, pad_vocab_to=16)
+
+
+def _batch(rng, cfg, B=2, T=None, xp=np):
+    T = T or cfg.block_size
+    idx = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    tgt = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    return backend.to_device(idx, xp), backend.to_device(tgt, xp)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _compare(fast, book, idx, tgt, tol):
+    lf = fast.forward_backward(idx, tgt, dloss=0.5)
+    lb = book.forward_backward(idx, tgt, dloss=0.5)
+    assert abs(float(lf) - float(lb)) <= tol * abs(float(lb))
+    for name in book.params.names:
+        err = _rel(backend.to_numpy(fast.params.grad_of(name)), backend.to_numpy(book.params.grad_of(name)))
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp64", 1e-10), ("fp32", 2e-5)])
+def test_fast_model_matches_book_model_on_numpy(rng, dtype, tol):
+    # fp64: the two passes compute the same function and gradients up to float64 rounding
+    for T in (8, 5, 1):
+        idx, tgt = _batch(rng, CFG, B=3, T=T)
+        _compare(FastGPT(CFG, dtype=dtype, xp=np, seed=1), GPT(CFG, dtype=dtype, xp=np, seed=1), idx, tgt, tol)
+
+
+def test_fast_model_forward_and_gradient_accumulation(rng):
+    fast, book = FastGPT(CFG, dtype="fp64", xp=np, seed=2), GPT(CFG, dtype="fp64", xp=np, seed=2)
+    idx, tgt = _batch(rng, CFG, B=2, T=7)
+    lf, lossf = fast.forward(idx, tgt)
+    lb, lossb = book.forward(idx, tgt)
+    assert lf.shape == (2, 7, CFG.vocab_size)
+    assert _rel(lf, lb) < 1e-12 and abs(float(lossf) - float(lossb)) < 1e-12
+    last, _ = fast.forward(idx, last_only=True)
+    assert _rel(last, lf[:, -1]) < 1e-12
+    # two micro-batches accumulate into the gradient buffer like the book model's
+    i2, t2 = _batch(rng, CFG, B=2, T=7)
+    for m in (fast, book):
+        m.zero_grad()
+        m.forward_backward(idx, tgt)
+        m.forward_backward(i2, t2)
+    assert _rel(fast.params.grad, book.params.grad) < 1e-10
+    assert fast.generate([1, 2], 3, temperature=0, seed=0) == book.generate([1, 2], 3, temperature=0, seed=0)
+
+
+def test_fast_model_refuses_checkpointing_and_explains():
+    with pytest.raises(ValueError, match="checkpointing"):
+        FastGPT(CFG, xp=np, checkpoint_every=1)
+    m = FastGPT(CFG, dtype="fp32", xp=np)
+    with pytest.raises(ValueError, match="checkpointing"):
+        m.checkpoint_every = 2
+    ok, why = fast_path_available(np, "bf16")
+    assert not ok and "GPU" in why
+
+
+def test_trainer_fast_flags_on_the_cpu(tmp_path):
+    base = dict(preset="tiny", device="cpu", batch=2, seq=16, steps=2, progress=False, sample_tokens=0, plot=False,
+                eval_every=0)
+    t = Trainer(TrainConfig(**base, out=str(tmp_path / "a")))
+    assert t.cfg.fast is False and t.cfg.graph is False and type(t.model) is GPT  # auto: the book model on CPU
+    from llmgpu.data import DataError
+
+    with pytest.raises(DataError, match="--fast"):
+        Trainer(TrainConfig(**base, fast=True, out=str(tmp_path / "b")))
+    with pytest.raises(DataError, match="--graph needs the fast model"):
+        Trainer(TrainConfig(**base, graph=True, out=str(tmp_path / "c")))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _need_fast(cp):
+    ok, why = fast_path_available(cp, "bf16")
+    if not ok:
+        pytest.skip(f"fast path unavailable: {why}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_gpu_fast_model_matches_numpy_reference(cp, rng, dtype, tol):
+    _need_fast(cp)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=101, block_size=32, pad_vocab_to=64)
+    for T in (32, 29, 1):
+        idx, tgt = _batch(rng, cfg, B=3, T=T)
+        ref = GPT(cfg, dtype="fp64", xp=np, seed=4)
+        lr = ref.forward_backward(idx, tgt)
+        m = FastGPT(cfg, dtype=dtype, xp=cp, seed=4)
+        assert m.flash == (dtype == "bf16")  # fp32 on the GPU: the chapter 2 attention kernels
+        lg = m.forward_backward(cp.asarray(idx), cp.asarray(tgt))
+        assert abs(float(lg) - float(lr)) / float(lr) < tol
+        for name in ref.params.names:
+            err = _rel(cp.asnumpy(m.params.grad_of(name)), ref.params.grad_of(name))
+            assert err < tol * (5 if dtype == "bf16" else 1), f"T={T} {name}: {err:.2e}"
+
+
+def _gpu_cfg(**kw):
+    return dict(preset="tiny", device="gpu", dtype="bf16", batch=4, seq=64, lr=3e-3, warmup=2, eval_every=0,
+                log_every=4, progress=False, sample_tokens=0, plot=False, **kw)
+
+
+def _losses(out):
+    return [r["loss"] for r in read_log(out) if r["type"] == "train"]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_step_matches_the_eager_fast_step(cp, tmp_path):
+    _need_fast(cp)
+    eager = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=False, out=str(tmp_path / "e"))))
+    eager.run()
+    graphed = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, out=str(tmp_path / "g"))))
+    graphed.run()
+    assert graphed._graph is not None and graphed._graph.kernel_count() > 50
+    le, lg = _losses(tmp_path / "e"), _losses(tmp_path / "g")
+    assert len(le) == len(lg) == 8 and lg[-1] < lg[0]
+    np.testing.assert_allclose(lg, le, rtol=2e-3)  # the same kernels, replayed
+    # the graph with gradient accumulation: micro-batches copied into its static inputs
+    acc = Trainer(TrainConfig(**_gpu_cfg(steps=4, fast=True, graph=True, grad_accum=2, out=str(tmp_path / "a"))))
+    acc.run()
+    assert np.all(np.isfinite(_losses(tmp_path / "a")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast,graph", [(False, False), (True, False), (True, True)])
+def test_gpu_train_step_never_waits_for_the_gpu(cp, tmp_path, fast, graph):
+    """A 300 ms spin kernel is queued before the step: had anything in the step synchronised, the step
+    would have waited for it. The spin kernel must still be running when train_step returns."""
+    from llmgpu.profile import host_runs_ahead
+
+    if fast:
+        _need_fast(cp)
+    t = Trainer(TrainConfig(**_gpu_cfg(steps=10, fast=fast, graph=graph, out=str(tmp_path / "s"))))
+    for s in range(3):  # warm-up (and capture, with graph)
+        t.train_step(t.lr_at(s))
+    r = host_runs_ahead(lambda: t.train_step(t.lr_at(3)), spin_ms=300.0)
+    assert r["spin_still_running"], r
+    assert r["host_ms"] < r["spin_ms"], r
