@@ -20,6 +20,13 @@ and why (chapter 8 measures each item):
   ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
   precision on the GPU (cuDNN's flash attention takes fp16/bf16) the chapter 2 kernels run instead.
 
+**Vocabulary padding.** An unpadded vocabulary (50257) gives the LM head's GEMMs row strides that are not
+multiples of 16 bytes, and cuBLASLt then falls back to much slower kernels (on the H200 the GPT-2 step at
+B = 64 took 205 ms unpadded). ``FastGPT`` therefore pads the vocabulary to a multiple of ``VOCAB_ALIGN``
+when the configuration does not pad it already: the same function (padded logits are masked to -1e4,
+their gradients are zero), a ``config.padded_vocab_size`` of 50304, and ``state_dict(unpadded=True)``
+for the original shapes.
+
 The gradients agree with ``GPT``'s to rounding (the fusions round at different points; in fp32 on
 NumPy the two agree to ~1e-6), not bitwise. Activation checkpointing is not implemented on this path
 (``checkpoint_every`` must be 0): the fused add + LayerNorm crosses block boundaries, which is where
@@ -30,6 +37,8 @@ the per-op table of chapter 8 and ``nsys`` timelines read like the model.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -45,6 +54,7 @@ from .ops.linear import bias_grad
 from .profile import region
 
 # kernel variants of chapter 3 this path uses (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
+VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
 EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
 LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
 CROSS_ENTROPY_METHOD = "fast"
@@ -59,6 +69,8 @@ class FastGPT(GPT):
         if int(checkpoint_every) != 0:
             raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0); "
                              "use llmgpu.GPT for checkpointed training")
+        if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
+            config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, checkpoint_every=0, xp=xp, seed=seed, init=init)
         on_np = self.xp is np
         # cuDNN's flash attention takes fp16/bf16; the NumPy reference runs any float type

@@ -63,6 +63,19 @@ def test_fast_model_forward_and_gradient_accumulation(rng):
     assert fast.generate([1, 2], 3, temperature=0, seed=0) == book.generate([1, 2], 3, temperature=0, seed=0)
 
 
+def test_fast_model_pads_an_unaligned_vocabulary_and_computes_the_same_function(rng):
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=37, block_size=8)  # no padding asked for
+    fast, book = FastGPT(cfg, dtype="fp64", xp=np, init=False), GPT(cfg, dtype="fp64", xp=np, seed=3)
+    assert fast.config.padded_vocab_size == 64 and book.config.padded_vocab_size == 37
+    fast.load_state_dict(book.state_dict())  # the unpadded embedding is zero-padded
+    idx, tgt = _batch(rng, cfg, B=2, T=8)
+    lf, lb = fast.forward_backward(idx, tgt), book.forward_backward(idx, tgt)
+    assert abs(float(lf) - float(lb)) < 1e-12
+    g = fast.params.grad_of("transformer.wte.weight")
+    assert np.all(g[37:] == 0) and _rel(g[:37], book.params.grad_of("transformer.wte.weight")) < 1e-10
+    assert fast.state_dict(unpadded=True)["transformer.wte.weight"].shape == (37, 16)
+
+
 def test_fast_model_refuses_checkpointing_and_explains():
     with pytest.raises(ValueError, match="checkpointing"):
         FastGPT(CFG, xp=np, checkpoint_every=1)
@@ -120,6 +133,34 @@ def _gpu_cfg(**kw):
 
 def _losses(out):
     return [r["loss"] for r in read_log(out) if r["type"] == "train"]
+
+
+@pytest.mark.gpu
+def test_gpu_fast_model_is_bitwise_repeatable(cp, rng):
+    """Bit-exact resume needs every kernel deterministic, cuDNN's attention backward included."""
+    _need_fast(cp)
+    from llmgpu.ops import flash_attention
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=128)
+    m = FastGPT(cfg, dtype="bf16", xp=cp, seed=3)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=4, T=128))
+    grads = []
+    for _ in range(2):
+        m.zero_grad()
+        m.forward_backward(idx, tgt)
+        grads.append(m.params.grad.copy())
+    assert flash_attention.backward_is_deterministic() is True
+    assert bool(cp.all(grads[0] == grads[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_fast_graph_resume_is_bitwise(cp, tmp_path):
+    _need_fast(cp)
+    full = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, out=str(tmp_path / "full"))))
+    full.run()
+    Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, out=str(tmp_path / "part")))).run(stop_at=4)
+    Trainer(TrainConfig(resume=str(tmp_path / "part"), progress=False)).run()
+    assert _losses(tmp_path / "full") == _losses(tmp_path / "part")
 
 
 @pytest.mark.gpu

@@ -78,6 +78,10 @@ def main(argv=None) -> int:
         r = bitwise_repeatable(steps[name][1], x, y)
         out[f"{name}_repeatable"] = r
         print(f"{name:>5} repeatable: {r}", flush=True)
+    from llmgpu.ops import flash_attention
+
+    out["flash_backward_deterministic"] = flash_attention.backward_is_deterministic()
+    print(f"cuDNN attention backward deterministic: {out['flash_backward_deterministic']}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -24,7 +24,8 @@ Rules, the same on both backends where possible:
   silently wrong; a loss scaler skips the step.
 * Targets must be int32 or int64; float targets are refused.
 
-``method``: ``"optimized"`` (fused, online softmax, 16-byte loads), ``"fast"`` (the fused forward
+``method`` (default ``"fast"``: 95 % of copy in bf16 on the H200): ``"optimized"`` (fused, online softmax,
+16-byte loads), ``"fast"`` (the fused forward
 reshaped for 16-bit logits: 4 packs in flight per thread, one online-softmax step per 32 logits, the
 target lookups of all rows batched into the final one-block kernel; the same fused backward) or
 ``"naive"`` (softmax kernel writing the N x V probabilities, then -log p[target], and a backward
@@ -109,7 +110,7 @@ def cross_entropy_backward_reference(logits2, targets1, lse, n_valid, ignore_ind
 # --------------------------------------------------------------------------- public API
 
 
-def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="optimized"):
+def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="fast"):
     """Mean cross-entropy of ``logits [..., V]`` against integer ``targets [...]``: ``(loss, cache)``."""
     _check_method(method)
     xp = array_module(logits=logits, targets=targets)

@@ -254,7 +254,15 @@ def _device(cudnn, cp):
 
 
 class _Entry:
-    __slots__ = ("graph", "ws", "ws_ptr", "form", "describe")
+    __slots__ = ("graph", "ws", "ws_ptr", "form", "describe", "deterministic")
+
+
+# The backward graph asks cuDNN for its deterministic algorithm (``use_deterministic_algorithm``): the
+# default one accumulates dQ with atomics, so two runs from the same inputs differ in the last bits
+# (seen on the H200: every weight gradient of the blocks below the first attention then differs), and
+# a resumed training run could not reproduce the uninterrupted one bit for bit. A frontend without the
+# option builds the default graph; ``backward_is_deterministic()`` says which one ran.
+DETERMINISTIC_BACKWARD = True
 
 
 def _mask_variants(cudnn, causal):
@@ -264,7 +272,7 @@ def _mask_variants(cudnn, causal):
             ("causal", {"use_causal_mask": True})]  # the older spelling, still accepted by 1.32
 
 
-def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, describe):
+def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, describe, deterministic=False):
     """Build (validate, plan, compile) one forward or backward SDPA graph with fixed uids."""
     io = cudnn.data_type.BFLOAT16 if io_name == "bf16" else cudnn.data_type.HALF
     f32 = cudnn.data_type.FLOAT
@@ -287,8 +295,14 @@ def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, desc
                 t["dO"] = g.tensor(name="dO", dim=list(dims), stride=list(strides["dO"]), data_type=io,
                                    uid=_UID["dO"])
                 t["stats"] = g.tensor(name="stats", dim=sdims, stride=sstr, data_type=f32, uid=_UID["stats"])
-                grads = g.sdpa_backward(name="sdpa_bwd", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"],
-                                        stats=t["stats"], attn_scale=scale, **mask)
+                kw = dict(name="sdpa_bwd", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+                          attn_scale=scale, **mask)
+                try:
+                    grads = g.sdpa_backward(**kw, use_deterministic_algorithm=True) if deterministic else \
+                        g.sdpa_backward(**kw)
+                except TypeError:  # a frontend without the option
+                    deterministic = False
+                    grads = g.sdpa_backward(**kw)
                 for tensor, n in zip(grads, ("dQ", "dK", "dV")):
                     tensor.set_output(True).set_dim(list(dims)).set_stride(list(strides[n])).set_data_type(
                         io).set_uid(_UID[n])
@@ -307,6 +321,7 @@ def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, desc
         e.ws_ptr = int(e.ws.data.ptr)
         e.form = None  # which variant-pack form execute() took: decided on the first call
         e.describe = describe
+        e.deterministic = which == "fwd" or deterministic
         return e
     raise RuntimeError(f"cuDNN could not build the {which} attention graph for {describe}: " + " | ".join(errors))
 
@@ -339,13 +354,28 @@ def _entry(cudnn, cp, dev, which, arrays, dtype, scale, causal):
     dims = tuple(int(s) for s in arrays["q"].shape)
     strides = {n: _elem_strides(a) for n, a in arrays.items() if n != "stats"}
     io_name = backend.dtype_name(dtype)
-    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())))
+    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())),
+           which == "bwd" and DETERMINISTIC_BACKWARD)
     e = _GRAPHS.get(key)
     if e is None:
         describe = (f"B,H,T,D={list(dims)} {io_name} causal={causal} scale={scale:.6g} strides "
                     + ", ".join(f"{n}{list(s)}" for n, s in strides.items()))
-        e = _GRAPHS[key] = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe)
+        det = which == "bwd" and DETERMINISTIC_BACKWARD
+        try:
+            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, det)
+        except RuntimeError:
+            if not det:
+                raise
+            # no deterministic engine for this shape: the default one, and backward_is_deterministic() says so
+            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, False)
+        _GRAPHS[key] = e
     return e
+
+
+def backward_is_deterministic() -> bool | None:
+    """Whether every backward graph built so far runs cuDNN's deterministic algorithm (None: none built)."""
+    entries = [e for k, e in _GRAPHS.items() if k[1] == "bwd"]
+    return all(e.deterministic for e in entries) if entries else None
 
 
 def graph_count() -> int:
@@ -466,7 +496,8 @@ def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
     return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
 
 
-__all__ = ["CudnnUnavailableError", "INSTALL_HINT", "available", "flash_attention_backward", "flash_attention_flops",
+__all__ = ["CudnnUnavailableError", "DETERMINISTIC_BACKWARD", "INSTALL_HINT", "available",
+           "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
            "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "split_qkv",
            "unavailable_reason"]
 

@@ -8,8 +8,8 @@ The same as PyTorch's ``F.gelu(x, approximate='tanh')``. Elementwise on any shap
 storage fp32, fp16 or bf16, arithmetic fp32. ``method``: ``"naive"`` (one thread per element, scalar),
 ``"optimized"`` (grid-stride over 16-byte packs, expf and an IEEE division) or ``"fast"`` (one pass, two
 16-byte packs per thread, the same sigmoid form with the hardware ex2/rcp approximations: ~10
-instructions per element instead of ~29, what 16-bit storage needs to stay memory-bound). NumPy
-arrays run the reference.
+instructions per element instead of ~29, what 16-bit storage needs to stay memory-bound; the default,
+97-101 % of the copy bandwidth on the H200 in bf16 and fp32). NumPy arrays run the reference.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _launch(xp, n, ptrs, dtype, method, name, args):
     get_kernel("gelu", name, dtype, int(vec))((blocks,), (THREADS,), args)
 
 
-def gelu_forward(x, *, out=None, method="optimized"):
+def gelu_forward(x, *, out=None, method="fast"):
     """y = GELU(x) (tanh approximation), same shape and dtype as x."""
     _check_method(method)
     xp = array_module(x=x, out=out)
@@ -90,7 +90,7 @@ def gelu_forward(x, *, out=None, method="optimized"):
     return out
 
 
-def gelu_backward(dy, x, *, out=None, method="optimized"):
+def gelu_backward(dy, x, *, out=None, method="fast"):
     """dx = dy * GELU'(x), same shape and dtype as x."""
     _check_method(method)
     xp = array_module(dy=dy, x=x, out=out)
