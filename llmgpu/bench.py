@@ -386,7 +386,11 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
             raise ValueError("graph=True needs the GPU (CuPy) backend")
         from .graphs import capture
 
-        captured = capture(step, warmup=max(1, warmup))
+        for _ in range(max(1, warmup)):  # eager warm-up: compilation, cuBLASLt plans, cuDNN graphs
+            step()
+        xp.cuda.Device().synchronize()
+        pool.free_all_blocks()  # the eager steps' cached blocks: the graph allocates from its own pool
+        captured = capture(step, warmup=0)
         captured.upload()
         run = captured.replay
     else:
