@@ -153,13 +153,22 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
         finally:
             ln._FORCE_SMEM_ACCUMULATORS = False
 
+    def regacc_variant():  # the 16-bit fast backward with register accumulators, against the default
+        ln._FAST_SMEM_ACC = False
+        try:
+            bwd("fast")()
+        finally:
+            ln._FAST_SMEM_ACC = True
+
     cases = []
-    for m in ln.METHODS:  # naive, optimized, fast ("fast" forward = the optimized forward)
+    for m in ln.METHODS:  # naive, optimized, fast (fast: layernorm_forward_fast / layernorm_backward_fast)
         r = slow if m == "naive" else reps
         cases.append(("layernorm", "fwd", m, shape, fwd(m), fwd_bytes, r))
         cases.append(("layernorm", "bwd", m, shape, bwd(m), bwd_bytes, r))
     if xp is not np:
         cases.append(("layernorm", "bwd", "optimized-smem", shape, smem_variant, bwd_bytes, reps))
+        if np.dtype(x.dtype).itemsize == 2:  # "fast" with dgamma/dbeta in registers (8-warp blocks)
+            cases.append(("layernorm", "bwd", "fast-regacc", shape, regacc_variant, bwd_bytes, reps))
 
     # The chapter 8 model's fused pattern. Forward: residual add + LayerNorm in one pass against a
     # separate add then the forward. Backward: dx += dresidual and dgamma/dbeta added into fp32

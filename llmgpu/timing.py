@@ -36,11 +36,19 @@ class Timing:
         return flops / (self.median_ms * 1e-3) / 1e12
 
 
-def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0) -> Timing:
+def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) -> Timing:
     """Median time of ``fn()`` over ``reps`` calls after ``warmup`` calls.
 
     On CuPy each call is bracketed by CUDA events on the current stream (no host clock). With
     ``min_time_s``, repetitions are added until their total reaches that much time.
+
+    ``host_ahead`` (GPU): a kernel of tens of microseconds can take less GPU time than the Python call
+    that launches it (argument checks, launch). Timed back to back, the GPU would then wait for the
+    host between calls and the events would measure the host. So a spin kernel
+    (``profile.gpu_spin``) is queued first, long enough for the host to enqueue the whole batch
+    behind it: the events then measure the GPU's time alone, what a bandwidth figure is about. Pass
+    ``host_ahead=False`` to measure what a caller launching one call after another sees (e.g. a whole
+    training step, launch overhead included).
     """
     xp = xp or backend.default_xp()
     for _ in range(warmup):
@@ -57,10 +65,20 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0) -> Timing:
         cp = xp
         stream = cp.cuda.get_current_stream()
         stream.synchronize()
+        host_ms = 0.0
+        if host_ahead:
+            t0 = time.perf_counter()
+            fn()  # one more warm-up call, timed on the host: how long the spin must last
+            host_ms = (time.perf_counter() - t0) * 1e3
+            stream.synchronize()
         total = 0.0
         while len(times) < reps or total < min_time_s:
             batch = max(reps - len(times), 1)
             events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(batch)]
+            if host_ahead:
+                from .profile import gpu_spin
+
+                gpu_spin(min(500.0, 1.5 * host_ms * batch + 1.0))
             for start, end in events:
                 start.record(stream)
                 fn()
@@ -146,11 +164,25 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def time_torch(torch, fn, reps: int, warmup: int = 3) -> float:
-    """Median ms of ``fn()`` over ``reps`` calls, each bracketed by PyTorch CUDA events."""
+def time_torch(torch, fn, reps: int, warmup: int = 3, host_ahead: bool = True) -> float:
+    """Median ms of ``fn()`` over ``reps`` calls, each bracketed by PyTorch CUDA events.
+
+    ``host_ahead``: as in ``time_fn``, a spin kernel queued first (on PyTorch's current stream) lets the
+    host enqueue every call before the GPU starts, so the events measure GPU time, not Python's."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    if host_ahead:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        cp = backend.require_gpu()
+        from .profile import gpu_spin
+
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            gpu_spin(min(500.0, 1.5 * host_ms * reps + 1.0))
     for start, end in events:
         start.record()
         fn()

@@ -574,6 +574,7 @@ class Trainer:
                     f"parameters, vocab {mc.vocab_size}, {backend.dtype_name(self.model.dtype)}, batch "
                     f"{c.batch}x{c.seq}x{c.grad_accum}"
                     + (f", activation checkpointing every {c.checkpoint_every}" if c.checkpoint_every else "")
+                    + (", chapter 8 fast step" + (" as a CUDA graph" if c.graph else "") if c.fast else "")
                     + f"; {backend.device_info(xp).summary()}")
         bar.message(f"data: {self.corpus.description}; {self.corpus.n_train:,} training / "
                     f"{self.corpus.n_val:,} validation tokens; output: {out}")

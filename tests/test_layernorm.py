@@ -646,3 +646,45 @@ def test_gpu_fused_bad_inputs(cp, rng):
         add_layernorm_forward(xd, dyd[:, :7].copy(), gd, bd)
     with pytest.raises(ValueError, match="out overlaps b"):
         add_layernorm_forward(xd, dyd, gd, bd, out=dyd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("c", [8, 64, 256, 384, 520, 768, 1000, 1024, 33])
+@pytest.mark.parametrize("n", [1, 37, 5000])
+def test_gpu_fast_forward_matches_reference(cp, rng, monkeypatch, dtype, c, n):
+    """layernorm_forward_fast: P = 1..4 (16-bit) / 1..6 (fp32), partly filled last packs, one row and
+    several rows per warp (n = 5000 over the resident grid); rows it cannot take fall back."""
+    calls = []
+    real = ln._forward_fast
+    monkeypatch.setattr(ln, "_forward_fast", lambda *a: calls.append(real(*a)) or calls[-1])
+    x, gamma, beta, _ = _inputs(rng, n, c, dtype)
+    ref_y, ref_m, ref_r = layernorm_forward(x, gamma, beta)
+    xd, gd, bd = _to(cp, x, gamma, beta)
+    y, mean, rstd = layernorm_forward(xd, gd, bd, out=poisoned((n, c), dtype, cp), method="fast")
+    assert calls == [_fast_expected(c, dtype)]
+    assert_close(y, ref_y, dtype, name="y")
+    assert_close(mean, ref_m, rtol=1e-5, name="mean")
+    assert_close(rstd, ref_r, rtol=1e-5, name="rstd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("c", [64, 520, 768, 1024])
+def test_gpu_fast_backward_both_accumulator_variants(cp, rng, monkeypatch, dtype, c):
+    """The 16-bit fast backward with dgamma/dbeta accumulated in shared memory (default) and in
+    registers: both match the reference, with and without dresidual, over many rows per warp."""
+    n = 3000
+    x, gamma, beta, dy = _inputs(rng, n, c, dtype)
+    dres = random_array(rng, (n, c), dtype)
+    _, ref_m, ref_r = layernorm_forward(x, gamma, beta)
+    xd, gd, bd, dyd, dresd = _to(cp, x, gamma, beta, dy, dres)
+    _, mean, rstd = layernorm_forward(xd, gd, bd)
+    for smem_acc in (True, False):
+        monkeypatch.setattr(ln, "_FAST_SMEM_ACC", smem_acc)
+        for r, rd in ((None, None), (dres, dresd)):
+            ref = layernorm_backward(dy, x, gamma, ref_m, ref_r, dresidual=r)
+            got = layernorm_backward(dyd, xd, gd, mean, rstd, method="fast", dresidual=rd,
+                                     dx_out=poisoned((n, c), dtype, cp))
+            for g, e, name in zip(got, ref, ("dx", "dgamma", "dbeta")):
+                assert_close(g, e, dtype, name=f"{name} (smem accumulators={smem_acc}, dresidual={r is not None})")

@@ -57,8 +57,10 @@
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 0, 0>
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
-// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}>
-// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0>
+// llmgpu:kernel layernorm_forward_fast<{__half,__nv_bfloat16}, {1,2,3,4}>
+// llmgpu:kernel layernorm_forward_fast<float, {1,2,3,4,6}>
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
 
@@ -518,21 +520,46 @@ __device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const LnPack<__nv_bfl
     return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
+template <>
+__device__ __forceinline__ float ln_elem<__half, 8>(const LnPack<__half, 8>& p, int k) {
+    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
+    return __half2float(__ushort_as_half((unsigned short)((k & 1) ? (w >> 16) : (w & 0xffffu))));
+}
+
+template <typename T>
+struct IsBf16 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsBf16<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
+
 // Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
-template <typename T, int P, int RES>
+// SACC = 0: dgamma/dbeta accumulators in registers (2 P W floats), blocks of 8 warps.
+// SACC = 1: accumulators in shared memory (per warp, conflict-free float4 slots), blocks of 4 warps:
+//   the thread holds only the two rows' raw packs (2 x (2 + RES) x 4 P registers), so 6 blocks of
+//   4 warps (<= 80 registers) or 5 with dresidual (<= 96) fit an SM: 20-24 warps x 2 rows in flight.
+template <typename T, int P, int RES, int SACC>
 struct LnFastPlan {
     static constexpr int W = 16 / (int)sizeof(T);
-    static constexpr int regs = 2 * P * W              // dgamma, dbeta accumulators
+    static constexpr int regs = (SACC ? 0 : 2 * P * W)     // dgamma, dbeta accumulators
                                 + 2 * (2 + RES) * 4 * P  // current + next row: dy, x (, dresidual) packs
                                 + 32;                    // addresses, statistics, loop state, temporaries
-    static constexpr int min_blocks = regs <= 128 ? 2 : 1;  // blocks of 256 threads
+    static constexpr int threads = SACC ? 128 : 256;
+    // SACC: 6 blocks cap a thread at 80 registers, 5 at 96, 4 at 128 (what the estimate needs, rounded;
+    // fp16's conversions need a few more registers than bf16's shift/mask, hence its lower count).
+    static constexpr int min_blocks = SACC ? (RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
+                                                  : (P <= 3 ? 6 : 5))
+                                           : (regs <= 128 ? 2 : 1);
 };
 
 // Backward, one warp per row, rows gw, gw + nw, gw + 2 nw, ... (gw = global warp id, nw = warps in
-// the grid). blockDim.x == 256 (8 warps). Dynamic shared memory: 4 * max(32 * P * W, 8 * C) bytes.
-// RES = 1: dx = LN backward + dres (dres may be dx itself).
-template <typename T, int P, int RES>
-__global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
+// the grid). blockDim.x == LnFastPlan::threads (8 warps, 4 with SACC). Dynamic shared memory:
+// SACC = 0: 4 * max(32 * P * W, 8 * C) bytes; SACC = 1: 16 * 32 * P * Q * (1 + 2 * 4) bytes (gamma, then
+// every warp's dgamma/dbeta slots). RES = 1: dx = LN backward + dres (dres may be dx itself).
+template <typename T, int P, int RES, int SACC>
+__global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPlan<T, P, RES, SACC>::min_blocks)
     layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const float* __restrict__ mean, const float* __restrict__ rstd, const T* dres, T* dx,
                             float* __restrict__ partial, int N, int C) {
@@ -552,13 +579,23 @@ __global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
         ln_fast_smem[(p * Q + q) * 32 + l] =
             make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
     }
+    // SACC: this warp's accumulators, float4 slot (half, p, q) of lane l at ((half * P + p) * Q + q) * 32 + l
+    // after the gamma table (each lane only ever touches its own slots until the block sum at the end)
+    float4* sacc = ln_fast_smem + (P * Q + 2 * P * Q * warp) * 32 + lane;
+    if constexpr (SACC) {
+#pragma unroll
+        for (int i = 0; i < 2 * P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     __syncthreads();
 
-    float adg[P][W], adb[P][W];
+    constexpr int AP = SACC ? 1 : P;  // register accumulators only without SACC
+    float adg[AP][W], adb[AP][W];
+    if constexpr (!SACC) {
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
+        for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int k = 0; k < W; ++k) adg[p][k] = adb[p][k] = 0.0f;
+            for (int k = 0; k < W; ++k) adg[p][k] = adb[p][k] = 0.0f;
+        }
     }
 
     // Row indices stay 32-bit (the host keeps N + warps in the grid below 2**31); element offsets
@@ -610,6 +647,7 @@ __global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
                 for (int q = 0; q < Q; ++q) {
                     const float4 g4 = ln_fast_smem[(p * Q + q) * 32 + lane];
                     const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
+                    float dgq[4], dbq[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
@@ -618,8 +656,23 @@ __global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
                         const float g = d * ga[e];
                         sum_g += g;
                         sum_gx += g * xh;
-                        adg[p][k] += d * xh;
-                        adb[p][k] += d;
+                        dgq[e] = d * xh;
+                        dbq[e] = d;
+                    }
+                    if constexpr (SACC) {
+                        float4* sg = sacc + (p * Q + q) * 32;
+                        float4* sb = sacc + ((P + p) * Q + q) * 32;
+                        float4 a = *sg, b = *sb;
+                        a.x += dgq[0]; a.y += dgq[1]; a.z += dgq[2]; a.w += dgq[3];
+                        b.x += dbq[0]; b.y += dbq[1]; b.z += dbq[2]; b.w += dbq[3];
+                        *sg = a;
+                        *sb = b;
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            adg[p][4 * q + e] += dgq[e];
+                            adb[p][4 * q + e] += dbq[e];
+                        }
                     }
                 }
             }
@@ -660,11 +713,28 @@ __global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
         cs = ns;
     }
 
+    float* out = partial + (long long)blockIdx.x * 2 * C;
+    if constexpr (SACC) {
+        // Every warp's slots are already in shared memory: thread t adds columns t, t + blockDim.x, ...
+        // over the warps in the fixed order w = 0, 1, ..., wpb - 1.
+        __syncthreads();
+        const float* slots = reinterpret_cast<const float*>(ln_fast_smem + P * Q * 32);
+        for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) {
+            const int half = i >= C ? 1 : 0;
+            const int c = i - half * C;
+            const int j = c / W, k = c - j * W;  // pack j (lane j & 31, its pack j >> 5), element k
+            const int q = k >> 2, e = k & 3;
+            const int slot = ((((half * P + (j >> 5)) * Q + q) * 32 + (j & 31)) << 2) + e;
+            float t = slots[slot];
+            for (int w = 1; w < wpb; ++w) t += slots[(long long)w * (2 * P * Q * 32 * 4) + slot];
+            out[i] = t;
+        }
+        return;
+    } else {
     // The block's sum, one half (dgamma, then dbeta) at a time through wpb * C floats of shared
     // memory: every warp stores its columns, then thread t adds columns t, t + 256, ... over the
     // warps in the fixed order w = 0, 1, ..., wpb - 1.
     float* slab = reinterpret_cast<float*>(ln_fast_smem);
-    float* out = partial + (long long)blockIdx.x * 2 * C;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         __syncthreads();  // gamma (first round) or the previous half (second round) no longer read
@@ -687,6 +757,7 @@ __global__ void __launch_bounds__(256, LnFastPlan<T, P, RES>::min_blocks)
             for (int w = 1; w < wpb; ++w) t += slab[(long long)w * C + c];
             out[half * C + c] = t;
         }
+    }
     }
 }
 
@@ -724,6 +795,90 @@ __global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float*
     if (tx == 0 && c < 2 * C) {
         TO* dst = c < C ? dgamma + c : dbeta + (c - C);
         *dst = from_float<TO>(ACC ? to_float(*dst) + r : r);
+    }
+}
+
+// Forward written for bandwidth, the counterpart of layernorm_backward_fast: one warp per row, rows
+// gw, gw + nw, ... (gw = global warp id, nw = warps in the grid, the host sizes the grid to the resident
+// warps), the row held as raw 16-byte packs (4 registers each, whatever T is: half the registers of
+// keeping it as fp32 for 16-bit types), converted on use, and the NEXT row's loads issued before the
+// current row is reduced (two rows in flight per warp). The statistics come from the registers in
+// two passes (mean, then sum of (x - mean)^2: no cancellation), as in layernorm_forward_warp; x is
+// read from DRAM once. gamma/beta are re-read per row through L1 (3 KB, always resident).
+// y may be x itself (out=x): each element is loaded by the lane that later stores it, before the store.
+template <typename T, int P>
+__global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const T* __restrict__ gamma,
+                                                              const T* __restrict__ beta, T* y,
+                                                              float* __restrict__ mean, float* __restrict__ rstd,
+                                                              int N, int C, float eps) {
+    constexpr int W = 16 / (int)sizeof(T);
+    using Pack = LnPack<T, W>;
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
+    const float inv_c = 1.0f / (float)C;
+    const int nw = gridDim.x * wpb;
+    int row = blockIdx.x * wpb + (threadIdx.x >> 5);
+
+    Pack cx[P];
+    if (row < N) {
+        const long long off = (long long)row * C + lane * W;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) cx[p] = ln_load_stream(x + off + 32 * W * p);
+        }
+    }
+    for (; row < N; row += nw) {
+        const int nxt = row + nw;
+        Pack nx[P];
+        if (nxt < N) {
+            const long long off = (long long)nxt * C + lane * W;
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                if (lane + 32 * p < nvec) nx[p] = ln_load_stream(x + off + 32 * W * p);
+            }
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+#pragma unroll
+                for (int k = 0; k < W; ++k) sum += ln_elem(cx[p], k);
+            }
+        }
+        const float m = warp_sum(sum) * inv_c;
+        float ss = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+#pragma unroll
+                for (int k = 0; k < W; ++k) {
+                    const float d = ln_elem(cx[p], k) - m;
+                    ss += d * d;
+                }
+            }
+        }
+        const float r = rsqrtf(warp_sum(ss) * inv_c + eps);
+        T* yr = y + (long long)row * C + lane * W;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                const Pack g = *reinterpret_cast<const Pack*>(gamma + j * W);
+                const Pack b = *reinterpret_cast<const Pack*>(beta + j * W);
+                Pack o;
+#pragma unroll
+                for (int k = 0; k < W; ++k) {
+                    o.v[k] = from_float<T>((ln_elem(cx[p], k) - m) * r * ln_elem(g, k) + ln_elem(b, k));
+                }
+                *reinterpret_cast<Pack*>(yr + 32 * W * p) = o;
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+#pragma unroll
+        for (int p = 0; p < P; ++p) cx[p] = nx[p];
     }
 }
 

@@ -23,7 +23,8 @@ multiply away, instead of two fresh reductions per row::
   memory, optional ``dresidual`` added into dx and ``accumulate_params`` added into fp32 gradient
   buffers in the same kernels; deterministic too. Rows it cannot take (C not a multiple of 8 for
   fp16/bf16 or 4 for fp32, unaligned pointers, C above 1024 (16-bit) or 768 (fp32)) run the
-  "optimized" kernels. Its forward is the "optimized" forward.
+  "optimized" kernels. Its forward (same row limits) holds the row as raw 16-byte packs in
+  registers with the next row's loads in flight, on a grid of exactly the resident warps.
 
 ``add_layernorm_forward(a, b, gamma, beta)`` fuses the residual add in front of the forward (the
 transformer's ``x = x + attn(...)`` followed by ``ln_2(x)``): one pass that writes both the new
@@ -56,6 +57,13 @@ _FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory varia
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
 _FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
 _FAST_WARPS = 8
+# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory (SACC, blocks of 4 warps, <= 80
+# registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM). A
+# benchmark hook: set False to time the register-accumulator variant.
+_FAST_SMEM_ACC = True
+_FAST_SACC_WARPS = 4
+_FWD_FAST_WARPS = 8
+_PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
 _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 
 
@@ -183,7 +191,8 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
     ``x [..., C]`` (at least 2-D), ``gamma [C]``, ``beta [C]`` of one dtype. ``y`` has x's shape and
     dtype (written into ``out`` when given); ``mean`` and ``rstd`` are fp32 shaped ``x.shape[:-1]``
-    (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward.
+    (float64 on the NumPy path for float64 input). ``method="fast"`` runs ``layernorm_forward_fast``
+    (rows it cannot take run the "optimized" forward).
     """
     _check_method(method)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
@@ -215,6 +224,8 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
         get_kernel("layernorm", "layernorm_forward_naive", x.dtype)((-(-n_rows // threads),), (threads,), args)
         return out, mean, rstd
 
+    if method == "fast" and _forward_fast(args, x, gamma, beta, out, n_rows, c, xp):
+        return out, mean, rstd
     vec, packs = _vector_plan(c, x.dtype, (x, gamma, beta, out))
     wpb = _FWD_WARPS
     smem = 0
@@ -351,25 +362,62 @@ def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_row
         dbeta[...] = tb
 
 
+def _fast_packs(c, dtype, arrays):
+    """Packs per lane for the "fast" kernels, or None when C or a pointer does not suit them."""
+    width = 16 // dtype.itemsize
+    if c % width or any(a.data.ptr % 16 for a in arrays):
+        return None
+    per_lane = -(-(c // width) // 32)
+    return next((p for p in _FAST_PACKS[dtype.itemsize] if p >= per_lane), None)
+
+
+def _persistent_plan(key, kern, threads, smem, n_rows, xp):
+    """(blocks, threads, smem) for a grid of resident warps that each take the same number of rows,
+    cached per kernel, device and shape (the launch then costs no attribute queries)."""
+    dev = xp.cuda.Device().id
+    full = (key, dev, n_rows, threads, smem)
+    plan = _PLANS.get(full)
+    if plan is None:
+        wpb = threads // 32
+        resident = _resident_blocks(kern, threads, smem, xp)
+        rows_per_warp = -(-n_rows // (resident * wpb))
+        blocks = -(-n_rows // (wpb * rows_per_warp))
+        plan = _PLANS[full] = (blocks, threads, smem)
+    return plan
+
+
+def _forward_fast(args, x, gamma, beta, out, n_rows, c, xp):
+    """Launch layernorm_forward_fast; False if the rows do not fit it."""
+    packs = _fast_packs(c, x.dtype, (x, gamma, beta, out))
+    if packs is None:
+        return False
+    kern = get_kernel("layernorm", "layernorm_forward_fast", x.dtype, packs)
+    blocks, threads, _ = _persistent_plan(("fwd", x.dtype, packs), kern, 32 * _FWD_FAST_WARPS, 0, n_rows, xp)
+    if n_rows + blocks * _FWD_FAST_WARPS >= 2**31:  # the kernel's row indices are 32-bit
+        return False
+    kern((blocks,), (threads,), args)
+    return True
+
+
 def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
     """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
     width = 16 // x.dtype.itemsize
-    arrays = (dy, x, dx) if dres is None else (dy, x, dx, dres)
-    if c % width or any(a.data.ptr % 16 for a in arrays):
-        return False
-    per_lane = -(-(c // width) // 32)
-    packs = next((p for p in _FAST_PACKS[x.dtype.itemsize] if p >= per_lane), None)
+    packs = _fast_packs(c, x.dtype, (dy, x, dx) if dres is None else (dy, x, dx, dres))
     if packs is None:
         return False
-    kern = get_kernel("layernorm", "layernorm_backward_fast", x.dtype, packs, int(dres is not None))
-    threads = 32 * _FAST_WARPS
-    smem = 4 * max(32 * packs * width, _FAST_WARPS * c)  # gamma (fp32), then the block's dgamma/dbeta slab
+    sacc = int(_FAST_SMEM_ACC and x.dtype.itemsize == 2)
+    kern = get_kernel("layernorm", "layernorm_backward_fast", x.dtype, packs, int(dres is not None), sacc)
+    if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
+        warps = _FAST_SACC_WARPS
+        smem = 16 * 32 * packs * (width // 4) * (1 + 2 * warps)
+    else:  # gamma (fp32), then the block's dgamma/dbeta slab
+        warps = _FAST_WARPS
+        smem = 4 * max(32 * packs * width, warps * c)
     # As many rows per warp as one wave of resident warps needs, then as few blocks as give every
     # warp that many: all warps finish together and there are fewer partial rows to add.
-    resident = _resident_blocks(kern, threads, smem, xp)
-    rows_per_warp = -(-n_rows // (resident * _FAST_WARPS))
-    blocks = -(-n_rows // (_FAST_WARPS * rows_per_warp))
-    if n_rows + blocks * _FAST_WARPS >= 2**31:  # the kernel's row indices are 32-bit
+    blocks, threads, smem = _persistent_plan(("bwd", x.dtype, packs, dres is not None, sacc, c), kern,
+                                             32 * warps, smem, n_rows, xp)
+    if n_rows + blocks * warps >= 2**31:  # the kernel's row indices are 32-bit
         return False
     partial = xp.empty((blocks, 2, c), dtype=np.float32)
     kern((blocks,), (threads,),
