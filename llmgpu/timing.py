@@ -172,7 +172,7 @@ def time_torch(torch, fn, reps: int, warmup: int = 3, host_ahead: bool = True) -
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    if host_ahead:
+    if host_ahead and backend.gpu_available():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
