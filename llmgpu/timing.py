@@ -164,6 +164,20 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
+def _spin_on_torch_stream(torch, ms: float):
+    """``profile.gpu_spin`` on PyTorch's current stream (CuPy's, when they are the same stream)."""
+    from .profile import gpu_spin
+
+    cp = backend.require_gpu()
+    current = getattr(getattr(torch, "cuda", None), "current_stream", None)
+    ptr = int(current().cuda_stream) if current is not None else cp.cuda.get_current_stream().ptr
+    if ptr == cp.cuda.get_current_stream().ptr:
+        gpu_spin(ms)
+        return
+    with cp.cuda.ExternalStream(ptr):
+        gpu_spin(ms)
+
+
 def time_torch(torch, fn, reps: int, warmup: int = 3, host_ahead: bool = True) -> float:
     """Median ms of ``fn()`` over ``reps`` calls, each bracketed by PyTorch CUDA events.
 
@@ -178,11 +192,7 @@ def time_torch(torch, fn, reps: int, warmup: int = 3, host_ahead: bool = True) -
         fn()
         host_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        cp = backend.require_gpu()
-        from .profile import gpu_spin
-
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            gpu_spin(min(500.0, 1.5 * host_ms * reps + 1.0))
+        _spin_on_torch_stream(torch, min(500.0, 1.5 * host_ms * reps + 1.0))
     for start, end in events:
         start.record()
         fn()
