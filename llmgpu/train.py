@@ -357,8 +357,14 @@ class Trainer:
                                    if k in {f.name for f in fields(TrainConfig)}})
             # what the command line sets explicitly wins; everything else comes from the checkpoint
             over = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if getattr(cfg, k) is not None}
-            # the fast path and the graph are choices of this machine, not of the run: decide them afresh
-            cfg = replace(replace(saved, fast=None, graph=None), **over)
+            cfg = replace(saved, **over)
+            if cfg.fast and not fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)[0]:
+                # the run used the fast step, which this machine cannot run: continue on the book step
+                # (same model and state; the losses will differ from an uninterrupted run in the last bits)
+                print("llmgpu: the checkpointed run used the fast step (--fast), unavailable here: "
+                      f"{fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)[1]}; resuming with the book step",
+                      file=sys.stderr)
+                cfg = replace(cfg, fast=False, graph=False)
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
         self.policy = Policy(cfg.dtype)

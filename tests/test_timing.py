@@ -41,7 +41,7 @@ class _FakeTorch:
 
 def test_time_torch_brackets_every_call():
     calls = []
-    ms = timing.time_torch(_FakeTorch, lambda: calls.append(1), reps=7, warmup=2)
+    ms = timing.time_torch(_FakeTorch, lambda: calls.append(1), reps=7, warmup=2, host_ahead=False)
     assert len(calls) == 9 and ms == 1.0 and _FakeTorch.cuda.synced == 1
 
 
