@@ -195,3 +195,23 @@ def test_gpu_train_step_never_waits_for_the_gpu(cp, tmp_path, fast, graph):
     r = host_runs_ahead(lambda: t.train_step(t.lr_at(3)), spin_ms=300.0)
     assert r["spin_still_running"], r
     assert r["host_ms"] < r["spin_ms"], r
+
+
+def test_resume_keeps_the_runs_fast_choice_and_falls_back_where_it_cannot_run(tmp_path, capsys):
+    """A resumed run takes --fast/--graph from the checkpoint (bit-exact resume needs the same kernels);
+    where the fast step cannot run (here: the CPU) it continues on the book step and says so."""
+    import json
+
+    base = dict(preset="tiny", device="cpu", batch=2, seq=16, steps=4, progress=False, sample_tokens=0, plot=False,
+                eval_every=0, out=str(tmp_path / "run"))
+    Trainer(TrainConfig(**base)).run(stop_at=2)
+    meta_path = next((tmp_path / "run").rglob("meta.json"))
+    meta = json.loads(meta_path.read_text())
+    assert meta["train_config"]["fast"] is False  # the resolved choice is saved
+    meta["train_config"].update(fast=True, graph=True)  # as if the run had used the fast step on a GPU
+    meta_path.write_text(json.dumps(meta))
+    t = Trainer(TrainConfig(resume=str(tmp_path / "run"), progress=False))
+    assert t.cfg.fast is False and t.cfg.graph is False and type(t.model) is GPT
+    assert "resuming with the book step" in capsys.readouterr().err
+    t.run()
+    assert t.step == 4
