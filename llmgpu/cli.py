@@ -227,6 +227,12 @@ def cmd_info(a) -> int:
                 facts["peak_tflops_datasheet"] = {"bf16/fp16": tc, "fp32": f32, "model": key}
                 break
     facts["train_defaults"] = "tiny preset, fp32, NumPy" if xp is np else "gpt2 preset (124M), bf16, CuPy"
+    from .train import fast_path_available
+
+    fast_ok, fast_why = fast_path_available(xp, "bf16")
+    facts["fast_step"] = fast_ok
+    if not fast_ok:
+        facts["fast_step_unavailable_reason"] = fast_why
     if a.json:
         print(json.dumps(facts, indent=1))
         return 0
@@ -241,6 +247,8 @@ def cmd_info(a) -> int:
         pk = facts["peak_tflops_datasheet"]
         print(f"peak (datasheet, dense): {pk['bf16/fp16']:.0f} TFLOP/s bf16/fp16, {pk['fp32']:.0f} TFLOP/s fp32")
     print(f"llmgpu train defaults here: {facts['train_defaults']}")
+    print("chapter 8 fast step (--fast, --graph): " + ("available, used by default" if facts["fast_step"] else
+                                                        f"not used here ({facts['fast_step_unavailable_reason']})"))
     return 0
 
 

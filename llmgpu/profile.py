@@ -11,12 +11,14 @@ queued). The tools here keep the step intact:
   ceilings measured in the same run (``timing.copy_bandwidth``, ``timing.gemm_ceiling``). On NumPy it
   falls back to ``time.perf_counter``. Disabled, ``region()`` returns a shared no-op context.
   Model code calls the module-level ``region(name, bytes=, flops=)``: a no-op unless a timer was
-  activated (``with activate(timer):``) or NVTX ranges were switched on (``set_nvtx(True)``).
+  activated (``with activate(timer):``) or NVTX ranges were switched on (``set_nvtx(True)``, or the
+  environment variable ``LLMGPU_NVTX=1``). ``profile_step(fn)`` runs a whole step under a timer and
+  returns the per-op rows per step; ``plot_step_breakdown`` draws them.
 * ``nvtx_range(name)`` marks a range for Nsight Systems / Nsight Compute (``cupy.cuda.nvtx``; no-op
   without CuPy), so a timeline reads like the model. Typical commands::
 
-      nsys profile -t cuda,nvtx -o step python -m llmgpu train --steps 20 ...
-      ncu --nvtx --nvtx-include "mlp.fc.fwd/" --set full -o mlp python -m llmgpu train --steps 3 ...
+      LLMGPU_NVTX=1 nsys profile -t cuda,nvtx -o step llmgpu train --steps 20 --no-graph ...
+      LLMGPU_NVTX=1 ncu --nvtx --nvtx-include "mlp.fc+gelu fwd/" --set full -o mlp llmgpu train --steps 3 --no-graph
 
 * ``occupancy_table(kernels, block)``: registers, static shared memory, max threads per block, and
   blocks per SM / theoretical occupancy for a block size, from the CUDA occupancy API
@@ -26,6 +28,8 @@ queued). The tools here keep the step intact:
   achieved TFLOP/s) under the two roofs, log-log, with the ridge point.
 * ``launch_overhead(n)``: host µs per RawKernel launch, eager vs replayed from a CUDA graph
   (``llmgpu.graphs``); ``launch_count(fn)``: how many kernels ``fn`` launches (capture it, count nodes).
+* ``host_runs_ahead(fn)``: does ``fn`` wait for the GPU? A spin kernel (``gpu_spin``) is queued first;
+  if ``fn`` returns while it still runs, nothing inside ``fn`` synchronised.
 """
 
 from __future__ import annotations

@@ -137,8 +137,9 @@ def test_plot_losses(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_training_async_copy_and_resume_bitwise(cp, tmp_path):
-    base = {**FAST, "device": "gpu", "dtype": "bf16", "batch": 4, "seq": 64, "eval_every": 5}
+@pytest.mark.parametrize("fast", [False, None])  # the book step; the default (the fast step where available)
+def test_gpu_training_async_copy_and_resume_bitwise(cp, tmp_path, fast):
+    base = {**FAST, "device": "gpu", "dtype": "bf16", "batch": 4, "seq": 64, "eval_every": 5, "fast": fast}
     full = tmp_path / "full"
     s = train(TrainConfig(**base, steps=10, out=str(full)))
     assert s["val_loss"] < s["first_val_loss"]
