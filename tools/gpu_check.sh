@@ -5,16 +5,17 @@
 # 2. pytest with LLMGPU_REQUIRE_GPU=1 (a GPU test that would skip is a failure here)
 # 3. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 4. the notebooks executed in place, so their committed outputs come from this GPU
+# 3b. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook)
 # 5. the benchmarks (each writes benchmarks/results/*.json)
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
-# STEPS="tests nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
+# STEPS="tests llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
 # Without network (the lab's H200): wheels in ./.whl are installed first (../shared/tools/gpu-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_results}
 mkdir -p "$OUT/logs"
-STEPS=${STEPS:-"tests nbval execute bench"}
+STEPS=${STEPS:-"tests llmbench nbval execute bench"}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu  # no MPLBACKEND: notebooks need the inline backend
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,6 +38,12 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 run device python3 -c "import llmgpu, cupy; print(llmgpu.device_info().summary()); print('cupy', cupy.__version__)"
 run compile python3 -m llmgpu.kernels.compile_check -a sm_90
 has tests && run pytest env LLMGPU_REQUIRE_GPU=1 python3 -m pytest -q -rs --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} tests
+if has llmbench; then
+  run llmgpu_bench python3 -m llmgpu bench --json benchmarks/results/ch8_bench.json
+  run llmgpu_bench_padded python3 -m llmgpu bench --pad-vocab 64 --modes llmgpu-fast-graph,torch-compile \
+    --json benchmarks/results/ch8_bench_padded.json
+  run probe_fast_step python3 tools/probe_fast_step.py --json benchmarks/results/ch8_probe_step.json
+fi
 has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
 has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
 if has bench; then
