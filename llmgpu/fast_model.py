@@ -215,20 +215,11 @@ class FastGPT(GPT):
         """Inference with the fast kernels; same contract as ``GPT.forward``."""
         idx = self._check_idx(idx)
         B, T = idx.shape
-        V, C = self.config.vocab_size, self.config.n_embd
+        C = self.config.n_embd
         _, hf, _, _, _ = self._forward_trunk(idx, store=False)
         if last_only:
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
-        logits = self._logits(hf)
-        loss = None
-        if targets is not None:
-            targets = self._check_idx(targets, "targets")
-            loss, _ = cross_entropy_forward(logits, targets.reshape(-1))
-        Tl = 1 if last_only else T
-        logits = logits.reshape(B, Tl, -1)[:, :, :V]
-        if last_only:
-            logits = logits[:, 0]
-        return logits, loss
+        return self._logits_and_loss(self._logits(hf), targets, B, T, last_only)
 
     # ------------------------------------------------------------------ forward + backward
 

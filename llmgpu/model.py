@@ -386,17 +386,21 @@ class GPT:
         (0-d device array) when ``targets`` is given. Stores no activations."""
         idx = self._check_idx(idx)
         x = self._trunk(idx)
-        V = self.config.vocab_size
         B, T, C = x.shape
         if last_only:
             x = self.xp.ascontiguousarray(x[:, -1:, :])
         _, _, _, logits = self._head(x)
+        return self._logits_and_loss(logits, targets, B, T, last_only)
+
+    def _logits_and_loss(self, logits, targets, B: int, T: int, last_only: bool):
+        """``forward``'s result from the ``[B·T', Vp]`` head output (T' = 1 with ``last_only``): the loss
+        against ``targets`` if given, and the logits reshaped to ``[B, T, vocab]`` (``[B, vocab]``)."""
         loss = None
         if targets is not None:
             targets = self._check_idx(targets, "targets")
             loss, _ = cross_entropy_forward(logits, targets.reshape(-1))
         Tl = 1 if last_only else T
-        logits = logits.reshape(B, Tl, -1)[:, :, :V]
+        logits = logits.reshape(B, Tl, -1)[:, :, : self.config.vocab_size]
         if last_only:
             logits = logits[:, 0]
         return logits, loss

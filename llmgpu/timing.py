@@ -36,6 +36,12 @@ class Timing:
         return flops / (self.median_ms * 1e-3) / 1e12
 
 
+def _spin_ms(host_ms: float, calls: int) -> float:
+    """How long the spin kernel of ``host_ahead`` runs: enough for the host to enqueue ``calls`` calls of
+    ``host_ms`` each, with margin; at most half a second."""
+    return min(500.0, 1.5 * host_ms * calls + 1.0)
+
+
 def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) -> Timing:
     """Median time of ``fn()`` over ``reps`` calls after ``warmup`` calls.
 
@@ -78,7 +84,7 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) 
             if host_ahead:
                 from .profile import gpu_spin
 
-                gpu_spin(min(500.0, 1.5 * host_ms * batch + 1.0))
+                gpu_spin(_spin_ms(host_ms, batch))
             for start, end in events:
                 start.record(stream)
                 fn()
@@ -192,7 +198,7 @@ def time_torch(torch, fn, reps: int, warmup: int = 3, host_ahead: bool = True) -
         fn()
         host_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        _spin_on_torch_stream(torch, min(500.0, 1.5 * host_ms * reps + 1.0))
+        _spin_on_torch_stream(torch, _spin_ms(host_ms, reps))
     for start, end in events:
         start.record()
         fn()

@@ -358,12 +358,12 @@ class Trainer:
             # what the command line sets explicitly wins; everything else comes from the checkpoint
             over = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if getattr(cfg, k) is not None}
             cfg = replace(saved, **over)
-            if cfg.fast and not fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)[0]:
+            fast_ok, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every) if cfg.fast else (True, "")
+            if not fast_ok:
                 # the run used the fast step, which this machine cannot run: continue on the book step
                 # (same model and state; the losses will differ from an uninterrupted run in the last bits)
-                print("llmgpu: the checkpointed run used the fast step (--fast), unavailable here: "
-                      f"{fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)[1]}; resuming with the book step",
-                      file=sys.stderr)
+                print(f"llmgpu: the checkpointed run used the fast step (--fast), unavailable here: {why}; "
+                      "resuming with the book step", file=sys.stderr)
                 cfg = replace(cfg, fast=False, graph=False)
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
