@@ -338,19 +338,12 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
     rng = np.random.default_rng(seed)
     x = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
     y = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
-    from .profile import region
+    from .train import apply_update
 
     def step():
         dloss = scaler.loss_scale_for_backward() if scaler.enabled else 1.0
         loss = model.forward_backward(x, y, dloss=dloss)
-        with region("clip (grad norm)", bytes=P.grad.nbytes, flops=2.0 * P.numel):
-            if scaler.enabled:
-                res = scaler.check_and_clip(P.grad, GRAD_CLIP, out=clipper.result)
-            else:
-                res = clipper(P.grad)
-        with region("adamw", bytes=P.numel * (4 * 4 + 4 * 4 + P.working.dtype.itemsize), flops=15.0 * P.numel):
-            opt.step(lr=LR, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
-        scaler.update(res.found_inf)
+        apply_update(P, opt, scaler, clipper, GRAD_CLIP, LR)
         return loss
 
     return step, model

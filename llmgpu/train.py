@@ -339,6 +339,20 @@ def _hms(s: float) -> str:
 # --------------------------------------------------------------------------- the trainer
 
 
+def apply_update(P, opt, scaler, clipper, grad_clip: float, lr):
+    """After the backward pass: unscale + global-norm clip (one fused launch), AdamW with the working-copy
+    cast and the gradient zeroed (one launch), loss-scaler update. Returns the ``GradNorm`` result."""
+    with region("clip (grad norm)", bytes=P.grad.nbytes, flops=2.0 * P.numel):
+        if scaler.enabled:
+            res = scaler.check_and_clip(P.grad, grad_clip, out=clipper.result)
+        else:
+            res = clipper(P.grad)
+    with region("adamw", bytes=P.numel * (4 * 4 + 4 * 4 + P.working.dtype.itemsize), flops=15.0 * P.numel):
+        opt.step(lr=lr, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
+    scaler.update(res.found_inf)
+    return res
+
+
 class Trainer:
     """Model, optimizer, loss scaler, clipper and data streams for one run.
 
@@ -445,14 +459,7 @@ class Trainer:
         for x, y in batches:
             loss = model.forward_backward(x, y, dloss=dloss)
             loss_sum = loss if loss_sum is None else loss_sum + loss
-        with region("clip (grad norm)", bytes=P.grad.nbytes, flops=2.0 * P.numel):
-            if self.scaler.enabled:
-                res = self.scaler.check_and_clip(P.grad, self.cfg.grad_clip, out=self.clipper.result)
-            else:
-                res = self.clipper(P.grad)
-        with region("adamw", bytes=P.numel * (4 * 4 + 4 * 4 + P.working.dtype.itemsize), flops=15.0 * P.numel):
-            self.opt.step(lr=lr, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
-        self.scaler.update(res.found_inf)
+        res = apply_update(P, self.opt, self.scaler, self.clipper, self.cfg.grad_clip, lr)
         mean = loss_sum if n == 1 else loss_sum * np.float32(1.0 / n)
         return xp.stack([mean.astype(np.float32).reshape(()), res.norm, res.found_inf])
 
