@@ -160,13 +160,6 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
         finally:
             ln._FAST_SMEM_ACC = True
 
-    def no_prefetch_variant():
-        default, ln._FAST_PREFETCH = ln._FAST_PREFETCH, 0
-        try:
-            bwd("fast")()
-        finally:
-            ln._FAST_PREFETCH = default
-
     cases = []
     for m in ln.METHODS:  # naive, optimized, fast (fast: layernorm_forward_fast / layernorm_backward_fast)
         r = slow if m == "naive" else reps
@@ -176,8 +169,6 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
         cases.append(("layernorm", "bwd", "optimized-smem", shape, smem_variant, bwd_bytes, reps))
         if np.dtype(x.dtype).itemsize == 2:  # "fast" with dgamma/dbeta in registers (8-warp blocks)
             cases.append(("layernorm", "bwd", "fast-regacc", shape, regacc_variant, bwd_bytes, reps))
-            # "fast" with the next row held in registers instead of prefetched into L2
-            cases.append(("layernorm", "bwd", "fast-no-prefetch", shape, no_prefetch_variant, bwd_bytes, reps))
 
     # The chapter 8 model's fused pattern. Forward: residual add + LayerNorm in one pass against a
     # separate add then the forward. Backward: dx += dresidual and dgamma/dbeta added into fp32

@@ -57,9 +57,8 @@
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 0, 0>
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
-// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}, 0>
-// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, 1, {1,2}>
-// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0, 0>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0>
 // llmgpu:kernel layernorm_forward_fast<{__half,__nv_bfloat16}, {1,2,3,4}>
 // llmgpu:kernel layernorm_forward_fast<float, {1,2,3,4,6}>
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
@@ -536,42 +535,21 @@ struct IsBf16<__nv_bfloat16> {
     static constexpr bool value = true;
 };
 
-// Ask L2 for row r of dy, x (and dres) without waiting for it and without a register to land in
-// (prefetch.global.L2: the lines come from DRAM into L2; the later load of the row then waits for L2,
-// not DRAM). Each lane names its own 16-byte packs; the 8 lanes that share a 128-byte line coalesce.
-template <typename T, int P, int RES>
-__device__ __forceinline__ void ln_prefetch_row(const T* dy, const T* x, const T* dres, int r, int N, int C, int lane,
-                                                int nvec) {
-    if (r >= N) return;
-    constexpr int W = 16 / (int)sizeof(T);
-    const long long off = (long long)r * C + lane * W;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        if (lane + 32 * p < nvec) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(dy + off + 32 * W * p));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(x + off + 32 * W * p));
-            if constexpr (RES) asm volatile("prefetch.global.L2 [%0];" ::"l"(dres + off + 32 * W * p));
-        }
-    }
-}
-
 // Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
 // SACC = 0: dgamma/dbeta accumulators in registers (2 P W floats), blocks of 8 warps.
 // SACC = 1: accumulators in shared memory (per warp, conflict-free float4 slots), blocks of 4 warps:
 //   the thread holds only the two rows' raw packs (2 x (2 + RES) x 4 P registers), so 6 blocks of
 //   4 warps (<= 80 registers) or 5 with dresidual (<= 96) fit an SM: 20-24 warps x 2 rows in flight.
-template <typename T, int P, int RES, int SACC, int PF = 0>
+template <typename T, int P, int RES, int SACC>
 struct LnFastPlan {
     static constexpr int W = 16 / (int)sizeof(T);
-    static constexpr int regs = (SACC ? 0 : 2 * P * W)              // dgamma, dbeta accumulators
-                                + (PF ? 1 : 2) * (2 + RES) * 4 * P  // current (+ next) row: dy, x (, dres)
-                                + 32;  // addresses, statistics, loop state, temporaries
+    static constexpr int regs = (SACC ? 0 : 2 * P * W)     // dgamma, dbeta accumulators
+                                + 2 * (2 + RES) * 4 * P  // current + next row: dy, x (, dresidual) packs
+                                + 32;                    // addresses, statistics, loop state, temporaries
     static constexpr int threads = SACC ? 128 : 256;
     // SACC: 6 blocks cap a thread at 80 registers, 5 at 96, 4 at 128 (what the estimate needs, rounded;
     // fp16's conversions need a few more registers than bf16's shift/mask, hence its lower count).
-    // PF (the next rows prefetched into L2, one row in registers): as many 4-warp blocks as the estimate
-    // allows, up to 8 (32 warps; 8 blocks' gamma tables and accumulator slots fill 224 KB of shared memory).
-    static constexpr int min_blocks = (PF && SACC) ? (regs <= 64 ? 8 : (regs <= 72 ? 7 : 6)) : SACC ? (RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
+    static constexpr int min_blocks = SACC ? (RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
                                                   : (P <= 3 ? 6 : 5))
                                            : (regs <= 128 ? 2 : 1);
 };
@@ -580,9 +558,8 @@ struct LnFastPlan {
 // the grid). blockDim.x == LnFastPlan::threads (8 warps, 4 with SACC). Dynamic shared memory:
 // SACC = 0: 4 * max(32 * P * W, 8 * C) bytes; SACC = 1: 16 * 32 * P * Q * (1 + 2 * 4) bytes (gamma, then
 // every warp's dgamma/dbeta slots). RES = 1: dx = LN backward + dres (dres may be dx itself).
-template <typename T, int P, int RES, int SACC, int PF>
-__global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC, PF>::threads,
-                                  LnFastPlan<T, P, RES, SACC, PF>::min_blocks)
+template <typename T, int P, int RES, int SACC>
+__global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPlan<T, P, RES, SACC>::min_blocks)
     layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const float* __restrict__ mean, const float* __restrict__ rstd, const T* dres, T* dx,
                             float* __restrict__ partial, int N, int C) {
@@ -593,6 +570,23 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC, PF>::threads,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
     const float inv_c = 1.0f / (float)C;
+
+    // gamma -> shared memory, fp32, float4 (p, q) of lane l at (p * Q + q) * 32 + l
+    for (int i = threadIdx.x; i < nvec * Q; i += blockDim.x) {
+        const int j = i / Q, q = i - j * Q;           // pack j, quarter q
+        const int p = j >> 5, l = j & 31;             // owned by lane l as its pack p
+        const T* g = gamma + j * W + 4 * q;
+        ln_fast_smem[(p * Q + q) * 32 + l] =
+            make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
+    }
+    // SACC: this warp's accumulators, float4 slot (half, p, q) of lane l at ((half * P + p) * Q + q) * 32 + l
+    // after the gamma table (each lane only ever touches its own slots until the block sum at the end)
+    float4* sacc = ln_fast_smem + (P * Q + 2 * P * Q * warp) * 32 + lane;
+    if constexpr (SACC) {
+#pragma unroll
+        for (int i = 0; i < 2 * P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __syncthreads();
 
     constexpr int AP = SACC ? 1 : P;  // register accumulators only without SACC
     float adg[AP][W], adb[AP][W];
@@ -624,37 +618,13 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC, PF>::threads,
         cm = mean[row];
         cs = rstd[row];
     }
-    if constexpr (PF > 0) {
-#pragma unroll
-        for (int i = 1; i < PF; ++i) ln_prefetch_row<T, P, RES>(dy, x, dres, row + i * nw, N, C, lane, nvec);
-    }
-
-    // gamma -> shared memory, fp32, float4 (p, q) of lane l at (p * Q + q) * 32 + l; after the first
-    // row's loads are issued, so their latency and this fill overlap
-    for (int i = threadIdx.x; i < nvec * Q; i += blockDim.x) {
-        const int j = i / Q, q = i - j * Q;           // pack j, quarter q
-        const int p = j >> 5, l = j & 31;             // owned by lane l as its pack p
-        const T* g = gamma + j * W + 4 * q;
-        ln_fast_smem[(p * Q + q) * 32 + l] =
-            make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
-    }
-    // SACC: this warp's accumulators, float4 slot (half, p, q) of lane l at ((half * P + p) * Q + q) * 32 + l
-    // after the gamma table (each lane only ever touches its own slots until the block sum at the end)
-    float4* sacc = ln_fast_smem + (P * Q + 2 * P * Q * warp) * 32 + lane;
-    if constexpr (SACC) {
-#pragma unroll
-        for (int i = 0; i < 2 * P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    __syncthreads();
 
     for (; row < N; row += nw) {
         // 1. issue the next row's loads first: they travel while this row is reduced and stored
         const int nxt = row + nw;
         Pack nd[P], nx[P], nr[P];
         float nm = 0.0f, ns = 0.0f;
-        if constexpr (PF > 0) {  // PF: only a prefetch into L2 now; the next row is loaded after this one's stores
-            ln_prefetch_row<T, P, RES>(dy, x, dres, row + PF * nw, N, C, lane, nvec);
-        } else if (nxt < N) {
+        if (nxt < N) {
             const long long off = (long long)nxt * C + lane * W;
 #pragma unroll
             for (int p = 0; p < P; ++p) {
@@ -732,32 +702,15 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC, PF>::threads,
             }
         }
 
-        // 4. the next row becomes the current one (register renaming after unrolling); with PF it is
-        // loaded now, from L2 where the prefetch put it
-        if constexpr (PF > 0) {
-            if (nxt < N) {
-                const long long off = (long long)nxt * C + lane * W;
+        // 4. the next row becomes the current one (register renaming after unrolling)
 #pragma unroll
-                for (int p = 0; p < P; ++p) {
-                    if (lane + 32 * p < nvec) {
-                        cd[p] = ln_load_stream(dy + off + 32 * W * p);
-                        cx[p] = ln_load_stream(x + off + 32 * W * p);
-                        if constexpr (RES) cr[p] = ln_load_stream(dres + off + 32 * W * p);
-                    }
-                }
-                cm = mean[nxt];
-                cs = rstd[nxt];
-            }
-        } else {
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                cd[p] = nd[p];
-                cx[p] = nx[p];
-                if constexpr (RES) cr[p] = nr[p];
-            }
-            cm = nm;
-            cs = ns;
+        for (int p = 0; p < P; ++p) {
+            cd[p] = nd[p];
+            cx[p] = nx[p];
+            if constexpr (RES) cr[p] = nr[p];
         }
+        cm = nm;
+        cs = ns;
     }
 
     float* out = partial + (long long)blockIdx.x * 2 * C;

@@ -62,9 +62,6 @@ _FAST_WARPS = 8
 # benchmark hook: set False to time the register-accumulator variant.
 _FAST_SMEM_ACC = True
 _FAST_SACC_WARPS = 4
-# 16-bit "fast" backward with SACC: how many rows ahead each warp prefetches into L2 (PF = 1, 2) instead
-# of holding the next row in registers (PF = 0): one row in registers, 64 registers, 8 blocks per SM.
-_FAST_PREFETCH = 1
 _FWD_FAST_WARPS = 8
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
 _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
@@ -414,8 +411,7 @@ def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate
     if packs is None:
         return False
     sacc = int(_FAST_SMEM_ACC and x.dtype.itemsize == 2)
-    prefetch = _FAST_PREFETCH if sacc else 0
-    kern = get_kernel("layernorm", "layernorm_backward_fast", x.dtype, packs, int(dres is not None), sacc, prefetch)
+    kern = get_kernel("layernorm", "layernorm_backward_fast", x.dtype, packs, int(dres is not None), sacc)
     if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
         warps = _FAST_SACC_WARPS
         smem = 16 * 32 * packs * (width // 4) * (1 + 2 * warps)
@@ -424,9 +420,9 @@ def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate
         smem = 4 * max(32 * packs * width, warps * c)
     # As many rows per warp as one wave of resident warps needs, then as few blocks as give every
     # warp that many: all warps finish together and there are fewer partial rows to add.
-    blocks, threads, smem = _persistent_plan(("bwd", x.dtype, packs, dres is not None, sacc, c, prefetch), kern,
+    blocks, threads, smem = _persistent_plan(("bwd", x.dtype, packs, dres is not None, sacc, c), kern,
                                              32 * warps, smem, n_rows, xp)
-    if n_rows + (1 + prefetch) * blocks * warps >= 2**31:  # the kernel's row indices are 32-bit
+    if n_rows + blocks * warps >= 2**31:  # the kernel's row indices are 32-bit
         return False
     partial = xp.empty((blocks, 2, c), dtype=np.float32)
     kern((blocks,), (threads,),
