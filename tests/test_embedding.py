@@ -1,7 +1,9 @@
 """Token + position embedding (chapter 3): reference vs finite differences (repeated tokens), CUDA
-kernels vs the reference, determinism of the sorted scatter-add, the counting sort (a NumPy model of
-its steps on the CPU; the kernels against the reference, against "optimized" bit for bit, and under
-CUDA-graph capture on the GPU), bad ids, argument checks."""
+kernels vs the reference, determinism of the sorted scatter-add, the counting sort and its hot-row
+pieces (NumPy models of the kernels' steps on the CPU, blocks in any order, against the definition of
+the summation order; on the GPU the kernels against the float64 sum, bit for bit against that order
+and against "optimized" on rows of at most PIECE positions, run to run, and under CUDA-graph capture),
+bad ids, argument checks."""
 
 import re
 
@@ -94,8 +96,10 @@ def test_bad_inputs(rng):
 
 
 # --------------------------------------------------------------------------- counting sort, NumPy model
-# A NumPy mirror of the "counting" path's kernels (embedding_count_* and embedding_backward_wte_pos),
-# step by step, with the kernels' constants: it checks the index arithmetic without a GPU.
+# A NumPy mirror of the "counting" path's kernels (embedding_count_*, embedding_backward_wte_pos's row
+# walk and its hot-row pieces), step by step, with the kernels' constants: it checks the index
+# arithmetic without a GPU. _counting_order_reference is the summation order's definition, written
+# independently of the kernels; the GPU tests compare the kernels' bits with it.
 
 
 def _counting_sort_model(ids, v, chunk=em.COUNT_CHUNK, scan_block=em.SCAN_BLOCK):
@@ -139,16 +143,19 @@ def _counting_sort_model(ids, v, chunk=em.COUNT_CHUNK, scan_block=em.SCAN_BLOCK)
     return pos, start
 
 
-def _wte_walk_model(d, pos, start, v, rows=em.ROWS_PER_WARP, batch=em.BATCH):
-    """embedding_backward_wte_pos's walk (a warp per `rows` rows, all columns as one tile), in fp32."""
+def _wte_walk_model(d, pos, start, v, rows=em.ROWS_PER_WARP, batch=em.BATCH, piece=em.PIECE):
+    """embedding_backward_wte_pos's row walk (a warp per `rows` rows, all columns as one tile), in
+    fp32. Rows with more than `piece` positions (hot) are jumped over: returns (dwte with NaN in the
+    hot rows, write count per row)."""
     c = d.shape[1]
     dwte = np.full((v, c), np.nan, np.float32)
     writes = np.zeros(v, np.int64)
     for v0 in range(0, v, rows):
         nrows = min(rows, v - v0)
         st = start[v0 : v0 + nrows + 1]  # lane r holds start(v0 + r)
+        hot = [st[r + 1] - st[r] > piece for r in range(nrows)]
         qa, qb = st[0], st[nrows]
-        r, row_end = 0, st[1]
+        r = 0
         acc = np.zeros(c, np.float32)
 
         def flush(r, acc):
@@ -156,26 +163,109 @@ def _wte_walk_model(d, pos, start, v, rows=em.ROWS_PER_WARP, batch=em.BATCH):
             writes[v0 + r] += 1
             return r + 1, np.zeros(c, np.float32)
 
-        qbuf, q = qa, qa
-        buf = pos[qa : qa + 32]  # lane l holds pos[qbuf + l]
-        while q < qb:
-            if q - qbuf >= 32:
-                qbuf, buf = q, pos[q : q + 32]
-            n = min(batch, qb - q, qbuf + 32 - q)
-            raw = [d[buf[(q - qbuf + u) & 31]] for u in range(n)]
-            for u in range(n):
-                while q + u >= row_end:
-                    r, acc = flush(r, acc)
-                    row_end = st[r + 1]
-                acc = acc + raw[u]
-            q += n
-        while r < nrows:
-            r, acc = flush(r, acc)
-    assert (writes == 1).all(), "every row of dwte is written exactly once"
+        q = qbuf = qa
+        buf = pos[qa : min(qa + 32, qb)]  # lane l holds pos[qbuf + l]
+        while True:
+            h = next((k for k in range(r, nrows) if hot[k]), nrows)  # next hot row
+            seg_end = st[h]
+            row_end = st[r + 1] if r < nrows else 0
+            while q < seg_end:
+                if q - qbuf >= 32:
+                    qbuf, buf = q, pos[q : min(q + 32, qb)]
+                n = min(batch, seg_end - q, qbuf + 32 - q)
+                raw = [d[buf[(q - qbuf + u) & 31]] for u in range(n)]
+                for u in range(n):
+                    while q + u >= row_end:
+                        r, acc = flush(r, acc)
+                        row_end = st[r + 1]
+                    acc = acc + raw[u]
+                q += n
+            while r < h:
+                r, acc = flush(r, acc)
+            if h >= nrows:
+                break
+            r = h + 1  # the hot row: its pieces write it
+            q = st[r]
+    return dwte, writes
+
+
+def _hot_pieces_model(d, ids, pos, start, v, piece=em.PIECE, order=None):
+    """The hot-row blocks of embedding_backward_wte_pos (emb_hot_piece), run in the block order
+    `order` (a permutation of the pieces: the GPU gives no order): each sums its hot rows' slots
+    into the carry, counts, and the last block of a row adds the row's parts in piece order.
+    Returns {token: fp32 row}."""
+    c = d.shape[1]
+    nin = int(start[v])
+    npieces = -(-ids.size // piece)
+    carry, counters, out = {}, {}, {}
+    for k in range(npieces) if order is None else order:
+        a = k * piece
+        if a >= nin:
+            continue
+        b = min(a + piece, nin)
+        rows = []
+        for slot in (a, b - 1):
+            tok = int(ids[pos[slot]])
+            rows.append((int(start[tok]), int(start[tok + 1]), tok))
+        for ri, (st, en, tok) in enumerate(rows):
+            if ri == 1 and st == rows[0][0]:
+                break
+            if en - st <= piece:
+                continue
+            acc = np.zeros(c, np.float32)
+            for q in range(max(a, st), min(b, en)):
+                acc = acc + d[pos[q]]
+            key = 2 * k + (0 if st <= a else 1)
+            assert key not in carry, "a carry row written twice"
+            carry[key] = acc
+            k0, k1 = st // piece, (en - 1) // piece
+            counters[k0] = counters.get(k0, 0) + 1
+            if counters[k0] == k1 - k0 + 1:  # the last part of row tok: add them in piece order
+                s = np.zeros(c, np.float32)
+                for kk in range(k0, k1 + 1):
+                    s = s + carry[2 * kk + (1 if kk * piece < st else 0)]
+                assert tok not in out, "a hot row written twice"
+                out[tok] = s
+    return out
+
+
+def _counting_order_reference(d, ids, v, piece=em.PIECE):
+    """dwte [v, C] in fp32 summed in the "counting" order, from its definition (module docstring):
+    a token with at most `piece` positions is one chain from 0 in ascending position order (the
+    np.add.at bits); a hotter token's slots of the stable sort are cut at multiples of `piece`, each
+    run summed from 0 in order, the runs' sums added from 0 in order. Vectorised: step r adds the
+    r-th element of every run at once (each run gets one addition per step, in order)."""
+    d = np.asarray(d, np.float32)
+    ids = np.asarray(ids).reshape(-1)
+    c = d.shape[1]
+    inr = np.flatnonzero((ids >= 0) & (ids < v))
+    order = inr[np.argsort(ids[inr], kind="stable")]
+    tok = ids[order].astype(np.int64)
+    start = np.searchsorted(tok, np.arange(v + 1))
+    count = np.diff(start)
+    q = np.arange(tok.size)
+    hot_slot = count[tok] > piece
+    new_run = np.ones(tok.size, bool)
+    new_run[1:] = (tok[1:] != tok[:-1]) | (hot_slot[1:] & (q[1:] % piece == 0))
+    run_start = np.flatnonzero(new_run)
+    run_len = np.diff(np.append(run_start, tok.size))
+
+    def chains(first, length, values):  # fp32 sums from 0 of values[first + r], r < length, per chain
+        acc = np.zeros((first.size, values.shape[1]), np.float32)
+        for r in range(int(length.max(initial=0))):
+            sel = np.flatnonzero(length > r)
+            acc[sel] = acc[sel] + values[first[sel] + r]
+        return acc
+
+    run_sum = chains(run_start, run_len, d[order])
+    dwte = np.zeros((v, c), np.float32)
+    run_tok = tok[run_start]
+    rows, first, nruns = np.unique(run_tok, return_index=True, return_counts=True)
+    dwte[rows] = chains(first, nruns, run_sum)
     return dwte
 
 
-def _ids(rng, kind, n, v):
+def _ids(rng, kind, n, v, piece=em.PIECE):
     if kind == "uniform":
         return rng.integers(0, v, n)
     if kind == "same":
@@ -190,13 +280,31 @@ def _ids(rng, kind, n, v):
         a[rng.random(n) < 0.1] = v
         a[rng.random(n) < 0.05] = 2**40
         return a
+    if kind in ("hot20", "hot50"):  # one token at exactly 20% / 50% of the positions, the rest uniform
+        a = rng.integers(0, v, n)
+        a[rng.permutation(n)[: round(n * int(kind[3:]) / 100)]] = v // 3
+        return a
+    if kind == "fewhot":  # three hot tokens (10%, 5%, 2%), the rest uniform
+        a = rng.integers(0, v, n)
+        perm = rng.permutation(n)
+        cuts = np.cumsum([0, n // 10, n // 20, n // 50])
+        for tok, lo, hi in zip((v - 1, 0, v // 2), cuts[:-1], cuts[1:]):
+            a[perm[lo:hi]] = tok
+        return a
+    if kind == "borders":  # tokens 0..5 with counts at the piece size's edges, then uniform ids >= 6
+        p = piece
+        counts = [2 * p, p + 1, p, 2 * p + 1, 3 * p, 1]  # slots [0, 2p), [2p, 3p+1), ...: aligned and not
+        a = np.repeat(np.arange(len(counts)), counts)
+        assert a.size <= n and v > len(counts)
+        a = np.concatenate([a, rng.integers(len(counts), v, n - a.size)])
+        return rng.permutation(a)
     raise ValueError(kind)
 
 
 def test_counting_constants_match_kernel_source():
     src = loader.source("embedding")
     for name, value in (("EMB_CHUNK", em.COUNT_CHUNK), ("EMB_SCAN_BLOCK", em.SCAN_BLOCK),
-                        ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH)):
+                        ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH), ("EMB_PIECE", em.PIECE)):
         m = re.search(rf"^#define {name} (\d+)", src, re.MULTILINE)
         assert m and int(m.group(1)) == value, name
     kps = re.search(r"embedding_backward_wte_pos<[^>]*\{([\d,]+)\}>", src).group(1)
@@ -228,26 +336,69 @@ def test_counting_sort_model_is_the_stable_sort(rng, n, v, kind, chunk, scan_blo
     np.testing.assert_array_equal(start, np.searchsorted(np.sort(ids[inr]), np.arange(v + 1)))
 
 
+def _light(ids, v, piece):
+    ok = (ids >= 0) & (ids < v)
+    return np.bincount(ids[ok], minlength=v) <= piece
+
+
 @pytest.mark.parametrize(
-    ("n", "v", "kind", "rows", "batch"),
-    [(1, 1, "uniform", em.ROWS_PER_WARP, em.BATCH), (37, 7, "uniform", em.ROWS_PER_WARP, em.BATCH),
-     (300, 1000, "uniform", em.ROWS_PER_WARP, em.BATCH), (333, 17, "same", em.ROWS_PER_WARP, em.BATCH),
-     (500, 50257, "zipf", em.ROWS_PER_WARP, em.BATCH), (400, 41, "two", em.ROWS_PER_WARP, em.BATCH),
-     (300, 9, "bad", em.ROWS_PER_WARP, em.BATCH), (90, 64, "zipf", em.ROWS_PER_WARP, em.BATCH),
-     # other constants (batches that straddle the 32-position register buffer, odd group sizes)
-     (333, 17, "same", 5, 3), (400, 101, "zipf", 3, 5), (250, 30, "uniform", 31, 7)],
+    ("n", "v", "kind", "rows", "batch", "piece"),
+    [(1, 1, "uniform", em.ROWS_PER_WARP, em.BATCH, em.PIECE), (37, 7, "uniform", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     (300, 1000, "uniform", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     (333, 17, "same", em.ROWS_PER_WARP, em.BATCH, em.PIECE),  # one hot row of 333
+     (500, 50257, "zipf", em.ROWS_PER_WARP, em.BATCH, em.PIECE), (400, 41, "two", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     (300, 9, "bad", em.ROWS_PER_WARP, em.BATCH, em.PIECE), (90, 64, "zipf", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     (1000, 5000, "hot20", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     (2000, 10, "borders", em.ROWS_PER_WARP, em.BATCH, em.PIECE),
+     # other constants (batches that straddle the 32-position register buffer, odd group sizes,
+     # small pieces: many hot rows, several per warp, runs cut at many piece borders)
+     (333, 17, "same", 5, 3, 16), (400, 101, "zipf", 3, 5, 8), (250, 30, "uniform", 31, 7, 4),
+     (500, 20, "fewhot", 8, 4, 16), (300, 40, "bad", 8, 4, 5), (257, 3, "two", 2, 4, 8),
+     (200, 12, "borders", 8, 4, 8), (200, 12, "borders", 3, 2, 16)],
 )
-def test_counting_row_walk_model_matches_reference_bitwise(rng, n, v, kind, rows, batch):
-    """The row walk (batches across rows, 32 positions per register load, flushes at row ends)
-    sums every row in ascending position order from 0.0f: the same fp32 bits as np.add.at."""
+def test_counting_row_walk_and_hot_pieces_models_match_reference_bitwise(rng, n, v, kind, rows, batch, piece):
+    """The row walk (batches across rows, 32 positions per register load, flushes at row ends, hot
+    rows jumped) plus the hot-row pieces (blocks in a random order, last one adds) write every row
+    once, with the bits of the "counting" order's definition; rows of at most `piece` positions
+    with the bits of np.add.at (ascending position order from 0.0f)."""
     c = 5
-    ids = _ids(rng, kind, n, v)
+    ids = _ids(rng, kind, n, v, piece)
     d = rng.standard_normal((n, c)).astype(np.float32)
     pos, start = _counting_sort_model(ids, v)
-    got = _wte_walk_model(d, pos, start, v, rows, batch)
+    walk, walk_writes = _wte_walk_model(d, pos, start, v, rows, batch, piece)
+    want = _counting_order_reference(d, ids, v, piece)
+    for order in (None, rng.permutation(-(-n // piece))):  # the blocks in index order, then shuffled
+        hot = _hot_pieces_model(d, ids, pos, start, v, piece, order)
+        got, writes = walk.copy(), walk_writes.copy()
+        for t, row in hot.items():
+            assert writes[t] == 0, "a hot row written by the walk"
+            got[t] = row
+            writes[t] += 1
+        assert (writes == 1).all(), "every row of dwte is written exactly once"
+        np.testing.assert_array_equal(got, want)
     ok = (ids >= 0) & (ids < v)
     ref, _ = embedding_backward_reference(d[ok][None], ids[ok][None], v, max(1, int(ok.sum())))
-    np.testing.assert_array_equal(got, ref)
+    light = _light(ids, v, piece)
+    np.testing.assert_array_equal(got[light], ref[light])
+
+
+@pytest.mark.parametrize("kind", ["uniform", "same", "hot20", "fewhot", "borders", "bad"])
+def test_counting_order_reference(rng, kind):
+    """The "counting" order: np.add.at's bits with an infinite piece; close to the float64 sum."""
+    n, v, c = 1500, 60, 3
+    ids = _ids(rng, kind, n, v)
+    d = rng.standard_normal((n, c)).astype(np.float32)
+    ok = (ids >= 0) & (ids < v)
+    ref, _ = embedding_backward_reference(d[ok][None], ids[ok][None], v, max(1, int(ok.sum())))
+    np.testing.assert_array_equal(_counting_order_reference(d, ids, v, piece=n), ref)
+    got = _counting_order_reference(d, ids, v)
+    ref64 = np.zeros((v, c))
+    np.add.at(ref64, ids[ok], d[ok].astype(np.float64))
+    assert_close(got, ref64, "fp32")
+    light = _light(ids, v, em.PIECE)
+    np.testing.assert_array_equal(got[light], ref[light])
+    if kind in ("same", "hot20", "borders"):  # some row is cut, and its bits may change: not all
+        assert not light.all()
 
 
 # --------------------------------------------------------------------------- GPU
@@ -341,7 +492,7 @@ _COUNTING_CASES = [  # (B, T, C, V, ids)
     (2, 1024, 7, 50257, "uniform"),  # B*T = 2 chunks
     (17, 181, 768, 50257, "uniform"),  # B*T = 3 chunks + 5
     (3, 1000, 770, 1000, "zipf"),
-    (17, 181, 1, 7, "uniform"),
+    (17, 181, 1, 7, "uniform"),  # ~440 positions per token: every row hot
     (4, 1000, 768, 50257, "same"),  # one token: a row of 4000 positions
     (4, 1000, 7, 1, "same"),
     (3, 700, 770, 1000, "two"),
@@ -368,6 +519,24 @@ def _bits(a):
     return backend.to_numpy(a).view(np.uint8)
 
 
+def _counting_want(dx, idx, v):
+    """The exact dwte of method="counting" (fp32 sums in its order, cast to dx's dtype) and the rows
+    of at most PIECE positions (where "optimized" has the same bits)."""
+    dx, idx = backend.to_numpy(dx), backend.to_numpy(idx).reshape(-1)
+    c = dx.shape[-1]
+    want = _counting_order_reference(dx.reshape(-1, c).astype(np.float32), idx, v).astype(dx.dtype)
+    return want, _light(idx, v, em.PIECE)
+
+
+def _assert_counting_bits(dwte, dx, idx, v, opt=None, msg=""):
+    want, light = _counting_want(dx, idx, v)
+    got = backend.to_numpy(dwte)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f"{msg} counting order: dwte bits")
+    if opt is not None:  # rows that are one chain: the bits of "optimized"
+        np.testing.assert_array_equal(got[light].view(np.uint8), backend.to_numpy(opt)[light].view(np.uint8),
+                                      err_msg=f"{msg} counting vs optimized (rows of <= PIECE positions)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", _COUNTING_CASES, ids=lambda k: "x".join(map(str, k)))
@@ -382,10 +551,8 @@ def test_gpu_counting_matches_reference_and_optimized(cp, rng, dtype, case):
     )
     assert_close(dwte, ref_dwte, dtype, name="dwte")
     assert_close(dwpe, ref_dwpe, dtype, name="dwpe")
-    if dtype == "fp32":  # the same fp32 additions in the same order as np.add.at
-        np.testing.assert_array_equal(backend.to_numpy(dwte), ref_dwte)
     opt = embedding_backward(dxd, idd, v, t + 2, method="optimized")
-    np.testing.assert_array_equal(_bits(dwte), _bits(opt[0]), err_msg="counting vs optimized: dwte bits")
+    _assert_counting_bits(dwte, dx, idx, v, opt[0])
     np.testing.assert_array_equal(_bits(dwpe), _bits(opt[1]), err_msg="counting vs optimized: dwpe bits")
     again = embedding_backward(dxd, idd, v, t + 2, method="counting")
     np.testing.assert_array_equal(_bits(dwte), _bits(again[0]), err_msg="counting run to run: dwte bits")
@@ -399,12 +566,54 @@ def test_gpu_counting_bitwise_at_gpt2_size(cp, rng, idx_dtype):
     idd = cp.asarray(idx)
     dx = cp.asarray(random_array(rng, (b, t, c), "bf16"))
     first = [_bits(a) for a in embedding_backward(dx, idd, v, t, method="counting")]
-    opt = [_bits(a) for a in embedding_backward(dx, idd, v, t, method="optimized")]
-    for a, o in zip(first, opt):
-        np.testing.assert_array_equal(a, o)
+    opt = embedding_backward(dx, idd, v, t, method="optimized")
+    _assert_counting_bits(first[0].view(backend.bfloat16).reshape(v, c), dx, idx, v, opt[0])
+    np.testing.assert_array_equal(first[1], _bits(opt[1]))
     for _ in range(2):
         for a, f in zip(embedding_backward(dx, idd, v, t, method="counting"), first):
             np.testing.assert_array_equal(_bits(a), f)
+
+
+# Hot tokens: the rows the pieces split. (B, T, C, V, ids); "borders" has tokens whose counts are
+# 2, 3 piece sizes (slots aligned on the pieces or not) and one more than 1 and 2 piece sizes.
+_HOT_CASES = [
+    (4, 1000, 768, 5003, "hot20"),  # B*T = 4000: not a multiple of the piece size
+    (4, 1000, 768, 5003, "hot50"),
+    (4, 1000, 768, 5003, "same"),  # 100%
+    (4, 1000, 768, 1000, "fewhot"),
+    (4, 1000, 768, 5003, "uniform"),
+    (4, 1000, 768, 1000, "borders"),
+    (3, 999, 770, 1000, "borders"),  # C not a multiple of the 16-byte pack: the scalar path
+    (2, 2048, 7, 300, "hot50"),
+    (1, 1025, 1, 5, "fewhot"),
+    (4, 1024, 2304, 2000, "hot20"),  # several column tiles (fp32: 576 packs = 6 tiles)
+    (5, 333, 768, 13, "bad"),  # ~85 positions per token, out-of-range ids dropped
+    (16, 1024, 768, 50304, "hot20"),  # GPT-2 sized row, 16K positions
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", _HOT_CASES, ids=lambda k: "x".join(map(str, k)))
+def test_gpu_counting_hot_tokens(cp, rng, dtype, case):
+    """Hot tokens: close to the float64 sum, the exact bits of the "counting" order (NumPy model),
+    the same bits on a second call, every row written (poisoned outputs)."""
+    b, t, c, v, kind = case
+    idx_dtype = np.int64 if t % 2 else np.int32
+    idx = _ids(rng, kind, b * t, v).reshape(b, t)
+    idx = np.where(idx >= 2**31, v, idx).astype(idx_dtype)
+    dx = random_array(rng, (b, t, c), dtype)
+    ok = (idx >= 0) & (idx < v)
+    ref64 = np.zeros((v, c))
+    np.add.at(ref64, idx[ok], dx[ok].astype(np.float64))
+    idd, dxd = cp.asarray(idx), cp.asarray(dx)
+    dwte, dwpe = embedding_backward(dxd, idd, v, t, method="counting", dwte_out=poisoned((v, c), dtype, cp),
+                                    dwpe_out=poisoned((t, c), dtype, cp))
+    assert_close(dwte, ref64, dtype, name="dwte")
+    assert_close(dwpe, dx.astype(np.float64).sum(axis=0), dtype, name="dwpe")
+    _assert_counting_bits(dwte, dx, idx, v)
+    again, _ = embedding_backward(dxd, idd, v, t, method="counting")
+    np.testing.assert_array_equal(_bits(again), _bits(dwte), err_msg="run to run")
 
 
 @pytest.mark.gpu
@@ -422,7 +631,8 @@ def test_gpu_counting_misaligned_dx_takes_the_scalar_path(cp, rng):
 
 @pytest.mark.gpu
 def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
-    """Launch configurations and scratch sizes depend on the shapes only: one capture serves any idx."""
+    """Launch configurations and scratch sizes depend on the shapes only: one capture serves any idx,
+    hot tokens or not (a host synchronization inside would fail the capture)."""
     from llmgpu.graphs import capture
 
     b, t, c, v = 4, 700, 768, 1000
@@ -430,7 +640,7 @@ def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
     dxd = cp.asarray(random_array(rng, (b, t, c), "bf16"))
     dwte, dwpe = cp.empty((v, c), dxd.dtype), cp.empty((t, c), dxd.dtype)
     g = capture(lambda: embedding_backward(dxd, idd, v, t, method="counting", dwte_out=dwte, dwpe_out=dwpe))
-    for kind in ("zipf", "same", "uniform"):
+    for kind in ("zipf", "same", "uniform", "hot20", "borders", "hot50", "hot20"):
         idx = _ids(rng, kind, b * t, v).reshape(b, t)
         dx = random_array(rng, (b, t, c), "bf16")
         idd[...] = cp.asarray(idx)
@@ -438,5 +648,5 @@ def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
         g.replay()
         cp.cuda.get_current_stream().synchronize()
         ref = embedding_backward(dxd, idd, v, t, method="optimized")
-        np.testing.assert_array_equal(_bits(dwte), _bits(ref[0]), err_msg=kind)
+        _assert_counting_bits(dwte, dx, idx, v, ref[0], msg=kind)
         np.testing.assert_array_equal(_bits(dwpe), _bits(ref[1]), err_msg=kind)

@@ -22,7 +22,11 @@
 // depend only on (B, T, C, V) and no host synchronization, so a CUDA graph can capture it: a stable
 // counting sort of the positions by token (a histogram per chunk of positions, prefix sums, a
 // scatter; see "Counting sort" below) and then embedding_backward_wte_pos, which sums every row of
-// dwte in the same ascending position order as embedding_backward_wte: the same bits.
+// at most EMB_PIECE (128) positions in the same ascending position order as embedding_backward_wte
+// (the same bits). A longer ("hot") row is not one chain there: it is cut into pieces of the
+// sorted order summed in parallel and then added in piece order ("hot rows, in pieces" below), so
+// a token at 20% of the positions costs ~1/100 of the chain, still bitwise reproducible, but no
+// longer the same bits as "optimized" for that row.
 //
 // Token ids outside [0, V): the forward writes NaN in that row of x (loud, no out-of-bounds read);
 // the backward drops those positions from dwte (their gradient has nowhere to go) but keeps them in
@@ -243,7 +247,11 @@ __global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restric
 #define EMB_PREFIX_BATCH 16  // table loads in flight per thread in embedding_count_prefix
 #define EMB_ROWS 8           // token rows per warp in embedding_backward_wte_pos
 #define EMB_BATCH 4          // dx rows in flight per lane in embedding_backward_wte_pos
+#define EMB_PIECE 128        // slots per piece of a hot row; rows with more positions are "hot"
+#define EMB_PIECE_BATCH 8    // dx rows in flight per thread when a piece of a hot row is summed
+#define EMB_COMBINE 8        // carry partials in flight per thread when a hot row's parts are added
 static_assert(EMB_CHUNK % 256 == 0, "the scatter splits a chunk over blocks of 256 threads");
+static_assert(EMB_PIECE % EMB_PIECE_BATCH == 0, "whole batches per piece");
 static_assert(EMB_SCAN_BLOCK == (1 << EMB_SCAN_SHIFT), "start(v) uses a shift");
 static_assert(EMB_ROWS < 32, "one lane per row start");
 
@@ -306,10 +314,13 @@ __global__ void __launch_bounds__(256) embedding_count_histogram(const TI* __res
 
 // b. Grid ceil((V + 1) / EMB_SCAN_BLOCK), EMB_SCAN_BLOCK threads, thread = token v (v = V counts 0:
 // it makes local[V] + blockoff[V >> 8] = N). The column walk loads EMB_PREFIX_BATCH chunks before
-// storing any, so a thread waits for one memory latency per batch, not per chunk.
+// storing any, so a thread waits for one memory latency per batch, not per chunk. *any_hot (zeroed by
+// the host) becomes 1 if some token has more than EMB_PIECE positions: without one, the hot-row
+// blocks of embedding_backward_wte_pos return after reading it.
 __global__ void __launch_bounds__(EMB_SCAN_BLOCK) embedding_count_prefix(int* __restrict__ table, int nchunks, int V,
                                                                          int* __restrict__ local,
-                                                                         int* __restrict__ blocksum) {
+                                                                         int* __restrict__ blocksum,
+                                                                         int* __restrict__ any_hot) {
     __shared__ int scratch[33];
     const long long v = (long long)blockIdx.x * EMB_SCAN_BLOCK + threadIdx.x;
     int run = 0;
@@ -329,6 +340,7 @@ __global__ void __launch_bounds__(EMB_SCAN_BLOCK) embedding_count_prefix(int* __
             }
         }
     }
+    if (run > EMB_PIECE) *any_hot = 1;  // a hot token (same value from every writer: no race)
     int total;
     const int excl = emb_block_exclusive_scan<EMB_SCAN_BLOCK>(run, scratch, total);
     if (v <= V) local[v] = excl;
@@ -411,39 +423,208 @@ __device__ __forceinline__ void emb_add_pack(float (&acc)[W], const EmbPack<T, W
     }
 }
 
-// e. Grid (ceil(V / (EMB_ROWS * 4)), ntiles), 128 threads = 4 warps. A warp owns EMB_ROWS
-// consecutive token rows v0.. and one column tile of 32*KP packs (lane's packs: tile*32*KP + lane
-// + 32k, k < KP). The rows' positions are one contiguous range pos[start(v0) .. start(v0 + rows)),
-// which the warp walks in order in batches of EMB_BATCH positions -- a batch may span several rows,
-// so rows with one or two positions (most of the vocabulary) do not each wait a full memory
-// latency -- holding the positions 32 at a time in a register per lane (shuffled out). Each row is
-// summed from 0.0f in ascending position order, exactly as embedding_backward_wte does, and
-// written once (zeros for tokens that do not occur). VEC = 1 needs C % W == 0 and 16-byte aligned
-// dx and dwte (the host checks).
-// The price of the fixed order: a row's additions are a chain, so a hot token (~3% of the positions
-// for "," in text: ~2000 rows of dx at GPT-2 size) costs ~count / EMB_BATCH memory latencies in one
-// warp, while the rest of the vocabulary runs beside it. Exactly as in embedding_backward_wte.
+// Store / load W floats of the fp32 carry (16-byte vectors when W is a multiple of 4: VEC = 1 has
+// C % W == 0, so every carry row and every pack in it is 16-byte aligned). The loads go through L2
+// (ld.global.cg): the partials were written by other SMs, whose writes L1 does not see.
+template <int W>
+__device__ __forceinline__ void emb_store_f32(float* __restrict__ p, const float (&a)[W]) {
+    if constexpr (W % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < W; e += 4)
+            *reinterpret_cast<float4*>(p + e) = make_float4(a[e], a[e + 1], a[e + 2], a[e + 3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) p[e] = a[e];
+    }
+}
+
+template <int W>
+__device__ __forceinline__ void emb_load_f32_cg(const float* __restrict__ p, float (&a)[W]) {
+    if constexpr (W % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < W; e += 4) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p + e));
+            a[e] = x.x;
+            a[e + 1] = x.y;
+            a[e + 2] = x.z;
+            a[e + 3] = x.w;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) a[e] = __ldcg(p + e);
+    }
+}
+
+// ------------------------------------------------------------ backward: hot rows, in pieces
+//
+// A row of dwte summed as one chain costs a memory latency per EMB_BATCH positions in one warp: a
+// token at 20% of 64K positions is ~3300 latencies (~5 ms) while the rest of the GPU idles. So a
+// row with more than EMB_PIECE positions ("hot") is cut into pieces summed in parallel, and the
+// piece sums are added in a fixed order afterwards. The cut is the same in every run: it is a grid
+// over the slots of pos, and pos is a function of idx alone.
+//
+//   Piece k of pos = slots k*EMB_PIECE .. (k+1)*EMB_PIECE - 1 (up to start(V), the in-range
+//   positions). For a hot token v with slots [st, en), k0 = st / EMB_PIECE, k1 = (en - 1) / EMB_PIECE:
+//     part(v, k) = 0 + dx[pos[q]] for v's slots q in piece k, in slot (= position) order
+//     dwte[v]    = 0 + part(v, k0) + part(v, k0 + 1) + ... + part(v, k1)
+//   all in fp32, left to right. So a hot row is a sum of runs of consecutive positions, each run
+//   summed in ascending order; a row with at most EMB_PIECE positions is still one chain (the row
+//   walk below), bitwise as before and as the "optimized" path. Where the piece borders fall inside
+//   a row depends on the counts of the smaller token ids (start(v)), i.e. on idx: fixed per input.
+//
+// Block k of the piece part of the grid owns piece k. A piece meets at most two hot rows (each has
+// more than EMB_PIECE slots, so one that starts inside the piece also ends after it): the row of its
+// first slot and the row of its last slot. For each, thread = one pack of the column tile, it sums
+// the row's slots of the piece (EMB_PIECE_BATCH dx rows in flight) and writes part(v, k) to the fp32
+// carry, row 2k + s: s = 0 when v holds the piece's first slot, s = 1 when v starts inside the piece
+// (one piece can have both, never two of the same s). Then a counter per (hot row, column tile),
+// counters[k0 * ntiles + tile] (zeroed by the host), counts the parts written; the block that brings
+// it to k1 - k0 + 1 adds all the parts in piece order and writes dwte[v]. *Which* block adds varies
+// from run to run, the order of the additions does not: the bits are fixed by idx and dx (the
+// last-block pattern of the CUDA threadFenceReduction sample: __threadfence before the count).
 template <typename T, int VEC, int KP>
-__global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __restrict__ dx, const int* __restrict__ pos,
+__device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const void* __restrict__ idx, int idx64,
+                                              const int* __restrict__ pos, const int* __restrict__ local,
+                                              const int* __restrict__ blockoff, T* __restrict__ dwte,
+                                              float* __restrict__ carry, int* __restrict__ counters,
+                                              const int* __restrict__ any_hot, int C, int V, int piece) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    constexpr int U = EMB_PIECE_BATCH;
+    constexpr int NP = 32 * KP;  // packs in a column tile
+    if (*any_hot == 0) return;   // no hot row at all (the common case): one load, then out
+    __shared__ int s_pos[EMB_PIECE];  // the piece's positions
+    __shared__ int s_row[2][3];       // (start, end, token) of the rows of the piece's first and last slot
+    __shared__ int s_last;
+    const int nin = emb_start(local, blockoff, V);  // slots of pos in use
+    const int a = piece * EMB_PIECE;
+    if (a >= nin) return;  // the whole block: a piece past the end
+    const int b = min(a + EMB_PIECE, nin);
+    for (int k = threadIdx.x; k < EMB_PIECE; k += blockDim.x) s_pos[k] = a + k < b ? pos[a + k] : 0;
+    if (threadIdx.x < 2) {
+        const int p = pos[threadIdx.x == 0 ? a : b - 1];
+        // pos holds in-range positions only: 0 <= v < V
+        const int v = idx64 ? (int)static_cast<const long long*>(idx)[p] : static_cast<const int*>(idx)[p];
+        s_row[threadIdx.x][0] = emb_start(local, blockoff, v);
+        s_row[threadIdx.x][1] = emb_start(local, blockoff, v + 1);
+        s_row[threadIdx.x][2] = v;
+    }
+    __syncthreads();
+    const int nvec = C / W;
+    const int tile0 = blockIdx.y * NP;
+#pragma unroll 1
+    for (int ri = 0; ri < 2; ++ri) {  // block-uniform control flow: every condition reads shared memory
+        const int st = s_row[ri][0], en = s_row[ri][1], v = s_row[ri][2];
+        if (ri == 1 && st == s_row[0][0]) break;  // the last slot is in the first slot's row
+        if (en - st <= EMB_PIECE) continue;       // not hot: the row walk sums it
+        // part(v, piece): row v's slots of this piece, in order, into carry row 2 * piece + s
+        const int lo = max(a, st), hi = min(b, en);
+        float* const part = carry + ((long long)piece * 2 + (st <= a ? 0 : 1)) * C;
+        for (int pt = threadIdx.x; pt < NP; pt += blockDim.x) {  // thread = a pack of the tile
+            const int j = tile0 + pt;
+            if (j >= nvec) break;
+            float acc[W];
+#pragma unroll
+            for (int e = 0; e < W; ++e) acc[e] = 0.0f;
+#pragma unroll 1
+            for (int q = lo; q < hi; q += U) {
+                const int n = min(U, hi - q);
+                EmbPack<T, W> raw[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (u < n)
+                        raw[u] = reinterpret_cast<const EmbPack<T, W>*>(dx + (long long)s_pos[q - a + u] * C)[j];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (u < n) emb_add_pack<T, W>(acc, raw[u]);
+            }
+            emb_store_f32<W>(part + (long long)j * W, acc);
+        }
+        __threadfence();  // the part is visible device-wide before the count says so
+        __syncthreads();
+        const int k0 = st / EMB_PIECE, k1 = (en - 1) / EMB_PIECE;
+        if (threadIdx.x == 0) s_last = atomicAdd(counters + (long long)k0 * gridDim.y + blockIdx.y, 1) == k1 - k0;
+        __syncthreads();
+        if (s_last) {  // every part of row v is written: add them in piece order
+            __threadfence();
+            // thread = CW consecutive columns of the tile (CW = 4: 16-byte loads of the carry)
+            constexpr int CW = W % 4 == 0 ? 4 : 1;
+            T* const out = dwte + (long long)v * C;
+            const int col_end = min(C, (tile0 + NP) * W);
+            for (int col = tile0 * W + threadIdx.x * CW; col < col_end; col += blockDim.x * CW) {
+                float sum[CW];
+#pragma unroll
+                for (int e = 0; e < CW; ++e) sum[e] = 0.0f;
+#pragma unroll 1
+                for (int kb = k0; kb <= k1; kb += EMB_COMBINE) {
+                    float x[EMB_COMBINE][CW];
+#pragma unroll
+                    for (int u = 0; u < EMB_COMBINE; ++u) {
+                        const int kk = kb + u;
+                        if (kk <= k1) {
+                            const int s = kk * EMB_PIECE < st ? 1 : 0;  // v starts inside piece k0
+                            emb_load_f32_cg<CW>(carry + ((long long)kk * 2 + s) * C + col, x[u]);
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < EMB_COMBINE; ++u)
+                        if (kb + u <= k1)
+#pragma unroll
+                            for (int e = 0; e < CW; ++e) sum[e] += x[u][e];
+                }
+                store_pack<T, CW>(out + col, sum);
+            }
+        }
+        __syncthreads();  // s_last is reused for the second row
+    }
+}
+
+// e. Grid (npieces + ceil(V / (EMB_ROWS * 4)), ntiles), 128 threads = 4 warps. Blocks x < npieces
+// (npieces = ceil(B*T / EMB_PIECE), a bound that needs no count from the device) are the pieces of
+// the hot rows (emb_hot_piece above; all return at once when no row is hot). The others walk rows: a
+// warp owns EMB_ROWS consecutive token rows v0.. and one column tile of 32*KP packs (lane's packs:
+// tile*32*KP + lane + 32k, k < KP). The rows' positions are one contiguous range
+// pos[start(v0) .. start(v0 + rows)), which the warp walks in order in batches of EMB_BATCH
+// positions -- a batch may span several rows, so rows with one or two positions (most of the
+// vocabulary) do not each wait a full memory latency -- holding the positions 32 at a time in a
+// register per lane (shuffled out). Each row is summed from 0.0f in ascending position order,
+// exactly as embedding_backward_wte does, and written once (zeros for tokens that do not occur).
+// Hot rows (more than EMB_PIECE positions) are jumped over: their pieces write them. The walk is
+// therefore at most ~EMB_PIECE / EMB_BATCH latencies per row. VEC = 1 needs C % W == 0 and 16-byte
+// aligned dx and dwte (the host checks). idx64: idx is int64 (else int32); carry: fp32
+// [2 * npieces, C]; counters: [npieces * ntiles] ints, zero on entry.
+template <typename T, int VEC, int KP>
+__global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __restrict__ dx,
+                                                                  const void* __restrict__ idx, int idx64,
+                                                                  const int* __restrict__ pos,
                                                                   const int* __restrict__ local,
                                                                   const int* __restrict__ blockoff,
-                                                                  T* __restrict__ dwte, int C, int V) {
+                                                                  T* __restrict__ dwte, float* __restrict__ carry,
+                                                                  int* __restrict__ counters,
+                                                                  const int* __restrict__ any_hot, int C, int V,
+                                                                  int npieces) {
+    if ((int)blockIdx.x < npieces) {
+        emb_hot_piece<T, VEC, KP>(dx, idx, idx64, pos, local, blockoff, dwte, carry, counters, any_hot, C, V,
+                                  (int)blockIdx.x);
+        return;
+    }
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int U = EMB_BATCH;
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    const long long v0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * EMB_ROWS;
+    const long long v0 =
+        ((long long)((int)blockIdx.x - npieces) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * EMB_ROWS;
     if (v0 >= V) return;  // the whole warp
     const int nrows = (int)min((long long)EMB_ROWS, (long long)V - v0);
     const int nvec = C / W;
     const int j0 = blockIdx.y * (32 * KP) + lane;
 
-    // lane r (r <= nrows) holds start(v0 + r)
+    // lane r (r <= nrows) holds start(v0 + r); bit r of hot: row r has more than EMB_PIECE positions
     const int my_start = lane <= nrows ? emb_start(local, blockoff, v0 + lane) : 0;
+    const int my_next = __shfl_down_sync(full, my_start, 1);
+    const unsigned hot = __ballot_sync(full, lane < nrows && my_next - my_start > EMB_PIECE);
     const int qa = __shfl_sync(full, my_start, 0);
     const int qb = __shfl_sync(full, my_start, nrows);
-    int r = 0;                                       // row being summed
-    int row_end = __shfl_sync(full, my_start, 1);    // start(v0 + r + 1)
+    int r = 0;  // row being summed
     float acc[KP][W];
 #pragma unroll
     for (int k = 0; k < KP; ++k)
@@ -462,36 +643,47 @@ __global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __
         ++r;
     };
 
+    int q = qa;
     int qbuf = qa;  // lane l holds pos[qbuf + l]
     int pbuf = qa + lane < qb ? pos[qa + lane] : 0;
-    for (int q = qa; q < qb;) {
-        if (q - qbuf >= 32) {
-            qbuf = q;
-            pbuf = q + lane < qb ? pos[q + lane] : 0;
-        }
-        const int n = min(U, min(qb - q, qbuf + 32 - q));  // 1..U positions in this batch
-        EmbPack<T, W> raw[U][KP];
+    for (;;) {
+        // rows r .. h - 1 are not hot; h is the next hot row (nrows if none): walk up to its start
+        const unsigned rest = hot & (0xffffffffu << r);
+        const int h = rest ? __ffs(rest) - 1 : nrows;
+        const int seg_end = __shfl_sync(full, my_start, h);
+        int row_end = __shfl_sync(full, my_start, r + 1);  // start(v0 + r + 1)
+        while (q < seg_end) {
+            if (q - qbuf >= 32) {
+                qbuf = q;
+                pbuf = q + lane < qb ? pos[q + lane] : 0;
+            }
+            const int n = min(U, min(seg_end - q, qbuf + 32 - q));  // 1..U positions in this batch
+            EmbPack<T, W> raw[U][KP];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long p = __shfl_sync(full, pbuf, (q - qbuf + u) & 31);
-            const EmbPack<T, W>* src = reinterpret_cast<const EmbPack<T, W>*>(dx + p * C) + j0;
-#pragma unroll
-            for (int k = 0; k < KP; ++k)
-                if (u < n && j0 + 32 * k < nvec) raw[u][k] = src[32 * k];
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (u < n) {
-                while (q + u >= row_end) {  // the rows before this position are complete
-                    flush_row();
-                    row_end = __shfl_sync(full, my_start, r + 1);
-                }
+            for (int u = 0; u < U; ++u) {
+                const long long p = __shfl_sync(full, pbuf, (q - qbuf + u) & 31);
+                const EmbPack<T, W>* src = reinterpret_cast<const EmbPack<T, W>*>(dx + p * C) + j0;
 #pragma unroll
                 for (int k = 0; k < KP; ++k)
-                    if (j0 + 32 * k < nvec) emb_add_pack<T, W>(acc[k], raw[u][k]);
+                    if (u < n && j0 + 32 * k < nvec) raw[u][k] = src[32 * k];
             }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (u < n) {
+                    while (q + u >= row_end) {  // the rows before this position are complete
+                        flush_row();
+                        row_end = __shfl_sync(full, my_start, r + 1);
+                    }
+#pragma unroll
+                    for (int k = 0; k < KP; ++k)
+                        if (j0 + 32 * k < nvec) emb_add_pack<T, W>(acc[k], raw[u][k]);
+                }
+            }
+            q += n;
         }
-        q += n;
+        while (r < h) flush_row();  // the last row with positions, then empty rows
+        if (h >= nrows) break;
+        r = h + 1;  // skip the hot row (its pieces write it)
+        q = __shfl_sync(full, my_start, r);
     }
-    while (r < nrows) flush_row();  // the last row with positions, then empty rows
 }
