@@ -194,7 +194,10 @@ def test_gpu_scaled_causal(cp, rng, method, T, dtype):
     softmax_backward(dp, p, method=method, out=dx, scale=0.3, causal=True)
     dp_clean = np.nan_to_num(backend.to_numpy(dp).astype(np.float64))  # ml_dtypes bf16 has no nan_to_num
     dref = ref_softmax_backward(dp_clean, backend.to_numpy(p), 0.3, causal=True)
-    assert_close(dx, dref, dtype, name=f"{method} causal backward")
+    # T = 1: p = 1 and dx = 0.3 (dp - dp) is a pure rounding residue (p's last bit decides it), so the
+    # error is measured against the terms that cancel, not against the ~0 result
+    scale = 0.3 * np.linalg.norm(dp_clean) if T == 1 else None
+    assert_close(dx, dref, dtype, name=f"{method} causal backward", scale=scale)
     assert np.all(backend.to_numpy(dx)[:, upper] == 0)
 
 
