@@ -228,7 +228,9 @@ def test_gpu_dgelu_matches_separate_ops(cp, lt, rng, dtype, shape):
     pre = _dev(cp, rng, (M, N), dtype, 2.0)
     ref = gelu_backward(gemm(dout, w2), pre)
     out = lt_gemm(dout, w2, out=poisoned((M, N), dtype, cp), epilogue="dgelu", aux=pre)
-    assert_close(out, ref, dtype, name="dpre")
+    # cuBLASLt evaluates the GELU derivative its own way (tanh/exp approximations it does not document):
+    # a few fp32 ulps from ours (1.01e-5 seen on the H200 for one input), so fp32 gets 3e-5, not 1e-5
+    assert_close(out, ref, dtype, name="dpre", rtol=3e-5 if dtype == "fp32" else None)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@
 # 3. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 4. the notebooks executed in place, so their committed outputs come from this GPU
 # 3b. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook)
-# 5. the benchmarks (each writes benchmarks/results/*.json)
+# 5. the benchmarks (each writes benchmarks/results/*.json) and the LayerNorm backward probe
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
 # STEPS="tests llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
@@ -52,6 +52,7 @@ if has bench; then
   for b in benchmarks/bench_*.py; do
     run "bench_$(basename "$b" .py)" python3 "$b"
   done
+  run probe_layernorm_backward python3 tools/probe_layernorm_backward.py --json benchmarks/results/probe_layernorm_backward.json
 fi
 tar czf "$OUT/gpu_results.tar.gz" "$OUT/logs" book/*.ipynb benchmarks/results 2>/dev/null
 echo "packed $OUT/gpu_results.tar.gz; status $status"
