@@ -494,8 +494,8 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 // 16-bit, 768 for fp32: beyond that the accumulators alone would not fit in registers).
 //
 // Where the last 20 % go (H200, 65536 x 768 bf16, tools/probe_layernorm_backward.py): 90 us per call,
-// 79 % of the 2 GiB copy ceiling. Fitting the time over 1x, 2x and 4x the rows gives ~15 us of fixed
-// cost per call and streaming at 93 % of the copy: the timing floor (~3.6 us for a one-element kernel
+// 79 % of the 2 GiB copy ceiling. Fitting the time over 1x, 2x and 4x the rows gives 13-15 us of fixed
+// cost per call and streaming at 92-93 % of the copy: the timing floor (~3.7 us for a one-element kernel
 // between two events), the second stage (~4 us with its launch), and the ramp-up and drain of the
 // persistent grid. A plain device copy of the same bytes reaches only 92-94 %. More bytes in flight
 // did not help; both of these were built, tested and measured on the H200, then removed:
