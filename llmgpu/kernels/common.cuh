@@ -18,6 +18,28 @@ template <typename T> __device__ __forceinline__ T from_float(float x) { return 
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// W consecutive elements moved as one access (16 bytes when sizeof(T) * W == 16, as llm.c's
+// Packed128; W = 1 is the scalar fallback for rows or pointers that are not 16-byte aligned).
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Packed {
+    T v[W];
+};
+
+template <typename T, int W>
+__device__ __forceinline__ void load_pack(const T* __restrict__ p, float (&out)[W]) {
+    const Packed<T, W> raw = *reinterpret_cast<const Packed<T, W>*>(p);
+#pragma unroll
+    for (int k = 0; k < W; ++k) out[k] = to_float(raw.v[k]);
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[W]) {
+    Packed<T, W> raw;
+#pragma unroll
+    for (int k = 0; k < W; ++k) raw.v[k] = from_float<T>(in[k]);
+    *reinterpret_cast<Packed<T, W>*>(p) = raw;
+}
+
 // Butterfly reductions inside one warp: after the loop every lane holds the result.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

@@ -43,26 +43,6 @@
 
 #define CE_NAN __int_as_float(0x7fffffff)
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) CePack {
-    T v[W];
-};
-
-template <typename T, int W>
-__device__ __forceinline__ void load_pack(const T* __restrict__ p, float (&out)[W]) {
-    const CePack<T, W> raw = *reinterpret_cast<const CePack<T, W>*>(p);
-#pragma unroll
-    for (int k = 0; k < W; ++k) out[k] = to_float(raw.v[k]);
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[W]) {
-    CePack<T, W> raw;
-#pragma unroll
-    for (int k = 0; k < W; ++k) raw.v[k] = from_float<T>(in[k]);
-    *reinterpret_cast<CePack<T, W>*>(p) = raw;
-}
-
 // Elements of a row before its first 16-byte boundary (a row pointer is always sizeof(T)-aligned).
 template <typename T>
 __device__ __forceinline__ int head_elements(const T* row, int V) {

@@ -48,26 +48,6 @@
 
 #define EMB_NAN __int_as_float(0x7fffffff)
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) EmbPack {
-    T v[W];
-};
-
-template <typename T, int W>
-__device__ __forceinline__ void load_pack(const T* __restrict__ p, float (&out)[W]) {
-    const EmbPack<T, W> raw = *reinterpret_cast<const EmbPack<T, W>*>(p);
-#pragma unroll
-    for (int k = 0; k < W; ++k) out[k] = to_float(raw.v[k]);
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[W]) {
-    EmbPack<T, W> raw;
-#pragma unroll
-    for (int k = 0; k < W; ++k) raw.v[k] = from_float<T>(in[k]);
-    *reinterpret_cast<EmbPack<T, W>*>(p) = raw;
-}
-
 // ------------------------------------------------------------------------------------ forward
 
 // One thread per output element.
@@ -409,7 +389,7 @@ template <typename T> struct EmbIsBf16 { static constexpr bool value = false; };
 template <> struct EmbIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
 template <typename T, int W>
-__device__ __forceinline__ void emb_add_pack(float (&acc)[W], const EmbPack<T, W>& raw) {
+__device__ __forceinline__ void emb_add_pack(float (&acc)[W], const Packed<T, W>& raw) {
     if constexpr (EmbIsBf16<T>::value && W % 2 == 0) {
         const unsigned* b = reinterpret_cast<const unsigned*>(raw.v);
 #pragma unroll
@@ -528,11 +508,11 @@ __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const vo
 #pragma unroll 1
             for (int q = lo; q < hi; q += U) {
                 const int n = min(U, hi - q);
-                EmbPack<T, W> raw[U];
+                Packed<T, W> raw[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u)
                     if (u < n)
-                        raw[u] = reinterpret_cast<const EmbPack<T, W>*>(dx + (long long)s_pos[q - a + u] * C)[j];
+                        raw[u] = reinterpret_cast<const Packed<T, W>*>(dx + (long long)s_pos[q - a + u] * C)[j];
 #pragma unroll
                 for (int u = 0; u < U; ++u)
                     if (u < n) emb_add_pack<T, W>(acc, raw[u]);
@@ -658,11 +638,11 @@ __global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __
                 pbuf = q + lane < qb ? pos[q + lane] : 0;
             }
             const int n = min(U, min(seg_end - q, qbuf + 32 - q));  // 1..U positions in this batch
-            EmbPack<T, W> raw[U][KP];
+            Packed<T, W> raw[U][KP];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const long long p = __shfl_sync(full, pbuf, (q - qbuf + u) & 31);
-                const EmbPack<T, W>* src = reinterpret_cast<const EmbPack<T, W>*>(dx + p * C) + j0;
+                const Packed<T, W>* src = reinterpret_cast<const Packed<T, W>*>(dx + p * C) + j0;
 #pragma unroll
                 for (int k = 0; k < KP; ++k)
                     if (u < n && j0 + 32 * k < nvec) raw[u][k] = src[32 * k];

@@ -31,26 +31,6 @@
 #define GELU_SQRT_2_OVER_PI 0.7978845608028654f
 #define GELU_CUBIC 0.044715f
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) GeluPack {
-    T v[W];
-};
-
-template <typename T, int W>
-__device__ __forceinline__ void load_pack(const T* __restrict__ p, float (&out)[W]) {
-    const GeluPack<T, W> raw = *reinterpret_cast<const GeluPack<T, W>*>(p);
-#pragma unroll
-    for (int k = 0; k < W; ++k) out[k] = to_float(raw.v[k]);
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[W]) {
-    GeluPack<T, W> raw;
-#pragma unroll
-    for (int k = 0; k < W; ++k) raw.v[k] = from_float<T>(in[k]);
-    *reinterpret_cast<GeluPack<T, W>*>(p) = raw;
-}
-
 __device__ __forceinline__ float sigmoid_2u(float x, float x2) {
     const float u = GELU_SQRT_2_OVER_PI * (x + GELU_CUBIC * x2 * x);
     return 1.0f / (1.0f + expf(-2.0f * u));

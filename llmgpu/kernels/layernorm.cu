@@ -64,27 +64,6 @@
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
 
-// W consecutive elements moved as one access (16 bytes when sizeof(T) * W == 16), as llm.c's Packed128.
-template <typename T, int W>
-struct alignas(sizeof(T) * W) LnPack {
-    T v[W];
-};
-
-template <typename T, int W>
-__device__ __forceinline__ void load_pack(const T* __restrict__ p, float (&out)[W]) {
-    const LnPack<T, W> raw = *reinterpret_cast<const LnPack<T, W>*>(p);
-#pragma unroll
-    for (int k = 0; k < W; ++k) out[k] = to_float(raw.v[k]);
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[W]) {
-    LnPack<T, W> raw;
-#pragma unroll
-    for (int k = 0; k < W; ++k) raw.v[k] = from_float<T>(in[k]);
-    *reinterpret_cast<LnPack<T, W>*>(p) = raw;
-}
-
 template <typename T, int VEC>
 struct LnWidth {
     static constexpr int value = VEC ? 16 / (int)sizeof(T) : 1;
@@ -512,8 +491,8 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 
 // One 16-byte pack, loaded with a streaming load, kept raw (4 registers whatever T is).
 template <typename T>
-__device__ __forceinline__ LnPack<T, 16 / (int)sizeof(T)> ln_load_stream(const T* p) {
-    LnPack<T, 16 / (int)sizeof(T)> r;
+__device__ __forceinline__ Packed<T, 16 / (int)sizeof(T)> ln_load_stream(const T* p) {
+    Packed<T, 16 / (int)sizeof(T)> r;
     *reinterpret_cast<uint4*>(&r) = LN_LOAD_STREAM(reinterpret_cast<const uint4*>(p));
     return r;
 }
@@ -522,17 +501,17 @@ __device__ __forceinline__ LnPack<T, 16 / (int)sizeof(T)> ln_load_stream(const T
 // word: one shift or mask on the word that holds the pair (sm_90's cvt.f32.bf16 path first unpacks
 // 16-bit halves into registers of their own, which costs the registers this kernel is short of).
 template <typename T, int W>
-__device__ __forceinline__ float ln_elem(const LnPack<T, W>& p, int k) {
+__device__ __forceinline__ float ln_elem(const Packed<T, W>& p, int k) {
     return to_float(p.v[k]);
 }
 template <>
-__device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const LnPack<__nv_bfloat16, 8>& p, int k) {
+__device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const Packed<__nv_bfloat16, 8>& p, int k) {
     const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
     return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
 template <>
-__device__ __forceinline__ float ln_elem<__half, 8>(const LnPack<__half, 8>& p, int k) {
+__device__ __forceinline__ float ln_elem<__half, 8>(const Packed<__half, 8>& p, int k) {
     const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
     return __half2float(__ushort_as_half((unsigned short)((k & 1) ? (w >> 16) : (w & 0xffffu))));
 }
@@ -576,7 +555,7 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
                             float* __restrict__ partial, int N, int C) {
     constexpr int W = 16 / (int)sizeof(T);
     constexpr int Q = W / 4;  // float4s per pack
-    using Pack = LnPack<T, W>;
+    using Pack = Packed<T, W>;
     extern __shared__ float4 ln_fast_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
@@ -823,7 +802,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
                                                               float* __restrict__ mean, float* __restrict__ rstd,
                                                               int N, int C, float eps) {
     constexpr int W = 16 / (int)sizeof(T);
-    using Pack = LnPack<T, W>;
+    using Pack = Packed<T, W>;
     const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
     const float inv_c = 1.0f / (float)C;
@@ -908,7 +887,7 @@ __global__ void __launch_bounds__(256) add_layernorm_forward_warp(const T* a, co
                                                                   float* __restrict__ mean,
                                                                   float* __restrict__ rstd, int N, int C, float eps) {
     constexpr int W = 16 / (int)sizeof(T);
-    using Pack = LnPack<T, W>;
+    using Pack = Packed<T, W>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * (blockDim.x >> 5) + warp;
     if (row >= N) return;
