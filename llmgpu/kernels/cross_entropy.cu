@@ -129,6 +129,30 @@ __device__ __forceinline__ float block_logsumexp(float m, float s) {
     return sm_lse;
 }
 
+// ------------------------------------------------------------------------------------- the mean
+
+// The end of both mean kernels (cross_entropy_mean, cross_entropy_loss_fast): every thread holds a
+// partial loss sum s and a partial count c of counted rows. s goes through block_sum (common.cuh:
+// a butterfly inside each warp, then one over the warps' partials, a fixed tree); c through a
+// butterfly inside each warp, then thread 0 adds the warps' counts in warp order (integer adds are
+// exact, so only s's order matters for the bits). Thread 0 writes n_valid and loss = s / max(n_valid, 1).
+__device__ __forceinline__ void block_mean_store(float s, int c, float* __restrict__ loss, int* __restrict__ n_valid) {
+    __shared__ float scratch[32];
+    __shared__ int iscratch[32];
+    s = block_sum(s, scratch);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
+    if (lane == 0) iscratch[warp] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < nwarps; ++w) total += iscratch[w];
+        *n_valid = total;
+        *loss = s / (float)max(total, 1);
+    }
+}
+
 // ------------------------------------------------------------------------------------- fused
 
 // Block per row (grid = N). Writes lse[row] and loss_rows[row] (0 for ignored rows, NaN for a bad
@@ -177,26 +201,13 @@ __global__ void __launch_bounds__(1024) cross_entropy_mean(const float* __restri
                                                            const TI* __restrict__ targets, int N,
                                                            long long ignore_index, float* __restrict__ loss,
                                                            int* __restrict__ n_valid) {
-    __shared__ float scratch[32];
-    __shared__ int iscratch[32];
     float s = 0.0f;
     int c = 0;
     for (int i = threadIdx.x; i < N; i += blockDim.x) {
         s += loss_rows[i];
         c += ((long long)targets[i] != ignore_index) ? 1 : 0;
     }
-    s = block_sum(s, scratch);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
-    if (lane == 0) iscratch[warp] = c;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int total = 0;
-        for (int w = 0; w < nwarps; ++w) total += iscratch[w];
-        *n_valid = total;
-        *loss = s / (float)max(total, 1);
-    }
+    block_mean_store(s, c, loss, n_valid);
 }
 
 // Block per row. dlogits may be the logits buffer itself (in place): every element is read before
@@ -411,8 +422,6 @@ __global__ void __launch_bounds__(1024) cross_entropy_loss_fast(const T* __restr
                                                                 long long ignore_index, float* __restrict__ loss,
                                                                 int* __restrict__ n_valid) {
     constexpr int K = 8;
-    __shared__ float scratch[32];
-    __shared__ int iscratch[32];
     float s = 0.0f;
     int c = 0;
     for (long long base = threadIdx.x; base < N; base += K * blockDim.x) {  // 64-bit: N may be near 2^31
@@ -444,18 +453,7 @@ __global__ void __launch_bounds__(1024) cross_entropy_loss_fast(const T* __restr
             c += tt[k] != ignore_index ? 1 : 0;
         }
     }
-    s = block_sum(s, scratch);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
-    if (lane == 0) iscratch[warp] = c;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int total = 0;
-        for (int w = 0; w < nwarps; ++w) total += iscratch[w];
-        *n_valid = total;
-        *loss = s / (float)max(total, 1);
-    }
+    block_mean_store(s, c, loss, n_valid);
 }
 
 // ------------------------------------------------------------------------------------- unfused
