@@ -5,7 +5,8 @@
 At [65536, 768] (GPT-2's B=64, T=1024), bf16 and fp32, against the copy ceiling of the same run:
 * the per-call floor of the timing (a one-element kernel between two events);
 * a device copy moving the same number of bytes (what "100 %" costs at this size, not at 2 GiB);
-* the whole backward, its main kernel alone and the main kernel + second stage launched directly;
+* the whole backward with the second stage fused into the kernel or as a second kernel, and (16-bit)
+  blocks of a whole SM's warps or of 4 warps; the main kernel alone and the second stage alone;
 * the main kernel on grids of r rows per warp (one wave of resident warps is what the launcher picks);
 * the whole backward at 2x and 4x the rows: slope = streaming speed, intercept = fixed cost per call.
 """
@@ -70,18 +71,28 @@ def main(argv=None) -> int:
             record(f"{name} {m}x{c}: layernorm_backward(method='fast')", us(full), mbytes)
             if scale != 1:
                 continue
-            # the launcher's own plan, then its two kernels launched by hand
-            packs = ln._fast_packs(c, np.dtype(dt), (dy, x, dx))
-            sacc = int(ln._FAST_SMEM_ACC and sixteen)
-            kern = get_kernel("layernorm", "layernorm_backward_fast", dt, packs, 0, sacc)
-            (blocks, threads, smem), = [v for k, v in ln._PLANS.items() if isinstance(k[0], tuple)
-                                        and k[0][0] == "bwd" and k[0][1] == np.dtype(dt) and k[2] == m]
+            # the launcher's variants: second stage fused or a second kernel; 16-bit: blocks of a whole
+            # SM's warps (one partial row per SM) or of 4 warps
+            for fused in (True, False):
+                for warps in ((None, 4) if sixteen else (None,)):
+                    ln._FAST_FUSED_FINISH, ln._FAST_SACC_WARPS = fused, warps
+                    _, blocks, threads, _ = ln.backward_fast_plan(m, c, dt, xp=xp)
+                    record(f"{name}: fast, {'fused' if fused else 'separate'} second stage, "
+                           f"{threads // 32} warps per block", us(full), mbytes, blocks=blocks)
+            ln._FAST_FUSED_FINISH, ln._FAST_SACC_WARPS = True, None
+            for k in (8, 16, 64):
+                ln._FAST_FINISHERS = k
+                record(f"{name}: fast, fused second stage, at most {k} finishing blocks", us(full), mbytes)
+            ln._FAST_FINISHERS = 32
+            # the default plan's two pieces launched by hand: the main kernel alone (partial rows only),
+            # then the separate second stage on its partial rows
+            kern, blocks, threads, smem = ln.backward_fast_plan(m, c, dt, xp=xp)
             partial = xp.empty((blocks, 2, c), np.float32)
             fin = get_kernel("layernorm", "layernorm_param_grad_finish", np.float32, 0)
 
             def main_kernel(nb=blocks, part=partial):
-                kern((nb,), (threads,), (dy, x, g, mean, rstd, dy, dx, part, np.int32(m), np.int32(c)),
-                     shared_mem=smem)
+                kern((nb,), (threads,), (dy, x, g, mean, rstd, dy, dx, part, np.int32(m), np.int32(c),
+                                         dg, db, np.int32(1), np.uint64(0), np.int32(0)), shared_mem=smem)
 
             def finish():
                 fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dg, db))
@@ -89,7 +100,6 @@ def main(argv=None) -> int:
             info = dict(blocks=blocks, threads=threads, regs=int(kern.attributes["num_regs"]))
             record(f"{name}: main kernel alone", us(main_kernel), mbytes, **info)
             record(f"{name}: second stage alone", us(finish), partial.nbytes)
-            record(f"{name}: main kernel + second stage", us(lambda: (main_kernel(), finish())), mbytes)
             wpb = threads // 32
             for r in (4, 8, 16, 24, 32):
                 nb = -(-m // (wpb * r))
