@@ -554,63 +554,6 @@ def test_gpu_fast_bitwise_deterministic(cp, rng, dtype, c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("n,c", [(1, 768), (5000, 64), (5000, 768), (40000, 1024), (65536, 768)])
-def test_gpu_fast_finish_fused_and_separate(cp, rng, monkeypatch, dtype, n, c):
-    """The second stage folded into the backward kernel (its last blocks add the partial rows, up to 32
-    of them, each a slice of the columns) and as a second kernel, with the 16-bit accumulators in blocks
-    of a whole SM's warps and of 4 warps: all match the reference, and the arrival counters are back at
-    zero after every launch (the next launch on the stream depends on it)."""
-    x, gamma, beta, dy = _inputs(rng, n, c, dtype)
-    g0 = random_array(rng, c, "fp32")
-    _, ref_m, ref_r = layernorm_forward(x, gamma, beta)
-    ref = layernorm_backward(dy, x, gamma, ref_m, ref_r, dgamma_out=g0.copy(), dbeta_out=g0.copy(),
-                             accumulate_params=True)
-    xd, gd, bd, dyd = _to(cp, x, gamma, beta, dy)
-    _, mean, rstd = layernorm_forward(xd, gd, bd)
-    for fused in (True, False):
-        for warps in (None, 4):
-            monkeypatch.setattr(ln, "_FAST_FUSED_FINISH", fused)
-            monkeypatch.setattr(ln, "_FAST_SACC_WARPS", warps)
-            dg, db = cp.asarray(g0), cp.asarray(g0)
-            got = layernorm_backward(dyd, xd, gd, mean, rstd, method="fast", dx_out=poisoned((n, c), dtype, cp),
-                                     dgamma_out=dg, dbeta_out=db, accumulate_params=True)
-            for g, e, name in zip(got, ref, ("dx", "dgamma", "dbeta")):
-                assert_close(g, e, dtype, name=f"{name} (fused={fused}, warps={warps})")
-            if fused:
-                counters = ln._finish_counters(cp)
-                assert counters.get().tolist() == [0, 0], "the fused finish left its counters set"
-
-
-@pytest.mark.gpu
-def test_gpu_fast_finish_two_streams(cp, rng):
-    """Launches on two streams, not synchronized with each other, each use their own arrival counters."""
-    n, c = 20000, 768
-    x, gamma, beta, dy = _inputs(rng, n, c, "bf16")
-    _, ref_m, ref_r = layernorm_forward(x, gamma, beta)
-    ref = layernorm_backward(dy, x, gamma, ref_m, ref_r)
-    xd, gd, bd, dyd = _to(cp, x, gamma, beta, dy)
-    _, mean, rstd = layernorm_forward(xd, gd, bd)
-    cp.cuda.get_current_stream().synchronize()
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    results = []
-    for _ in range(3):
-        for s in streams:
-            with s:
-                results.append(layernorm_backward(dyd, xd, gd, mean, rstd, method="fast"))
-    for s in streams:
-        s.synchronize()
-    for got in results:
-        for g, e, name in zip(got, ref, ("dx", "dgamma", "dbeta")):
-            assert_close(g, e, "bf16", name=name)
-    counters = set()
-    for s in streams:
-        with s:
-            counters.add(ln._finish_counters(cp).data.ptr)
-    assert len(counters) == 2
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gpu_fast_misaligned_falls_back(cp, rng, fast_spy, dtype):
     """Views 1 element into their buffers (dy, then only dresidual) are not 16-byte aligned."""

@@ -5,8 +5,7 @@
 At [65536, 768] (GPT-2's B=64, T=1024), bf16 and fp32, against the copy ceiling of the same run:
 * the per-call floor of the timing (a one-element kernel between two events);
 * a device copy moving the same number of bytes (what "100 %" costs at this size, not at 2 GiB);
-* the whole backward with the second stage fused into the kernel or as a second kernel, and (16-bit)
-  blocks of a whole SM's warps or of 4 warps; the main kernel alone and the second stage alone;
+* the whole backward, its main kernel alone and the main kernel + second stage launched directly;
 * the main kernel on grids of r rows per warp (one wave of resident warps is what the launcher picks);
 * the whole backward at 2x and 4x the rows: slope = streaming speed, intercept = fixed cost per call.
 """
@@ -63,7 +62,6 @@ def main(argv=None) -> int:
             _, mean, rstd = ln.layernorm_forward(x, g, g)
             dx, dg, db = xp.empty_like(x), xp.zeros(c, np.float32), xp.zeros(c, np.float32)
             mbytes = ln.traffic_bytes(m, c, dt, backward=True)
-            sixteen = np.dtype(dt).itemsize == 2
 
             def full():
                 ln.layernorm_backward(dy, x, g, mean, rstd, method="fast", dx_out=dx, dgamma_out=dg, dbeta_out=db)
@@ -71,28 +69,14 @@ def main(argv=None) -> int:
             record(f"{name} {m}x{c}: layernorm_backward(method='fast')", us(full), mbytes)
             if scale != 1:
                 continue
-            # the launcher's variants: second stage fused or a second kernel; 16-bit: blocks of a whole
-            # SM's warps (one partial row per SM) or of 4 warps
-            for fused in (True, False):
-                for warps in ((None, 4) if sixteen else (None,)):
-                    ln._FAST_FUSED_FINISH, ln._FAST_SACC_WARPS = fused, warps
-                    _, blocks, threads, _ = ln.backward_fast_plan(m, c, dt, xp=xp)
-                    record(f"{name}: fast, {'fused' if fused else 'separate'} second stage, "
-                           f"{threads // 32} warps per block", us(full), mbytes, blocks=blocks)
-            ln._FAST_FUSED_FINISH, ln._FAST_SACC_WARPS = True, None
-            for k in (8, 16, 64):
-                ln._FAST_FINISHERS = k
-                record(f"{name}: fast, fused second stage, at most {k} finishing blocks", us(full), mbytes)
-            ln._FAST_FINISHERS = 32
-            # the default plan's two pieces launched by hand: the main kernel alone (partial rows only),
-            # then the separate second stage on its partial rows
+            # the launcher's own plan, then its two kernels launched by hand
             kern, blocks, threads, smem = ln.backward_fast_plan(m, c, dt, xp=xp)
             partial = xp.empty((blocks, 2, c), np.float32)
             fin = get_kernel("layernorm", "layernorm_param_grad_finish", np.float32, 0)
 
             def main_kernel(nb=blocks, part=partial):
-                kern((nb,), (threads,), (dy, x, g, mean, rstd, dy, dx, part, np.int32(m), np.int32(c),
-                                         dg, db, np.int32(1), np.uint64(0), np.int32(0)), shared_mem=smem)
+                kern((nb,), (threads,), (dy, x, g, mean, rstd, dy, dx, part, np.int32(m), np.int32(c)),
+                     shared_mem=smem)
 
             def finish():
                 fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dg, db))
@@ -100,6 +84,7 @@ def main(argv=None) -> int:
             info = dict(blocks=blocks, threads=threads, regs=int(kern.attributes["num_regs"]))
             record(f"{name}: main kernel alone", us(main_kernel), mbytes, **info)
             record(f"{name}: second stage alone", us(finish), partial.nbytes)
+            record(f"{name}: main kernel + second stage", us(lambda: (main_kernel(), finish())), mbytes)
             wpb = threads // 32
             for r in (4, 8, 16, 24, 32):
                 nb = -(-m // (wpb * r))

@@ -480,8 +480,12 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 // did not help; both of these were built, tested and measured on the H200, then removed:
 //   * rows staged in shared memory by cp.async, 2-4 stages per warp (up to 3 rows in flight): 89-93 us;
 //   * the next row prefetched into L2 (prefetch.global.L2) so that only one row lives in registers
-//     (64 registers, 32 warps per SM): 91 us one row ahead, 110 us two rows ahead (commit 7de4492).
-// What is left is fixed cost: the second stage folded into this kernel, and the grid's tail.
+//     (64 registers, 32 warps per SM): 91 us one row ahead, 110 us two rows ahead (commit 7de4492);
+//   * the second stage folded into this kernel (the last blocks to arrive wait for the others and add
+//     the partial rows in a fixed order) and, for 16-bit, one block of all 24 warps per SM (one partial
+//     row per SM, 6x fewer): 89.3 us against 89.7 us with the second kernel (commit d43bbd4). This
+//     kernel alone, without any second stage, takes 86.2 us (82 %): the fixed cost is in the main
+//     kernel (first rows in, last rows out, the last row period only part-filled), not in the partials.
 
 #if defined(__HIPCC__)
 #define LN_LOAD_STREAM(p) (*(p))
@@ -525,95 +529,6 @@ struct IsBf16<__nv_bfloat16> {
     static constexpr bool value = true;
 };
 
-// The second stage folded into the backward kernel (no second launch; the partials are read from L2
-// right after they are written). Only the LAST block to finish knows that every partial row is
-// written, and one block alone would take ~5 us to add 131 x 1536 floats. So the last `nfin` blocks
-// to arrive share the work: each takes a ticket from `counter` when its partial row is written; a
-// block with one of the last nfin tickets waits until all gridDim.x blocks have arrived (the blocks
-// it waits for are already running or will get the SM slots of the blocks that have left: nfin is
-// far below the resident blocks, so this cannot deadlock), then sums its slice of the 2C columns.
-// Column c of a slice is added by thread group g over blocks [g G / ng, (g + 1) G / ng) in order,
-// then the groups in order: an order fixed by the shapes, so the bits do not depend on which block
-// arrives when. The last finisher resets the two counters for the next launch on the stream.
-// out_mode: bit 0 set = dgamma/dbeta are fp32 (else T), bit 1 set = add into them (else overwrite).
-// (The "last block done" ticket is the threadFenceReduction pattern of the CUDA samples.)
-__device__ __forceinline__ unsigned ln_load_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-template <typename T>
-__device__ __forceinline__ void ln_store_param_grad(void* dgamma, void* dbeta, int C, int c, float r, int out_mode) {
-    const bool beta = c >= C;
-    const int k = beta ? c - C : c;
-    if (out_mode & 1) {
-        float* d = static_cast<float*>(beta ? dbeta : dgamma) + k;
-        *d = (out_mode & 2) ? *d + r : r;
-    } else {
-        T* d = static_cast<T*>(beta ? dbeta : dgamma) + k;
-        *d = from_float<T>((out_mode & 2) ? to_float(*d) + r : r);
-    }
-}
-
-template <typename T>
-__device__ __noinline__ void ln_param_grad_fused_finish(const float* partial, int C, void* dgamma, void* dbeta,
-                                                        int out_mode, unsigned* counter, int nfin) {
-    __shared__ unsigned s_ticket;
-    extern __shared__ float4 ln_fast_smem[];
-    const int G = gridDim.x;
-    __threadfence();  // this thread's part of the partial row is visible device-wide ...
-    __syncthreads();  // ... for every thread of the block, before the block is counted
-    if (threadIdx.x == 0) s_ticket = atomicAdd(counter, 1u);
-    __syncthreads();
-    const int f = (int)s_ticket - (G - nfin);
-    if (f < 0) return;  // not one of the last nfin blocks
-    if (threadIdx.x == 0) {
-        while (ln_load_acquire(counter) < (unsigned)G) __nanosleep(32);
-    }
-    __syncthreads();
-    const int width = (2 * C + nfin - 1) / nfin;  // columns per finisher
-    const int c0 = f * width, ncol = min(2 * C, c0 + width) - c0;
-    if (ncol > 0) {
-        unsigned smem_bytes;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-        const int room = min((int)blockDim.x, (int)(smem_bytes / 4));  // floats of red[] per round
-        const int ng = max(1, min(32, room / ncol));                     // thread groups per column
-        const long long ld = 2LL * C;
-        float* red = reinterpret_cast<float*>(ln_fast_smem);  // [ng][ncol] (ng > 1); the block sums are done with it
-        for (int t = threadIdx.x; t < ng * ncol; t += blockDim.x) {
-            const int g = t / ncol, col = t - g * ncol;
-            const int b1 = (int)((long long)(g + 1) * G / ng);
-            int b = (int)((long long)g * G / ng);
-            const float* src = partial + c0 + col;
-            float acc = 0.0f;
-            for (; b + 8 <= b1; b += 8) {  // eight loads in flight, added in order
-                float v[8];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] = __ldcg(src + (long long)(b + i) * ld);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc += v[i];
-            }
-            for (; b < b1; ++b) acc += __ldcg(src + (long long)b * ld);
-            if (ng == 1) ln_store_param_grad<T>(dgamma, dbeta, C, c0 + col, acc, out_mode);
-            else red[t] = acc;
-        }
-        if (ng > 1) {
-            __syncthreads();
-            for (int col = threadIdx.x; col < ncol; col += blockDim.x) {
-                float acc = red[col];
-                for (int g = 1; g < ng; ++g) acc += red[g * ncol + col];
-                ln_store_param_grad<T>(dgamma, dbeta, C, c0 + col, acc, out_mode);
-            }
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == (unsigned)nfin - 1) {
-        counter[0] = 0;  // every finisher has passed its wait: ready for the next launch
-        counter[1] = 0;
-    }
-}
-
 // Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
 // SACC = 0: dgamma/dbeta accumulators in registers (2 P W floats), blocks of 8 warps.
 // SACC = 1: accumulators in shared memory (per warp, conflict-free float4 slots), blocks of 4 warps:
@@ -625,16 +540,12 @@ struct LnFastPlan {
     static constexpr int regs = (SACC ? 0 : 2 * P * W)     // dgamma, dbeta accumulators
                                 + 2 * (2 + RES) * 4 * P  // current + next row: dy, x (, dresidual) packs
                                 + 32;                    // addresses, statistics, loop state, temporaries
-    // SACC: groups of 4 warps per SM: 6 cap a thread at 80 registers, 5 at 96, 4 at 128 (what the
-    // estimate needs, rounded; fp16's conversions need a few more registers than bf16's shift/mask,
-    // hence its lower count). The launch bound is ONE block of all those warps (the same register
-    // cap): one block per SM writes one partial row instead of 4-6, which makes the dgamma/dbeta
-    // partials 4-6x smaller (131 rows x 2C floats at 65536 x 768 on 132 SMs, not 781). The host may
-    // still launch blocks of 4 warps (benchmark hook).
-    static constexpr int sacc_groups = RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
-                                           : (P <= 3 ? 6 : 5);
-    static constexpr int threads = SACC ? 128 * sacc_groups : 256;
-    static constexpr int min_blocks = SACC ? 1 : (regs <= 128 ? 2 : 1);
+    static constexpr int threads = SACC ? 128 : 256;
+    // SACC: 6 blocks cap a thread at 80 registers, 5 at 96, 4 at 128 (what the estimate needs, rounded;
+    // fp16's conversions need a few more registers than bf16's shift/mask, hence its lower count).
+    static constexpr int min_blocks = SACC ? (RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
+                                                  : (P <= 3 ? 6 : 5))
+                                           : (regs <= 128 ? 2 : 1);
 };
 
 // Backward, one warp per row, rows gw, gw + nw, gw + 2 nw, ... (gw = global warp id, nw = warps in
@@ -645,8 +556,7 @@ template <typename T, int P, int RES, int SACC>
 __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPlan<T, P, RES, SACC>::min_blocks)
     layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const float* __restrict__ mean, const float* __restrict__ rstd, const T* dres, T* dx,
-                            float* __restrict__ partial, int N, int C, void* dgamma, void* dbeta, int out_mode,
-                            unsigned* counter, int nfin) {
+                            float* __restrict__ partial, int N, int C) {
     constexpr int W = 16 / (int)sizeof(T);
     constexpr int Q = W / 4;  // float4s per pack
     using Pack = Packed<T, W>;
@@ -813,6 +723,7 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
             for (int w = 1; w < wpb; ++w) t += slots[(long long)w * (2 * P * Q * 32 * 4) + slot];
             out[i] = t;
         }
+        return;
     } else {
     // The block's sum, one half (dgamma, then dbeta) at a time through wpb * C floats of shared
     // memory: every warp stores its columns, then thread t adds columns t, t + 256, ... over the
@@ -842,7 +753,6 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
         }
     }
     }
-    if (counter != nullptr) ln_param_grad_fused_finish<T>(partial, C, dgamma, dbeta, out_mode, counter, nfin);
 }
 
 // Second stage of the fast backward: dgamma[c] = sum_b partial[b, 0, c], dbeta[c] = sum_b

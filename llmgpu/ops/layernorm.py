@@ -57,18 +57,11 @@ _FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory varia
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
 _FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
 _FAST_WARPS = 8
-# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory (SACC, <= 80 registers: 24 warps per
-# SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM). A benchmark hook: set False to
-# time the register-accumulator variant.
+# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory (SACC, blocks of 4 warps, <= 80
+# registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM). A
+# benchmark hook: set False to time the register-accumulator variant.
 _FAST_SMEM_ACC = True
-# SACC block size in warps: None = all the warps its registers allow on one SM in one block (one partial
-# row per SM); 4 = the earlier blocks of 4 warps (4-6 blocks and partial rows per SM). A benchmark hook.
-_FAST_SACC_WARPS = None
-# The dgamma/dbeta second stage inside the backward kernel (its last blocks add the partial rows) instead
-# of a second kernel, layernorm_param_grad_finish. A benchmark hook.
-_FAST_FUSED_FINISH = True
-_FAST_FINISHERS = 32  # at most this many blocks add the partial rows (each a slice of the 2C columns)
-_FINISH_COUNTERS = {}  # (device, stream) -> the fused finish's two uint32 counters (zero between launches)
+_FAST_SACC_WARPS = 4
 _FWD_FAST_WARPS = 8
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
 _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
@@ -413,24 +406,21 @@ def _forward_fast(args, x, gamma, beta, out, n_rows, c, xp):
 
 def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     """The "fast" backward's launch for ``[n_rows, c]`` rows of ``dtype`` (16-byte aligned arrays):
-    ``(kernel, blocks, threads, shared_mem)``, or None when the rows do not suit it (C not a multiple
-    of the pack width, rows too long, row indices past 32 bits). Used by the launcher and the probe."""
+    ``(kernel, blocks, threads, shared_mem)`` of layernorm_backward_fast, or None when the rows do not
+    suit it (C not a multiple of the pack width, rows too long, row indices past 32 bits). The second
+    stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. Used by the launcher and by
+    tools/probe_layernorm_backward.py."""
     xp = backend.default_xp() if xp is None else xp
     dtype = np.dtype(dtype)
-    width = 16 // dtype.itemsize
     packs = _fast_packs(c, dtype, ())
     if packs is None:
         return None
+    width = 16 // dtype.itemsize
     sacc = int(_FAST_SMEM_ACC and dtype.itemsize == 2)
     kern = get_kernel("layernorm", "layernorm_backward_fast", dtype, packs, int(residual), sacc)
     if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
-        slots = 16 * 32 * packs * (width // 4)  # bytes per table / per warp and half
-        warps = _FAST_SACC_WARPS or int(kern.attributes["max_threads_per_block"]) // 32
-        limit = backend.device_info(xp).shared_memory_per_block_optin or _SMEM_DEFAULT
-        warps = max(4, min(warps, (limit // slots - 1) // 2 // 4 * 4))  # fewer warps where shared memory is short
-        smem = slots * (1 + 2 * warps)
-        if smem > _SMEM_DEFAULT and not _opt_in_shared_memory(kern, smem, xp):
-            return None
+        warps = _FAST_SACC_WARPS
+        smem = 16 * 32 * packs * (width // 4) * (1 + 2 * warps)
     else:  # gamma (fp32), then the block's dgamma/dbeta slab
         warps = _FAST_WARPS
         smem = 4 * max(32 * packs * width, warps * c)
@@ -443,19 +433,8 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     return kern, blocks, threads, smem
 
 
-def _finish_counters(xp):
-    """The fused finish's arrival counters for the current stream: launches on one stream run one after
-    the other, and each leaves its counters at zero for the next."""
-    key = (xp.cuda.Device().id, xp.cuda.get_current_stream().ptr)
-    counters = _FINISH_COUNTERS.get(key)
-    if counters is None:
-        counters = _FINISH_COUNTERS[key] = xp.zeros(2, dtype=np.uint32)
-    return counters
-
-
 def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
-    """Launch layernorm_backward_fast (+ layernorm_param_grad_finish unless fused); False if the rows do
-    not fit it."""
+    """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
     if any(a.data.ptr % 16 for a in ((dy, x, dx) if dres is None else (dy, x, dx, dres))):
         return False
     plan = backward_fast_plan(n_rows, c, x.dtype, residual=dres is not None, xp=xp)
@@ -463,20 +442,11 @@ def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate
         return False
     kern, blocks, threads, smem = plan
     partial = xp.empty((blocks, 2, c), dtype=np.float32)
-    out_mode = int(dgamma.dtype == np.float32) | (2 if accumulate else 0)
-    if _FAST_FUSED_FINISH:
-        # the last nfin blocks to arrive add the partial rows: few enough to stay far below the resident
-        # blocks (they wait for the others), enough that each adds only a slice of the 2C columns
-        counters, nfin = _finish_counters(xp), max(1, min(_FAST_FINISHERS, blocks // 4))
-    else:
-        counters, nfin = np.uint64(0), 0  # a null pointer: the kernel only writes the partial rows
     kern((blocks,), (threads,),
-         (dy, x, gamma, mean, rstd, dy if dres is None else dres, dx, partial, np.int32(n_rows), np.int32(c),
-          dgamma, dbeta, np.int32(out_mode), counters, np.int32(nfin)),
+         (dy, x, gamma, mean, rstd, dy if dres is None else dres, dx, partial, np.int32(n_rows), np.int32(c)),
          shared_mem=smem)
-    if not nfin:
-        fin = get_kernel("layernorm", "layernorm_param_grad_finish", dgamma.dtype, int(accumulate))
-        fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dgamma, dbeta))
+    fin = get_kernel("layernorm", "layernorm_param_grad_finish", dgamma.dtype, int(accumulate))
+    fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dgamma, dbeta))
     return True
 
 
