@@ -24,22 +24,17 @@ CI) and writes nothing unless ``--out`` is given.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
+import _common
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from llmgpu import backend, timing
+from llmgpu.gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
+from llmgpu.ops.linear import linear_flops, measure_linear
+from llmgpu.testing import assert_close
 
-import llmgpu  # noqa: E402
-from llmgpu import backend, timing  # noqa: E402
-from llmgpu.gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm  # noqa: E402
-from llmgpu.ops.linear import linear_flops, measure_linear  # noqa: E402
-from llmgpu.testing import assert_close  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results" / "ch1_linear.json"
+RESULTS = _common.RESULTS_DIR / "ch1_linear.json"
 GPT2_LAYERS = [
     ("attn.c_proj", 768, 768),
     ("attn.c_attn", 768, 2304),
@@ -161,17 +156,8 @@ def torch_times(n, c_in, c_out, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer shapes (default on CPU)")
-    ap.add_argument("--out", help="write the JSON here (default on GPU: benchmarks/results/ch1_linear.json)")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--no-torch", action="store_true")
-    args = ap.parse_args(argv)
-
-    xp = backend.default_xp()
-    gpu = xp is not np
-    quick = args.quick or not gpu
-    print(f"device: {llmgpu.device_info(xp).summary()}")
+    args = _common.parser(__doc__, reps=None).parse_args(argv)
+    xp, gpu, quick = _common.setup(args)
     if gpu:
         dtype = backend.bfloat16
         tokens = [16384] if quick else [16384, 65536]
@@ -236,11 +222,7 @@ def main(argv=None):
         "worst_gemm_overhead_ratio": worst,
         "rows": rows,
     }  # fmt: skip
-    out = args.out or (RESULTS if gpu else None)
-    if out:
-        timing.save_results(out, payload, xp=xp)
-        print(f"wrote {out}")
-    else:
+    if not _common.save(args.out or (RESULTS if gpu else None), payload, xp):
         print("CPU run: nothing written (pass --out to keep the numbers)")
     return payload
 

@@ -16,26 +16,21 @@ flash SDPA. Results go to benchmarks/results/ch2_softmax_attention.json on a GPU
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
+import _common
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llmgpu import backend  # noqa: E402
-from llmgpu.ops import softmax as sm  # noqa: E402
-from llmgpu.ops.attention import (  # noqa: E402
+from llmgpu import backend
+from llmgpu.ops import softmax as sm
+from llmgpu.ops.attention import (
     attention_backward,
     attention_flops,
     attention_forward,
     attention_stage_times,
 )
-from llmgpu.testing import random_array  # noqa: E402
-from llmgpu.timing import copy_bandwidth, save_results, time_fn, time_torch, torch_cuda  # noqa: E402
+from llmgpu.testing import random_array
+from llmgpu.timing import time_fn, time_torch, torch_cuda
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch2_softmax_attention.json"
+RESULTS = _common.RESULTS_DIR / "ch2_softmax_attention.json"
 KERNELS = ("naive", "warp", "block")
 TARGET = 0.85  # fraction of the copy ceiling the optimized softmax backward should reach
 
@@ -72,7 +67,7 @@ def bench_softmax(xp, rng, rows, cols, sdt, pdt, methods, ceiling, table, reps):
 
 
 def bench_torch_softmax(rows, cols, ceiling, table, reps):
-    torch = _torch()
+    torch = torch_cuda()
     if torch is None:
         return
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 2
@@ -83,9 +78,9 @@ def bench_torch_softmax(rows, cols, ceiling, table, reps):
         ("fwd", lambda: torch.softmax(x, -1)),
         ("bwd", lambda: torch._softmax_backward_data(dp, p, -1, torch.bfloat16)),
     ):
-        ms = _time_torch(torch, fn, reps)
+        ms = time_torch(torch, fn, reps)
         nbytes = sm.softmax_bytes(rows, cols, backend.bfloat16, backend.bfloat16, direction)
-        gbps = nbytes / (ms * 1e-3) / 1e9
+        gbps = _common.gbps(nbytes, ms)
         row(table, name=f"torch softmax {direction}", kind="softmax", method="torch", direction=direction,
             shape=shape, rows=rows, cols=cols, dtype="bf16", ms=ms, gbps=gbps, bytes=nbytes,
             pct=100 * gbps / ceiling)  # fmt: skip
@@ -124,7 +119,7 @@ def bench_attention(xp, rng, B, H, T, D, dtype, table, reps):
 
 
 def bench_torch_attention(B, H, T, D, table, reps, ours):
-    torch = _torch()
+    torch = torch_cuda()
     if torch is None:
         return {}
     import torch.nn.functional as F
@@ -150,8 +145,8 @@ def bench_torch_attention(B, H, T, D, table, reps, ours):
     for label, fwd in (("torch math (autograd)", math_path), ("torch SDPA flash", flash_path)):
         try:
             o = fwd()
-            ms_f = _time_torch(torch, fwd, reps)
-            ms_b = _time_torch(torch, lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), reps)
+            ms_f = time_torch(torch, fwd, reps)
+            ms_b = time_torch(torch, lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), reps)
         except Exception as e:  # noqa: BLE001 - report and carry on (e.g. no flash kernel for this GPU)
             print(f"  {label}: skipped ({type(e).__name__}: {e})")
             continue
@@ -164,38 +159,22 @@ def bench_torch_attention(B, H, T, D, table, reps, ours):
     return ratios
 
 
-# --------------------------------------------------------------------------- torch helpers
-
-
-_torch = torch_cuda
-_time_torch = time_torch
-
-
 # --------------------------------------------------------------------------- main
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (the default without a GPU)")
-    ap.add_argument("--out", default=None, help="write the JSON here (default on GPU: benchmarks/results/...)")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
-    args = ap.parse_args(argv)
+    args = _common.parser(__doc__).parse_args(argv)
 
-    xp = backend.default_xp()
-    on_gpu = xp is not np
-    quick = args.quick or not on_gpu
+    xp, on_gpu, quick = _common.setup(args)
     reps = 3 if quick else args.reps
     rng = np.random.default_rng(0)
-    print(f"device: {backend.device_info(xp).summary()}")
     if quick:
         B, H, T, D = 1, 2, 64, 16
         vocab, vocab_rows, sweep, sweep_elems = (257,), 16, (8, 128, 512), 2**14
     else:
         B, H, T, D = 8, 12, 1024, 64
         vocab, vocab_rows, sweep, sweep_elems = (50257, 50304), 8 * 1024, (8, 32, 64, 128, 256, 512, 1024), 2**27
-    ceiling = copy_bandwidth(2**31 if not quick else 2**22, xp=xp)
-    print(f"copy ceiling (read + write): {ceiling:.0f} GB/s")
+    ceiling = _common.copy_ceiling(xp, 2**31 if not quick else 2**22)
     table = []
     bf16, fp32 = backend.bfloat16, backend.float32
     # NumPy has no fast bf16: on the CPU the smoke run stays in fp32
@@ -256,11 +235,7 @@ def main(argv=None):
         "faster_by_row_length": thresholds,
         "auto_warp_max_cols": sm.AUTO_WARP_MAX_COLS,
     }
-    path = args.out or (str(RESULTS) if on_gpu else None)
-    if path:
-        save_results(path, payload, xp=xp)
-        print(f"wrote {path}")
-    else:
+    if not _common.save(args.out or (RESULTS if on_gpu else None), payload, xp):
         print("(CPU run: no results written; pass --out PATH to keep them)")
     return payload
 

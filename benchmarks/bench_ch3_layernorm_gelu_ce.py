@@ -17,10 +17,9 @@ smoke test of the script) nothing is written unless --out is given.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
+import _common
 import numpy as np
 
 from llmgpu import backend, timing
@@ -29,7 +28,7 @@ from llmgpu.ops import embedding as em
 from llmgpu.ops import gelu as ge
 from llmgpu.ops import layernorm as ln
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch3_layernorm_gelu_ce.json"
+RESULTS = _common.RESULTS_DIR / "ch3_layernorm_gelu_ce.json"
 TARGET_PCT = 85.0  # goal for the optimized LayerNorm, GELU and cross-entropy kernels
 
 FULL = {"ln": (64 * 1024, 768), "gelu": (64 * 1024, 3072), "ce": (8 * 1024, 50257),
@@ -38,26 +37,15 @@ QUICK = {"ln": (1024, 768), "gelu": (256, 3072), "ce": (32, 50257), "emb": (2, 1
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (default when no GPU is used)")
-    ap.add_argument("--out", type=Path, help="write the JSON here (default: benchmarks/results/... on GPU only)")
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per kernel (median reported)")
+    ap = _common.parser(__doc__)
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated storage dtypes")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     return ap.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- PyTorch side
 
 
-def _torch():
-    torch = timing.torch_cuda()
-    return None if torch is None else (torch, torch.nn.functional)
-
-
 _time_torch = timing.time_torch
-
-
 
 
 def _torch_layernorm(torch, F, sz, dt, reps):
@@ -111,9 +99,9 @@ def _torch_embedding(torch, F, sz, dt, reps):
     }
 
 
-def torch_cases(tf, sz, dtype, reps):
+def torch_cases(torch, sz, dtype, reps):
     """{(op, direction): median ms} for PyTorch's equivalents."""
-    torch, F = tf
+    F = torch.nn.functional
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
     out = {}
     for case in (_torch_layernorm, _torch_gelu, _torch_cross_entropy, _torch_embedding):
@@ -265,27 +253,20 @@ def our_cases(xp, sz, dtype, reps):
 
 def main(argv=None):
     args = parse_args(argv)
-    xp = backend.default_xp()
-    on_gpu = xp is not np
-    quick = args.quick or not on_gpu
+    xp, on_gpu, quick = _common.setup(args)
     sz = QUICK if quick else FULL
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    dtypes = _common.names(args.dtypes)
     reps = args.reps if on_gpu else min(args.reps, 3)
 
-    info = backend.device_info(xp)
-    print(f"device: {info.summary()}")
-    ceiling = timing.copy_bandwidth(2**31 if on_gpu else 2**26, xp=xp)
-    print(f"copy ceiling (read + write): {ceiling:.0f} GB/s")
-    tf = None if (args.no_torch or not on_gpu) else _torch()
-    if on_gpu and tf is None and not args.no_torch:
-        print("PyTorch with CUDA not importable: no PyTorch comparison")
+    ceiling = _common.copy_ceiling(xp, 2**31 if on_gpu else 2**26)
+    torch = _common.torch_or_none(args, on_gpu)
 
     rows = []
     header = f"{'kernel':<15}{'dir':<5}{'method':<16}{'shape':<26}{'dtype':<6}{'ms':>9}{'GB/s':>9}{'% copy':>8}"
-    header += f"{'torch ms':>10}{'torch/ours':>11}" if tf else ""
+    header += f"{'torch ms':>10}{'torch/ours':>11}" if torch else ""
     print(header)
     for dtype in dtypes:
-        tt = torch_cases(tf, sz, dtype, args.reps) if tf else {}
+        tt = torch_cases(torch, sz, dtype, args.reps) if torch else {}
         for op, direction, method, shape, fn, nbytes, r in our_cases(xp, sz, dtype, reps):
             t = timing.time_fn(fn, xp=xp, warmup=2 if method != "naive" else 1, reps=r)
             gbps = t.gbps(nbytes)
@@ -293,7 +274,7 @@ def main(argv=None):
                    "median_ms": t.median_ms, "bytes": nbytes, "gbps": gbps, "pct_of_copy": 100.0 * gbps / ceiling}
             line = (f"{op:<15}{direction:<5}{method:<16}{shape:<26}{dtype:<6}{t.median_ms:9.3f}{gbps:9.0f}"
                     f"{row['pct_of_copy']:7.1f}%")
-            if tf and method in ("optimized", "fast") and (op, direction) in tt:
+            if torch and method in ("optimized", "fast") and (op, direction) in tt:
                 row["torch_ms"] = tt[(op, direction)]
                 row["torch_over_ours"] = tt[(op, direction)] / t.median_ms
                 line += f"{row['torch_ms']:10.3f}{row['torch_over_ours']:10.2f}x"
@@ -313,13 +294,10 @@ def main(argv=None):
         print(f"best LayerNorm/GELU/cross-entropy kernels at >= {TARGET_PCT:.0f}% of copy: "
               + ("all" if not below else "not: " + ", ".join(below)))
 
-    out = args.out or (RESULTS if on_gpu else None)
-    if out is not None:
-        payload = {"benchmark": "ch3_layernorm_gelu_ce", "quick": quick, "copy_ceiling_gbps": ceiling,
-                   "target_pct_of_copy": TARGET_PCT, "sizes": {k: list(v) for k, v in sz.items()},
-                   "torch": None if tf is None else tf[0].__version__, "results": rows}
-        timing.save_results(out, payload, xp=xp)
-        print(f"wrote {out}")
+    payload = {"benchmark": "ch3_layernorm_gelu_ce", "quick": quick, "copy_ceiling_gbps": ceiling,
+               "target_pct_of_copy": TARGET_PCT, "sizes": {k: list(v) for k, v in sz.items()},
+               "torch": None if torch is None else torch.__version__, "results": rows}
+    _common.save(args.out or (RESULTS if on_gpu else None), payload, xp)
     return 0
 
 

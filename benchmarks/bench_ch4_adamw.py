@@ -17,9 +17,7 @@ benchmarks/results/ch4_adamw.json on a GPU (or to --out). On the CPU it runs tin
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
+import _common
 import numpy as np
 
 import llmgpu
@@ -28,7 +26,7 @@ from llmgpu.amp import cast
 from llmgpu.optim import AdamW, GradClipper
 from llmgpu.params import FlatParams, gpt2_param_shapes
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch4_adamw.json"
+RESULTS = _common.RESULTS_DIR / "ch4_adamw.json"
 
 
 def make_params(shapes, xp, working="bf16", seed=0):
@@ -67,11 +65,7 @@ def torch_adamw(shapes, seed=0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (default on CPU)")
-    ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: results/ on GPU only)")
-    ap.add_argument("--reps", type=int, default=None)
-    args = ap.parse_args(argv)
+    args = _common.parser(__doc__, reps=None, no_torch=False).parse_args(argv)
 
     xp = llmgpu.default_xp()
     on_gpu = xp is not np
@@ -138,10 +132,7 @@ def main(argv=None):
     payload = {"benchmark": "ch4_adamw", "quick": quick, "copy_ceiling_GBps": ceiling, "n_tensors": len(shapes),
                "n_params": n_real, "rows": rows, "torch": torch_info,
                "bytes_per_param": {"adamw": 30, "cast": 6, "grad_norm": 4, "torch_adamw": 28}}
-    out = args.out or (RESULTS if on_gpu and not args.quick else None)
-    if out is not None:
-        timing.save_results(out, payload, xp=xp)
-        print(f"wrote {out}")
+    _common.save(args.out or (RESULTS if on_gpu and not args.quick else None), payload, xp)
     return payload
 
 

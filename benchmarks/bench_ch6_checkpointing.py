@@ -17,18 +17,15 @@ memory, and writes nothing unless ``--out`` is given.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
+import _common
 import numpy as np
 
-from llmgpu import backend
 from llmgpu.model import GPTConfig, checkpointing_sweep
-from llmgpu.timing import save_results
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch6_checkpointing.json"
+RESULTS = _common.RESULTS_DIR / "ch6_checkpointing.json"
 KS = (0, 1, 2, 4)
 
 
@@ -119,19 +116,13 @@ def torch_sweep(cfg: GPTConfig, batch: int, seq: int, ks, reps: int = 5):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (default on a CPU)")
+    ap = _common.parser(__doc__, reps=None)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--preset")
     ap.add_argument("--dtype")
-    ap.add_argument("--reps", type=int)
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--out", help="JSON path (default on GPU: benchmarks/results/ch6_checkpointing.json)")
     a = ap.parse_args(argv)
-    xp = backend.default_xp()
-    on_gpu = xp is not np
-    quick = a.quick or not on_gpu
+    xp, on_gpu, quick = _common.setup(a)
     if on_gpu and not quick:
         preset, batch, seq, dtype, reps = "gpt2", 16, 1024, "bf16", 5
     elif on_gpu:
@@ -145,7 +136,6 @@ def main(argv=None):
     dtype, reps = a.dtype or dtype, a.reps or reps
     base = GPTConfig.preset(preset)
     cfg = GPTConfig.preset(preset, pad_vocab_to=64 if on_gpu else 0, block_size=max(seq, base.block_size))
-    print(f"device: {backend.device_info(xp).summary()}")
     print(f"model: {preset} ({cfg.num_parameters() / 1e6:.1f}M parameters), {dtype}, batch {batch} x {seq}")
     rows = checkpointing_sweep(cfg, batch=batch, seq=seq, ks=KS, dtype=dtype, xp=xp, reps=reps)
     mem_key = "peak_bytes" if on_gpu else "activation_peak_bytes"
@@ -170,10 +160,9 @@ def main(argv=None):
     print(f"\ncheckpointing every block: {100 * (1 - one['memory_vs_off']):.0f}% less memory for "
           f"{100 * (one['time_vs_off'] - 1):.0f}% more time (the article: about half the memory for 30-40% "
           "more compute)")
-    out = a.out or (str(RESULTS) if on_gpu and not quick else None)
+    out = a.out or (RESULTS if on_gpu and not quick else None)
     if out:
-        save_results(out, payload, xp=xp)
-        print(f"wrote {os.path.relpath(out)}")
+        _common.save(os.path.relpath(out), payload, xp)
     return 0
 
 

@@ -25,10 +25,9 @@ the script) nothing is written unless --out is given.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
+import _common
 import numpy as np
 
 from llmgpu import backend, gemm_lt, timing
@@ -37,30 +36,19 @@ from llmgpu.ops.gelu import gelu_backward, gelu_forward
 from llmgpu.ops.linear import add_bias, bias_grad
 from llmgpu.testing import rel_error
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch8_fusion.json"
+RESULTS = _common.RESULTS_DIR / "ch8_fusion.json"
 FULL = {"N": 65536, "C": 768, "O": 3072}
 QUICK = {"N": 128, "C": 64, "O": 256}
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (default when no GPU is used)")
-    ap.add_argument("--out", type=Path, help="write the JSON here (default: benchmarks/results/... on GPU only)")
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median reported)")
+    ap = _common.parser(__doc__)
     ap.add_argument("--dtype", default="bf16", help="storage dtype of activations and weights")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument("--launches", type=int, default=1000, help="kernels per launch-overhead measurement")
     return ap.parse_args(argv)
 
 
-def _torch():
-    torch = timing.torch_cuda()
-    return None if torch is None else (torch, torch.nn.functional)
-
-
 _time_torch = timing.time_torch
-
-
 
 
 def make_data(xp, sz, dtype, seed=0):
@@ -138,8 +126,8 @@ def check_fused(xp, d):
             "db (bgradb)": rel_error(d["db_f"], d["db"])}
 
 
-def torch_cases(tf, d, reps):
-    torch, F = tf
+def torch_cases(torch, d, reps):
+    F = torch.nn.functional
     T = {k: torch.from_dlpack(v) for k, v in d.items() if k in ("x", "W", "b", "W2", "dout", "pre", "dpre")}
     x, W, b, W2, dout, pre, dpre = (T[k] for k in ("x", "W", "b", "W2", "dout", "pre", "dpre"))
     res = {("forward", "separate"): _time_torch(torch, lambda: F.gelu(F.linear(x, W, b), approximate="tanh"), reps),
@@ -156,13 +144,10 @@ def torch_cases(tf, d, reps):
 
 def main(argv=None):
     args = parse_args(argv)
-    xp = backend.default_xp()
-    on_gpu = xp is not np
-    quick = args.quick or not on_gpu
+    xp, on_gpu, quick = _common.setup(args)
     sz = QUICK if quick else FULL
     reps = args.reps if on_gpu else min(args.reps, 3)
     N, C, O = sz["N"], sz["C"], sz["O"]
-    print(f"device: {backend.device_info(xp).summary()}")
     ceiling = timing.gemm_ceiling(8192 if on_gpu else 256, "bf16" if on_gpu else "fp32", xp=xp,
                                   reps=10 if on_gpu else 2)
     print(f"GEMM ceiling ({'bf16 cuBLAS 8192³' if on_gpu else 'fp32 NumPy 256³'}): {ceiling:.3g} TFLOP/s")
@@ -170,9 +155,7 @@ def main(argv=None):
     lt_ok = lt_reason is None
     if not lt_ok:
         print(f"cuBLASLt path unavailable: {lt_reason}; only the separate sequences are timed")
-    tf = None if (args.no_torch or not on_gpu) else _torch()
-    if on_gpu and tf is None and not args.no_torch:
-        print("PyTorch with CUDA not importable: no PyTorch comparison")
+    torch = _common.torch_or_none(args, on_gpu)
 
     d = make_data(xp, sz, args.dtype)
     errors = None
@@ -181,10 +164,10 @@ def main(argv=None):
         print("fused vs separate, relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     flops = 2.0 * N * C * O
     shape = f"{N}x{C}->{O}"
-    tt = torch_cases(tf, d, args.reps) if tf else {}
+    tt = torch_cases(torch, d, args.reps) if torch else {}
     rows = []
     print(f"{'stage':<9}{'variant':<36}{'shape':<18}{'ms':>9}{'TFLOP/s':>9}{'% gemm':>8}{'vs separate':>12}"
-          + (f"{'torch ms':>10}{'torch/ours':>11}" if tf else ""))
+          + (f"{'torch ms':>10}{'torch/ours':>11}" if torch else ""))
     sep_ms = {}
     for stage, variant, fn in cases(d, lt_ok):
         t = timing.time_fn(fn, xp=xp, warmup=2, reps=reps)
@@ -203,7 +186,7 @@ def main(argv=None):
         sp = row.get("speedup_vs_separate")
         line = (f"{stage:<9}{variant:<36}{shape:<18}{t.median_ms:9.3f}{tfl:9.1f}{row['pct_of_gemm_ceiling']:7.1f}%"
                 f"{'' if sp is None else f'{sp:.2f}x':>12}")
-        if tf:
+        if torch:
             line += (f"{row['torch_ms']:10.3f}{row['torch_over_ours']:10.2f}x" if "torch_ms" in row else f"{'':>21}")
         print(line, flush=True)
 
@@ -217,13 +200,10 @@ def main(argv=None):
               f"{launch['graph_wall_us']:.2f} us per kernel ({launch['graph_launch_us']:.0f} us per graph.launch, "
               f"{launch['kernels_in_graph']} kernel nodes)")
 
-    out = args.out or (RESULTS if on_gpu else None)
-    if out is not None:
-        payload = {"benchmark": "ch8_fusion", "quick": quick, "sizes": sz, "gemm_ceiling_tflops": ceiling,
-                   "cublaslt": None if lt_ok else lt_reason, "fused_rel_errors": errors,
-                   "torch": None if tf is None else tf[0].__version__, "launch_overhead": launch, "results": rows}
-        timing.save_results(out, payload, xp=xp)
-        print(f"wrote {out}")
+    payload = {"benchmark": "ch8_fusion", "quick": quick, "sizes": sz, "gemm_ceiling_tflops": ceiling,
+               "cublaslt": None if lt_ok else lt_reason, "fused_rel_errors": errors,
+               "torch": None if torch is None else torch.__version__, "launch_overhead": launch, "results": rows}
+    _common.save(args.out or (RESULTS if on_gpu else None), payload, xp)
     return 0
 
 

@@ -22,17 +22,16 @@ smoke test of the script) nothing is written unless --out is given.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
+import _common
 import numpy as np
 
 from llmgpu import backend, timing
 from llmgpu.ops import embedding as em
 from llmgpu.testing import assert_close
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ch3_embedding_hot.json"
+RESULTS = _common.RESULTS_DIR / "ch3_embedding_hot.json"
 FULL = (64, 1024, 768, 50257, 1024)  # B, T, C, V, maxT
 QUICK = (2, 128, 768, 50257, 1024)
 DISTS = ("uniform", "hot20", "hot50", "hot100", "zipf")
@@ -42,13 +41,9 @@ GOAL_MS = {"uniform": 0.13, "hot20": 1.0}
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (default when no GPU is used)")
-    ap.add_argument("--out", type=Path, help="write the JSON here (default: benchmarks/results/... on GPU only)")
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median reported)")
+    ap = _common.parser(__doc__)
     ap.add_argument("--dtypes", default="bf16", help="comma-separated storage dtypes (bf16, fp16, fp32)")
     ap.add_argument("--dists", default=",".join(DISTS), help="comma-separated id distributions")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     return ap.parse_args(argv)
 
 
@@ -82,21 +77,13 @@ def _torch_backward(torch, idx, dx, v, maxt, dtype, reps):
 
 def main(argv=None):
     args = parse_args(argv)
-    xp = backend.default_xp()
-    on_gpu = xp is not np
-    quick = args.quick or not on_gpu
+    xp, on_gpu, quick = _common.setup(args)
     b, t, c, v, maxt = QUICK if quick else FULL
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    dists = [d.strip() for d in args.dists.split(",") if d.strip()]
+    dtypes, dists = _common.names(args.dtypes), _common.names(args.dists)
     reps = args.reps if on_gpu else min(args.reps, 3)
 
-    info = backend.device_info(xp)
-    print(f"device: {info.summary()}")
-    ceiling = timing.copy_bandwidth(2**31 if on_gpu else 2**26, xp=xp)
-    print(f"copy ceiling (read + write): {ceiling:.0f} GB/s")
-    torch = None if (args.no_torch or not on_gpu) else timing.torch_cuda()
-    if on_gpu and torch is None and not args.no_torch:
-        print("PyTorch with CUDA not importable: no PyTorch comparison")
+    ceiling = _common.copy_ceiling(xp, 2**31 if on_gpu else 2**26)
+    torch = _common.torch_or_none(args, on_gpu)
 
     rng = np.random.default_rng(0)
     shape = f"{b}x{t}x{c},V={v}"
@@ -132,9 +119,9 @@ def main(argv=None):
             if torch is not None:
                 ms = _torch_backward(torch, idx, dx, v, maxt, dtype, reps)
                 torch.cuda.empty_cache()
+                gbps = _common.gbps(nbytes, ms)
                 rows.append({"dist": dist, "method": "torch", "dtype": dtype, "shape": shape, "top_id_pct": top,
-                             "median_ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9,
-                             "pct_of_copy": 100.0 * nbytes / (ms * 1e-3) / 1e9 / ceiling})
+                             "median_ms": ms, "bytes": nbytes, "gbps": gbps, "pct_of_copy": 100.0 * gbps / ceiling})
                 print(f"{dist:<9}{'torch':<11}{dtype:<6}{shape:<24}{top:8.1f}%{ms:9.3f}{rows[-1]['gbps']:8.0f}"
                       f"{rows[-1]['pct_of_copy']:7.1f}%", flush=True)
 
@@ -143,13 +130,10 @@ def main(argv=None):
     if any("goal_ms" in r for r in rows):
         print("counting bf16 goals: " + ("met" if not missed else "missed: " + ", ".join(missed)))
 
-    out = args.out or (RESULTS if on_gpu else None)
-    if out is not None:
-        payload = {"benchmark": "ch3_embedding_hot", "quick": quick, "copy_ceiling_gbps": ceiling,
-                   "sizes": {"B": b, "T": t, "C": c, "V": v, "maxT": maxt}, "piece": em.PIECE,
-                   "torch": None if torch is None else torch.__version__, "results": rows}
-        timing.save_results(out, payload, xp=xp)
-        print(f"wrote {out}")
+    payload = {"benchmark": "ch3_embedding_hot", "quick": quick, "copy_ceiling_gbps": ceiling,
+               "sizes": {"B": b, "T": t, "C": c, "V": v, "maxT": maxt}, "piece": em.PIECE,
+               "torch": None if torch is None else torch.__version__, "results": rows}
+    _common.save(args.out or (RESULTS if on_gpu else None), payload, xp)
     return 0
 
 

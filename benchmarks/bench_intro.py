@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import _common
 import numpy as np
 
 import llmgpu
@@ -19,7 +20,7 @@ from llmgpu import timing
 from llmgpu.ops import vector_add
 from llmgpu.ops.matmul import METHODS, sweep
 
-RESULTS = Path(__file__).resolve().parent / "results" / "intro.json"
+RESULTS = _common.RESULTS_DIR / "intro.json"
 
 
 def main(argv=None):
@@ -45,10 +46,7 @@ def main(argv=None):
     print(f"{'method':<14}{'M x N x K':>20}{'ms':>10}{'TFLOP/s':>10}")
     for r in rows:
         print(f"{r['method']:<14}{r['m']:>8}x{r['n']}x{r['k']:<6}{r['ms']:>10.3f}{r['tflops']:>10.2f}")
-    out_path = args.out or (RESULTS if gpu else None)
-    if out_path:
-        timing.save_results(out_path, dict(copy_gbps=copy_gbps, vector_add=vadd, gemm=rows), xp=xp)
-        print(f"wrote {out_path}")
+    _common.save(args.out or (RESULTS if gpu else None), dict(copy_gbps=copy_gbps, vector_add=vadd, gemm=rows), xp)
 
 
 if __name__ == "__main__":

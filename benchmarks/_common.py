@@ -1,0 +1,87 @@
+"""What the benchmark scripts share: options, the device line, the copy ceiling, PyTorch, the JSON file.
+
+Each ``benchmarks/bench_*.py`` runs as a script (``python benchmarks/bench_x.py``), so this directory
+is on ``sys.path`` and the scripts ``import _common``. Every script runs on a GPU (GPT-2 sizes, results
+written to ``benchmarks/results/``) and on a CPU (NumPy, small sizes, a smoke test that writes nothing
+unless ``--out`` is given: CPU numbers do not belong next to the GPU results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# Run from a checkout without installing llmgpu: the repository root goes on the path first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmgpu import backend, timing  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parser(doc: str, *, reps: int | None = 20, no_torch: bool = True) -> argparse.ArgumentParser:
+    """The options every chapter benchmark takes; a script adds its own to the parser returned.
+
+    The description is the first paragraph of the script's docstring (``doc``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes or fewer cases (the default without a GPU)")
+    ap.add_argument("--out", type=Path, help="write the JSON here (default: benchmarks/results/... on a GPU only)")
+    ap.add_argument("--reps", type=int, default=reps, help="timed repetitions per case (median reported)")
+    if no_torch:
+        ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    return ap
+
+
+def setup(args) -> tuple:
+    """(xp, on_gpu, quick) for this machine, after printing the device line every result starts from.
+
+    Without a GPU the run is always quick: NumPy at GPT-2 sizes would take hours and mean nothing."""
+    xp = backend.default_xp()
+    on_gpu = xp is not np
+    print(f"device: {backend.device_info(xp).summary()}")
+    return xp, on_gpu, args.quick or not on_gpu
+
+
+def copy_ceiling(xp, nbytes: int) -> float:
+    """The device-to-device copy bandwidth (GB/s, read + write), measured in this run and printed.
+
+    Memory-bound kernels are judged against it rather than against the datasheet's figure."""
+    ceiling = timing.copy_bandwidth(nbytes, xp=xp)
+    print(f"copy ceiling (read + write): {ceiling:.0f} GB/s")
+    return ceiling
+
+
+def torch_or_none(args, on_gpu: bool):
+    """The ``torch`` module to time PyTorch's equivalents in the same run, or None.
+
+    None without a GPU, with ``--no-torch``, or when PyTorch with CUDA is not importable (said so)."""
+    if args.no_torch or not on_gpu:
+        return None
+    torch = timing.torch_cuda()
+    if torch is None:
+        print("PyTorch with CUDA not importable: no PyTorch comparison")
+    return torch
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """GB/s for ``nbytes`` moved in ``ms`` milliseconds (PyTorch timings come as plain ms)."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def names(option: str) -> list[str]:
+    """The entries of a comma-separated option such as ``--dtypes bf16,fp32``."""
+    return [s.strip() for s in option.split(",") if s.strip()]
+
+
+def save(path, payload: dict, xp) -> bool:
+    """Write ``payload`` (with the run's device and date header) to ``path`` if there is one.
+
+    Returns whether it wrote, so a script can say why it did not."""
+    if not path:
+        return False
+    timing.save_results(path, payload, xp=xp)
+    print(f"wrote {path}")
+    return True
