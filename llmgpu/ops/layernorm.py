@@ -575,6 +575,7 @@ __all__ = [
     "METHODS",
     "add_layernorm_forward",
     "add_layernorm_forward_reference",
+    "backward_fast_plan",
     "layernorm_backward",
     "layernorm_backward_reference",
     "layernorm_forward",
