@@ -40,6 +40,76 @@ __device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[
     *reinterpret_cast<Packed<T, W>*>(p) = raw;
 }
 
+// 16-byte pack <-> W floats without going through 16-bit registers: 16-bit types go two at a time
+// through 32-bit words (element 2i is the low half of word i, little endian, as
+// __floats2bfloat162_rn / __floats2half2_rn pack them); bf16 -> fp32 is a shift or a mask. The fast
+// elementwise kernels (gelu.cu, cross_entropy.cu) use these where load_pack's per-element
+// conversions cost instructions they do not have.
+template <typename T>
+__device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi);
+template <>
+__device__ __forceinline__ void unpack2<__nv_bfloat16>(unsigned w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+template <>
+__device__ __forceinline__ void unpack2<__half>(unsigned w, float& lo, float& hi) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    const float2 f = __half22float2(h);
+    lo = f.x;
+    hi = f.y;
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32 on sm_80+
+    unsigned w;
+    memcpy(&w, &h, 4);
+    return w;
+}
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    unsigned w;
+    memcpy(&w, &h, 4);
+    return w;
+}
+
+// W = 16 / sizeof(T) elements from a 16-byte-aligned p (W = 1: one element, any alignment).
+template <typename T, int W>
+__device__ __forceinline__ void load_pack16(const T* __restrict__ p, float (&v)[W]) {
+    if constexpr (W == 1) {
+        v[0] = to_float(*p);
+    } else if constexpr (sizeof(T) == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+    } else {
+        const uint4 q = *reinterpret_cast<const uint4*>(p);
+        unpack2<T>(q.x, v[0], v[1]);
+        unpack2<T>(q.y, v[2], v[3]);
+        unpack2<T>(q.z, v[4], v[5]);
+        unpack2<T>(q.w, v[6], v[7]);
+    }
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void store_pack16(T* __restrict__ p, const float (&v)[W]) {
+    if constexpr (W == 1) {
+        *p = from_float<T>(v[0]);
+    } else if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]),
+                                                  pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
+    }
+}
+
 // Butterfly reductions inside one warp: after the loop every lane holds the result.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

@@ -301,40 +301,6 @@ __device__ __forceinline__ float ce_rescale(float m, float c) {
     return m == c ? 1.0f : ce_ex2((m - c) * CE_LOG2E);
 }
 
-template <typename T>
-__device__ __forceinline__ void ce_unpack2(unsigned w, float& lo, float& hi);
-template <>
-__device__ __forceinline__ void ce_unpack2<__nv_bfloat16>(unsigned w, float& lo, float& hi) {
-    lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-template <>
-__device__ __forceinline__ void ce_unpack2<__half>(unsigned w, float& lo, float& hi) {
-    __half2 h;
-    memcpy(&h, &w, 4);
-    const float2 f = __half22float2(h);
-    lo = f.x;
-    hi = f.y;
-}
-
-// One 16-byte pack (p 16-byte aligned) to W floats.
-template <typename T, int W>
-__device__ __forceinline__ void ce_load_pack(const T* __restrict__ p, float (&v)[W]) {
-    if constexpr (sizeof(T) == 4) {
-        const float4 q = *reinterpret_cast<const float4*>(p);
-        v[0] = q.x;
-        v[1] = q.y;
-        v[2] = q.z;
-        v[3] = q.w;
-    } else {
-        const uint4 q = *reinterpret_cast<const uint4*>(p);
-        ce_unpack2<T>(q.x, v[0], v[1]);
-        ce_unpack2<T>(q.y, v[2], v[3]);
-        ce_unpack2<T>(q.z, v[4], v[5]);
-        ce_unpack2<T>(q.w, v[6], v[7]);
-    }
-}
-
 // Block per row (grid = N, 256 threads): lse[row] only. The loss needs logits[row, target], one
 // dependent load (target, then logit) per row; a block waiting for it would hold its SM slot for a
 // DRAM round trip or two, so cross_entropy_loss_fast does all rows' lookups at once afterwards.
@@ -363,7 +329,7 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
     for (; j + (U - 1) * CE_FAST_THREADS < nvec; j += U * CE_FAST_THREADS) {
         float v[U][W];
 #pragma unroll
-        for (int k = 0; k < U; ++k) ce_load_pack<T, W>(body + (long long)(j + k * CE_FAST_THREADS) * W, v[k]);
+        for (int k = 0; k < U; ++k) load_pack16<T, W>(body + (long long)(j + k * CE_FAST_THREADS) * W, v[k]);
         float gm = m;
 #pragma unroll
         for (int k = 0; k < U; ++k) {
@@ -386,7 +352,7 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
     }
     for (; j < nvec; j += CE_FAST_THREADS) {
         float v[W];
-        ce_load_pack<T, W>(body + (long long)j * W, v);
+        load_pack16<T, W>(body + (long long)j * W, v);
         float gm = m;
 #pragma unroll
         for (int i = 0; i < W; ++i) gm = fmaxf(gm, v[i]);

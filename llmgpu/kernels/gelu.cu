@@ -173,73 +173,6 @@ __device__ __forceinline__ float gelu_fast_grad(float x) {
     return s * fmaf(q, one_minus_s, 1.0f);
 }
 
-// 16-byte pack <-> W floats. 16-bit types go two at a time through 32-bit words: element 2i is the
-// low half of word i (little endian), as __floats2bfloat162_rn / __floats2half2_rn pack them.
-template <typename T>
-__device__ __forceinline__ void gelu_unpack2(unsigned w, float& lo, float& hi);
-template <>
-__device__ __forceinline__ void gelu_unpack2<__nv_bfloat16>(unsigned w, float& lo, float& hi) {
-    lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-template <>
-__device__ __forceinline__ void gelu_unpack2<__half>(unsigned w, float& lo, float& hi) {
-    __half2 h;
-    memcpy(&h, &w, 4);
-    const float2 f = __half22float2(h);
-    lo = f.x;
-    hi = f.y;
-}
-
-template <typename T>
-__device__ __forceinline__ unsigned gelu_pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ unsigned gelu_pack2<__nv_bfloat16>(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32 on sm_80+
-    unsigned w;
-    memcpy(&w, &h, 4);
-    return w;
-}
-template <>
-__device__ __forceinline__ unsigned gelu_pack2<__half>(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    unsigned w;
-    memcpy(&w, &h, 4);
-    return w;
-}
-
-// W = 16 / sizeof(T) elements from a 16-byte-aligned p (W = 1: one element, any alignment).
-template <typename T, int W>
-__device__ __forceinline__ void gelu_fast_load(const T* __restrict__ p, float (&v)[W]) {
-    if constexpr (W == 1) {
-        v[0] = to_float(*p);
-    } else if constexpr (sizeof(T) == 4) {
-        const float4 q = *reinterpret_cast<const float4*>(p);
-        v[0] = q.x;
-        v[1] = q.y;
-        v[2] = q.z;
-        v[3] = q.w;
-    } else {
-        const uint4 q = *reinterpret_cast<const uint4*>(p);
-        gelu_unpack2<T>(q.x, v[0], v[1]);
-        gelu_unpack2<T>(q.y, v[2], v[3]);
-        gelu_unpack2<T>(q.z, v[4], v[5]);
-        gelu_unpack2<T>(q.w, v[6], v[7]);
-    }
-}
-
-template <typename T, int W>
-__device__ __forceinline__ void gelu_fast_store(T* __restrict__ p, const float (&v)[W]) {
-    if constexpr (W == 1) {
-        *p = from_float<T>(v[0]);
-    } else if constexpr (sizeof(T) == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-        *reinterpret_cast<uint4*>(p) = make_uint4(gelu_pack2<T>(v[0], v[1]), gelu_pack2<T>(v[2], v[3]),
-                                                  gelu_pack2<T>(v[4], v[5]), gelu_pack2<T>(v[6], v[7]));
-    }
-}
-
 // Grid: ceil(n_packs / (256 * UNROLL)) blocks of 256 threads (at least 1). VEC = 0 (a pointer not
 // 16-byte aligned): packs of one element. The n % W tail elements go to the first threads of the grid.
 template <typename T, int VEC>
@@ -253,7 +186,7 @@ __global__ void __launch_bounds__(GELU_FAST_THREADS) gelu_forward_fast(const T* 
 #pragma unroll
     for (int k = 0; k < U; ++k) {  // all loads first: U * 16 bytes in flight per thread
         const long long j = j0 + k * GELU_FAST_THREADS;
-        if (j < nvec) gelu_fast_load<T, W>(x + j * W, v[k]);
+        if (j < nvec) load_pack16<T, W>(x + j * W, v[k]);
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -261,7 +194,7 @@ __global__ void __launch_bounds__(GELU_FAST_THREADS) gelu_forward_fast(const T* 
         if (j < nvec) {
 #pragma unroll
             for (int i = 0; i < W; ++i) v[k][i] = gelu_fast_value(v[k][i]);
-            gelu_fast_store<T, W>(y + j * W, v[k]);
+            store_pack16<T, W>(y + j * W, v[k]);
         }
     }
     const long long gtid = (long long)blockIdx.x * GELU_FAST_THREADS + threadIdx.x;
@@ -283,8 +216,8 @@ __global__ void __launch_bounds__(GELU_FAST_THREADS) gelu_backward_fast(const T*
     for (int k = 0; k < U; ++k) {
         const long long j = j0 + k * GELU_FAST_THREADS;
         if (j < nvec) {
-            gelu_fast_load<T, W>(dy + j * W, d[k]);
-            gelu_fast_load<T, W>(x + j * W, v[k]);
+            load_pack16<T, W>(dy + j * W, d[k]);
+            load_pack16<T, W>(x + j * W, v[k]);
         }
     }
 #pragma unroll
@@ -293,7 +226,7 @@ __global__ void __launch_bounds__(GELU_FAST_THREADS) gelu_backward_fast(const T*
         if (j < nvec) {
 #pragma unroll
             for (int i = 0; i < W; ++i) d[k][i] *= gelu_fast_grad(v[k][i]);
-            gelu_fast_store<T, W>(dx + j * W, d[k]);
+            store_pack16<T, W>(dx + j * W, d[k]);
         }
     }
     const long long gtid = (long long)blockIdx.x * GELU_FAST_THREADS + threadIdx.x;
