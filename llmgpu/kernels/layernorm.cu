@@ -529,6 +529,32 @@ struct IsBf16<__nv_bfloat16> {
     static constexpr bool value = true;
 };
 
+// One row's share of this lane for layernorm_backward_fast: its packs j = lane + 32 p (p < P, j < nvec)
+// of dy, x (and dresidual) as raw 16-byte streaming loads, and the row's saved mean and rstd. Each
+// lane's packs sit at base + 32 * W * p: one address per row and array, the per-pack offsets are
+// immediates. Row indices are 32-bit (the host keeps N + warps in the grid below 2**31), element
+// offsets 64-bit.
+template <typename T, int P, int RES>
+__device__ __forceinline__ void ln_load_row(const T* __restrict__ dy, const T* __restrict__ x, const T* dres,
+                                            const float* __restrict__ mean, const float* __restrict__ rstd,
+                                            int row, int C, int lane, int nvec,
+                                            Packed<T, 16 / (int)sizeof(T)> (&d)[P],
+                                            Packed<T, 16 / (int)sizeof(T)> (&xs)[P],
+                                            Packed<T, 16 / (int)sizeof(T)> (&r)[P], float& m, float& rs) {
+    constexpr int W = 16 / (int)sizeof(T);
+    const long long off = (long long)row * C + lane * W;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (lane + 32 * p < nvec) {
+            d[p] = ln_load_stream(dy + off + 32 * W * p);
+            xs[p] = ln_load_stream(x + off + 32 * W * p);
+            if constexpr (RES) r[p] = ln_load_stream(dres + off + 32 * W * p);
+        }
+    }
+    m = mean[row];
+    rs = rstd[row];
+}
+
 // Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
 // SACC = 0: dgamma/dbeta accumulators in registers (2 P W floats), blocks of 8 warps.
 // SACC = 1: accumulators in shared memory (per warp, conflict-free float4 slots), blocks of 4 warps:
@@ -567,26 +593,11 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
 
     // The first row's loads go out before the gamma table is built: they do not need it. (Measured on the
     // H200 this changes nothing, 90.0 us either way: the table is built within the loads' latency.)
-    // Row indices stay 32-bit (the host keeps N + warps in the grid below 2**31); element offsets
-    // are 64-bit. Each lane's packs of a row sit at base + 32 * W * p: one address per row and
-    // array, the per-pack offsets are immediates.
     const int nw = gridDim.x * wpb;
     int row = blockIdx.x * wpb + warp;
     Pack cd[P], cx[P], cr[P];  // the current row: dy, x, dresidual
     float cm = 0.0f, cs = 0.0f;
-    if (row < N) {
-        const long long off = (long long)row * C + lane * W;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) {
-                cd[p] = ln_load_stream(dy + off + 32 * W * p);
-                cx[p] = ln_load_stream(x + off + 32 * W * p);
-                if constexpr (RES) cr[p] = ln_load_stream(dres + off + 32 * W * p);
-            }
-        }
-        cm = mean[row];
-        cs = rstd[row];
-    }
+    if (row < N) ln_load_row<T, P, RES>(dy, x, dres, mean, rstd, row, C, lane, nvec, cd, cx, cr, cm, cs);
 
     // gamma -> shared memory, fp32, float4 (p, q) of lane l at (p * Q + q) * 32 + l
     for (int i = threadIdx.x; i < nvec * Q; i += blockDim.x) {
@@ -621,19 +632,7 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
         const int nxt = row + nw;
         Pack nd[P], nx[P], nr[P];
         float nm = 0.0f, ns = 0.0f;
-        if (nxt < N) {
-            const long long off = (long long)nxt * C + lane * W;
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                if (lane + 32 * p < nvec) {
-                    nd[p] = ln_load_stream(dy + off + 32 * W * p);
-                    nx[p] = ln_load_stream(x + off + 32 * W * p);
-                    if constexpr (RES) nr[p] = ln_load_stream(dres + off + 32 * W * p);
-                }
-            }
-            nm = mean[nxt];
-            ns = rstd[nxt];
-        }
+        if (nxt < N) ln_load_row<T, P, RES>(dy, x, dres, mean, rstd, nxt, C, lane, nvec, nd, nx, nr, nm, ns);
 
         // 2. the two row reductions and this row's share of dgamma/dbeta, all from registers
         float sum_g = 0.0f, sum_gx = 0.0f;
