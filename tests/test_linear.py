@@ -342,8 +342,8 @@ def test_bias_kernels_scalar_fallback_on_unaligned_views(cp, rng, dtype):
     buf = random_array(rng, (rows * c + 1,), dtype, cp)
     dy = buf[1:].reshape(rows, c)
     assert dy.flags.c_contiguous and dy.data.ptr % 16 != 0
-    assert L._vector_width(dy.dtype, c, dy) == 1
-    assert L._vector_width(dy.dtype, c, buf[:-1]) > 1
+    assert L.vector_width(dy.dtype, c, dy) == 1
+    assert L.vector_width(dy.dtype, c, buf[:-1]) > 1
     out = poisoned((c,), dtype, cp)
     assert_close(L.bias_grad(dy, out=out), f64(dy).sum(axis=0), dtype)
     b = random_array(rng, (c,), dtype, cp)

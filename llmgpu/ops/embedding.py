@@ -78,7 +78,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
+from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype, vector_width
 from ..kernels import get_kernel
 
 METHODS = ("naive", "optimized", "counting")
@@ -117,9 +117,8 @@ def _check_gpu_dtype(dtype):
 
 def _pack_grid(rows, c, dtype, arrays):
     """(vec, grid, block) for kernels with one block row per output row and threads over packs."""
-    width = 16 // np.dtype(dtype).itemsize
-    vec = c % width == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-    nvec = c // width if vec else c
+    width = vector_width(dtype, c, *arrays)
+    vec, nvec = width > 1, c // width
     bx = min(THREADS, -(-nvec // 32) * 32)
     return vec, (rows, -(-nvec // bx)), (bx,)
 
@@ -277,9 +276,8 @@ def _backward_counting(xp, dx, idx, dwte, v, ti):
     b, t, c = dx.shape
     bt = b * t
     # Row sums (below): a warp per ROWS_PER_WARP rows and per column tile of 32*kp packs (kp <= 3).
-    width = 16 // np.dtype(dx.dtype).itemsize
-    vec = c % width == 0 and dx.data.ptr % 16 == 0 and dwte.data.ptr % 16 == 0
-    nvec = c // width if vec else c
+    width = vector_width(dx.dtype, c, dx, dwte)
+    vec, nvec = width > 1, c // width
     ntiles = -(-nvec // (32 * MAX_PACKS_PER_LANE))
     kp = -(-nvec // (32 * ntiles))
     if ntiles > 65535:  # gridDim.y

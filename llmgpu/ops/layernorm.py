@@ -41,7 +41,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
+from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype, vector_width
 from ..kernels import get_kernel
 
 METHODS = ("naive", "optimized", "fast")
@@ -364,8 +364,8 @@ def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_row
 
 def _fast_packs(c, dtype, arrays):
     """Packs per lane for the "fast" kernels, or None when C or a pointer does not suit them."""
-    width = 16 // dtype.itemsize
-    if c % width or any(a.data.ptr % 16 for a in arrays):
+    width = vector_width(dtype, c, *arrays)
+    if width == 1:
         return None
     per_lane = -(-(c // width) // 32)
     return next((p for p in _FAST_PACKS[dtype.itemsize] if p >= per_lane), None)
@@ -435,7 +435,7 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
 
 def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
     """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
-    if any(a.data.ptr % 16 for a in ((dy, x, dx) if dres is None else (dy, x, dx, dres))):
+    if vector_width(x.dtype, c, *((dy, x, dx) if dres is None else (dy, x, dx, dres))) == 1:
         return False
     plan = backward_fast_plan(n_rows, c, x.dtype, residual=dres is not None, xp=xp)
     if plan is None:
@@ -517,9 +517,8 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
 def _vector_plan(c, dtype, arrays):
     """(vec, packs): 16-byte packs when C is a multiple of the pack width and every pointer is
     16-byte aligned; packs = registers per lane (1..8), 0 for the shared-memory variant."""
-    width = 16 // np.dtype(dtype).itemsize
-    vec = c % width == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-    if not vec:
+    width = vector_width(dtype, c, *arrays)
+    if width == 1:
         return False, 0
     per_lane = -(-(c // width) // 32)
     for p in _REGISTER_PACKS:

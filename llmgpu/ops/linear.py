@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype
+from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype, vector_width
 from ..gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
 from ..kernels import get_kernel
 
@@ -122,7 +122,7 @@ def add_bias(y, b):
         return y
     _check_gpu_dtype("y", y)
     rows = y.size // c
-    w_vec = _vector_width(y.dtype, c, y, b)
+    w_vec = vector_width(y.dtype, c, y, b)
     n_items = rows * (c // w_vec)
     sms = backend.device_info(xp).sm_count
     grid = min(-(-n_items // BIAS_ADD_THREADS), 16 * sms)
@@ -150,7 +150,7 @@ def bias_grad(dy, out=None, accumulate=False):
         _store(out, dy.reshape(rows, c).astype(acc).sum(axis=0), accumulate)
         return out
     _check_gpu_dtype("dy", dy)
-    w_vec = _vector_width(dy.dtype, c, dy)
+    w_vec = vector_width(dy.dtype, c, dy)
     chunks, rows_per_chunk = bias_chunks(rows, c, w_vec)
     partial = xp.empty((chunks, c), dtype=np.float32)
     tile = 32 * w_vec
@@ -241,12 +241,6 @@ def _check_grad_out(name, out, shape, dtype, xp):
     return out
 
 
-def _vector_width(dtype, c, *arrays):
-    """Elements per 16-byte access, or 1 when a row is not a multiple of it or a pointer is unaligned."""
-    w = 16 // np.dtype(dtype).itemsize
-    if c % w or any(a.data.ptr % 16 for a in arrays):
-        return 1
-    return w
 
 
 # --------------------------------------------------------------------------- column-major BLAS
