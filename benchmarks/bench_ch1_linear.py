@@ -29,9 +29,11 @@ import time
 import _common
 import numpy as np
 
-from llmgpu import backend, timing
+from llmgpu import backend
 from llmgpu.gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
-from llmgpu.ops.linear import linear_flops, measure_linear
+from llmgpu.ops.linear import linear_flops
+from llmgpu.perf import timing
+from llmgpu.perf.sweeps import measure_linear
 from llmgpu.testing import assert_close
 
 RESULTS = _common.RESULTS_DIR / "ch1_linear.json"

@@ -25,10 +25,10 @@ from llmgpu.ops.attention import (
     attention_backward,
     attention_flops,
     attention_forward,
-    attention_stage_times,
 )
+from llmgpu.perf.sweeps import attention_stage_times
+from llmgpu.perf.timing import time_fn, time_torch, torch_cuda
 from llmgpu.testing import random_array
-from llmgpu.timing import time_fn, time_torch, torch_cuda
 
 RESULTS = _common.RESULTS_DIR / "ch2_softmax_attention.json"
 KERNELS = ("naive", "warp", "block")

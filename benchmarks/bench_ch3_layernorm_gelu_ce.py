@@ -22,11 +22,12 @@ import sys
 import _common
 import numpy as np
 
-from llmgpu import backend, timing
+from llmgpu import backend
 from llmgpu.ops import cross_entropy as ce
 from llmgpu.ops import embedding as em
 from llmgpu.ops import gelu as ge
 from llmgpu.ops import layernorm as ln
+from llmgpu.perf import timing
 
 RESULTS = _common.RESULTS_DIR / "ch3_layernorm_gelu_ce.json"
 TARGET_PCT = 85.0  # goal for the optimized LayerNorm, GELU and cross-entropy kernels

@@ -21,10 +21,12 @@ import _common
 import numpy as np
 
 import llmgpu
-from llmgpu import backend, timing
+from llmgpu import backend
 from llmgpu.amp import cast
+from llmgpu.model.config import gpt2_param_shapes
 from llmgpu.optim import AdamW, GradClipper
-from llmgpu.params import FlatParams, gpt2_param_shapes
+from llmgpu.optim.params import FlatParams
+from llmgpu.perf import timing
 
 RESULTS = _common.RESULTS_DIR / "ch4_adamw.json"
 

@@ -23,7 +23,8 @@ import sys
 import _common
 import numpy as np
 
-from llmgpu.model import GPTConfig, checkpointing_sweep
+from llmgpu.model import GPTConfig
+from llmgpu.perf.sweeps import checkpointing_sweep
 
 RESULTS = _common.RESULTS_DIR / "ch6_checkpointing.json"
 KS = (0, 1, 2, 4)
@@ -129,7 +130,7 @@ def main(argv=None):
         preset, batch, seq, dtype, reps = "d6", 4, 256, "bf16", 3
     else:
         preset, batch, seq, dtype, reps = "tiny", 4, 64, "fp32", 2
-        from llmgpu.train import blas_threads
+        from llmgpu.backend import blas_threads
 
         blas_threads(1)
     preset, batch, seq = a.preset or preset, a.batch or batch, a.seq or seq

@@ -17,7 +17,7 @@ run, and the speed-up of the fused call over the separate sequence. Plain cuBLAS
 bias only) are timed too, to show what each epilogue costs on top of the bare product. With PyTorch on
 CUDA, its equivalents (``F.gelu(F.linear)``, ``torch._addmm_activation``, ``aten.gelu_backward(mm)``,
 ``mm + sum``) are timed on the same data (DLPack) and the ratio reported. Then launch overhead: host µs
-per RawKernel launch, eager vs replayed from a CUDA graph (``llmgpu.profile.launch_overhead``).
+per RawKernel launch, eager vs replayed from a CUDA graph (``llmgpu.perf.profile.launch_overhead``).
 
 On the GPU the results go to benchmarks/results/ch8_fusion.json; on the CPU (NumPy, a smoke test of
 the script) nothing is written unless --out is given.
@@ -30,10 +30,12 @@ import sys
 import _common
 import numpy as np
 
-from llmgpu import backend, gemm_lt, timing
+from llmgpu import backend
+from llmgpu.gemm import cublaslt as gemm_lt
 from llmgpu.gemm import gemm
 from llmgpu.ops.gelu import gelu_backward, gelu_forward
 from llmgpu.ops.linear import add_bias, bias_grad
+from llmgpu.perf import timing
 from llmgpu.testing import rel_error
 
 RESULTS = _common.RESULTS_DIR / "ch8_fusion.json"
@@ -192,7 +194,7 @@ def main(argv=None):
 
     launch = None
     if on_gpu:
-        from llmgpu.profile import launch_overhead
+        from llmgpu.perf.profile import launch_overhead
 
         launch = launch_overhead(args.launches).as_dict()
         print(f"launch overhead ({launch['n']} vector_add launches): eager {launch['eager_host_us']:.2f} us host / "

@@ -27,8 +27,9 @@ import sys
 import _common
 import numpy as np
 
-from llmgpu import backend, timing
+from llmgpu import backend
 from llmgpu.ops import embedding as em
+from llmgpu.perf import timing
 from llmgpu.testing import assert_close
 
 RESULTS = _common.RESULTS_DIR / "ch3_embedding_hot.json"

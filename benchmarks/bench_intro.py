@@ -16,9 +16,9 @@ import _common
 import numpy as np
 
 import llmgpu
-from llmgpu import timing
 from llmgpu.ops import vector_add
-from llmgpu.ops.matmul import METHODS, sweep
+from llmgpu.ops.matmul import METHODS
+from llmgpu.perf import timing
 
 RESULTS = _common.RESULTS_DIR / "intro.json"
 

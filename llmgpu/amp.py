@@ -10,7 +10,8 @@ scale while steps are clean and halves it (skipping the step) when a gradient ov
 Nothing here reads the device from the host inside a step: the scale, its inverse, the good-step
 counter and the overflow flag are 0-d device arrays, updated by small kernels.
 
-* ``cast(x, dtype, out=None)``: fp32 ↔ bf16 ↔ fp16, round-to-nearest-even (``kernels/cast.cu``).
+* ``cast(x, dtype, out=None)``: fp32 ↔ bf16 ↔ fp16, round-to-nearest-even (``llmgpu.ops.cast``,
+  ``kernels/cast.cu``; it sits with the ops because the flat parameters of chapter 4 cast too).
 * ``has_inf_or_nan(x)``: 0-d fp32 flag (1.0 / 0.0).
 * ``LossScaler(kind="dynamic"|"static"|"none", ...)``.
 * ``Policy(compute="bf16")``: names the compute dtype and whether a scaler is needed.
@@ -23,54 +24,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend
-from .checks import array_module, check_array, check_out
+from .checks import array_module, check_array
+from .kernels import get_kernel
+from .ops.cast import CAST_DTYPES, cast
+from .optim.clip import GradClipper, grad_norm_fused
 
-THREADS = 256
 _F32 = backend.float32
-_CAST_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
-
-
-# --------------------------------------------------------------------------- casting
-
-
-def _cast_numpy(x, dtype):
-    """NumPy reference: 16-bit inputs go through float32 (exact), then one round-to-nearest-even."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        x32 = x.astype(np.float32, copy=False)
-        return x32.astype(dtype)
-
-
-def cast(x, dtype, out=None):
-    """``x`` converted to ``dtype`` ('fp32', 'bf16', 'fp16'), same shape; one vectorized launch on CuPy.
-
-    Rounding is to nearest, ties to even; fp16 overflow gives ±inf; NaN stays NaN. ``out``: optional
-    preallocated array of the target dtype and x's shape.
-    """
-    xp = array_module(x=x, out=out)
-    dtype = backend.resolve_dtype(dtype)
-    if dtype not in _CAST_DTYPES:
-        raise TypeError(f"dtype must be fp32, fp16 or bf16, got {dtype}")
-    check_array("x", x, dtypes=_CAST_DTYPES)
-    out = check_out(out, x.shape, dtype, xp)
-    if xp is np:
-        out[...] = _cast_numpy(x, dtype)
-        return out
-    from .kernels import get_kernel
-    from .optim.adamw import resident_grid
-
-    n = x.size
-    vec = int(x.data.ptr % min(16, 4 * x.dtype.itemsize) == 0 and out.data.ptr % min(16, 4 * out.itemsize) == 0)
-    kern = get_kernel("cast", "cast_kernel", x.dtype, dtype)
-    kern((resident_grid(kern, -(-n // 8), xp),), (THREADS,), (x, out, np.int64(n), np.int32(vec)))
-    return out
 
 
 def has_inf_or_nan(x):
     """0-d fp32 array on x's device: 1.0 when any element of x is inf or nan, else 0.0 (no host sync)."""
-    from .optim.clip import grad_norm_fused
-
     array_module(x=x)
-    check_array("x", x, dtypes=_CAST_DTYPES)
+    check_array("x", x, dtypes=CAST_DTYPES)
     return grad_norm_fused(x.reshape(-1), 0.0).found_inf
 
 
@@ -115,8 +80,6 @@ class LossScaler:
         self.scale = self._buf[0:1].reshape(())  # 0-d views: the kernel updates them in place
         self.inv_scale = self._buf[1:2].reshape(())
         self.good_steps = self.xp.zeros((), dtype=np.int32)
-        from .optim.clip import GradClipper
-
         self._clipper = GradClipper(None, xp=self.xp)
 
     @property
@@ -139,8 +102,6 @@ class LossScaler:
         """One launch over the scaled gradient: GradNorm with the *unscaled* norm, the factor
         1/scale × clip coefficient for AdamW's grad_scale, and the found_inf flag. The result
         lives in buffers owned by the scaler (overwritten by the next call) unless ``out`` is given."""
-        from .optim.clip import grad_norm_fused
-
         array_module(grad_flat=grad_flat, scale=self.scale)
         return grad_norm_fused(grad_flat, max_norm or 0.0, prescale=self.inv_scale, out=out or self._clipper.result)
 
@@ -167,8 +128,6 @@ class LossScaler:
             self.inv_scale[...] = np.float32(1.0) / np.float32(s)
             self.good_steps[...] = good
             return
-        from .kernels import get_kernel
-
         get_kernel("amp", "scaler_update")(
             (1,), (32,),
             (self.scale, self.inv_scale, self.good_steps, found_inf, np.float32(self.growth_factor),
@@ -211,7 +170,7 @@ class Policy:
 
     def __post_init__(self):
         d = backend.resolve_dtype(self.compute)
-        if d not in _CAST_DTYPES:
+        if d not in CAST_DTYPES:
             raise ValueError(f"compute must be bf16, fp16 or fp32, got {self.compute!r}")
         object.__setattr__(self, "compute", backend.dtype_name(d))
 
@@ -233,3 +192,6 @@ class Policy:
 
     def make_scaler(self, xp=None, **kwargs) -> LossScaler:
         return LossScaler(self.scaler_kind, xp=xp, **kwargs)
+
+
+__all__ = ["LossScaler", "Policy", "cast", "has_inf_or_nan"]

@@ -122,6 +122,21 @@ def require_gpu():
     return cupy_module()
 
 
+def select_xp(device: str = "auto"):
+    """NumPy or CuPy for a ``--device`` choice: 'cpu', 'gpu' (raises GPUUnavailableError saying why) or
+    'auto' (``default_xp`` without its fallback warning: the commands say why in their own words)."""
+    device = (device or "auto").lower()
+    if device == "cpu":
+        return np
+    if device == "gpu":
+        return require_gpu()
+    if device != "auto":
+        raise ValueError(f"the device must be auto, cpu or gpu, not {device!r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return default_xp()
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -271,3 +286,50 @@ def _gpu_info(device_id: int) -> DeviceInfo:
         cuda_runtime=f"{rt // 1000}.{(rt % 1000) // 10}",
         cupy_version=cp.__version__,
     )
+
+
+# --------------------------------------------------------------------------- the NumPy backend's BLAS
+
+
+def blas_threads(n: int | None) -> int | None:
+    """Set the thread count of the OpenBLAS that NumPy uses; returns the previous count (None: unknown).
+
+    The tiny model's GEMMs are small (128-wide) and many (batched attention products loop over B·H
+    matrices): OpenBLAS threads spend more time handing work around than computing, and on a loaded
+    machine a spinning BLAS thread that lost its core slows a step down tenfold. One thread is the
+    robust default for the CPU backend. Uses threadpoolctl when installed, else OpenBLAS' own
+    ``*_set_num_threads`` entry point found among the loaded libraries (Linux); otherwise nothing.
+    """
+    if n is None:
+        return None
+    try:
+        import threadpoolctl
+
+        before = [i.get("num_threads") for i in threadpoolctl.threadpool_info() if i.get("internal_api") == "openblas"]
+        threadpoolctl.threadpool_limits(int(n), user_api="blas")
+        return before[0] if before else None
+    except ImportError:
+        pass
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    prev = None
+    for path in sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                setf = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                if setf is not None:
+                    if get is not None:
+                        prev = int(get())
+                    setf(ctypes.c_int(int(n)))
+    return prev

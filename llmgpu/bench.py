@@ -2,27 +2,21 @@
 
 One run trains the same model on the same synthetic tokens with
 
-* **llmgpu**: ``llmgpu.model.GPT`` (fp32 master weights in flat buffers, bf16 compute), the fused
-  global-norm clip and the fused AdamW of chapter 4 — the step of ``llmgpu train``;
+* **llmgpu**: ``llmgpu.model.GPT`` (the book step) or ``FastGPT`` (chapter 8), driven by
+  ``llmgpu.train.TrainStep``, the step of ``llmgpu train`` (fused clip, fused AdamW, eager or one CUDA
+  graph), with the optimizer settings of ``TrainConfig``;
 * **PyTorch** (when importable): a GPT-2 of identical architecture written here (nanoGPT-style:
   learned position embeddings, pre-LayerNorm blocks, tanh-GELU MLP of width 4C, biases everywhere,
   LM head tied to the token embedding, ``F.scaled_dot_product_attention(is_causal=True)``, i.e. flash
   attention on the GPU), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
 
 and reports per mode the median milliseconds per optimizer step, tokens per second, MFU and peak
-memory. **MFU** (model FLOPs utilisation, Chowdhery et al., PaLM, appendix B) divides the FLOPs the
-model needs by the time taken, against the bf16 GEMM ceiling *measured in the same run*
-(``llmgpu.timing.gemm_ceiling``, cuBLAS 8192³)::
-
-    FLOPs per token = 6·N + 12·L·C·T
-    MFU = FLOPs per token × tokens/s ÷ ceiling
-
-N counts the parameters without the position embedding (a lookup costs no FLOPs), the tied LM head
-once, padded vocabulary rows included (they are computed); 6N is the forward (2N) plus backward (4N)
-of every weight matrix, 12·L·C·T the attention score and value products (forward + backward) that
-no parameter counts. Recomputation (activation checkpointing) does not count: MFU measures useful
-work. The same N enters both frameworks, so the tokens/s ratio is the honest comparison; MFU adds
-how far both are from the hardware.
+memory. **MFU** (``llmgpu.perf.timing.mfu``) divides the FLOPs the model needs
+(``GPTConfig.flops_per_token``: 6·N + 12·L·C·T) per second by the bf16 GEMM ceiling *measured in the
+same run* (``mfu_ceiling``: cuBLAS 8192³); the datasheet peak is printed beside it, labelled.
+Recomputation (activation checkpointing) does not count: MFU measures useful work. The same N enters
+both frameworks, so the tokens/s ratio is the honest comparison; MFU adds how far both are from the
+hardware.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the high-water mark of
 CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes`` is the most it
@@ -44,36 +38,23 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
+from .model import GPT, FastGPT, GPTConfig
+from .perf import timing
+from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
+from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
+from .train.step import TrainStep
 
 MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile")
 DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile")  # on the CPU: llmgpu-fast
-LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+# the benchmark's own sizes (a throughput measurement, not a training run's defaults)
+BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"},
+                  "cpu": {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"}}
 
 
-# --------------------------------------------------------------------------- FLOPs and MFU
-
-
-def num_flop_parameters(config) -> int:
-    """N of the MFU formula: every parameter except the position embedding; the tied LM head once;
-    padded vocabulary rows included."""
-    C, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
-    return V * C + L * (12 * C * C + 13 * C) + 2 * C
-
-
-def flops_per_token(config, seq: int) -> float:
-    """Training FLOPs per token: ``6·N + 12·L·C·T`` (forward + backward, no recomputation)."""
-    return 6.0 * num_flop_parameters(config) + 12.0 * config.n_layer * config.n_embd * seq
-
-
-def mfu(tokens_per_s: float, config, seq: int, ceiling_tflops: float) -> float:
-    """Fraction of ``ceiling_tflops`` the model's useful FLOPs reach at ``tokens_per_s``."""
-    if not ceiling_tflops or ceiling_tflops <= 0:
-        return float("nan")
-    return flops_per_token(config, seq) * tokens_per_s / (ceiling_tflops * 1e12)
-
-
-MFU_FORMULA = ("MFU = (6·N + 12·L·C·T) FLOPs/token × tokens/s ÷ measured bf16 GEMM ceiling; "
-               "N = parameters without the position embedding (tied LM head once)")
+def optimizer_settings(xp) -> TrainConfig:
+    """The optimizer settings both frameworks train with: ``llmgpu train``'s on this device."""
+    d = GPU_DEFAULTS if xp is not np else CPU_DEFAULTS
+    return TrainConfig(lr=d["lr"])
 
 
 # --------------------------------------------------------------------------- the PyTorch reference
@@ -213,11 +194,11 @@ def build_torch_gpt(config, *, state_dict=None, device=None, seed: int = 0, mask
     return model.to(device)
 
 
-def _torch_optimizer(torch, model, fused):
+def _torch_optimizer(torch, model, fused, opt: TrainConfig):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=fused)
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, fused=fused)
 
 
 def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
@@ -241,7 +222,8 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
         warmup = 5 if mode == "compile" else 3
     model = build_torch_gpt(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
     model.train()
-    opt = _torch_optimizer(torch, model, fused=cuda)
+    settings = optimizer_settings(backend.cupy_module() if cuda else np)
+    opt = _torch_optimizer(torch, model, fused=cuda, opt=settings)
     run = torch.compile(model) if mode == "compile" else model
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
@@ -255,7 +237,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
         with autocast():
             loss = run(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -317,78 +299,51 @@ def release_memory():
 
 
 def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=None, checkpoint_every: int = 0,
-                    seed: int = 0, fast: bool = False):
-    """``(step, model)``: a closure running one training step of ``llmgpu train`` on a fixed synthetic batch
-    (forward + backward, fused clip, fused AdamW that zeroes the gradient; fp16 adds the loss scaler) and
-    returning the loss (a device scalar). ``fast=True`` uses ``FastGPT``. Nothing in it waits for the GPU,
-    and with ``fast=True`` it can be captured into a CUDA graph (``llmgpu.graphs.capture``)."""
-    from .amp import Policy
-    from .optim import AdamW, GradClipper
-
-    if fast:
-        from .fast_model import FastGPT as model_cls
-    else:
-        from .model import GPT as model_cls
+                    seed: int = 0, fast: bool = False, graph: bool = False):
+    """``(step, model)``: ``step()`` runs ``llmgpu train``'s step (``TrainStep``) on one fixed synthetic batch and
+    returns its device record ``[loss, grad norm, found_inf]`` without waiting for the GPU. ``fast=True``
+    uses ``FastGPT``; ``graph=True`` (with ``fast``) replays the step as one CUDA graph from the second call on.
+    ``step.train_step`` is the ``TrainStep`` (its ``.graph`` once captured)."""
     xp = xp or backend.default_xp()
+    model_cls = FastGPT if fast else GPT
     model = model_cls(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
-    P = model.params
-    opt = AdamW(P, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    clipper = GradClipper(GRAD_CLIP, xp=xp)
-    scaler = Policy(backend.dtype_name(dtype)).make_scaler(xp)
+    settings = optimizer_settings(xp)
+    train_step = TrainStep(model, settings, graph=graph)
     rng = np.random.default_rng(seed)
     x = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
     y = backend.to_device(rng.integers(0, config.vocab_size, (batch, seq)).astype(np.int32), xp)
-    from .train import apply_update
 
     def step():
-        dloss = scaler.loss_scale_for_backward() if scaler.enabled else 1.0
-        loss = model.forward_backward(x, y, dloss=dloss)
-        apply_update(P, opt, scaler, clipper, GRAD_CLIP, LR)
-        return loss
+        return train_step([(x, y)], settings.lr)
 
+    step.train_step = train_step
     return step, model
 
 
 def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3, dtype: str = "bf16", xp=None,
                checkpoint_every: int = 0, seed: int = 0, graph: bool = False, fast: bool = False) -> dict:
     """Train ``llmgpu.model.GPT`` (``fast=True``: the chapter 8 ``FastGPT``) for ``warmup + steps`` steps on
-    synthetic tokens; returns the metrics.
+    synthetic tokens through ``TrainStep``; returns the metrics.
 
-    The step is ``llmgpu train``'s (``Trainer.train_step`` with one micro-batch): forward + backward
-    (weight gradients accumulated in fp32 into the flat buffer), one fused norm/clip launch, one fused
-    AdamW launch that also zeroes the gradient; fp16 adds the dynamic loss scaler. Nothing in the
-    step waits for the GPU. ``graph=True`` captures the step into a CUDA graph (``llmgpu.graphs``) and
-    times its replays: this needs every GEMM of the step routed through ``llmgpu.gemm_lt`` (CuPy's
-    cuBLAS refuses capture), i.e. ``fast=True``, otherwise the capture error is raised.
+    ``graph=True`` replays the step as one CUDA graph (``TrainStep``: the first warm-up step eager, the
+    second captured) and times its replays: this needs every GEMM of the step routed through
+    ``llmgpu.gemm.cublaslt`` (CuPy's cuBLAS refuses capture), i.e. ``fast=True``, otherwise the capture
+    error is raised. Times: CUDA events around each step (launch cost included), median.
     """
     xp = xp or backend.default_xp()
     gpu = xp is not np
+    if graph and not gpu:
+        raise ValueError("graph=True needs the GPU (CuPy) backend")
     pool = xp.get_default_memory_pool() if gpu else None
     if gpu:
         xp.cuda.Device().synchronize()
         pool.free_all_blocks()
-    step, model = make_train_step(config, batch, seq, dtype=dtype, xp=xp, checkpoint_every=checkpoint_every,
-                                  seed=seed, fast=fast)
+    run, model = make_train_step(config, batch, seq, dtype=dtype, xp=xp, checkpoint_every=checkpoint_every,
+                                 seed=seed, fast=fast, graph=graph)
     static_bytes = int(pool.used_bytes()) if gpu else None
-
-    run = step
-    captured = None
     t0 = time.perf_counter()
-    if graph:
-        if not gpu:
-            raise ValueError("graph=True needs the GPU (CuPy) backend")
-        from .graphs import capture
-
-        for _ in range(max(1, warmup)):  # eager warm-up: compilation, cuBLASLt plans, cuDNN graphs
-            step()
-        xp.cuda.Device().synchronize()
-        pool.free_all_blocks()  # the eager steps' cached blocks: the graph allocates from its own pool
-        captured = capture(step, warmup=0)
-        captured.upload()
-        run = captured.replay
-    else:
-        for _ in range(warmup):
-            step()
+    for _ in range(max(warmup, 2 if graph else 0)):  # graph: eager warm-up, then the capture
+        run()
     if gpu:
         xp.cuda.Device().synchronize()
     warmup_s = time.perf_counter() - t0
@@ -397,17 +352,18 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
         for a, b in evs:
             a.record()
-            loss = run()
+            rec = run()
             b.record()
         evs[-1][1].synchronize()
         times = [xp.cuda.get_elapsed_time(a, b) for a, b in evs]
     else:
         for _ in range(steps):
             t = time.perf_counter()
-            loss = run()
+            rec = run()
             times.append((time.perf_counter() - t) * 1e3)
     ms = statistics.median(times)
-    final = float(backend.to_numpy(loss))
+    final = float(backend.to_numpy(rec)[0])
+    captured = run.train_step.graph
     peak = None
     if gpu:
         peak = int(pool.total_bytes()) + (int(captured.pool.total_bytes()) if captured and captured.pool else 0)
@@ -447,9 +403,9 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x':>12}")
     lines.append("-" * len(head))
     if ceiling_tflops:
-        lines.append(f"{MFU_FORMULA}; ceiling {ceiling_tflops:.3g} TFLOP/s")
+        lines.append(f"{MFU_DEFINITION}; ceiling {ceiling_tflops:.3g} TFLOP/s")
     else:
-        lines.append(MFU_FORMULA)
+        lines.append(MFU_DEFINITION)
     return "\n".join(lines)
 
 
@@ -480,30 +436,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _defaults(a, gpu):
-    d = ({"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"} if gpu else
-         {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"})
+    d = BENCH_DEFAULTS["gpu" if gpu else "cpu"]
     return {k: (getattr(a, k, None) if getattr(a, k, None) is not None else v) for k, v in d.items()}
-
-
-def _select_xp(device):
-    device = (device or "auto").lower()
-    if device == "cpu":
-        return np
-    if device == "gpu":
-        return backend.require_gpu()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return backend.default_xp()
 
 
 def bench_main(args) -> int:
     """Run the benchmark described by ``args`` (``add_arguments``'s namespace), print the table, write JSON."""
-    from . import timing
-    from .model import GPTConfig
-
-    xp = _select_xp(getattr(args, "device", "auto"))
+    xp = backend.select_xp(getattr(args, "device", "auto"))
     gpu = xp is not np
     o = _defaults(args, gpu)
     default = ",".join(DEFAULT_MODES) if gpu else ",".join(DEFAULT_MODES).replace("llmgpu-fast-graph", "llmgpu-fast")
@@ -524,12 +463,14 @@ def bench_main(args) -> int:
     print(f"model: {o['preset']} (L={cfg.n_layer}, H={cfg.n_head}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
           f"B={o['batch']} T={o['seq']} {o['dtype']}; {o['steps']} timed steps after {o['warmup']} warm-up")
-    ceiling = None
+    ceiling = ceiling_src = None
     if not getattr(args, "no_ceiling", False):
-        ceiling = timing.gemm_ceiling(8192 if gpu else 256, "bf16" if gpu else "fp32", xp=xp, reps=10 if gpu else 2)
-        print(f"GEMM ceiling ({'bf16 cuBLAS 8192³' if gpu else 'fp32 NumPy 256³'}): {ceiling:.3g} TFLOP/s")
-    fpt = flops_per_token(cfg, o["seq"])
-    print(f"FLOPs per token: {fpt / 1e9:.3f} GFLOP (6N + 12LCT, N = {num_flop_parameters(cfg):,})")
+        ceiling, ceiling_src = mfu_ceiling(xp, o["dtype"])
+        sheet, gpu_model = datasheet_peak_tflops(xp, o["dtype"])
+        print(f"GEMM ceiling ({ceiling_src}): {ceiling:.3g} TFLOP/s"
+              + (f" (datasheet peak of the {gpu_model}: {sheet:.4g} TFLOP/s, not used)" if sheet else ""))
+    fpt = cfg.flops_per_token(o["seq"])
+    print(f"FLOPs per token: {fpt / 1e9:.3f} GFLOP (6N + 12LCT, N = {cfg.flop_parameters():,})")
 
     rows = []
     torch_reason = None
@@ -561,7 +502,7 @@ def bench_main(args) -> int:
             continue
         release_memory()
         r["flops_per_token"] = fpt
-        r["mfu"] = mfu(r["tokens_per_s"], cfg, o["seq"], ceiling) if ceiling else None
+        r["mfu"] = mfu(fpt, r["tokens_per_s"], ceiling) if ceiling else None
         rows.append(r)
         print(f"  {r['ms_per_step']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']:.3f}")
     print()
@@ -576,7 +517,8 @@ def bench_main(args) -> int:
     if out:
         payload = {"benchmark": "llmgpu bench", "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
                    "seq": o["seq"], "dtype": o["dtype"], "steps": o["steps"], "warmup": o["warmup"],
-                   "gemm_ceiling_tflops": ceiling, "flops_per_token": fpt, "mfu_formula": MFU_FORMULA,
+                   "gemm_ceiling_tflops": ceiling, "gemm_ceiling": ceiling_src, "flops_per_token": fpt,
+                   "mfu_definition": MFU_DEFINITION,
                    "torch": getattr(torch, "__version__", None) if torch else None,
                    "cupy": getattr(backend.cupy_module(), "__version__", None) if gpu else None,
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields, replace
 
 from . import __version__, backend
 
@@ -53,22 +54,54 @@ def _nonneg_int(name):
     return conv
 
 
-def _pos_float(name):
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+_GROUPS = ("model", "data", "optimization", "run")
+# older spellings kept as aliases: (flag, field, value stored)
+_ALIASES = (("--sync-copy", "async_copy", False, "copy batches synchronously (= --no-async-copy)"),
+            ("--quiet", "progress", False, "no progress output (= --no-progress)"))
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``llmgpu train``'s flags, one per ``TrainConfig`` field (its default, type, help and group).
+
+    Generated, so the command line cannot drift from the configuration: ``TrainConfig(**vars(args))``
+    (less the ``command`` key) is the configuration the flags describe."""
+    from .train.config import TrainConfig
+
+    groups = {g: parser.add_argument_group(g) for g in _GROUPS}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if meta.get("cli", True) is False:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kind = _TYPES[str(f.type).split("|")[0].strip()]
+        g = groups[meta["group"]]
+        helptext = meta["help"]
+        if kind is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+            continue
+        if f.default is not None and not isinstance(f.default, bool):
+            helptext += f" (default {f.default})"
+        g.add_argument(flag, dest=f.name, type=_typed(kind, flag), default=f.default, help=helptext,
+                       metavar=meta.get("metavar"), choices=meta.get("choices"))
+    for flag, dest, value, helptext in _ALIASES:
+        groups["run"].add_argument(flag, dest=dest, action="store_const", const=value, help=helptext)
+    return parser
+
+
+def _typed(kind, flag):
+    """argparse type: one clear line for a value of the wrong type."""
     def conv(s):
         try:
-            v = float(s)
+            return kind(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
-        if not v > 0 or v != v or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {s!r}")
-        return v
+            raise argparse.ArgumentTypeError(f"{flag} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {s!r}") from None
 
-    return conv
+    return conv if kind in (int, float) else kind
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .model import PRESETS
-
     p = _Parser(prog="llmgpu", description="GPT-2 training on GPUs with CuPy + CUDA C (NumPy on a CPU).")
     p.add_argument("--version", action="version", version=f"llmgpu {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{train,sample,info,bench}", parser_class=_Parser)
@@ -77,56 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a GPT-2. With no arguments: the embedded corpus (Python standard "
                        "library sources, byte tokens); on a CPU the 'tiny' preset for ~3 minutes, on a GPU "
                        "GPT-2 small in bf16 for ~5 minutes.")
-    g = t.add_argument_group("model")
-    g.add_argument("--preset", choices=list(PRESETS), help="model size (default: tiny on CPU, gpt2 on GPU)")
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute precision (default: bf16 on "
-                   "GPU, fp32 on CPU); master weights are always fp32")
-    g.add_argument("--checkpoint-every", type=_nonneg_int("--checkpoint-every"), default=0, metavar="K",
-                   help="activation checkpointing: keep every K-th block input, recompute the rest (0 = off)")
-    g.add_argument("--vocab-size", type=_positive_int("--vocab-size"), help="model vocabulary (default: the data's)")
-    g.add_argument("--pad-vocab", type=_nonneg_int("--pad-vocab"), metavar="M",
-                   help="pad the vocabulary to a multiple of M (default 64 on GPU, off on CPU)")
-    g = t.add_argument_group("data")
-    g.add_argument("--data", help="'stdlib' (embedded corpus, default), a text file, an llm.c .bin shard, "
-                   "a directory or a glob of shards")
-    g.add_argument("--val-data", help="validation data (default: *val* shards, else the last --val-fraction)")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction (default 0.05)")
-    g.add_argument("--batch", type=_positive_int("--batch"), help="sequences per micro-batch")
-    g.add_argument("--seq", type=_positive_int("--seq"), help="tokens per sequence")
-    g.add_argument("--grad-accum", type=_positive_int("--grad-accum"), default=1, metavar="N",
-                   help="micro-batches per optimizer step")
-    g = t.add_argument_group("optimization")
-    g.add_argument("--steps", type=_positive_int("--steps"), help="optimizer steps (default: fit --max-time)")
-    g.add_argument("--max-time", type=_pos_float("--max-time"), metavar="SECONDS",
-                   help="training time limit (default 180 on CPU, 300 on GPU when --steps is not given)")
-    g.add_argument("--lr", type=_pos_float("--lr"), help="peak learning rate (default 3e-3 on CPU, 6e-4 on GPU)")
-    g.add_argument("--warmup", type=_nonneg_int("--warmup"), help="linear warm-up steps")
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping (0 = off)")
-    g.add_argument("--seed", type=int, default=1337)
-    g = t.add_argument_group("run")
-    g.add_argument("--out", help="output directory (default runs/<timestamp>)")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its checkpoint/)")
-    g.add_argument("--eval-every", type=_nonneg_int("--eval-every"), metavar="N", help="validation every N steps")
-    g.add_argument("--eval-batches", type=_positive_int("--eval-batches"), default=8)
-    g.add_argument("--log-every", type=_positive_int("--log-every"), default=10,
-                   help="steps between host synchronizations / log lines")
-    g.add_argument("--save-every", type=_nonneg_int("--save-every"), default=0, metavar="N",
-                   help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    g.add_argument("--sync-copy", action="store_true", help="copy batches synchronously (for comparison)")
-    g.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
-                   help="the chapter 8 model: cuBLASLt GEMMs with fused epilogues, fused residual+LayerNorm, "
-                        "flash attention (default: on when the GPU, bf16/fp16 and the 'fast' extra allow it)")
-    g.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay each step as one CUDA graph (default: with --fast)")
-    g.add_argument("--cpu-threads", type=_nonneg_int("--cpu-threads"), metavar="N",
-                   help="BLAS threads on the CPU backend (default 1: small GEMMs; 0: the BLAS default)")
-    g.add_argument("--sample-tokens", type=_nonneg_int("--sample-tokens"), default=200)
-    g.add_argument("--prompt", help="prompt of the sample printed at the end")
-    g.add_argument("--quiet", action="store_true", help="no progress output")
-    g.add_argument("--no-plot", action="store_true", help="skip loss.png")
+    add_train_arguments(t)
 
     s = sub.add_parser("sample", help="generate text from a trained checkpoint")
     s.add_argument("--from", dest="src", required=True, metavar="DIR", help="run directory or checkpoint")
@@ -156,21 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(a) -> int:
     from .train import TrainConfig, default_out_dir, train
 
-    out = a.out
-    if out is None and not a.resume:
-        out = default_out_dir()
-    cfg = TrainConfig(
-        preset=a.preset, data=a.data, val_data=a.val_data, val_fraction=a.val_fraction, steps=a.steps,
-        max_time=a.max_time, batch=a.batch, seq=a.seq, grad_accum=a.grad_accum, dtype=a.dtype,
-        checkpoint_every=a.checkpoint_every, lr=a.lr, warmup=a.warmup, schedule=a.schedule,
-        weight_decay=a.weight_decay, grad_clip=a.grad_clip, eval_every=a.eval_every, eval_batches=a.eval_batches,
-        log_every=a.log_every, save_every=a.save_every, out=out, resume=a.resume, seed=a.seed,
-        vocab_size=a.vocab_size, pad_vocab=a.pad_vocab, device=a.device, async_copy=not a.sync_copy,
-        sample_tokens=a.sample_tokens, prompt=a.prompt, progress=not a.quiet, plot=not a.no_plot,
-        cpu_threads=a.cpu_threads, fast=a.fast, graph=a.graph,
-    )
+    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
+    if cfg.out is None and not cfg.resume:
+        cfg = replace(cfg, out=default_out_dir())
     summary = train(cfg)
-    if "sample" in summary and not a.quiet:
+    if "sample" in summary and cfg.progress:
         print("--- sample ---")
         print(summary["sample"])
     return 0
@@ -179,10 +153,10 @@ def cmd_train(a) -> int:
 def cmd_sample(a) -> int:
     import numpy as np
 
-    from .checkpoint_io import load_checkpoint
-    from .data import get_tokenizer
     from .model import GPT, GPTConfig
     from .train import prompt_ids, select_xp
+    from .train.checkpoint import load_checkpoint
+    from .train.data import get_tokenizer
 
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
@@ -220,12 +194,12 @@ def cmd_info(a) -> int:
     if xp is not np:
         free, total = xp.cuda.runtime.memGetInfo()
         facts["memory_free_bytes"], facts["memory_total_bytes"] = int(free), int(total)
-        from .train import _PEAK_TFLOPS
+        from .perf.timing import datasheet_peak_tflops
 
-        for key, tc, f32 in _PEAK_TFLOPS:
-            if key in info.name:
-                facts["peak_tflops_datasheet"] = {"bf16/fp16": tc, "fp32": f32, "model": key}
-                break
+        tc, key = datasheet_peak_tflops(xp, "bf16")
+        if key is not None:
+            facts["peak_tflops_datasheet"] = {"bf16/fp16": tc, "fp32": datasheet_peak_tflops(xp, "fp32")[0],
+                                              "model": key}
     facts["train_defaults"] = "tiny preset, fp32, NumPy" if xp is np else "gpt2 preset (124M), bf16, CuPy"
     from .train import fast_path_available
 
@@ -263,8 +237,9 @@ def cmd_bench(a) -> int:
 
 def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
-    from .checkpoint_io import CheckpointError
-    from .data import DataError
+    from .train.checkpoint import CheckpointError
+    from .train.config import ConfigError
+    from .train.data import DataError
 
     parser = build_parser()
     try:
@@ -273,7 +248,7 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return {"train": cmd_train, "sample": cmd_sample, "info": cmd_info, "bench": cmd_bench}[a.command](a)
-    except (UsageError, DataError, CheckpointError) as e:
+    except (UsageError, ConfigError, DataError, CheckpointError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except backend.GPUUnavailableError as e:

@@ -1,9 +1,13 @@
-"""The book's recurring plots: bars against a ceiling line, and rate-vs-size curves.
+"""Every plot of the book and of ``llmgpu train``: bars against a ceiling line, rate-vs-size curves,
+the roofline, step breakdowns, fusion speed-ups and loss curves.
 
-Kept in the package so every chapter draws measurements the same way and notebook cells stay short.
+Kept in one module so every chapter draws measurements the same way and notebook cells stay short.
+matplotlib is imported on first use.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 
 def _plt():
@@ -69,4 +73,144 @@ def rate_vs_size(rows, *, x="size", y="tflops", group="method", ylabel="TFLOP/s"
     if title:
         ax.set_title(title)
     ax.figure.tight_layout()
+    return ax
+
+
+
+def roofline_plot(rows, peak_tflops: float, peak_gbps: float, *, ax=None, path=None, title=None):
+    """Log-log roofline: one point per kernel at (FLOP/byte, achieved TFLOP/s) under the roofs.
+
+    ``rows``: dicts with ``name``, ``flops`` and ``bytes`` per call, and ``ms`` per call (or
+    ``tflops`` directly); rows without positive flops and bytes are skipped (no place on a log axis).
+    The roofs: ``peak_gbps · intensity`` (memory-bound) and ``peak_tflops`` (compute-bound), meeting
+    at the ridge point ``peak_tflops / peak_gbps`` FLOP/byte. Returns the axes; saves to ``path``.
+    """
+    if peak_tflops <= 0 or peak_gbps <= 0:
+        raise ValueError("peak_tflops and peak_gbps must be positive")
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.6))
+    pts = []
+    for r in rows:
+        fl, by = r.get("flops"), r.get("bytes")
+        if not fl or not by or fl <= 0 or by <= 0:
+            continue
+        tf = r.get("tflops")
+        if tf is None:
+            tf = fl / (r["ms"] * 1e-3) / 1e12
+        pts.append((r.get("name", r.get("op", "?")), fl / by, tf))
+    ridge = peak_tflops * 1e3 / peak_gbps  # (TFLOP/s · 1e12) / (GB/s · 1e9) FLOP per byte
+    xs = [p[1] for p in pts] + [ridge]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    grid = np.geomspace(lo, hi, 200)
+    ax.plot(grid, np.minimum(peak_tflops, grid * peak_gbps / 1e3), color="#c44e52", lw=1.8,
+            label=f"roof: {peak_gbps:,.0f} GB/s, {peak_tflops:,.0f} TFLOP/s")
+    ax.axvline(ridge, color="#c44e52", ls=":", lw=1)
+    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak_tflops), textcoords="offset points", xytext=(4, -12),
+                fontsize=8, color="#c44e52")
+    for name, x, y in pts:
+        ax.scatter([x], [y], s=28, zorder=3)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(title or "roofline")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.figure.tight_layout()
+    if path is not None:
+        ax.figure.savefig(path, dpi=120)
+    return ax
+
+
+def plot_step_breakdown(steps: dict, *, top: int = 16, ax=None, title=None):
+    """Grouped horizontal bars of milliseconds per op, one colour per step: ``steps`` maps a label
+    (``"book"``, ``"fast"``) to the rows of ``profile_step`` / ``OpTimer.rows``. Shows the ``top`` ops by
+    their largest time in any step; the legend gives each step's total."""
+    plt = _plt()
+    labels = list(steps)
+    ms = {lab: {r["op"]: r["total_ms"] for r in rows if r.get("depth", 0) == 0} for lab, rows in steps.items()}
+    ops = sorted({op for d in ms.values() for op in d}, key=lambda op: -max(d.get(op, 0.0) for d in ms.values()))
+    ops = ops[:top]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.32 * len(ops) * max(1, len(labels)) + 1.2))
+    yy = np.arange(len(ops))
+    h = 0.8 / max(1, len(labels))
+    for j, lab in enumerate(labels):
+        total = sum(ms[lab].values())
+        ax.barh(yy + (j - (len(labels) - 1) / 2) * h, [ms[lab].get(op, 0.0) for op in ops], height=h,
+                label=f"{lab}: {total:.2f} ms in regions")
+    ax.set_yticks(yy, ops, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.set_title(title or "time per op")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_fusions(rows, ax=None, title=None):
+    """Grouped horizontal bars: separate vs fused time per comparison, speed-up printed at the bar."""
+    plt = _plt()
+    names = list(dict.fromkeys(r["comparison"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.7 * len(names) + 1.2))
+    yy = np.arange(len(names))
+    for off, variant, color in ((-0.2, "separate", "#9aa5b1"), (0.2, "fused", "#2b7bba")):
+        ms = [next(r["ms"] for r in rows if r["comparison"] == n and r["variant"] == variant) for n in names]
+        ax.barh(yy + off, ms, height=0.38, color=color, label=variant)
+        if variant == "fused":
+            for y, n, m in zip(yy, names, ms):
+                sp = next(r["speedup"] for r in rows if r["comparison"] == n and r["variant"] == "fused")
+                ax.text(m, y + off, f"  {sp:.2f}×", va="center", fontsize=9)
+    ax.set_yticks(yy, names)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median)")
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def plot_losses(records, png_path=None, ax=None):
+    """Training loss per step (and a moving average) with the validation points, from the records of a
+    training log (``llmgpu.train.read_log(run_dir)``); saves a PNG when ``png_path`` is given."""
+    recs = list(records)
+    tr = [(r["step"], r["loss"]) for r in recs if r.get("type") == "train"]
+    va = [(r["step"], r["val_loss"]) for r in recs if r.get("type") == "val"]
+    plt = _plt()
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        s, l_ = np.array(tr, dtype=float).T
+        ax.plot(s, l_, color="#4c72b0", alpha=0.35, lw=1, label="train loss (per step)")
+        w = max(1, len(l_) // 50)
+        if w > 1:
+            sm = np.convolve(l_, np.ones(w) / w, mode="valid")
+            ax.plot(s[w - 1:], sm, color="#4c72b0", lw=2, label=f"train loss ({w}-step mean)")
+    if va:
+        s, v = np.array(va, dtype=float).T
+        ax.plot(s, v, "o-", color="#c44e52", lw=2, ms=4, label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    run = next((r for r in recs if r.get("type") == "run"), None)
+    title = "training run"
+    if run is not None and "config" in run:
+        c = run["config"]
+        title = (f"{run.get('parameters', 0) / 1e6:.1f}M parameters, {c.get('dtype')}, batch "
+                 f"{c.get('batch')}x{c.get('seq')}x{c.get('grad_accum')}")
+        if va:
+            title += f": validation loss {va[0][1]:.2f} -> {va[-1][1]:.2f}"
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if png_path is not None:
+        ax.figure.tight_layout()
+        ax.figure.savefig(png_path, dpi=120)
+        if own:
+            plt.close(ax.figure)
+        return png_path
     return ax

@@ -10,7 +10,7 @@ import pytest
 
 from llmgpu import backend
 from llmgpu.optim import AdamW, adamw_update, lr_at
-from llmgpu.params import FlatParams
+from llmgpu.optim.params import FlatParams
 
 pytestmark = pytest.mark.ch4
 

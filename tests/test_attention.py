@@ -11,8 +11,8 @@ from llmgpu.ops.attention import (
     attention_backward,
     attention_flops,
     attention_forward,
-    attention_stage_times,
 )
+from llmgpu.perf.sweeps import attention_stage_times
 from llmgpu.testing import assert_close, check_gradient, random_array
 
 pytestmark = pytest.mark.ch2

@@ -107,7 +107,7 @@ def test_bench_main_quick_run_writes_json(tmp_path, capsys):
     assert ours["tokens_per_s"] > 0 and ours["mfu"] > 0 and ours["flops_per_token"] == data["flops_per_token"]
     torch_row = data["results"][1]
     assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
-    assert "date" in data and "device" in data  # the results header of llmgpu.timing.save_results
+    assert "date" in data and "device" in data  # the results header of llmgpu.perf.timing.save_results
 
 
 def test_bench_main_rejects_unknown_modes():

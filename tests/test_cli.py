@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmgpu.cli import main
-from llmgpu.data import write_shard
+from llmgpu.train.data import write_shard
 
 pytestmark = pytest.mark.ch7
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmgpu import data as D
+from llmgpu.train import data as D
 
 pytestmark = pytest.mark.ch7
 

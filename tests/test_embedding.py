@@ -633,7 +633,7 @@ def test_gpu_counting_misaligned_dx_takes_the_scalar_path(cp, rng):
 def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
     """Launch configurations and scratch sizes depend on the shapes only: one capture serves any idx,
     hot tokens or not (a host synchronization inside would fail the capture)."""
-    from llmgpu.graphs import capture
+    from llmgpu.perf.graphs import capture
 
     b, t, c, v = 4, 700, 768, 1000
     idd = cp.asarray(rng.integers(0, v, (b, t)))

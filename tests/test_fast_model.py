@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.fast_model import FastGPT
 from llmgpu.model import GPT, GPTConfig
+from llmgpu.model.fast import FastGPT
 from llmgpu.train import TrainConfig, Trainer, fast_path_available, read_log
 
 pytestmark = pytest.mark.ch8
@@ -91,7 +91,7 @@ def test_trainer_fast_flags_on_the_cpu(tmp_path):
                 eval_every=0)
     t = Trainer(TrainConfig(**base, out=str(tmp_path / "a")))
     assert t.cfg.fast is False and t.cfg.graph is False and type(t.model) is GPT  # auto: the book model on CPU
-    from llmgpu.data import DataError
+    from llmgpu.train.data import DataError
 
     with pytest.raises(DataError, match="--fast"):
         Trainer(TrainConfig(**base, fast=True, out=str(tmp_path / "b")))
@@ -185,7 +185,7 @@ def test_gpu_graph_step_matches_the_eager_fast_step(cp, tmp_path):
 def test_gpu_train_step_never_waits_for_the_gpu(cp, tmp_path, fast, graph):
     """A 300 ms spin kernel is queued before the step: had anything in the step synchronised, the step
     would have waited for it. The spin kernel must still be running when train_step returns."""
-    from llmgpu.profile import host_runs_ahead
+    from llmgpu.perf.profile import host_runs_ahead
 
     if fast:
         _need_fast(cp)

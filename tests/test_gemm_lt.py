@@ -1,5 +1,5 @@
 """The optional fast path of chapter 8 (``pip install 'llmgpu[fast]'``): cuBLASLt GEMMs with fused
-epilogues (``llmgpu.gemm_lt``) and cuDNN flash attention (``llmgpu.ops.flash_attention``).
+epilogues (``llmgpu.gemm.cublaslt``) and cuDNN flash attention (``llmgpu.ops.flash_attention``).
 
 CPU: the NumPy references against float64 formulas and finite differences, argument checks, the error
 raised without the optional packages. GPU (skipped with the reason when nvmath-python / the cuDNN
@@ -13,8 +13,9 @@ import math
 import numpy as np
 import pytest
 
-from llmgpu import backend, gemm_lt
-from llmgpu.gemm_lt import gelu_grad_reference, gelu_reference, lt_gemm
+from llmgpu import backend
+from llmgpu.gemm import cublaslt as gemm_lt
+from llmgpu.gemm.cublaslt import gelu_grad_reference, gelu_reference, lt_gemm
 from llmgpu.ops import flash_attention as fa
 from llmgpu.ops.attention import AttentionStats, attention_backward, attention_forward
 from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference
@@ -387,7 +388,7 @@ def test_gpu_capture_replay_bit_identical(cp, lt, rng):
 
 @pytest.mark.gpu
 def test_gpu_capture_through_graphs_helper(cp, lt, rng):
-    from llmgpu.graphs import capture
+    from llmgpu.perf.graphs import capture
 
     d = _mlp_buffers(cp, rng, N=96, C=32, O=64)
     g = capture(lambda: _mlp_sequence(d))
@@ -568,7 +569,7 @@ def test_gpu_cudnn_qkv_views(cp, cudnn_fa, rng):
 
 @pytest.mark.gpu
 def test_gpu_cudnn_captured_in_graph(cp, cudnn_fa, rng):
-    from llmgpu.graphs import capture
+    from llmgpu.perf.graphs import capture
 
     shape = (2, 4, 128, 64)
     q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))

@@ -7,7 +7,7 @@ import pytest
 
 from llmgpu import backend
 from llmgpu.model import GPT, PRESETS, GPTConfig, sample_token
-from llmgpu.params import gpt2_param_shapes
+from llmgpu.model.config import gpt2_param_shapes
 
 pytestmark = pytest.mark.ch6
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.params import ALIGN, FlatParams, gpt2_param_shapes
+from llmgpu.model.config import gpt2_param_shapes
+from llmgpu.optim.params import ALIGN, FlatParams
 
 pytestmark = pytest.mark.ch4
 

@@ -1,11 +1,14 @@
 """Profiling tools (chapter 8): per-op timing tables, NVTX ranges, occupancy, roofline, launch overhead,
-and CUDA-graph capture (``llmgpu.profile``, ``llmgpu.graphs``)."""
+and CUDA-graph capture (``llmgpu.perf.profile``, ``llmgpu.perf.graphs``)."""
 
 import numpy as np
 import pytest
 
-from llmgpu import backend, graphs, profile
-from llmgpu.profile import SMLimits, summarize, theoretical_occupancy
+from llmgpu import backend
+from llmgpu.kernels.launch import SMLimits
+from llmgpu.perf import graphs, profile
+from llmgpu.perf.occupancy import theoretical_occupancy
+from llmgpu.perf.profile import summarize
 
 pytestmark = pytest.mark.ch8
 

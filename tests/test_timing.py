@@ -1,8 +1,8 @@
-"""llmgpu.timing on the CPU: medians, bandwidth arithmetic, the PyTorch event timer's logic."""
+"""llmgpu.perf.timing on the CPU: medians, bandwidth arithmetic, the PyTorch event timer's logic."""
 
 import numpy as np
 
-from llmgpu import timing
+from llmgpu.perf import timing
 
 
 def test_time_fn_numpy_median_and_rates():

@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from llmgpu.checkpoint_io import CheckpointError, find_checkpoint, load_checkpoint
-from llmgpu.data import DataError
+from llmgpu.plotting import plot_losses
 from llmgpu.testing import rel_error
-from llmgpu.train import TrainConfig, Trainer, plot_losses, read_log, resolve, train
+from llmgpu.train import TrainConfig, Trainer, read_log, resolve, train
+from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from llmgpu.train.data import DataError
 
 pytestmark = pytest.mark.ch7
 

@@ -17,10 +17,11 @@ import sys
 
 import numpy as np
 
-from llmgpu import backend, profile, timing
+from llmgpu import backend
 from llmgpu.bench import make_train_step
-from llmgpu.graphs import capture
 from llmgpu.model import GPTConfig
+from llmgpu.perf import profile, timing
+from llmgpu.perf.graphs import capture
 
 
 def bitwise_repeatable(model, x, y) -> dict:

@@ -17,9 +17,10 @@ import sys
 
 import numpy as np
 
-from llmgpu import backend, timing
+from llmgpu import backend
 from llmgpu.kernels import get_kernel
 from llmgpu.ops import layernorm as ln
+from llmgpu.perf import timing
 
 
 def main(argv=None) -> int:

@@ -154,14 +154,13 @@ def attention_flops(B, H, T, D, causal=True, direction="fwd") -> float:
     return fwd if direction == "fwd" else 2.5 * fwd
 
 
-def attention_stage_times(q, k, v, do, causal=True, *, method="auto", fp32_scores=True, reps=20, warmup=3):
-    """Median milliseconds of each stage of the forward and backward, timed one stage at a time.
+def attention_stages(q, k, v, do, causal=True, *, method="auto", fp32_scores=True):
+    """The forward and backward as their eight stages, to run (and time) one at a time.
 
-    Returns a list of dicts ``{"pass": "fwd"|"bwd", "stage": ..., "kind": "gemm"|"softmax", "ms": ...}``.
-    Buffers are allocated once, and every stage runs once in order first so each reads real data.
+    Returns ``[(pass, stage, kind, fn), ...]`` with pass ``"fwd"|"bwd"``, kind ``"gemm"|"softmax"`` and
+    ``fn()`` running the stage on buffers allocated once (``llmgpu.perf.sweeps.attention_stage_times``
+    times them). Run them in order once before timing, so each stage reads real data.
     """
-    from ..timing import time_fn
-
     xp = _check_qkv(q, k, v)
     check_array("do", do, shape=q.shape, dtype=q.dtype)
     B, H, T, D = q.shape
@@ -185,13 +184,7 @@ def attention_stage_times(q, k, v, do, causal=True, *, method="auto", fp32_score
         ("bwd", "dQ = dS K", "gemm", lambda: _mm(dS, k3, out=dQ)),
         ("bwd", "dK = dSᵀ Q", "gemm", lambda: _mm(dS, q3, trans_a=True, out=dK)),
     ]  # fmt: skip
-    for *_, fn in stages:
-        fn()
-    rows = []
-    for pas, stage, kind, fn in stages:
-        t = time_fn(fn, xp=xp, warmup=warmup, reps=reps)
-        rows.append({"pass": pas, "stage": stage, "kind": kind, "ms": t.median_ms})
-    return rows
+    return stages
 
 
 __all__ = [
@@ -199,6 +192,6 @@ __all__ = [
     "attention_backward",
     "attention_flops",
     "attention_forward",
-    "attention_stage_times",
+    "attention_stages",
     "default_scale",
 ]

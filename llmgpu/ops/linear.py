@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import backend
 from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype, vector_width
-from ..gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
+from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..kernels import get_kernel
 
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
@@ -307,66 +307,17 @@ def colmajor_gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, alpha=1.0, be
         return c
     from cupy.cuda import cublas
 
-    if a.dtype != b.dtype or a.dtype not in _CUDA_DTYPE or c.dtype not in (a.dtype, backend.float32):
+    if a.dtype != b.dtype or a.dtype not in CUDA_DATA_TYPES or c.dtype not in (a.dtype, backend.float32):
         raise TypeError(f"unsupported dtypes a={a.dtype}, b={b.dtype}, c={c.dtype}")
     handle = xp.cuda.device.get_cublas_handle()
     al = np.array([alpha], np.float32)
     be = np.array([beta], np.float32)
     cublas.gemmEx(
         handle, int(ops[transa]), int(ops[transb]), m, n, k, al.ctypes.data,
-        a.data.ptr, _CUDA_DTYPE[a.dtype], lda, b.data.ptr, _CUDA_DTYPE[b.dtype], ldb, be.ctypes.data,
-        c.data.ptr, _CUDA_DTYPE[c.dtype], ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        a.data.ptr, CUDA_DATA_TYPES[a.dtype], lda, b.data.ptr, CUDA_DATA_TYPES[b.dtype], ldb, be.ctypes.data,
+        c.data.ptr, CUDA_DATA_TYPES[c.dtype], ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
     )  # fmt: skip
     return c
-
-
-# --------------------------------------------------------------------------- measurement
-
-
-def measure_linear(n, c_in, c_out, dtype="bf16", *, xp=None, reps=20, seed=0):
-    """Time one linear layer's kernels at ``x [n, c_in]``, ``w [c_out, c_in]`` (used by the chapter
-    and by ``benchmarks/bench_ch1_linear.py``).
-
-    Returns a dict of median milliseconds and rates: ``fwd`` (:func:`linear_forward` with bias),
-    ``dgrad`` and ``wgrad`` (the two :func:`~llmgpu.gemm.gemm` calls :func:`linear_backward` makes,
-    with the same arguments, timed one by one), ``bwd`` (all of :func:`linear_backward`: dgrad,
-    wgrad and the bias gradient), ``bias_grad`` and ``bias_add``. Each entry holds ``ms`` and
-    ``tflops`` (GEMMs) or ``gbps`` (bias kernels, minimum bytes: each input read once, each output
-    written once). Outputs are preallocated, so no allocation is timed.
-    """
-    from ..timing import time_fn
-
-    xp = xp or backend.default_xp()
-    dt = backend.resolve_dtype(dtype)
-    # Random inputs made where they live (a host generator would take seconds at GPT-2 sizes).
-    gen = np.random.default_rng(seed) if xp is np else xp.random.RandomState(seed)
-    randn = lambda *shape, scale=1.0: (gen.standard_normal(shape, dtype=np.float32) * scale).astype(dt)
-    x, dy = randn(n, c_in), randn(n, c_out)
-    w, b = randn(c_out, c_in, scale=c_in**-0.5), randn(c_out)
-    y, dx = xp.empty((n, c_out), dt), xp.empty((n, c_in), dt)
-    dw, db = xp.empty((c_out, c_in), dt), xp.empty((c_out,), dt)
-    fns = {
-        "fwd": lambda: linear_forward(x, w, b, out=y),
-        "dgrad": lambda: gemm(dy, w, out=dx),
-        "wgrad": lambda: gemm(dy, x, trans_a=True, out=dw),
-        "bwd": lambda: linear_backward(dy, x, w, dx_out=dx, dw_out=dw, db_out=db),
-        "bias_grad": lambda: bias_grad(dy, out=db),
-        "bias_add": lambda: add_bias(y, b),
-    }
-    flops = linear_flops(n, c_in, c_out)
-    s = dt.itemsize
-    res = {"n": n, "c_in": c_in, "c_out": c_out, "dtype": backend.dtype_name(dt)}
-    for name, fn in fns.items():
-        t = time_fn(fn, xp=xp, reps=reps)
-        entry = {"ms": t.median_ms}
-        if name in ("fwd", "dgrad", "wgrad", "bwd"):
-            entry["tflops"] = t.tflops(flops * (2 if name == "bwd" else 1))
-        elif name == "bias_grad":
-            entry["gbps"] = t.gbps((n * c_out + c_out) * s)  # read dy, write db
-        else:
-            entry["gbps"] = t.gbps((2 * n * c_out + c_out) * s)  # read y and b, write y
-        res[name] = entry
-    return res
 
 
 __all__ = [
@@ -378,5 +329,4 @@ __all__ = [
     "linear_backward",
     "linear_flops",
     "linear_forward",
-    "measure_linear",
 ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
 from ..checks import array_module, check_array, check_out
 from ..kernels import get_kernel
 
@@ -64,40 +63,3 @@ def matmul_flops(m: int, n: int, k: int) -> float:
 
 
 __all__ = ["METHODS", "matmul", "matmul_flops"]
-
-
-def sweep(shapes, methods=METHODS, *, xp=None, reps=10, numpy_max_flops=2e11, seed=0):
-    """Time every method on every (M, N, K) shape; returns a list of dicts (one per measurement).
-
-    On a GPU, NumPy (the host's BLAS) is timed too, at shapes up to ``numpy_max_flops`` so the sweep
-    stays short. Each GPU result is checked against NumPy before it is timed: a fast wrong kernel
-    does not get a number.
-    """
-    from .. import timing
-    from ..testing import rel_error
-
-    xp = xp or backend.default_xp()
-    rng = np.random.default_rng(seed)
-    rows = []
-    for m, n, k in shapes:
-        a_h = rng.standard_normal((m, k), dtype=np.float32)
-        b_h = rng.standard_normal((k, n), dtype=np.float32)
-        flops = matmul_flops(m, n, k)
-        ref = None
-        if xp is not np:
-            a, b = xp.asarray(a_h), xp.asarray(b_h)
-            out = xp.empty((m, n), dtype=np.float32)
-            for method in methods:
-                matmul(a, b, method=method, out=out)
-                if ref is None:
-                    ref = a_h.astype(np.float64) @ b_h.astype(np.float64)
-                err = rel_error(out, ref)
-                if not err < 1e-4:
-                    raise AssertionError(f"{method} at {(m, n, k)}: relative error {err:.2e}")
-                t = timing.time_fn(lambda: matmul(a, b, method=method, out=out), xp=xp, reps=reps)
-                rows.append(dict(method=method, m=m, n=n, k=k, ms=t.median_ms, tflops=t.tflops(flops)))
-        if xp is np or flops <= numpy_max_flops:
-            out_h = np.empty((m, n), dtype=np.float32)
-            t = timing.time_fn(lambda: np.matmul(a_h, b_h, out=out_h), xp=np, warmup=1, reps=3)
-            rows.append(dict(method="numpy (CPU)", m=m, n=n, k=k, ms=t.median_ms, tflops=t.tflops(flops)))
-    return rows

@@ -1,5 +1,6 @@
-"""Chapter 4: the optimizer step. Fused AdamW over flat buffers, global-norm clipping, LR schedules.
+"""Chapter 4: the optimizer step. Flat parameter buffers, fused AdamW, global-norm clipping, LR schedules.
 
+* ``FlatParams``: every weight, gradient and moment in one contiguous buffer each (``params.py``).
 * ``adamw_update(param, grad, m, v, *, step, lr, ...)``: one tensor, in place (DESIGN.md's API).
 * ``AdamW(flat_params, ...)``: the whole model in one kernel launch (``per_tensor=True``: one per
   tensor, the baseline).
@@ -10,7 +11,8 @@
 
 from .adamw import AdamW, adamw_update
 from .clip import GradClipper, GradNorm, clip_scale, global_grad_norm, grad_norm_fused
+from .params import FlatParams
 from .schedule import lr_at
 
-__all__ = ["AdamW", "GradClipper", "GradNorm", "adamw_update", "clip_scale", "global_grad_norm",
+__all__ = ["AdamW", "FlatParams", "GradClipper", "GradNorm", "adamw_update", "clip_scale", "global_grad_norm",
            "grad_norm_fused", "lr_at"]

@@ -21,6 +21,9 @@ import numpy as np
 
 from .. import backend
 from ..checks import array_module, check_array
+from ..kernels import get_kernel
+from ..kernels.launch import resident_grid
+from .params import FlatParams
 
 THREADS = 256
 _F32 = backend.float32
@@ -60,15 +63,6 @@ def _aligned(a, nbytes_per_4: int) -> bool:
 def _vec_ok(*arrays) -> bool:
     """Whether 4-wide vector accesses are legal: each pointer aligned to 4 elements (max 16 bytes)."""
     return all(_aligned(a, 4 * a.dtype.itemsize) for a in arrays if a is not None)
-
-
-def resident_grid(kern, n_items: int, xp, threads: int = THREADS) -> int:
-    """Blocks for a grid-stride loop over ``n_items`` thread-work items: one full wave of resident
-    blocks (from the kernel's register count), fewer when there is less work."""
-    sms = backend.device_info(xp).sm_count or 132
-    regs = max(int(getattr(kern, "num_regs", 64) or 64), 16)
-    per_sm = max(1, min(2048 // threads, 65536 // (regs * threads), 32))
-    return max(1, min(-(-max(n_items, 1) // threads), per_sm * sms))
 
 
 # --------------------------------------------------------------------------- the reference
@@ -161,7 +155,6 @@ def launch_flat(xp, *, p, g, m, v, w, n, decay_end, lr, grad_scale, found_inf, s
     ``counter`` (a 1-element uint32 device array, zero between launches) is given the kernel's last
     block advances it.
     """
-    from ..kernels import get_kernel
 
     flags = extra_flags
     dummy = p  # any device pointer for the unused pointer arguments
@@ -188,7 +181,7 @@ def launch_flat(xp, *, p, g, m, v, w, n, decay_end, lr, grad_scale, found_inf, s
     wt = w.dtype if write_w else _F32
     kern = get_kernel("adamw", "adamw_kernel", g.dtype, wt)
     kern(
-        (resident_grid(kern, -(-n // 8), xp),), (THREADS,),  # 2 groups of 4 per thread
+        (resident_grid(kern, -(-n // 8), THREADS, xp),), (THREADS,),  # 2 groups of 4 per thread
         (p, g, m, v, w if write_w else dummy, np.int64(n), np.int64(decay_end),
          np.float32(lr_val), lr_ptr, np.float32(gs_val), gs_ptr,
          found_inf if found_inf is not None else dummy,
@@ -216,10 +209,9 @@ class AdamW:
     """
 
     def __init__(self, params, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, *, per_tensor=False):
-        from ..params import FlatParams
 
         if not isinstance(params, FlatParams):
-            raise TypeError(f"params must be a llmgpu.params.FlatParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a llmgpu.optim.FlatParams, got {type(params).__name__}")
         beta1, beta2 = betas
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"betas must lie in [0, 1), got {betas}")

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import backend
+from .. import backend
+from ..kernels import get_kernel
+from ..version import __version__
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) 
     ``host_ahead`` (GPU): a kernel of tens of microseconds can take less GPU time than the Python call
     that launches it (argument checks, launch). Timed back to back, the GPU would then wait for the
     host between calls and the events would measure the host. So a spin kernel
-    (``profile.gpu_spin``) is queued first, long enough for the host to enqueue the whole batch
+    (``gpu_spin``) is queued first, long enough for the host to enqueue the whole batch
     behind it: the events then measure the GPU's time alone, what a bandwidth figure is about. Pass
     ``host_ahead=False`` to measure what a caller launching one call after another sees (e.g. a whole
     training step, launch overhead included).
@@ -82,8 +84,6 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) 
             batch = max(reps - len(times), 1)
             events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(batch)]
             if host_ahead:
-                from .profile import gpu_spin
-
                 gpu_spin(_spin_ms(host_ms, batch))
             for start, end in events:
                 start.record(stream)
@@ -94,6 +94,18 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) 
                 times.append(cp.cuda.get_elapsed_time(start, end))
             total = sum(times) / 1e3
     return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def gpu_spin(ms: float):
+    """Queue a kernel on the current stream that keeps the GPU busy for ``ms`` milliseconds (wall clock);
+    returns a CUDA event recorded right after it. Nothing waits for it."""
+    cp = backend.require_gpu()
+    if not ms >= 0:
+        raise ValueError(f"ms must be >= 0, got {ms}")
+    get_kernel("spin", "gpu_spin")((1,), (32,), (np.uint64(int(ms * 1e6)),))
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record()
+    return ev
 
 
 def copy_bandwidth(nbytes: int = 2**31, *, xp=None, reps=20) -> float:
@@ -118,11 +130,59 @@ def gemm_ceiling(n: int = 8192, dtype="bf16", *, xp=None, reps=10, seed=0) -> fl
     dt = backend.resolve_dtype(dtype)
     if xp is np and dt in (backend.bfloat16, backend.float16):
         dt = backend.float32  # NumPy has no fast 16-bit GEMM; the CPU ceiling is fp32
-    rng = np.random.default_rng(seed)
-    a = backend.to_device(rng.standard_normal((n, n)).astype(dt), xp)
-    b = backend.to_device(rng.standard_normal((n, n)).astype(dt), xp)
+    # made where they live: a host generator takes seconds at 8192²
+    gen = np.random.default_rng(seed) if xp is np else xp.random.RandomState(seed)
+    a = gen.standard_normal((n, n), dtype=np.float32).astype(dt)
+    b = gen.standard_normal((n, n), dtype=np.float32).astype(dt)
     t = time_fn(lambda: a @ b, xp=xp, warmup=2, reps=reps)
     return t.tflops(2.0 * n**3)
+
+
+# --------------------------------------------------------------------------- MFU
+
+# Dense peak TFLOP/s per GPU from the vendors' datasheets: (16-bit tensor cores, fp32 without TF32).
+# Shown next to MFU, labelled, never used as its denominator.
+DATASHEET_PEAK_TFLOPS = (
+    ("H200", 989.4, 66.9), ("H100 PCIe", 756.0, 51.2), ("H100", 989.4, 66.9), ("GH200", 989.4, 66.9),
+    ("A100", 312.0, 19.5), ("L40S", 362.0, 91.6), ("L4", 121.0, 30.3), ("A10G", 125.0, 31.2), ("A10", 125.0, 31.2),
+    ("RTX 4090", 165.2, 82.6), ("RTX 3090", 71.0, 35.6), ("V100", 125.0, 15.7),
+)
+
+MFU_DEFINITION = ("MFU = (6·N + 12·L·C·T) FLOPs/token × tokens/s ÷ the GEMM ceiling measured in the same run "
+                  "(N = parameters without the position embedding, tied LM head once)")
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, ceiling_tflops: float) -> float:
+    """Model FLOPs utilisation (Chowdhery et al., PaLM, appendix B): the FLOPs the model needs per second
+    (``GPTConfig.flops_per_token``; recomputation does not count) over the measured GEMM ceiling."""
+    if not ceiling_tflops or ceiling_tflops <= 0:
+        return float("nan")
+    return flops_per_token * tokens_per_s / (ceiling_tflops * 1e12)
+
+
+def mfu_ceiling(xp=None, dtype="bf16", *, reps: int | None = None) -> tuple[float, str]:
+    """(TFLOP/s, what was measured): the denominator of MFU for training in ``dtype`` on ``xp``.
+
+    On a GPU a cuBLAS 8192³ product in the compute dtype (bf16 for bf16/fp16, fp32 for fp32); on the
+    CPU NumPy's fp32 BLAS at 384³ (the tiny model's GEMMs are that small)."""
+    xp = xp or backend.default_xp()
+    dt = backend.resolve_dtype(dtype)
+    if xp is np:
+        return gemm_ceiling(384, "fp32", xp=np, reps=reps or 3), "NumPy fp32 GEMM 384³"
+    name = "fp32" if dt == backend.float32 else "bf16"
+    return gemm_ceiling(8192, name, xp=xp, reps=reps or 10), f"cuBLAS {name} GEMM 8192³"
+
+
+def datasheet_peak_tflops(xp=None, dtype="bf16") -> tuple[float | None, str | None]:
+    """(dense peak TFLOP/s, GPU model) from ``DATASHEET_PEAK_TFLOPS`` for this GPU, or (None, None)."""
+    xp = xp or backend.default_xp()
+    if xp is np:
+        return None, None
+    name = backend.device_info(xp).name
+    for key, tc, f32 in DATASHEET_PEAK_TFLOPS:
+        if key in name:
+            return (f32 if backend.resolve_dtype(dtype) == backend.float32 else tc), key
+    return None, None
 
 
 def results_header(xp=None) -> dict:
@@ -137,12 +197,7 @@ def results_header(xp=None) -> dict:
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
-    try:
-        import llmgpu
-
-        head["llmgpu"] = llmgpu.__version__
-    except ImportError:  # pragma: no cover
-        pass
+    head["llmgpu"] = __version__
     return head
 
 
@@ -171,9 +226,7 @@ def torch_cuda():
 
 
 def _spin_on_torch_stream(torch, ms: float):
-    """``profile.gpu_spin`` on PyTorch's current stream (CuPy's, when they are the same stream)."""
-    from .profile import gpu_spin
-
+    """``gpu_spin`` on PyTorch's current stream (CuPy's, when they are the same stream)."""
     cp = backend.require_gpu()
     current = getattr(getattr(torch, "cuda", None), "current_stream", None)
     ptr = int(current().cuda_stream) if current is not None else cp.cuda.get_current_stream().ptr

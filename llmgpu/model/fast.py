@@ -1,12 +1,13 @@
 """The chapter 8 GPT: the same model as ``llmgpu.model.GPT``, with the step rebuilt for speed.
 
-``FastGPT`` shares everything with ``GPT`` (configuration, parameters in one ``FlatParams``, state
-dict names, initialization, sampling) and replaces the forward and backward passes. What changes,
+``FastGPT`` is ``GPT``'s sibling on ``GPTBase`` (``model/base.py``: configuration, parameters in one
+``FlatParams``, state dict names, initialization, sampling, the loss) with its own forward and backward
+passes. What changes,
 and why (chapter 8 measures each item):
 
-* **Every GEMM through cuBLASLt** (``llmgpu.gemm_lt.lt_gemm``): CuPy refuses its own cuBLAS calls
+* **Every GEMM through cuBLASLt** (``llmgpu.gemm.cublaslt.lt_gemm``): CuPy refuses its own cuBLAS calls
   while a stream is capturing, cuBLASLt called directly does not, so the whole training step can
-  become one CUDA graph (``Trainer(graph=True)``). Weight gradients are written by the GEMM straight
+  become one CUDA graph (``llmgpu.train.TrainStep(graph=True)``). Weight gradients are written by the GEMM straight
   into the fp32 gradient buffer (``beta=1`` accumulates).
 * **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)``
   is one GEMM that also keeps the pre-activation (GELU_AUX_BIAS), and the backward's
@@ -32,7 +33,7 @@ NumPy the two agree to ~1e-6), not bitwise. Activation checkpointing is not impl
 (``checkpoint_every`` must be 0): the fused add + LayerNorm crosses block boundaries, which is where
 the book path cuts its spans.
 
-Every op sits in a ``profile.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
+Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
 """
 
@@ -42,16 +43,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import backend
-from .gemm_lt import lt_gemm
-from .model import GPT, PAD_LOGIT, WPE, WTE, GPTConfig, _acc, _block_names, _nbytes
-from .ops.attention import attention_backward, attention_forward
-from .ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
-from .ops.embedding import embedding_backward, embedding_forward
-from .ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
-from .ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
-from .ops.linear import bias_grad
-from .profile import region
+from .. import backend
+from ..gemm.cublaslt import lt_gemm
+from ..instrument import region
+from ..ops.attention import attention_backward, attention_forward
+from ..ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from ..ops.embedding import embedding_backward, embedding_forward
+from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
+from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
+from ..ops.linear import bias_grad
+from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
+from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
 
 # kernel variants of chapter 3 this path uses (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
@@ -60,7 +62,7 @@ LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual grad
 CROSS_ENTROPY_METHOD = "fast"
 
 
-class FastGPT(GPT):
+class FastGPT(GPTBase):
     """GPT-2 with the chapter 8 step: cuBLASLt GEMMs with fused epilogues, fused residual + LayerNorm,
     flash attention. Same constructor as ``GPT`` (``checkpoint_every`` must be 0)."""
 
@@ -71,29 +73,26 @@ class FastGPT(GPT):
                              "use llmgpu.GPT for checkpointed training")
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
-        super().__init__(config, dtype=dtype, checkpoint_every=0, xp=xp, seed=seed, init=init)
+        super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init)
         on_np = self.xp is np
         # cuDNN's flash attention takes fp16/bf16; the NumPy reference runs any float type
         self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
+        self.attention = "flash" if self.flash else "math-copy"
 
-    @GPT.checkpoint_every.setter
-    def checkpoint_every(self, k: int):
-        if int(k) != 0:
-            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0)")
-        self._ckpt = 0
+    checkpoint_every = 0  # no activation checkpointing on this path (module docstring)
 
     # ------------------------------------------------------------------ pieces
 
     def _linear(self, x, w_name, b_name=None, *, name, epilogue=None, aux=None):
         """``x Wᵀ (+ b)`` through cuBLASLt, the bias in the epilogue."""
-        w = self._w(w_name)
+        w = self.weight(w_name)
         n, k = x.shape
         m = w.shape[0]
         nbytes = (n * k + k * m + n * m * (2 if aux is not None else 1)) * x.dtype.itemsize
         with region(name, flops=2.0 * n * k * m, bytes=nbytes):
             if b_name is None:
                 return lt_gemm(x, w, trans_b=True)
-            return lt_gemm(x, w, trans_b=True, bias=self._w(b_name), epilogue=epilogue or "bias", aux=aux)
+            return lt_gemm(x, w, trans_b=True, bias=self.weight(b_name), epilogue=epilogue or "bias", aux=aux)
 
     def _linear_grads(self, dy, x, w_name, b_name, *, name):
         """dW += dyᵀ x (fp32, in the GEMM) and db += Σ dy (deterministic reduction)."""
@@ -108,7 +107,7 @@ class FastGPT(GPT):
                 bias_grad(dy, out=G(b_name), accumulate=True)
 
     def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None):
-        w = self._w(w_name)
+        w = self.weight(w_name)
         n = dy.shape[0]
         m, k = w.shape
         nbytes = (n * m + m * k + n * k * (2 if aux is not None else 1)) * dy.dtype.itemsize
@@ -119,14 +118,14 @@ class FastGPT(GPT):
         """(x + a written over a, LN(x + a), mean, rstd)."""
         it = x.dtype.itemsize
         with region(name, bytes=4 * x.nbytes + 8 * x.shape[0] + 2 * it * x.shape[1], flops=10.0 * x.size):
-            return add_layernorm_forward(x, a, self._w(ln + ".weight"), self._w(ln + ".bias"), residual_out=a)
+            return add_layernorm_forward(x, a, self.weight(ln + ".weight"), self.weight(ln + ".bias"), residual_out=a)
 
     def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name):
         """d(LN input) + the residual gradient ``dres`` (None: none), written over ``dres``; dγ, dβ accumulated
         in fp32 into the gradient buffer."""
         G = self.params.grad_of
         with region(name, bytes=(3 if dres is None else 4) * x.nbytes + 8 * x.shape[0], flops=12.0 * x.size):
-            dx, _, _ = layernorm_backward(dh, x, self._w(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
+            dx, _, _ = layernorm_backward(dh, x, self.weight(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
                                           dgamma_out=G(ln + ".weight"), dbeta_out=G(ln + ".bias"),
                                           accumulate_params=True, method=LAYERNORM_BACKWARD_METHOD)
         return dx
@@ -178,13 +177,13 @@ class FastGPT(GPT):
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         it = self.dtype.itemsize
         with region("embedding fwd", bytes=2 * N * C * it + T * C * it + 4 * N, flops=float(N * C)):
-            x = embedding_forward(idx, self._w(WTE), self._w(WPE)).reshape(N, C)
+            x = embedding_forward(idx, self.weight(WTE), self.weight(WPE)).reshape(N, C)
         with region("ln_1 fwd", bytes=2 * x.nbytes + 8 * N, flops=8.0 * x.size):
-            h, mean, rstd = layernorm_forward(x, self._w("transformer.h.0.ln_1.weight"),
-                                              self._w("transformer.h.0.ln_1.bias"))
+            h, mean, rstd = layernorm_forward(x, self.weight("transformer.h.0.ln_1.weight"),
+                                              self.weight("transformer.h.0.ln_1.bias"))
         caches = [None] * L
         for i in range(L):
-            n = _block_names(i)
+            n = block_param_names(i)
             qkv = self._linear(h, n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv fwd")
             y, att = self._attention_forward(qkv, B, T)
             a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
@@ -213,23 +212,22 @@ class FastGPT(GPT):
 
     def forward(self, idx, targets=None, *, last_only: bool = False):
         """Inference with the fast kernels; same contract as ``GPT.forward``."""
-        idx = self._check_idx(idx)
+        idx = self.check_idx(idx)
         B, T = idx.shape
         C = self.config.n_embd
         _, hf, _, _, _ = self._forward_trunk(idx, store=False)
         if last_only:
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
-        return self._logits_and_loss(self._logits(hf), targets, B, T, last_only)
+        return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
 
     # ------------------------------------------------------------------ forward + backward
 
-    def forward_backward(self, idx, targets, dloss=1.0):
-        """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``."""
+    def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
+        """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
+        contract as ``GPT.forward_backward`` (``grads_ready``: ``model/base.py``)."""
         cfg = self.config
-        idx = self._check_idx(idx)
-        targets = self._check_idx(targets, "targets")
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        idx, targets = self.check_batch(idx, targets)
+        ready = grads_ready or (lambda names: None)
         B, T = idx.shape
         N, C, L = B * T, cfg.n_embd, cfg.n_layer
         Vp = cfg.padded_vocab_size
@@ -237,7 +235,7 @@ class FastGPT(GPT):
         it = self.dtype.itemsize
 
         xL, hf, meanf, rstdf, caches = self._forward_trunk(idx, store=True)
-        stored = _nbytes(caches)
+        stored = nbytes_of(caches)
         logits = self._logits(hf)
         with region("cross_entropy fwd", bytes=logits.nbytes + 8 * N, flops=4.0 * logits.size):
             loss, ce = cross_entropy_forward(logits, targets.reshape(-1), method=CROSS_ENTROPY_METHOD)
@@ -251,10 +249,11 @@ class FastGPT(GPT):
         del dlogits, hf
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
         dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
+        ready([LNF_W, LNF_B])
         del dhf, xL
 
         for i in reversed(range(L)):
-            n, c = _block_names(i), caches[i]
+            n, c = block_param_names(i), caches[i]
             # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
             self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
             df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
@@ -276,13 +275,15 @@ class FastGPT(GPT):
                                    name="ln_1+residual bwd")
             del dh1
             caches[i] = None
+            ready(list(n.values()))
 
         with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
                     flops=float(N * C)):
             dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size,
                                             method=EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized")
-            _acc(G(WTE), dwte)
-            _acc(G(WPE), dwpe)
+            accumulate_grad(G(WTE), dwte)
+            accumulate_grad(G(WPE), dwpe)
+        ready([WTE, WPE])
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": stored}
         return loss
 

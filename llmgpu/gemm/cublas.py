@@ -20,35 +20,35 @@ import math
 
 import numpy as np
 
-from . import backend
-from .checks import array_module, check_array
+from .. import backend
+from ..checks import array_module, check_array
 
 # cudaDataType and cublasComputeType_t values (library_types.h, cublas_api.h)
-_CUDA_DTYPE = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}
+CUDA_DATA_TYPES = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}  # cudaDataType per storage dtype
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 _OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
-CUDA_DATA_TYPES = _CUDA_DTYPE  # public name: cudaDataType of each storage dtype
 
 
 _SCALAR_PTRS: dict = {}  # alpha/beta value -> (fp32 host array kept alive, its address)
 
 
-def _scalar_ptr(x) -> int:
-    """Host address of an fp32 copy of x (cuBLAS reads alpha/beta through pointers).
+def scalar_ptr(x) -> int:
+    """Host address of an fp32 copy of ``x``: cuBLAS and cuBLASLt read alpha/beta through host pointers.
 
-    ``ndarray.ctypes.data`` costs microseconds per access, so the usual values are cached.
+    ``ndarray.ctypes.data`` costs microseconds per access, so the usual values are cached; past the
+    cache, the last 64 arrays are kept alive (the value is read when the call is enqueued).
     """
     hit = _SCALAR_PTRS.get(x)
-    if hit is not None:
-        return hit[1]
-    arr = np.array([x], dtype=np.float32)
-    if len(_SCALAR_PTRS) < 256:
-        _SCALAR_PTRS[x] = (arr, arr.ctypes.data)
-        return arr.ctypes.data
-    _SCALAR_PTRS.setdefault("overflow", []).append(arr)  # keep alive: the call is asynchronous
-    del _SCALAR_PTRS["overflow"][:-64]
-    return arr.ctypes.data
+    if hit is None:
+        arr = np.array([x], dtype=np.float32)
+        hit = (arr, int(arr.ctypes.data))
+        if len(_SCALAR_PTRS) < 1024:
+            _SCALAR_PTRS[x] = hit
+        else:
+            _SCALAR_PTRS.setdefault("overflow", []).append(hit)
+            del _SCALAR_PTRS["overflow"][:-64]
+    return hit[1]
 
 
 _cublas = None
@@ -72,7 +72,7 @@ def _mk(a, trans):
 def check_operands(a, b, trans_a, trans_b, xp, op="gemm"):
     """Validate the operands of ``op(a) @ op(b)`` and return ``(m, n, k, batch)``.
 
-    Shared by :func:`gemm` and :func:`llmgpu.gemm_lt.lt_gemm`: same layouts, dtypes and batching rules.
+    Shared by :func:`gemm` and :func:`llmgpu.gemm.cublaslt.lt_gemm`: same layouts, dtypes and batching rules.
     """
     check_array("a", a)
     check_array("b", b)
@@ -80,7 +80,7 @@ def check_operands(a, b, trans_a, trans_b, xp, op="gemm"):
         raise ValueError(f"{op} needs matrices: a has shape {tuple(a.shape)}, b has shape {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype not in _CUDA_DTYPE and not (xp is np and a.dtype == backend.float64):
+    if a.dtype not in CUDA_DATA_TYPES and not (xp is np and a.dtype == backend.float64):
         raise TypeError(f"{op} supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
     m, k = _mk(a, trans_a)
     k2, n = _mk(b, trans_b)
@@ -126,9 +126,9 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, alpha=1.0, beta=0.0, o
 
     cublas = _cublas_module()
     handle = xp.cuda.device.get_cublas_handle()
-    alpha_p, beta_p = _scalar_ptr(alpha), _scalar_ptr(beta)
+    alpha_p, beta_p = scalar_ptr(alpha), scalar_ptr(beta)
     count = math.prod(batch)
-    dt_in, dt_out = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
+    dt_in, dt_out = CUDA_DATA_TYPES[a.dtype], CUDA_DATA_TYPES[out.dtype]
     # The identity above: cuBLAS computes Cᵀ[n, m] = op(b)ᵀ op(a)ᵀ, column-major.
     args_b = (b.data.ptr, dt_in, b.shape[-1], (k * n) if b.ndim > 2 else 0)
     args_a = (a.data.ptr, dt_in, a.shape[-1], m * k)

@@ -34,7 +34,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from . import backend
+from .. import backend
+from ..ops.cast import cast
 
 ALIGN = 16  # elements; keeps 16-byte alignment for fp32 (4-wide) and 16-bit (8-wide) vector access
 
@@ -190,8 +191,6 @@ class FlatParams:
         """Cast master → working copy in one launch (no-op when the working dtype is fp32)."""
         if self.working is self.data:
             return
-        from .amp import cast
-
         cast(self.data, self.working_dtype, out=self.working)
 
     def to_dict(self) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ What capture demands of the captured code (``fn``):
   anything else that waits for the GPU fails while a stream is capturing.
 * **No CuPy cuBLAS.** CuPy refuses its own cuBLAS calls on a capturing stream (``cupy.matmul``,
   ``a @ b``, ``llmgpu.gemm.gemm`` raise ``NotImplementedError``). Route the GEMMs of captured code
-  through ``llmgpu.gemm_lt.lt_gemm`` (cuBLASLt via nvmath-python), which captures.
+  through ``llmgpu.gemm.cublaslt.lt_gemm`` (cuBLASLt via nvmath-python), which captures.
 * **Warm-up first.** Compiling a kernel, building a cuBLASLt plan or a cuDNN graph, allocating a
   workspace: all of that happens on the first call and must not happen under capture. ``capture``
   runs ``fn`` ``warmup`` times on the capture stream before recording.
@@ -31,11 +31,11 @@ from __future__ import annotations
 import contextlib
 import re
 
-from . import backend
+from .. import backend
 
 CAPTURE_HINT = (
     "CuPy refuses its own cuBLAS calls (cupy.matmul, a @ b, llmgpu.gemm.gemm) while a stream is capturing: "
-    "route the GEMMs of captured code through llmgpu.gemm_lt.lt_gemm (cuBLASLt, pip install 'llmgpu[fast]'); "
+    "route the GEMMs of captured code through llmgpu.gemm.cublaslt.lt_gemm (cuBLASLt, pip install 'llmgpu[fast]'); "
     "also keep host synchronisation (.item(), float(x), cupy.asnumpy, printing device values) and first-time "
     "work (kernel compilation, plan building: run a warm-up) out of the captured code"
 )

@@ -1,7 +1,7 @@
 """Before / after measurements of the fusions of chapter 8, at one layer's sizes.
 
 Each comparison runs the *same math* two ways on the same data: the book path (separate kernels, as
-``llmgpu.model.GPT`` calls them) and the fused one (as ``llmgpu.fast_model.FastGPT`` calls it), checks
+``llmgpu.model.GPT`` calls them) and the fused one (as ``llmgpu.model.FastGPT`` calls it), checks
 that the results agree, and times both (median of CUDA-event timings on the GPU, host clock on NumPy).
 
 ===========================  ===========================================  ==========================================
@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backend
-from .gemm_lt import lt_gemm
-from .ops.attention import attention_backward, attention_forward
-from .ops.gelu import gelu_backward, gelu_forward
-from .ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
-from .ops.linear import linear_forward
-from .testing import rel_error
+from .. import backend
+from ..gemm import gemm
+from ..gemm.cublaslt import lt_gemm
+from ..ops import flash_attention as fa
+from ..ops.attention import attention_backward, attention_forward
+from ..ops.gelu import gelu_backward, gelu_forward
+from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
+from ..ops.linear import linear_forward
+from ..testing import rel_error
 from .timing import time_fn
 
 
@@ -126,8 +128,6 @@ def compare_fusions(n: int = 8192, c: int = 768, *, heads: int = 12, seq: int = 
         lambda: rel_error(_f32(lnb_fused()), _f32(lnb_sep())))
 
     if attention:
-        from .ops import flash_attention as fa
-
         flash_ok = xp is np or (dt in (backend.float16, backend.bfloat16) and fa.available())
         B, H, T = max(1, n // seq), heads, seq
         D = c // heads
@@ -161,33 +161,7 @@ def compare_fusions(n: int = 8192, c: int = 768, *, heads: int = 12, seq: int = 
 
 def _gemm(a, b):
     """The book's cuBLAS GEMM (``llmgpu.gemm``): what the separate path uses on the GPU."""
-    from .gemm import gemm
-
     return gemm(a, b)
 
 
-def plot_fusions(rows, ax=None, title=None):
-    """Grouped horizontal bars: separate vs fused time per comparison, speed-up printed at the bar."""
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["comparison"] for r in rows))
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.7 * len(names) + 1.2))
-    yy = np.arange(len(names))
-    for off, variant, color in ((-0.2, "separate", "#9aa5b1"), (0.2, "fused", "#2b7bba")):
-        ms = [next(r["ms"] for r in rows if r["comparison"] == n and r["variant"] == variant) for n in names]
-        ax.barh(yy + off, ms, height=0.38, color=color, label=variant)
-        if variant == "fused":
-            for y, n, m in zip(yy, names, ms):
-                sp = next(r["speedup"] for r in rows if r["comparison"] == n and r["variant"] == "fused")
-                ax.text(m, y + off, f"  {sp:.2f}×", va="center", fontsize=9)
-    ax.set_yticks(yy, names)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms (median)")
-    ax.legend(loc="lower right")
-    if title:
-        ax.set_title(title)
-    return ax
-
-
-__all__ = ["compare_fusions", "plot_fusions"]
+__all__ = ["compare_fusions"]

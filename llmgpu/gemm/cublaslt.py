@@ -60,9 +60,10 @@ import math
 
 import numpy as np
 
-from . import backend
-from .checks import array_module, check_array
-from .gemm import CUDA_DATA_TYPES, check_operands, prepare_out
+from .. import backend
+from ..checks import array_module, check_array
+from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
+from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
 _LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU",
@@ -161,23 +162,6 @@ def _device_state(lt, cp) -> _DeviceState:
     if st is None:
         st = _DEVICES[dev] = _DeviceState(lt, cp, dev)
     return st
-
-
-_SCALARS: dict = {}  # alpha/beta value -> (fp32 host array kept alive, its address)
-
-
-def _scalar_ptr(x) -> int:
-    """Host address of an fp32 copy of x (cuBLASLt reads alpha/beta through host pointers at launch)."""
-    hit = _SCALARS.get(x)
-    if hit is None:
-        arr = np.array([x], dtype=np.float32)
-        hit = (arr, int(arr.ctypes.data))
-        if len(_SCALARS) < 1024:
-            _SCALARS[x] = hit
-        else:  # keep the last few alive: the launch is asynchronous, but the value is read at enqueue
-            _SCALARS.setdefault("overflow", []).append(hit)
-            del _SCALARS["overflow"][:-64]
-    return hit[1]
 
 
 # --------------------------------------------------------------------------- plans
@@ -411,7 +395,7 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
         plan.last_aux = aux_ptr
     stream = cp.cuda.get_current_stream().ptr
     try:
-        lt.matmul(st.handle, plan.desc, _scalar_ptr(alpha), b_ptr, plan.la, a_ptr, plan.lb, _scalar_ptr(beta),
+        lt.matmul(st.handle, plan.desc, scalar_ptr(alpha), b_ptr, plan.la, a_ptr, plan.lb, scalar_ptr(beta),
                   o_ptr, plan.lc, o_ptr, plan.lc, plan.algo_ptr, st.ws_ptr, st.ws_size, stream)
     except Exception as e:
         raise RuntimeError(f"cublasLtMatmul failed for {plan.describe}: {type(e).__name__}: {e}") from e
@@ -423,15 +407,11 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
 
 def gelu_reference(x):
     """tanh-GELU (the function of cuBLASLt's epilogues), computed as ``ops.gelu`` does (in float64)."""
-    from .ops.gelu import gelu_forward_reference
-
     return gelu_forward_reference(x)
 
 
 def gelu_grad_reference(x):
     """d GELU(x) / dx for the tanh approximation, as ``ops.gelu`` computes it."""
-    from .ops.gelu import gelu_backward_reference
-
     return gelu_backward_reference(np.ones_like(x), x)
 
 

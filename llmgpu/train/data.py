@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend
+from .. import backend
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1

@@ -1,0 +1,23 @@
+"""GPT-2, two ways (chapters 1–6 and 8), on one shared base.
+
+* ``config.py``: ``GPTConfig``, the presets, parameter names and shapes, FLOPs per token, activation bytes.
+* ``base.py``: ``GPTBase``: parameters, initialization, state dict, input checks, loss, sampling.
+* ``gpt.py``: ``GPT``, the book's step from the chapter 1–3 ops, with activation checkpointing (chapter 6).
+* ``fast.py``: ``FastGPT``, the chapter 8 step: cuBLASLt epilogues, fused residual + LayerNorm, flash attention.
+"""
+
+from .base import PAD_LOGIT, GPTBase, sample_token
+from .config import (
+                     PRESETS,
+                     GPTConfig,
+                     activation_bytes,
+                     block_activation_bytes,
+                     block_param_names,
+                     gpt2_param_shapes,
+                     training_flops,
+)
+from .fast import FastGPT
+from .gpt import GPT
+
+__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "GPTBase", "GPTConfig", "activation_bytes",
+           "block_activation_bytes", "block_param_names", "gpt2_param_shapes", "sample_token", "training_flops"]

@@ -1,0 +1,286 @@
+"""What the two GPT-2 paths share: configuration, flat parameters, initialization, the state dict,
+input checks, the loss, sampling, and the activation-memory accounting.
+
+``GPT`` (``model/gpt.py``, chapters 1–6: the book's step with activation checkpointing) and ``FastGPT``
+(``model/fast.py``, chapter 8: the fused step) are siblings on ``GPTBase``. Each implements
+``forward(idx, targets=None, *, last_only=False)`` and ``forward_backward(idx, targets, dloss, *,
+grads_ready=None)``; everything else lives here once.
+
+Parameters live in one ``FlatParams`` (chapter 4): fp32 master weights, their gradients and AdamW's
+moments in one buffer each; the passes read the working copy (``weight(name)``: bf16, fp16 or fp32,
+chapter 5). ``dtype="fp64"`` (NumPy only) makes every buffer float64: the reference for
+finite-difference checks of the whole model.
+
+Vocabulary padding (``pad_vocab_to=64/128``): the embedding/LM-head matrix gets
+``padded_vocab_size`` rows (llm.c pads 50257 → 50304) so the largest GEMM has friendly sizes. The
+padded rows start at zero; their logits are set to ``PAD_LOGIT`` before the cross-entropy, so their
+softmax probability is exactly 0 and their gradient too: the padded model computes the same function.
+
+``grads_ready`` (the seam of data-parallel training, chapter 9): a callable that ``forward_backward``
+calls with a list of parameter names as soon as those gradients are final for this micro-batch (the
+LayerNorm ``ln_f`` first, then each block from the last to the first, then the embeddings), so their
+reduction can start while the rest of the backward pass runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import backend
+from ..ops.cross_entropy import cross_entropy_forward
+from ..optim.params import FlatParams
+from .config import WTE, GPTConfig, activation_bytes, param_shapes
+
+PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
+
+
+class GPTBase:
+    """GPT-2 parameters and everything around the passes (see the module docstring).
+
+    ``dtype``: working precision of the forward/backward pass ('fp32', 'bf16', 'fp16'; the master
+    weights are always fp32; 'fp64' on NumPy: the finite-difference reference). ``xp``: NumPy or CuPy
+    (default: the active backend). ``seed``: the initialization's seed. ``init=False`` leaves the
+    weights at zero (for loading).
+    """
+
+    attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
+
+    def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.xp = xp or backend.default_xp()
+        self.dtype = backend.resolve_dtype(dtype)
+        shapes = param_shapes(config)
+        if self.dtype == backend.float64:
+            self.params = _float64_params(shapes, self.xp)
+        else:
+            self.params = FlatParams(shapes, xp=self.xp, working_dtype=self.dtype)
+        self.stats: dict = {}  # activation-memory accounting of the last forward_backward
+        if init:
+            self.init_weights(seed)
+
+    # ------------------------------------------------------------------ parameters
+
+    def num_parameters(self) -> int:
+        return self.params.num_parameters
+
+    def weight(self, name: str):
+        """The working-precision weight ``name`` (a view into the flat working copy)."""
+        return self.params.weight(name)
+
+    def init_weights(self, seed: int = 0):
+        """GPT-2 initialization: weights N(0, 0.02), the two residual projections per block N(0, 0.02/√(2L)),
+        biases 0, LayerNorm gains 1; padded vocabulary rows 0. Deterministic for a given seed."""
+        cfg, P = self.config, self.params
+        rng = np.random.default_rng(seed)
+        std_resid = 0.02 / math.sqrt(2 * cfg.n_layer)
+        d = {}
+        for name in P.names:
+            shape = P.shapes[name]
+            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                d[name] = np.ones(shape, np.float32)
+            elif len(shape) == 1:
+                d[name] = np.zeros(shape, np.float32)
+            else:
+                std = std_resid if name.endswith("c_proj.weight") else 0.02
+                d[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+        d[WTE][cfg.vocab_size:] = 0.0
+        P.load_dict(d)
+
+    def state_dict(self, unpadded: bool = False) -> dict:
+        """nanoGPT names and PyTorch layouts (``nn.Linear`` weights ``[out, in]``), fp32 copies on the backend.
+
+        ``lm_head.weight`` is the same array as ``transformer.wte.weight`` (tied, as in PyTorch's
+        state_dict). ``unpadded=True`` drops the padded vocabulary rows.
+        """
+        xp, P = self.xp, self.params
+        out = {n: P.param(n).copy() for n in P.names}
+        if unpadded:
+            out[WTE] = out[WTE][: self.config.vocab_size].copy()
+        out["lm_head.weight"] = out[WTE]
+        return {n: backend.to_device(a, xp) for n, a in out.items()}
+
+    def load_state_dict(self, sd: dict, strict: bool = True):
+        """Load nanoGPT-named weights (NumPy, CuPy or PyTorch tensors; any float dtype).
+
+        ``lm_head.weight`` is optional (tied); an unpadded token embedding is zero-padded. Keys such
+        as ``attn.bias`` (nanoGPT's causal-mask buffer) are ignored.
+        """
+        cfg, P = self.config, self.params
+        d = {}
+        for k, v in sd.items():
+            if k == "lm_head.weight" or k.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            d[k] = _to_host(v)
+        if WTE in d and d[WTE].shape[0] != cfg.padded_vocab_size and d[WTE].shape[1:] == (cfg.n_embd,):
+            if d[WTE].shape[0] > cfg.padded_vocab_size:
+                raise ValueError(f"{WTE} has {d[WTE].shape[0]} rows, the model's vocabulary is "
+                                 f"{cfg.padded_vocab_size}")
+            pad = np.zeros((cfg.padded_vocab_size, cfg.n_embd), np.float32)
+            pad[: d[WTE].shape[0]] = d[WTE]
+            d[WTE] = pad
+        if "lm_head.weight" in sd and WTE not in sd:
+            d[WTE] = _to_host(sd["lm_head.weight"])
+        P.load_dict(d, strict=strict)
+
+    def grads(self) -> dict:
+        """name → fp32 gradient view (nanoGPT names), as accumulated by the last backward passes."""
+        return {n: self.params.grad_of(n) for n in self.params.names}
+
+    def zero_grad(self):
+        self.params.zero_grad()
+
+    # ------------------------------------------------------------------ inputs, logits, loss
+
+    def check_idx(self, idx, name="idx"):
+        """``idx`` as a contiguous int32 ``[B, T]`` array on the model's device, T ≤ block_size."""
+        xp = self.xp
+        if backend.get_array_module(idx) is not xp:
+            raise TypeError(f"{name} must live on the model's device ({'cupy' if xp is not np else 'numpy'})")
+        if idx.ndim != 2:
+            raise ValueError(f"{name} must be [B, T], got shape {tuple(idx.shape)}")
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(f"{name} has T={idx.shape[1]} > block_size={self.config.block_size}")
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integer token ids, got {idx.dtype}")
+        if idx.dtype != np.int32:
+            idx = idx.astype(np.int32)
+        return xp.ascontiguousarray(idx)
+
+    def check_batch(self, idx, targets):
+        """``check_idx`` of both, and the same shape."""
+        idx = self.check_idx(idx)
+        targets = self.check_idx(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        return idx, targets
+
+    def logits_and_loss(self, logits, targets, B: int, T: int, last_only: bool):
+        """``forward``'s result from the ``[B·T', Vp]`` head output (T' = 1 with ``last_only``): the loss
+        against ``targets`` if given, and the logits reshaped to ``[B, T, vocab]`` (``[B, vocab]``)."""
+        loss = None
+        if targets is not None:
+            targets = self.check_idx(targets, "targets")
+            loss, _ = cross_entropy_forward(logits, targets.reshape(-1))
+        Tl = 1 if last_only else T
+        logits = logits.reshape(B, Tl, -1)[:, :, : self.config.vocab_size]
+        if last_only:
+            logits = logits[:, 0]
+        return logits, loss
+
+    def forward(self, idx, targets=None, *, last_only: bool = False):  # pragma: no cover - the subclasses'
+        raise NotImplementedError
+
+    def loss(self, idx, targets):
+        """Mean cross-entropy loss (0-d device array) without storing activations: validation."""
+        return self.forward(idx, targets)[1]
+
+    # ------------------------------------------------------------------ activation memory
+
+    def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
+        """``model.config.activation_bytes`` for this model's dtype, attention and (default) checkpointing."""
+        k = getattr(self, "checkpoint_every", 0) if checkpoint_every is None else checkpoint_every
+        return activation_bytes(self.config, batch, seq, k, self.dtype, attention=self.attention)
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(self, prompt, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int | None = None, rng: np.random.Generator | None = None) -> list[int]:
+        """Autoregressive sampling: the prompt's token ids plus ``max_new_tokens`` new ones.
+
+        Each step runs the model on the last ``block_size`` tokens and samples from
+        ``softmax(logits / temperature)`` restricted to the ``top_k`` largest (temperature 0: argmax).
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        rng = rng or np.random.default_rng(seed)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        V = self.config.vocab_size
+        if max(ids) >= V or min(ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {V})")
+        for _ in range(max_new_tokens):
+            ctx = np.asarray(ids[-self.config.block_size:], dtype=np.int32)[None, :]
+            logits, _ = self.forward(backend.to_device(ctx, self.xp), last_only=True)
+            ids.append(sample_token(backend.to_numpy(logits[0]).astype(np.float64), temperature, top_k, rng))
+        return ids
+
+
+def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
+    """One token from ``softmax(logits / temperature)`` over the ``top_k`` largest logits (host NumPy)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits / temperature
+    if top_k is not None and top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    return int(rng.choice(z.size, p=p))
+
+
+# --------------------------------------------------------------------------- helpers of both passes
+
+
+def accumulate_grad(dst, src):
+    """dst (fp32 gradient view) += src (any float dtype)."""
+    if src.dtype != dst.dtype:
+        src = src.astype(dst.dtype)
+    dst += src
+
+
+def nbytes_of(objs) -> int:
+    """Bytes held by the arrays in caches (dicts, tuples, lists; None skipped). Views of one buffer
+    (q, k, v of the QKV buffer) are counted once; other objects (the attention stats) by their ``nbytes``."""
+    seen: set = set()
+
+    def walk(o) -> int:
+        if o is None:
+            return 0
+        if isinstance(o, dict):
+            return sum(walk(v) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return sum(walk(v) for v in o)
+        if not hasattr(o, "base"):
+            return int(getattr(o, "nbytes", 0))
+        base = o
+        while getattr(base, "base", None) is not None:
+            base = base.base
+        if id(base) in seen:
+            return 0
+        seen.add(id(base))
+        return int(base.nbytes)
+
+    return walk(objs)
+
+
+def _float64_params(shapes, xp) -> FlatParams:
+    """A FlatParams whose buffers are float64 (NumPy only): the finite-difference reference model."""
+    if xp is not np:
+        raise TypeError("dtype fp64 is a NumPy-only reference (finite-difference checks); use fp32/bf16/fp16 on GPU")
+    P = FlatParams(shapes, xp=np, working_dtype="fp32")
+    for name in ("data", "grad", "m", "v"):
+        setattr(P, name, np.zeros(P.numel, dtype=np.float64))
+    P.working = P.data
+    P.working_dtype = backend.float64
+    return P
+
+
+def _to_host(v) -> np.ndarray:
+    """NumPy float32 copy of a NumPy/CuPy array or a PyTorch tensor."""
+    if hasattr(v, "detach") and hasattr(v, "cpu"):  # torch.Tensor, without importing torch
+        v = v.detach().float().cpu().numpy()
+    return np.asarray(backend.to_numpy(v), dtype=np.float32)
+
+
+__all__ = ["PAD_LOGIT", "GPTBase", "accumulate_grad", "nbytes_of", "sample_token"]

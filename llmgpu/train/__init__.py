@@ -1,0 +1,18 @@
+"""Chapter 7: the complete training loop.
+
+* ``config.py``: ``TrainConfig``, the only home of training defaults; validation; the device choice.
+* ``step.py``: ``TrainStep``, THE step (forward + backward, clip, AdamW, scaler; eager or one CUDA graph),
+  used by the trainer, ``llmgpu bench`` and the chapters, with the seam data-parallel training fills in.
+* ``trainer.py``: ``Trainer`` and ``train()``: the run loop, time budgets, checkpoints, samples.
+* ``report.py``: the progress line and the JSON-lines log.
+* ``data.py``: the embedded corpus, token shards, tokenizers, batches, the GPU prefetcher.
+* ``checkpoint.py``: atomic checkpoint directories (weights, optimizer state, metadata).
+"""
+
+from .config import ConfigError, TrainConfig, fast_path_available, resolve, select_xp
+from .report import Progress, read_log
+from .step import LocalGradSync, TrainStep, apply_update
+from .trainer import Trainer, default_out_dir, prompt_ids, train
+
+__all__ = ["ConfigError", "LocalGradSync", "Progress", "TrainConfig", "TrainStep", "Trainer", "apply_update",
+           "default_out_dir", "fast_path_available", "prompt_ids", "read_log", "resolve", "select_xp", "train"]

@@ -1,0 +1,214 @@
+"""``TrainConfig``: every setting of a training run, its default, its check, and its command-line flag.
+
+This is the only place training defaults are written. ``llmgpu train``'s flags are generated from the
+fields (``metadata``: help text, group, flag name), and ``llmgpu bench`` and the chapters take their
+optimizer settings from here too. ``None`` fields get a default that depends on the device
+(``CPU_DEFAULTS`` / ``GPU_DEFAULTS``); ``resolve(cfg, xp)`` fills them in and validates everything,
+raising ``ConfigError`` with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
+
+from .. import backend
+from ..amp import Policy
+from ..gemm import cublaslt
+from ..model import PRESETS
+from ..ops import flash_attention
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work (printed by the CLI as one line, exit code 2)."""
+
+
+def _opt(default, help: str, group: str, **cli):  # noqa: A002 - argparse's word
+    """A field with its command-line description: ``cli`` may hold ``flag`` (default: --field-name),
+    ``metavar``, ``choices``, ``cli=False`` (not a flag), ``negative`` (an extra --no-... style flag)."""
+    return field(default=default, metadata={"help": help, "group": group, **cli})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. ``None`` fields get device-dependent defaults (``resolve``)."""
+
+    # model
+    preset: str | None = _opt(None, "model size (default: tiny on CPU, gpt2 on GPU)", "model", choices=list(PRESETS))
+    dtype: str | None = _opt(None, "compute precision (default: bf16 on GPU, fp32 on CPU); master weights are "
+                             "always fp32", "model", choices=["bf16", "fp16", "fp32"])
+    checkpoint_every: int = _opt(0, "activation checkpointing: keep every K-th block input, recompute the rest "
+                                 "(0 = off)", "model", metavar="K")
+    vocab_size: int | None = _opt(None, "model vocabulary (default: the data's: 256 for bytes, 50257 for GPT-2 "
+                                  "shards)", "model")
+    pad_vocab: int | None = _opt(None, "pad the vocabulary to a multiple of M (default 64 on GPU, off on CPU)",
+                                 "model", metavar="M")
+    fast: bool | None = _opt(None, "the chapter 8 model: cuBLASLt GEMMs with fused epilogues, fused "
+                             "residual+LayerNorm, flash attention (default: on when the GPU, bf16/fp16 and the "
+                             "'fast' extra allow it)", "model")
+    graph: bool | None = _opt(None, "replay each step as one CUDA graph (default: with --fast)", "model")
+    # data
+    data: str | None = _opt(None, "'stdlib' (embedded corpus, default), a text file, an llm.c .bin shard, a "
+                            "directory or a glob of shards", "data")
+    val_data: str | None = _opt(None, "validation data (default: *val* shards, else the last --val-fraction)", "data")
+    val_fraction: float = _opt(0.05, "held-out fraction of the training data when there is no --val-data", "data")
+    batch: int | None = _opt(None, "sequences per micro-batch (default 16 on GPU, 8 on CPU)", "data")
+    seq: int | None = _opt(None, "tokens per sequence (default 1024 on GPU, 128 on CPU)", "data")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step", "data", metavar="N")
+    async_copy: bool = _opt(True, "copy the next batch to the GPU on a side stream during the step", "data")
+    # optimization
+    steps: int | None = _opt(None, "optimizer steps (default: as many as fit in --max-time)", "optimization")
+    max_time: float | None = _opt(None, "training time limit (default 180 on CPU, 300 on GPU when --steps is not "
+                                  "given)", "optimization", metavar="SECONDS")
+    lr: float | None = _opt(None, "peak learning rate (default 3e-3 on CPU, 6e-4 on GPU)", "optimization")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak", "optimization")
+    warmup: int | None = _opt(None, "linear warm-up steps (default 20 on CPU, 50 on GPU)", "optimization")
+    schedule: str = _opt("cosine", "learning-rate schedule after the warm-up", "optimization",
+                         choices=["cosine", "linear", "constant"])
+    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only; biases and LayerNorm get none)",
+                               "optimization")
+    beta1: float = _opt(0.9, "AdamW beta1", "optimization")
+    beta2: float = _opt(0.95, "AdamW beta2", "optimization")
+    eps: float = _opt(1e-8, "AdamW epsilon", "optimization")
+    grad_clip: float = _opt(1.0, "global-norm clipping (0 = off)", "optimization")
+    seed: int = _opt(1337, "seed of the initialization, the data order and the samples", "optimization")
+    # run
+    out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "run")
+    resume: str | None = _opt(None, "continue the run in DIR (its checkpoint/)", "run", metavar="DIR")
+    eval_every: int | None = _opt(None, "validation every N steps (default 25 on CPU, 100 on GPU; 0 = off)", "run",
+                                  metavar="N")
+    eval_batches: int = _opt(8, "validation batches per evaluation", "run")
+    log_every: int = _opt(10, "steps between host synchronizations / log lines", "run")
+    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)", "run", metavar="N")
+    device: str = _opt("auto", "where to train", "run", choices=["auto", "cpu", "gpu"])
+    cpu_threads: int | None = _opt(None, "BLAS threads on the CPU backend (default 1: small GEMMs; 0: the BLAS "
+                                   "default)", "run", metavar="N")
+    sample_tokens: int = _opt(200, "tokens of the sample printed at the end (0 = none)", "run")
+    prompt: str | None = _opt(None, "prompt of the sample printed at the end", "run")
+    temperature: float = _opt(0.8, "sampling temperature of that sample", "run")
+    top_k: int | None = _opt(40, "sample from the K most likely tokens", "run", metavar="K")
+    progress: bool = _opt(True, "progress output", "run")
+    plot: bool = _opt(True, "write loss.png at the end", "run")
+    time_budget_probe: int = _opt(5, "steps timed to fit the schedule to --max-time", "run", cli=False)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """A config from a saved dict (a checkpoint's), ignoring keys this version does not know."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# keys a resumed run takes from the command line rather than from the checkpoint
+RESUME_OVERRIDES = ("steps", "max_time", "out", "eval_every", "log_every", "save_every", "progress", "plot",
+                    "sample_tokens", "prompt", "temperature", "top_k", "device", "async_copy", "resume", "cpu_threads",
+                    "fast", "graph")
+
+CPU_DEFAULTS = dict(preset="tiny", batch=8, seq=128, dtype="fp32", lr=3e-3, warmup=20, eval_every=25,
+                    max_time=180.0, pad_vocab=0)
+GPU_DEFAULTS = dict(preset="gpt2", batch=16, seq=1024, dtype="bf16", lr=6e-4, warmup=50, eval_every=100,
+                    max_time=300.0, pad_vocab=64)
+
+
+def select_xp(device: str = "auto"):
+    """NumPy or CuPy for ``--device`` (``backend.select_xp``), a bad choice as a ``ConfigError``."""
+    try:
+        return backend.select_xp(device)
+    except backend.GPUUnavailableError as e:
+        raise ConfigError(f"--device gpu: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"--device: {e}") from None
+
+
+def resolve(cfg: TrainConfig, xp) -> TrainConfig:
+    """Fill the ``None`` fields with the defaults of the device, and validate."""
+    d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
+    upd = {}
+    for k, v in d.items():
+        if getattr(cfg, k) is None:
+            if k == "max_time" and cfg.steps is not None:
+                continue
+            upd[k] = v
+    cfg = replace(cfg, **upd)
+    validate(cfg)
+    fast, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)
+    if cfg.fast and not fast:
+        raise ConfigError(f"--fast: {why}")
+    if cfg.fast is None:
+        cfg = replace(cfg, fast=fast)
+    if cfg.graph and not cfg.fast:
+        raise ConfigError("--graph needs the fast model (--fast): CuPy's cuBLAS calls of the book model cannot be "
+                          "captured into a CUDA graph")
+    if cfg.graph is None:
+        cfg = replace(cfg, graph=bool(cfg.fast))
+    return cfg
+
+
+def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
+    """(whether ``FastGPT`` can train here, why not): a GPU, bf16/fp16, no checkpointing, the ``fast`` extra."""
+    if xp is np:
+        return False, "the fast model is a GPU path (cuBLASLt, cuDNN); on the CPU the book model runs"
+    if checkpoint_every:
+        return False, "the fast model does not implement activation checkpointing (--checkpoint-every 0)"
+    if backend.resolve_dtype(dtype) not in (backend.bfloat16, backend.float16):
+        return False, "the fast model's flash attention takes bf16 or fp16 (--dtype)"
+    for mod in (cublaslt, flash_attention):
+        why = mod.unavailable_reason()
+        if why:
+            return False, why
+    return True, ""
+
+
+def validate(cfg: TrainConfig):
+    """Every setting in range, or a ``ConfigError`` naming its flag (defaults already resolved)."""
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    def finite(x):
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    need(cfg.preset in PRESETS, f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+    need(cfg.steps is None or cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}")
+    need(cfg.max_time is None or (finite(cfg.max_time) and cfg.max_time > 0),
+         f"--max-time must be a positive number, got {cfg.max_time}")
+    need(cfg.batch >= 1, f"--batch must be >= 1, got {cfg.batch}")
+    need(cfg.seq >= 1, f"--seq must be >= 1, got {cfg.seq}")
+    need(cfg.grad_accum >= 1, f"--grad-accum must be >= 1, got {cfg.grad_accum}")
+    need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
+    need(finite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
+    need(cfg.warmup >= 0, f"--warmup must be >= 0, got {cfg.warmup}")
+    need(cfg.eval_every >= 0, f"--eval-every must be >= 0, got {cfg.eval_every}")
+    need(cfg.log_every >= 1, f"--log-every must be >= 1, got {cfg.log_every}")
+    need(cfg.save_every >= 0, f"--save-every must be >= 0, got {cfg.save_every}")
+    need(finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad-clip must be >= 0, got {cfg.grad_clip}")
+    need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    need(finite(cfg.beta1) and 0 <= cfg.beta1 < 1, f"--beta1 must be in [0, 1), got {cfg.beta1}")
+    need(finite(cfg.beta2) and 0 <= cfg.beta2 < 1, f"--beta2 must be in [0, 1), got {cfg.beta2}")
+    need(finite(cfg.eps) and cfg.eps > 0, f"--eps must be a positive number, got {cfg.eps}")
+    need(finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1,
+         f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    need(finite(cfg.val_fraction) and 0 <= cfg.val_fraction < 1,
+         f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    need(cfg.eval_batches >= 1, f"--eval-batches must be >= 1, got {cfg.eval_batches}")
+    need(cfg.vocab_size is None or cfg.vocab_size >= 2, f"--vocab-size must be >= 2, got {cfg.vocab_size}")
+    need(cfg.pad_vocab >= 0, f"--pad-vocab must be >= 0, got {cfg.pad_vocab}")
+    need(cfg.cpu_threads is None or cfg.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {cfg.cpu_threads}")
+    need(cfg.sample_tokens >= 0, f"--sample-tokens must be >= 0, got {cfg.sample_tokens}")
+    need(finite(cfg.temperature) and cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}")
+    need(cfg.top_k is None or cfg.top_k >= 1, f"--top-k must be >= 1, got {cfg.top_k}")
+    need(cfg.time_budget_probe >= 1, f"time_budget_probe must be >= 1, got {cfg.time_budget_probe}")
+    need(cfg.schedule in ("cosine", "linear", "constant"),
+         f"--schedule must be cosine, linear or constant, got {cfg.schedule!r}")
+    try:
+        Policy(cfg.dtype)
+    except ValueError:
+        raise ConfigError(f"--dtype must be bf16, fp16 or fp32, got {cfg.dtype!r}") from None
+
+
+__all__ = ["CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "fast_path_available",
+           "resolve", "select_xp", "validate"]

@@ -1,0 +1,397 @@
+"""The trainer (chapter 7): a model, THE step, data streams, checkpoints, the log, in one run loop.
+
+``Trainer(cfg)`` builds everything (or restores it from ``cfg.resume``); ``train_step(lr)`` runs one
+optimizer step (``train/step.py``) and returns a device array ``[loss, grad_norm, found_inf]`` without
+waiting for the GPU; ``evaluate()`` the validation loss (one host sync); ``save()`` a checkpoint;
+``run()`` the whole loop: a progress line, a JSON-lines log, validation every ``eval_every`` steps,
+checkpoints (weights, optimizer, scaler, step, data position, RNG state: resuming reproduces the
+uninterrupted run's losses bit for bit), a loss-curve PNG and samples at the end.
+``train(TrainConfig(...))`` is the one-call form. The learning rate comes from the schedule on the host
+(a float, no sync); the loss, the gradient norm and the overflow flag are fetched in one copy every
+``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from .. import backend
+from ..model import GPT, FastGPT, GPTConfig
+from ..optim import lr_at
+from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
+from ..plotting import plot_losses
+from ..version import __version__
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import RESUME_OVERRIDES, ConfigError, TrainConfig, fast_path_available, resolve, select_xp
+from .data import BatchLoader, Corpus, DataStream, get_tokenizer, load_corpus
+from .report import Progress, read_log
+from .step import TrainStep
+
+
+class Trainer:
+    """Model, optimizer, loss scaler, clipper and data streams for one run.
+
+    ``Trainer(cfg)`` builds everything (or restores it from ``cfg.resume``); ``train_step(lr)`` runs
+    one optimizer step and returns a device array ``[loss, grad_norm, found_inf]`` without waiting
+    for the GPU; ``evaluate()`` the validation loss (a host float, one sync); ``save()`` a checkpoint;
+    ``run()`` the whole loop.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, xp=None, corpus: Corpus | None = None):
+        xp = xp if xp is not None else select_xp(cfg.device)
+        meta = ckpt_model = ckpt_optim = None
+        if cfg.resume:
+            ckpt_model, meta, ckpt_optim = load_checkpoint(cfg.resume)
+            saved = TrainConfig.from_dict(meta["train_config"])
+            # what the command line sets explicitly wins; everything else comes from the checkpoint
+            over = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if getattr(cfg, k) is not None}
+            cfg = replace(saved, **over)
+            fast_ok, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every) if cfg.fast else (True, "")
+            if not fast_ok:
+                # the run used the fast step, which this machine cannot run: continue on the book step
+                # (same model and state; the losses will differ from an uninterrupted run in the last bits)
+                print(f"llmgpu: the checkpointed run used the fast step (--fast), unavailable here: {why}; "
+                      "resuming with the book step", file=sys.stderr)
+                cfg = replace(cfg, fast=False, graph=False)
+        cfg = resolve(cfg, xp)
+        self.cfg, self.xp = cfg, xp
+        if xp is np and cfg.cpu_threads != 0:
+            backend.blas_threads(cfg.cpu_threads or 1)
+
+        # data
+        self.corpus = corpus or load_corpus(cfg.data, val_data=cfg.val_data, val_fraction=cfg.val_fraction)
+        if meta is not None:
+            mcfg = GPTConfig.from_dict(meta["model_config"])
+        else:
+            base = GPTConfig.preset(cfg.preset)
+            mcfg = replace(base, vocab_size=cfg.vocab_size or self.corpus.vocab_size,
+                           block_size=max(base.block_size, cfg.seq), pad_vocab_to=cfg.pad_vocab)
+        if cfg.seq > mcfg.block_size:
+            raise ConfigError(f"--seq {cfg.seq} exceeds the model's block size {mcfg.block_size}")
+        self.corpus.check_vocab(mcfg.vocab_size)
+        self.tokenizer = get_tokenizer(self.corpus.tokenizer)
+        self.train_loader = BatchLoader(self.corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, name="training",
+                                        vocab_size=mcfg.vocab_size)
+        self.stream = DataStream(self.train_loader, xp, async_copy=cfg.async_copy)
+        self.val_loader = _val_loader(self.corpus.val, cfg.batch, cfg.seq, mcfg.vocab_size)
+
+        # model, optimizer, precision
+        model_cls = FastGPT if cfg.fast else GPT
+        self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
+                               init=meta is None)
+        self.params = self.model.params
+        self.step_fn = TrainStep(self.model, cfg)
+        self.opt, self.scaler = self.step_fn.opt, self.step_fn.scaler
+        self.rng = np.random.default_rng(cfg.seed)
+        self.step = 0
+        self.total_steps = cfg.steps
+        self.budget_fitted = False
+        if meta is not None:
+            self._restore(ckpt_model, ckpt_optim, meta)
+        self.flops_per_token = mcfg.flops_per_token(cfg.seq)
+
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.cfg
+        return c.batch * c.seq * c.grad_accum
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, lr: float):
+        """One optimizer step over ``grad_accum`` micro-batches (``TrainStep``); no host synchronization.
+
+        Returns a device array ``[mean loss, gradient norm (unscaled, before clipping), found_inf]``.
+        """
+        batches = [self.stream.next() for _ in range(self.cfg.grad_accum)]  # on the device already
+        out = self.step_fn(batches, lr)
+        self.step += 1
+        return out
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        total = self.total_steps or 10**9
+        warm = min(c.warmup, total)
+        return lr_at(step, max_lr=c.lr, min_lr=c.lr * c.min_lr_ratio, warmup_steps=warm,
+                     total_steps=max(total, warm), kind=c.schedule)
+
+    def evaluate(self, n_batches: int | None = None) -> float | None:
+        """Mean validation loss over the first ``eval_batches`` validation batches (the same ones every
+        time, so successive values are comparable); one host sync. None without validation data."""
+        vl = self.val_loader
+        if vl is None:
+            return None
+        n = min(n_batches or self.cfg.eval_batches, vl.batches_per_epoch())
+        vl.reset()
+        total = None
+        for _ in range(n):
+            b = backend.to_device(vl.next_host(), self.xp)
+            loss = self.model.loss(b[0], b[1])
+            total = loss if total is None else total + loss
+        return float(backend.to_numpy(total)) / n
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory=None) -> Path:
+        """Checkpoint: weights, AdamW moments and step count, scaler, step, data position, RNG state."""
+        d = Path(directory) if directory else Path(self.cfg.out) / "checkpoint"
+        sd = self.params.to_dict()
+        ost = self.opt.state_dict()
+        optim = {**{f"m/{k}": v for k, v in ost["m"].items()}, **{f"v/{k}": v for k, v in ost["v"].items()}}
+        meta = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "budget_fitted": self.budget_fitted,
+            "model_config": self.model.config.as_dict(),
+            "dtype": backend.dtype_name(self.model.dtype),
+            "tokenizer": self.corpus.tokenizer,
+            "train_config": self.cfg.as_dict(),
+            "optimizer": {k: v for k, v in ost.items() if k not in ("m", "v")},
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": self.rng.bit_generator.state,
+            "llmgpu": __version__,
+        }
+        return save_checkpoint(d, model=sd, optim=optim, meta=meta)
+
+    def _restore(self, model_arrays: dict, optim_arrays: dict | None, meta: dict):
+        self.model.load_state_dict(model_arrays)
+        if optim_arrays is None:
+            raise ConfigError("the checkpoint holds no optimizer state (optim.npz): cannot resume training from it")
+        ost = dict(meta["optimizer"])
+        ost["m"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("m/")}
+        ost["v"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("v/")}
+        self.opt.load_state_dict(ost)
+        self.scaler.load_state_dict(meta["scaler"])
+        self.stream.load_state_dict(meta["data"])
+        self.rng.bit_generator.state = meta["rng"]
+        self.step = int(meta["step"])
+        # the schedule's length: an explicit --steps, else the one the interrupted run used
+        if self.cfg.steps is not None and self.cfg.steps != meta.get("total_steps"):
+            self.total_steps, self.budget_fitted = self.cfg.steps, False
+        else:
+            self.total_steps = meta.get("total_steps")
+            self.budget_fitted = bool(meta.get("budget_fitted"))
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, prompt: str | None = None, n_tokens: int | None = None) -> str:
+        c = self.cfg
+        ids = prompt_ids(self.tokenizer, prompt if prompt is not None else c.prompt)
+        out = self.model.generate(ids, c.sample_tokens if n_tokens is None else n_tokens,
+                                  temperature=c.temperature, top_k=c.top_k, rng=self.rng)
+        return self.tokenizer.decode(out)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, stop_at: int | None = None) -> dict:
+        """Train until ``steps`` / ``max_time`` (or ``stop_at``: stop there as if interrupted, keeping the
+        schedule of the full run); returns a summary dict (also written to summary.json).
+
+        Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
+        """
+        c, xp = self.cfg, self.xp
+        out = Path(c.out)
+        out.mkdir(parents=True, exist_ok=True)
+        log_path = out / "log.jsonl"
+        resumed = self.step > 0
+        if not resumed and log_path.exists():
+            log_path.unlink()
+        logf = open(log_path, "a")
+
+        def log(rec):
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+
+        ceiling, ceiling_src = mfu_ceiling(xp, c.dtype)  # MFU's denominator, measured now
+        datasheet, gpu_model = datasheet_peak_tflops(xp, c.dtype)
+        mc = self.model.config
+        bar = Progress(self.total_steps or 0, enabled=c.progress)
+        bar.message(f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {self.model.num_parameters() / 1e6:.2f}M "
+                    f"parameters, vocab {mc.vocab_size}, {backend.dtype_name(self.model.dtype)}, batch "
+                    f"{c.batch}x{c.seq}x{c.grad_accum}"
+                    + (f", activation checkpointing every {c.checkpoint_every}" if c.checkpoint_every else "")
+                    + (", chapter 8 fast step" + (" as a CUDA graph" if c.graph else "") if c.fast else "")
+                    + f"; {backend.device_info(xp).summary()}")
+        bar.message(f"data: {self.corpus.description}; {self.corpus.n_train:,} training / "
+                    f"{self.corpus.n_val:,} validation tokens; output: {out}")
+        if resumed:
+            bar.message(f"resumed from step {self.step}")
+        log({"type": "run", "step": self.step, "config": c.as_dict(), "model": mc.as_dict(),
+             "parameters": self.model.num_parameters(), "device": backend.device_info(xp).as_dict(),
+             "mfu_ceiling_tflops": ceiling, "mfu_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
+             "datasheet_peak_tflops": datasheet, "datasheet_gpu": gpu_model, "data": self.corpus.description})
+
+        first_val = last_val = None
+        if not resumed and c.eval_every:
+            first_val = last_val = self.evaluate()
+            if first_val is not None:
+                log({"type": "val", "step": 0, "val_loss": first_val})
+                bar.message(f"step 0: val loss {first_val:.4f}")
+
+        pending: list = []  # (step, lr, device record) since the last sync
+        state = {"last_loss": None}
+
+        def flush(t_from, steps_from):
+            """The one host sync of a log interval: fetch the records, write the log lines."""
+            host = backend.to_numpy(xp.stack([r for _, _, r in pending]))  # waits for the GPU
+            now = time.perf_counter()
+            tok_s = (self.step - steps_from) * self.tokens_per_step / max(now - t_from, 1e-9)
+            util = mfu(self.flops_per_token, tok_s, ceiling)
+            for (s_, lr_s, _), (loss, norm, inf) in zip(pending, host):
+                entry = {"type": "train", "step": s_, "loss": float(loss), "grad_norm": float(norm), "lr": lr_s,
+                         "skipped": bool(inf)}
+                if s_ == pending[-1][0]:
+                    entry.update(tokens_per_s=tok_s, mfu=util, time_s=now - t0)
+                log(entry)
+            state["last_loss"] = float(host[-1][0])
+            pending.clear()
+            return now, tok_s, util
+
+        t0 = time.perf_counter()
+        t_last, steps_last = t0, self.step
+        probe_start = t0
+        # a time-bounded run fits its schedule to the clock; a resumed one keeps the saved schedule
+        refit = c.steps is None and c.max_time is not None and not resumed
+        stop_reason = "steps"
+        try:
+            while True:
+                if self.total_steps is not None and self.step >= self.total_steps:
+                    break
+                if stop_at is not None and self.step >= stop_at:
+                    stop_reason = "stop_at"
+                    break
+                if c.max_time is not None and time.perf_counter() - t0 >= c.max_time:
+                    stop_reason = "max_time"
+                    break
+                lr = self.lr_at(self.step)
+                rec = self.train_step(lr)
+                pending.append((self.step, lr, rec))
+                due_eval = bool(c.eval_every) and self.step % c.eval_every == 0
+                due_save = bool(c.save_every) and self.step % c.save_every == 0
+                due_probe = refit and self.step in (1, 1 + c.time_budget_probe)
+                last = (self.total_steps is not None and self.step >= self.total_steps) or self.step == stop_at
+                if len(pending) >= c.log_every or due_eval or due_save or due_probe or last:
+                    now, tok_s, util = flush(t_last, steps_last)
+                    t_last, steps_last = now, self.step
+                    if due_probe and self.step == 1:  # step 1 includes compilation and warm-up: time from here
+                        probe_start = now
+                    elif refit and self.step > 1:
+                        # seconds per step so far (evaluations included) -> the schedule length that ends
+                        # when max_time runs out; refitted at every sync, so a machine that slows down or
+                        # speeds up still gets a complete schedule
+                        announce = not self.budget_fitted
+                        self._fit_budget((now - probe_start) / (self.step - 1), now - t0)
+                        bar.total = self.total_steps
+                        if announce:
+                            bar.message(f"time budget {c.max_time:.0f} s: about {self.total_steps} steps")
+                    eta = None
+                    if self.total_steps and self.step > 1:
+                        eta = (now - probe_start) / (self.step - 1) * (self.total_steps - self.step)
+                    bar.update(self.step, loss=state["last_loss"], val=last_val, lr=lr, tok_s=tok_s, mfu=util,
+                               elapsed=now - t0, eta=eta)
+                    if not math.isfinite(state["last_loss"]) and not self.scaler.enabled:
+                        bar.message(f"step {self.step}: the loss is {state['last_loss']}; stopping")
+                        stop_reason = "diverged"
+                        break
+                if due_eval:
+                    last_val = self.evaluate()
+                    if last_val is not None:
+                        log({"type": "val", "step": self.step, "val_loss": last_val})
+                    t_last = time.perf_counter()  # evaluation time does not count against tokens/s
+                if due_save:
+                    self.save()
+                    t_last = time.perf_counter()
+        except KeyboardInterrupt:
+            stop_reason = "interrupted"
+            bar.message(f"interrupted at step {self.step}: saving a checkpoint (continue with --resume {out})")
+        if pending:  # stopped between syncs
+            flush(t_last, steps_last)
+        elapsed = time.perf_counter() - t0
+        if c.eval_every and stop_reason != "interrupted" and (last_val is None or self.step % c.eval_every):
+            v = self.evaluate()
+            if v is not None:
+                last_val = v
+                log({"type": "val", "step": self.step, "val_loss": v})
+        bar.close()
+        ckpt = self.save()
+        summary = {"steps": self.step, "stop_reason": stop_reason, "train_time_s": elapsed,
+                   "first_val_loss": first_val, "val_loss": last_val, "train_loss": state["last_loss"],
+                   "tokens": self.step * self.tokens_per_step, "checkpoint": str(ckpt), "out": str(out)}
+        final = stop_reason not in ("stop_at", "interrupted")
+        if c.plot and final:
+            try:
+                summary["plot"] = str(plot_losses(read_log(log_path), out / "loss.png"))
+            except Exception as e:  # a plot must never lose a finished run
+                bar.message(f"(no loss plot: {type(e).__name__}: {e})")
+        if c.sample_tokens and final:
+            text = self.sample()
+            (out / "samples.txt").write_text(text + "\n")
+            summary["sample"] = text
+        log({"type": "end", **{k: v for k, v in summary.items() if k != "sample"}})
+        logf.close()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        bar.message(f"done: {self.step} steps in {elapsed:.0f} s; "
+                    + (f"val loss {first_val:.3f} -> {last_val:.3f}; " if first_val is not None and last_val
+                       is not None else (f"val loss {last_val:.3f}; " if last_val is not None else ""))
+                    + f"checkpoint {ckpt}")
+        return summary
+
+    def _fit_budget(self, per_step: float, elapsed: float):
+        """Set total_steps from the measured seconds per step so the schedule ends when max_time runs out."""
+        c = self.cfg
+        if not self.budget_fitted and c.eval_every:  # first fit: evaluations not yet in the measurement
+            per_step *= 1.0 + c.eval_batches / (3.0 * c.eval_every * c.grad_accum)
+        remaining = 0.97 * c.max_time - elapsed
+        self.total_steps = self.step + max(0, int(remaining / max(per_step, 1e-9)))  # == step: stop now
+        self.budget_fitted = True
+
+
+def _val_loader(val_arrays, batch, seq, vocab_size):
+    if not val_arrays:
+        return None
+    n = sum(max(0, (a.size - 1) // seq) for a in val_arrays if a.size > seq)
+    if n == 0:
+        return None
+    return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)
+
+
+def prompt_ids(tokenizer, prompt: str | None) -> list[int]:
+    """Token ids of a prompt. ``None``: a default ('def ' for bytes, <|endoftext|> for GPT-2).
+    A GPT-2 prompt may also be given as comma-separated ids ('ids:50256,464')."""
+    if prompt is None:
+        return tokenizer.encode("def ") if tokenizer.name == "bytes" else [50256]
+    if prompt.startswith("ids:"):
+        try:
+            return [int(t) for t in prompt[4:].split(",") if t.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt ids:... must be comma-separated integers, got {prompt!r}") from None
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    return ids
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def default_out_dir() -> str:
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def train(cfg: TrainConfig | None = None, **kwargs) -> dict:
+    """Run a training job; returns the summary (see ``Trainer.run``)."""
+    cfg = replace(cfg or TrainConfig(), **kwargs)
+    if cfg.out is None and not cfg.resume:
+        cfg = replace(cfg, out=default_out_dir())
+    return Trainer(cfg).run()
+
+
+__all__ = ["Trainer", "default_out_dir", "prompt_ids", "train"]
