@@ -17,7 +17,8 @@ import numpy as np
 # Run from a checkout without installing llmgpu: the repository root goes on the path first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmgpu import backend, timing  # noqa: E402
+from llmgpu import backend  # noqa: E402
+from llmgpu.perf import timing  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -30,7 +30,7 @@ import _common
 import numpy as np
 
 from llmgpu import backend
-from llmgpu.gemm import _CUDA_DTYPE, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, gemm
+from llmgpu.gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from llmgpu.ops.linear import linear_flops
 from llmgpu.perf import timing
 from llmgpu.perf.sweeps import measure_linear
@@ -54,7 +54,7 @@ def direct_gemm_call(a, b, out, trans_a=False, trans_b=False):
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
     n = b.shape[0] if trans_b else b.shape[1]
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    dt, dto = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
+    dt, dto = CUDA_DATA_TYPES[a.dtype], CUDA_DATA_TYPES[out.dtype]
     args = (
         handle, int(trans_b), int(trans_a), n, m, k, one.ctypes.data,
         b.data.ptr, dt, b.shape[1], a.data.ptr, dt, a.shape[1], zero.ctypes.data,

@@ -19,6 +19,7 @@ import llmgpu
 from llmgpu.ops import vector_add
 from llmgpu.ops.matmul import METHODS
 from llmgpu.perf import timing
+from llmgpu.perf.sweeps import matmul_sweep
 
 RESULTS = _common.RESULTS_DIR / "intro.json"
 
@@ -42,7 +43,7 @@ def main(argv=None):
 
     shapes = [(s, s, s) for s in ((512, 1024, 2048, 4096) if gpu else (128, 256))]
     shapes += [(4000, 3000, 2000)] if gpu else [(100, 130, 70)]
-    rows = sweep(shapes, METHODS if gpu else (), xp=xp)
+    rows = matmul_sweep(shapes, METHODS if gpu else (), xp=xp)
     print(f"{'method':<14}{'M x N x K':>20}{'ms':>10}{'TFLOP/s':>10}")
     for r in rows:
         print(f"{r['method']:<14}{r['m']:>8}x{r['n']}x{r['k']:<6}{r['ms']:>10.3f}{r['tflops']:>10.2f}")

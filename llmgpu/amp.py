@@ -1,6 +1,6 @@
 """Chapter 5: mixed precision. Casts, the inf/nan check, the dynamic loss scaler, precision policies.
 
-The policy of the training loop (DESIGN.md): fp32 *master* weights and AdamW state; the forward and
+The policy of the training loop: fp32 *master* weights and AdamW state; the forward and
 backward passes read a bf16 (default) or fp16 *working* copy and accumulate every GEMM and
 reduction in fp32. bf16 keeps fp32's exponent range, so its gradients do not underflow; fp16 has 5
 exponent bits, so small gradients flush to zero unless the loss is multiplied by a *loss scale*

@@ -5,10 +5,8 @@ One run trains the same model on the same synthetic tokens with
 * **llmgpu**: ``llmgpu.model.GPT`` (the book step) or ``FastGPT`` (chapter 8), driven by
   ``llmgpu.train.TrainStep``, the step of ``llmgpu train`` (fused clip, fused AdamW, eager or one CUDA
   graph), with the optimizer settings of ``TrainConfig``;
-* **PyTorch** (when importable): a GPT-2 of identical architecture written here (nanoGPT-style:
-  learned position embeddings, pre-LayerNorm blocks, tanh-GELU MLP of width 4C, biases everywhere,
-  LM head tied to the token embedding, ``F.scaled_dot_product_attention(is_causal=True)``, i.e. flash
-  attention on the GPU), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
+* **PyTorch** (when importable): the same GPT-2 in ``llmgpu.torch_reference`` (nanoGPT-style, flash
+  SDPA), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
 
 and reports per mode the median milliseconds per optimizer step, tokens per second, MFU and peak
 memory. **MFU** (``llmgpu.perf.timing.mfu``) divides the FLOPs the model needs
@@ -28,8 +26,6 @@ Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import statistics
 import sys
 import time
@@ -41,6 +37,7 @@ from . import backend
 from .model import GPT, FastGPT, GPTConfig
 from .perf import timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
+from .torch_reference import import_torch, run_torch
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 from .train.step import TrainStep
 
@@ -55,223 +52,6 @@ def optimizer_settings(xp) -> TrainConfig:
     """The optimizer settings both frameworks train with: ``llmgpu train``'s on this device."""
     d = GPU_DEFAULTS if xp is not np else CPU_DEFAULTS
     return TrainConfig(lr=d["lr"])
-
-
-# --------------------------------------------------------------------------- the PyTorch reference
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"PyTorch is not installed ({e}); install torch to run the PyTorch reference") from None
-    return torch
-
-
-_TORCH_CLASSES = None
-
-
-def _torch_classes():
-    """The PyTorch GPT-2 modules (defined on first use: torch is imported lazily)."""
-    global _TORCH_CLASSES
-    if _TORCH_CLASSES is not None:
-        return _TORCH_CLASSES
-    torch = _torch()
-    nn = torch.nn
-    F = torch.nn.functional
-
-    class SelfAttention(nn.Module):
-        def __init__(self, C, H):
-            super().__init__()
-            self.n_head = H
-            self.c_attn = nn.Linear(C, 3 * C)
-            self.c_proj = nn.Linear(C, C)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            H = self.n_head
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    class MLP(nn.Module):
-        def __init__(self, C):
-            super().__init__()
-            self.c_fc = nn.Linear(C, 4 * C)
-            self.c_proj = nn.Linear(4 * C, C)
-
-        def forward(self, x):
-            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-    class Block(nn.Module):
-        def __init__(self, C, H):
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(C, eps=1e-5)
-            self.attn = SelfAttention(C, H)
-            self.ln_2 = nn.LayerNorm(C, eps=1e-5)
-            self.mlp = MLP(C)
-
-        def forward(self, x):
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-
-    class TorchGPT(nn.Module):
-        """GPT-2 with nanoGPT's parameter names (so ``llmgpu.model.GPT.state_dict()`` loads as is)."""
-
-        def __init__(self, config, mask_padded=False):
-            super().__init__()
-            C, V = config.n_embd, config.padded_vocab_size
-            self.config = config
-            self.transformer = nn.ModuleDict({
-                "wte": nn.Embedding(V, C), "wpe": nn.Embedding(config.block_size, C),
-                "h": nn.ModuleList([Block(C, config.n_head) for _ in range(config.n_layer)]),
-                "ln_f": nn.LayerNorm(C, eps=1e-5)})
-            self.lm_head = nn.Linear(C, V, bias=False)
-            self.transformer.wte.weight = self.lm_head.weight  # tied
-            pad = torch.zeros(V)
-            pad[config.vocab_size:] = -1.0e4
-            self.register_buffer("pad_logits", pad, persistent=False)
-            self.mask_padded = bool(mask_padded) and V != config.vocab_size
-
-        def forward(self, idx, targets=None):
-            T = idx.shape[1]
-            pos = torch.arange(T, device=idx.device)
-            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-            for blk in self.transformer.h:
-                x = blk(x)
-            logits = self.lm_head(self.transformer.ln_f(x))
-            if self.mask_padded:
-                logits = logits + self.pad_logits
-            if targets is None:
-                return logits
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-    _TORCH_CLASSES = TorchGPT
-    return TorchGPT
-
-
-def build_torch_gpt(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
-    """A PyTorch GPT-2 (fp32 parameters) of ``config``'s architecture on ``device`` (default: cuda if available).
-
-    ``state_dict``: nanoGPT-named arrays (e.g. ``llmgpu.model.GPT(...).state_dict()``: NumPy, CuPy or torch);
-    otherwise GPT-2's initialisation (N(0, 0.02), residual projections N(0, 0.02/√(2L)), zero biases).
-    ``mask_padded``: set the padded vocabulary logits to -1e4 as llmgpu does (default off, as nanoGPT's
-    50304-vocabulary runs; the FLOPs are the same either way).
-    """
-    torch = _torch()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    TorchGPT = _torch_classes()
-    torch.manual_seed(seed)
-    model = TorchGPT(config, mask_padded=mask_padded)
-    if state_dict is not None:
-        sd = {}
-        for k, v in state_dict.items():
-            if k.endswith((".attn.bias", ".attn.masked_bias")):
-                continue
-            arr = v.detach().float().cpu() if hasattr(v, "detach") else torch.from_numpy(
-                np.ascontiguousarray(backend.to_numpy(v), dtype=np.float32))
-            sd[k] = arr
-        wte = "transformer.wte.weight"
-        emb = sd.get(wte, sd.get("lm_head.weight"))
-        if emb is not None and emb.shape[0] < config.padded_vocab_size:  # an unpadded embedding: zero rows
-            padded = torch.zeros(config.padded_vocab_size, config.n_embd)
-            padded[: emb.shape[0]] = emb
-            emb = padded
-        if emb is not None:
-            sd[wte] = sd["lm_head.weight"] = emb  # tied: both names, one tensor
-        model.load_state_dict(sd, strict=True)
-    else:
-        std_res = 0.02 / math.sqrt(2 * config.n_layer)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("c_proj.weight"):
-                    p.normal_(0.0, std_res)
-                elif p.dim() >= 2:
-                    p.normal_(0.0, 0.02)
-                elif name.endswith("bias"):
-                    p.zero_()
-    return model.to(device)
-
-
-def _torch_optimizer(torch, model, fused, opt: TrainConfig):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, fused=fused)
-
-
-def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
-              dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False) -> dict:
-    """Train the PyTorch reference for ``warmup + steps`` steps on synthetic tokens; returns the metrics.
-
-    ``mode``: ``"eager"`` or ``"compile"`` (``torch.compile`` of the model; the optimizer stays eager).
-    ``dtype``: autocast dtype (``"bf16"``, ``"fp16"`` without a scaler is refused, ``"fp32"`` = no autocast).
-    Each step: forward + loss under autocast, backward, global-norm clip at 1.0, fused AdamW
-    (``fused=True`` on CUDA), ``zero_grad(set_to_none=True)``. Times: CUDA events per step, median.
-    """
-    torch = _torch()
-    if mode not in ("eager", "compile"):
-        raise ValueError(f"mode must be 'eager' or 'compile', got {mode!r}")
-    amp = {"bf16": torch.bfloat16, "fp32": None}.get(backend.dtype_name(dtype), "bad")
-    if amp == "bad":
-        raise ValueError(f"dtype must be bf16 or fp32 for the benchmark, got {dtype!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = device.type == "cuda"
-    if warmup is None:
-        warmup = 5 if mode == "compile" else 3
-    model = build_torch_gpt(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
-    model.train()
-    settings = optimizer_settings(backend.cupy_module() if cuda else np)
-    opt = _torch_optimizer(torch, model, fused=cuda, opt=settings)
-    run = torch.compile(model) if mode == "compile" else model
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
-    y = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
-    params = list(model.parameters())
-
-    def autocast():
-        return torch.autocast(device_type=device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-
-    def step():
-        with autocast():
-            loss = run(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    warmup_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    if cuda:
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for a, b in evs:
-            a.record()
-            loss = step()
-            b.record()
-        torch.cuda.synchronize(device)
-        times = [a.elapsed_time(b) for a, b in evs]
-    else:
-        for _ in range(steps):
-            t = time.perf_counter()
-            loss = step()
-            times.append((time.perf_counter() - t) * 1e3)
-    ms = statistics.median(times)
-    res = {"framework": "pytorch", "mode": f"torch-{mode}", "batch": batch, "seq": seq,
-           "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
-           "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
-           "final_loss": float(loss.detach().float().cpu()), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None}
-    return res
 
 
 def release_memory():
@@ -475,7 +255,7 @@ def bench_main(args) -> int:
     rows = []
     torch_reason = None
     try:
-        torch = _torch()
+        torch = import_torch()
         if gpu and not torch.cuda.is_available():
             torch_reason = "PyTorch has no CUDA device here"
     except ImportError as e:
@@ -493,7 +273,7 @@ def bench_main(args) -> int:
                     continue
                 tm = mode.split("-", 1)[1]
                 r = run_torch(cfg, o["batch"], o["seq"], o["steps"], tm, dtype=o["dtype"],
-                              warmup=o["warmup"] + (5 if tm == "compile" else 0),
+                              settings=optimizer_settings(xp), warmup=o["warmup"] + (5 if tm == "compile" else 0),
                               device="cuda" if gpu else "cpu", seed=seed)
         except Exception as e:  # one failing mode (OOM, capture refused, ...) must not hide the others
             release_memory()

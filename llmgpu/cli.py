@@ -12,7 +12,8 @@ import json
 import sys
 from dataclasses import fields, replace
 
-from . import __version__, backend
+from . import backend
+from .version import __version__
 
 EXIT_USAGE = 2
 
@@ -28,27 +29,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _positive_int(name):
+def _int_at_least(name, low):
     def conv(s):
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
-        return v
-
-    return conv
-
-
-def _nonneg_int(name):
-    def conv(s):
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {v}")
         return v
 
     return conv
@@ -115,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="generate text from a trained checkpoint")
     s.add_argument("--from", dest="src", required=True, metavar="DIR", help="run directory or checkpoint")
     s.add_argument("--prompt", help="text prompt (GPT-2 models without tiktoken: 'ids:50256,464')")
-    s.add_argument("--tokens", type=_nonneg_int("--tokens"), default=200, help="new tokens (default 200)")
+    s.add_argument("--tokens", type=_int_at_least("--tokens", 0), default=200, help="new tokens (default 200)")
     s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=_positive_int("--top-k"), default=40)
-    s.add_argument("--num-samples", type=_positive_int("--num-samples"), default=1)
+    s.add_argument("--top-k", type=_int_at_least("--top-k", 1), default=40)
+    s.add_argument("--num-samples", type=_int_at_least("--num-samples", 1), default=1)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute precision (default: the run's "

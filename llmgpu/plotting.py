@@ -214,3 +214,25 @@ def plot_losses(records, png_path=None, ax=None):
             plt.close(ax.figure)
         return png_path
     return ax
+
+
+def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_label="copy ceiling",
+                            ylabel="GB/s (minimum bytes / time)", ax=None):
+    """One group of bars per key (e.g. ``("layernorm", "bwd")``), one bar per method in it, under a dashed
+    ceiling line: ``results[key][method]`` is the value. Chapter 3's kernel summary."""
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.6 + 1.5 * len(keys), 3.6))
+    methods = list(dict.fromkeys(m for k in keys for m in results[k]))  # in first-seen order
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        vals = [results[k].get(method, 0.0) for k in keys]
+        ax.bar(np.arange(len(keys)) + (i - (len(methods) - 1) / 2) * width, vals, width, label=method)
+    ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"{ceiling_label} {ceiling:.0f} GB/s")
+    ax.set_xticks(np.arange(len(keys)), ["\n".join(map(str, k)) if isinstance(k, tuple) else str(k) for k in keys])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_ylim(0, 1.12 * max(ceiling, *(v for k in keys for v in results[k].values())))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.figure.tight_layout()
+    return ax

@@ -9,8 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llmgpu import bench
+from llmgpu import bench, torch_reference
 from llmgpu.model import GPT, GPTConfig
+from llmgpu.perf.timing import mfu
 
 pytestmark = pytest.mark.ch8
 
@@ -23,26 +24,26 @@ SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=61, block_size=16)
 def test_flops_per_token_gpt2_small():
     cfg = GPTConfig.preset("gpt2")
     # 124,439,808 parameters; the position embedding (1024 x 768) costs no FLOPs
-    assert bench.num_flop_parameters(cfg) == 124_439_808 - 1024 * 768
+    assert cfg.flop_parameters() == 124_439_808 - 1024 * 768
     want = 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024
-    assert bench.flops_per_token(cfg, 1024) == pytest.approx(want, rel=1e-15)
+    assert cfg.flops_per_token(1024) == pytest.approx(want, rel=1e-15)
     padded = replace(cfg, pad_vocab_to=64)
-    assert bench.num_flop_parameters(padded) - bench.num_flop_parameters(cfg) == (50304 - 50257) * 768
+    assert padded.flop_parameters() - cfg.flop_parameters() == (50304 - 50257) * 768
 
 
 def test_flop_parameters_agree_with_the_model():
     for cfg in (SMALL, GPTConfig.preset("gpt2"), replace(SMALL, pad_vocab_to=64)):
-        assert bench.num_flop_parameters(cfg) == cfg.num_parameters() - cfg.block_size * cfg.n_embd
+        assert cfg.flop_parameters() == cfg.num_parameters() - cfg.block_size * cfg.n_embd
         assert GPT(cfg, xp=np, init=False).num_parameters() == cfg.num_parameters()
 
 
 def test_mfu():
     cfg = GPTConfig.preset("gpt2")
-    fpt = bench.flops_per_token(cfg, 1024)
+    fpt = cfg.flops_per_token(1024)
     # 500 K tokens/s at 800 TFLOP/s
-    assert bench.mfu(500_000, cfg, 1024, 800.0) == pytest.approx(fpt * 5e5 / 8e14)
-    assert 0.5 < bench.mfu(500_000, cfg, 1024, 800.0) < 0.6  # ~855 MFLOP per token
-    assert math.isnan(bench.mfu(1.0, cfg, 1024, 0.0))
+    assert mfu(fpt, 500_000, 800.0) == pytest.approx(fpt * 5e5 / 8e14)
+    assert 0.5 < mfu(fpt, 500_000, 800.0) < 0.6  # ~855 MFLOP per token
+    assert math.isnan(mfu(fpt, 1.0, 0.0))
 
 
 # --------------------------------------------------------------------------- the table
@@ -100,7 +101,7 @@ def test_bench_main_quick_run_writes_json(tmp_path, capsys):
     assert "FLOPs per token" in text and "llmgpu" in text and f"wrote {out}" in text
     data = json.loads(out.read_text())
     assert data["benchmark"] == "llmgpu bench" and data["batch"] == 2 and data["seq"] == 16
-    assert "6·N" in data["mfu_formula"] and data["gemm_ceiling_tflops"] > 0
+    assert "6·N" in data["mfu_definition"] and data["gemm_ceiling_tflops"] > 0 and "NumPy" in data["gemm_ceiling"]
     modes = [r["mode"] for r in data["results"]]
     assert modes == ["llmgpu", "torch-eager"]
     ours = data["results"][0]
@@ -131,7 +132,7 @@ def test_torch_reference_matches_llmgpu_model(pad):
     idx = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
     tgt = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
     _, loss = model.forward(idx, tgt)
-    tm = bench.build_torch_gpt(cfg, state_dict=model.state_dict(), device="cpu", mask_padded=True)
+    tm = torch_reference.build_torch_gpt(cfg, state_dict=model.state_dict(), device="cpu", mask_padded=True)
     assert tm.transformer.wte.weight is tm.lm_head.weight  # tied
     with torch.no_grad():
         tl = tm(torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(tgt.astype(np.int64)))
@@ -155,17 +156,17 @@ def test_torch_reference_matches_llmgpu_model(pad):
 
 def test_torch_reference_init_and_run_on_cpu():
     torch = _torch_or_skip()
-    tm = bench.build_torch_gpt(SMALL, device="cpu", seed=1)
+    tm = torch_reference.build_torch_gpt(SMALL, device="cpu", seed=1)
     names = {n for n, _ in tm.named_parameters()}
     assert "transformer.h.0.mlp.c_proj.weight" in names and "lm_head.weight" not in names  # tied: listed once
     std = float(tm.transformer.h[0].mlp.c_proj.weight.std())
     assert std == pytest.approx(0.02 / math.sqrt(2 * SMALL.n_layer), rel=0.2)
     assert float(tm.transformer.h[0].attn.c_attn.bias.abs().max()) == 0.0
-    r = bench.run_torch(SMALL, 2, 16, steps=2, mode="eager", warmup=1, dtype="fp32", device="cpu")
+    r = torch_reference.run_torch(SMALL, 2, 16, steps=2, mode="eager", warmup=1, dtype="fp32", device="cpu")
     assert r["mode"] == "torch-eager" and r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"])
     assert r["torch"] == torch.__version__
     with pytest.raises(ValueError, match="mode"):
-        bench.run_torch(SMALL, 2, 16, steps=1, mode="jit", device="cpu")
+        torch_reference.run_torch(SMALL, 2, 16, steps=1, mode="jit", device="cpu")
 
 
 # --------------------------------------------------------------------------- GPU

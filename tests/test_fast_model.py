@@ -8,7 +8,7 @@ import pytest
 from llmgpu import backend
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.model.fast import FastGPT
-from llmgpu.train import TrainConfig, Trainer, fast_path_available, read_log
+from llmgpu.train import ConfigError, TrainConfig, Trainer, fast_path_available, read_log
 
 pytestmark = pytest.mark.ch8
 
@@ -91,11 +91,9 @@ def test_trainer_fast_flags_on_the_cpu(tmp_path):
                 eval_every=0)
     t = Trainer(TrainConfig(**base, out=str(tmp_path / "a")))
     assert t.cfg.fast is False and t.cfg.graph is False and type(t.model) is GPT  # auto: the book model on CPU
-    from llmgpu.train.data import DataError
-
-    with pytest.raises(DataError, match="--fast"):
+    with pytest.raises(ConfigError, match="--fast"):
         Trainer(TrainConfig(**base, fast=True, out=str(tmp_path / "b")))
-    with pytest.raises(DataError, match="--graph needs the fast model"):
+    with pytest.raises(ConfigError, match="--graph needs the fast model"):
         Trainer(TrainConfig(**base, graph=True, out=str(tmp_path / "c")))
 
 

@@ -4,7 +4,7 @@ and CUDA-graph capture (``llmgpu.perf.profile``, ``llmgpu.perf.graphs``)."""
 import numpy as np
 import pytest
 
-from llmgpu import backend
+from llmgpu import backend, instrument, plotting
 from llmgpu.kernels.launch import SMLimits
 from llmgpu.perf import graphs, profile
 from llmgpu.perf.occupancy import theoretical_occupancy
@@ -77,25 +77,25 @@ def test_disabled_timer_and_inactive_region_are_noops():
     with r1:
         pass
     assert t.records() == []
-    assert profile.active_timer() is None
-    assert profile.region("x") is r1
+    assert instrument.active_timer() is None
+    assert instrument.region("x") is r1
     on = profile.OpTimer(xp=np)
-    with profile.activate(on):
-        with profile.region("hooked", bytes=100):
+    with instrument.activate(on):
+        with instrument.region("hooked", bytes=100):
             pass
-    assert profile.active_timer() is None
+    assert instrument.active_timer() is None
     assert [r["name"] for r in on.records()] == ["hooked"] and on.records()[0]["bytes"] == 100
 
 
 def test_nvtx_range_never_fails():
-    with profile.nvtx_range("chapter8"):
+    with instrument.nvtx_range("chapter8"):
         pass
-    old = profile.set_nvtx(True)
+    old = instrument.set_nvtx(True)
     try:
-        with profile.region("with-nvtx"):
+        with instrument.region("with-nvtx"):
             pass
     finally:
-        profile.set_nvtx(old)
+        instrument.set_nvtx(old)
 
 
 # --------------------------------------------------------------------------- occupancy formula (CPU)
@@ -137,12 +137,12 @@ def test_roofline_plot_saves_png(tmp_path):
             {"name": "layernorm", "flops": 8 * 65536 * 768, "bytes": 4 * 65536 * 768, "ms": 0.05},
             {"name": "copy", "flops": 0, "bytes": 1e9, "ms": 0.3}]  # no FLOPs: skipped
     path = tmp_path / "roofline.png"
-    ax = profile.roofline_plot(rows, peak_tflops=790.0, peak_gbps=4200.0, path=path, title="test")
+    ax = plotting.roofline_plot(rows, peak_tflops=790.0, peak_gbps=4200.0, path=path, title="test")
     assert path.is_file() and path.stat().st_size > 5000
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert len(ax.collections) == 2  # one scatter per placed kernel
     with pytest.raises(ValueError, match="positive"):
-        profile.roofline_plot(rows, peak_tflops=0.0, peak_gbps=1.0)
+        plotting.roofline_plot(rows, peak_tflops=0.0, peak_gbps=1.0)
     import matplotlib.pyplot as plt
 
     plt.close("all")

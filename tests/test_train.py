@@ -9,7 +9,7 @@ import pytest
 
 from llmgpu.plotting import plot_losses
 from llmgpu.testing import rel_error
-from llmgpu.train import TrainConfig, Trainer, read_log, resolve, train
+from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve, train
 from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 from llmgpu.train.data import DataError
 
@@ -111,11 +111,11 @@ def test_defaults_and_validation():
     c = resolve(TrainConfig(), np)
     assert (c.preset, c.dtype, c.batch, c.seq, c.max_time) == ("tiny", "fp32", 8, 128, 180.0)
     assert resolve(TrainConfig(steps=5), np).max_time is None
-    with pytest.raises(DataError, match="unknown preset"):
+    with pytest.raises(ConfigError, match="unknown preset"):
         resolve(TrainConfig(preset="huge"), np)
-    with pytest.raises(DataError, match="--dtype"):
+    with pytest.raises(ConfigError, match="--dtype"):
         resolve(TrainConfig(dtype="fp8"), np)
-    with pytest.raises(DataError, match="--grad-accum"):
+    with pytest.raises(ConfigError, match="--grad-accum"):
         resolve(TrainConfig(grad_accum=0), np)
 
 
@@ -133,7 +133,7 @@ def test_plot_losses(tmp_path):
     recs = [{"type": "train", "step": i, "loss": 5.0 / i} for i in range(1, 80)]
     recs += [{"type": "val", "step": 0, "val_loss": 5.5}, {"type": "val", "step": 40, "val_loss": 0.3}]
     log.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    p = plot_losses(log, tmp_path / "l.png")
+    p = plot_losses(read_log(log), tmp_path / "l.png")
     assert p.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -37,7 +37,7 @@ entries. For a linear layer ``y = x Wᵀ + b`` (x [T, Cin], W [Cout, Cin]):
   ``db = Σ_rows dy``.) ``dbias`` is *overwritten*; accumulate it yourself when needed.
 
 cuBLASLt's GELU is the tanh approximation, the same function as ``llmgpu.ops.gelu`` (GPT-2's). The
-H200 probe (DESIGN.md) found all four epilogues correct, and DGELU_BGRAD (dgrad + bias gradient in
+H200 probe found all four epilogues correct, and DGELU_BGRAD (dgrad + bias gradient in
 one call) *slower* than DGELU followed by a separate bias-gradient reduction, so it is not offered.
 
 **Capturable.** Per call: a dictionary lookup for the plan (matmul descriptor, matrix layouts and

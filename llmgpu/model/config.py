@@ -87,18 +87,6 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-PRESETS: dict[str, GPTConfig] = {
-    # byte-level (vocabulary 256), trains in a few minutes on a laptop CPU with the NumPy backend
-    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=128),
-    "d6": GPTConfig(n_layer=6, n_head=6, n_embd=384),
-    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # GPT-2 small, 124M
-    "d12": GPTConfig(n_layer=12, n_head=12, n_embd=768),
-    "d24": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # GPT-2 medium, 350M
-    "d36": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # GPT-2 large, 774M
-    "d48": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # GPT-2 XL, 1558M
-}
-
-
 # --------------------------------------------------------------------------- parameter names and shapes
 
 

@@ -79,7 +79,15 @@ class FastGPT(GPTBase):
         self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
         self.attention = "flash" if self.flash else "math-copy"
 
-    checkpoint_every = 0  # no activation checkpointing on this path (module docstring)
+    @property
+    def checkpoint_every(self) -> int:
+        """Always 0: no activation checkpointing on this path (module docstring)."""
+        return 0
+
+    @checkpoint_every.setter
+    def checkpoint_every(self, k: int):
+        if int(k) != 0:
+            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0)")
 
     # ------------------------------------------------------------------ pieces
 

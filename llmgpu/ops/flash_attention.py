@@ -24,7 +24,7 @@ projection and ``heads_view(y, n_head)`` a ``[B, H, T, D]`` view of a ``[B, T, C
 transposing copies are needed around attention (``out=``, ``dq=``, ``dk=``, ``dv=`` accept such views).
 
 cuDNN graphs are built once per shape, dtype, strides and mask, and cached with their workspace;
-``execute`` allocates nothing and is capturable in a CUDA graph (verified on the H200, DESIGN.md).
+``execute`` allocates nothing and is capturable in a CUDA graph (verified on the H200).
 Make the first call of each shape outside capture (a warm-up). NumPy arrays run a reference of the
 same algorithm (float32; float64 stays float64), so the math is checked on any machine.
 """

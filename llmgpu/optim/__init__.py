@@ -1,7 +1,7 @@
 """Chapter 4: the optimizer step. Flat parameter buffers, fused AdamW, global-norm clipping, LR schedules.
 
 * ``FlatParams``: every weight, gradient and moment in one contiguous buffer each (``params.py``).
-* ``adamw_update(param, grad, m, v, *, step, lr, ...)``: one tensor, in place (DESIGN.md's API).
+* ``adamw_update(param, grad, m, v, *, step, lr, ...)``: one tensor, in place (the package's stable API).
 * ``AdamW(flat_params, ...)``: the whole model in one kernel launch (``per_tensor=True``: one per
   tensor, the baseline).
 * ``global_grad_norm`` / ``clip_scale`` / ``grad_norm_fused`` / ``GradClipper``: the global L2 norm

@@ -1,7 +1,7 @@
 """AdamW: the NumPy reference, the fused single-launch CUDA step, and the per-tensor baseline.
 
 ``adamw_update`` updates one parameter tensor (any shape) in place; it is the building block and
-DESIGN.md's stable signature. ``AdamW`` drives a whole ``FlatParams``: one kernel launch updates
+the package's stable signature. ``AdamW`` drives a whole ``FlatParams``: one kernel launch updates
 every parameter, applies weight decay by the decay split, writes the working-precision copy, can
 zero the gradient, and can skip the step on the device when the loss scaler found an overflow.
 ``AdamW(per_tensor=True)`` launches ``adamw_update`` once per tensor instead: the naive version

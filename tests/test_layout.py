@@ -1,0 +1,132 @@
+"""The package tree is the chapter map: floors that only look down, no import cycles, files of a readable size.
+
+Read from the sources (``ast``), every ``import`` counted, also those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "llmgpu"
+
+# Each floor imports only from floors below it (or from its own floor, without cycles).
+FLOORS = [
+    ("ground", ("backend", "checks", "testing", "plotting", "instrument", "version")),
+    ("kernels", ("kernels",)),
+    ("ops/gemm", ("ops", "gemm")),
+    ("optim", ("optim",)),
+    ("amp", ("amp",)),
+    ("model", ("model",)),
+    ("perf", ("perf",)),
+    ("train", ("train",)),
+    ("applications", ("torch_reference", "bench", "cli", "__main__")),
+]
+FLOOR_OF = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
+LARGE_OK = 500  # lines; a larger module says why at its top ("This module is long because ...")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The llmgpu modules ``path`` imports (absolute names), wherever the import statement is."""
+    mod = _module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("llmgpu")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("llmgpu"):
+                continue
+            for a in node.names:  # `from llmgpu.perf import timing` imports the module llmgpu.perf.timing
+                sub = f"{target}.{a.name}"
+                out.add(sub if (ROOT.parent / Path(*sub.split("."))).with_suffix(".py").exists()
+                        or (ROOT.parent / Path(*sub.split("."))).is_dir() else target)
+    return out - {mod}
+
+
+def _graph():
+    return {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    return FLOOR_OF[parts[1]] if len(parts) > 1 else len(FLOORS)  # `llmgpu` itself: the top
+
+
+def test_every_module_has_a_floor():
+    for m in _graph():
+        assert m == "llmgpu" or m.split(".")[1] in FLOOR_OF, f"{m} is on no floor: add it to FLOORS"
+
+
+def test_floors_only_look_down():
+    bad = [f"{m} ({FLOORS[_floor(m)][0]}) imports {d} ({FLOORS[_floor(d)][0] if _floor(d) < len(FLOORS) else 'top'})"
+           for m, deps in _graph().items() for d in deps if _floor(d) > _floor(m)]
+    assert not bad, "\n".join(bad)
+
+
+def _parents(module: str) -> list[str]:
+    """Importing a.b.c runs a/__init__ and a/b/__init__ first: those are edges too."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def test_no_import_cycles():
+    g = _graph()
+    edges = {m: {d for d in deps if d in g} | {p for d in deps for p in _parents(d) if p in g and p != m
+                                                and not m.startswith(p + ".")}
+             for m, deps in g.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_model_does_not_import_chapter_8_tooling():
+    for m, deps in _graph().items():
+        if m.startswith(("llmgpu.model", "llmgpu.ops", "llmgpu.optim", "llmgpu.gemm")):
+            assert not any(d.startswith("llmgpu.perf") for d in deps), f"{m} imports {deps}"
+
+
+def test_files_stay_readable():
+    long = []
+    for p in ROOT.rglob("*.py"):
+        text = p.read_text()
+        n = text.count("\n")
+        if n > LARGE_OK and "This module is long because" not in text[:3000]:
+            long.append(f"{p.relative_to(ROOT)}: {n} lines")
+    assert not long, "modules over ~500 lines without a reason at their top:\n" + "\n".join(long)
+
+
+def test_no_docstring_cites_a_file_outside_the_repository():
+    for p in ROOT.rglob("*.py"):
+        assert "DESIGN.md" not in p.read_text(), f"{p.relative_to(ROOT)} cites DESIGN.md, which is not in the repo"
