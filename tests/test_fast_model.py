@@ -168,7 +168,7 @@ def test_gpu_graph_step_matches_the_eager_fast_step(cp, tmp_path):
     eager.run()
     graphed = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, out=str(tmp_path / "g"))))
     graphed.run()
-    assert graphed._graph is not None and graphed._graph.kernel_count() > 50
+    assert graphed.step_fn.graph is not None and graphed.step_fn.graph.kernel_count() > 50
     le, lg = _losses(tmp_path / "e"), _losses(tmp_path / "g")
     assert len(le) == len(lg) == 8 and lg[-1] < lg[0]
     np.testing.assert_allclose(lg, le, rtol=2e-3)  # the same kernels, replayed

@@ -135,7 +135,8 @@ class TrainStep:
             self._warm = True
             return self._body(static, glr)
         if self.graph is None:
-            xp.get_default_memory_pool().free_all_blocks()  # the eager step's cached blocks: the graph has its own
+            xp.cuda.get_current_stream().synchronize()  # once, before the capture: the eager step's blocks are idle
+            xp.get_default_memory_pool().free_all_blocks()  # and go back: the graph allocates from its own pool
             self.graph = capture(lambda: self._body(static, glr), warmup=0)
             self.graph.upload()
         self.graph.replay()
