@@ -72,19 +72,3 @@ def check_out(out, shape, dtype, xp, name="out"):
     check_array(name, out, shape=tuple(shape), dtype=dtype)
     return out
 
-
-def grid_size(n_items: int, block: int, max_blocks: int | None = None) -> int:
-    """Blocks needed to cover n_items with ``block`` threads, optionally capped (grid-stride loops)."""
-    g = max(1, -(-n_items // block))
-    return min(g, max_blocks) if max_blocks else g
-
-
-def vector_width(dtype, c, *arrays) -> int:
-    """Elements per 16-byte access for rows of ``c`` elements of ``dtype``, or 1 when ``c`` is not a
-    multiple of it or a pointer of ``arrays`` (CuPy) is not 16-byte aligned: the vectorized kernels'
-    scalar fallback."""
-    w = 16 // np.dtype(dtype).itemsize
-    if c % w or any(a.data.ptr % 16 for a in arrays):
-        return 1
-    return w
-

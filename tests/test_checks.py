@@ -1,10 +1,10 @@
-"""checks.vector_width: the 16-byte vector width the GPU kernels pick, or their scalar fallback."""
+"""launch.vector_width: the 16-byte vector width the GPU kernels pick, or their scalar fallback."""
 
 import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.checks import vector_width
+from llmgpu.kernels.launch import vector_width
 
 
 @pytest.mark.parametrize("dtype,c,expected", [

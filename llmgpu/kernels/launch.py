@@ -1,4 +1,5 @@
-"""Launch arithmetic: the per-SM resources of the device, from which grids and block counts are computed.
+"""Launch arithmetic: the per-SM resources of the device, from which grids and block counts are computed,
+and the pointer alignment and vector width the vectorized kernels check.
 
 ``SMLimits.for_device()`` reads the resources off the GPU (``cudaGetDeviceProperties``); the
 defaults are sm_90's (H100 / H200), used on NumPy and by the GPU-free compile check.
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
+
+VECTOR_BYTES = 16  # the widest load/store a thread issues: uint4 / float4
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,31 @@ def device_limits(xp=None) -> SMLimits:
     return _device_limits(int(xp.cuda.Device().id))
 
 
+# --------------------------------------------------------------------------- alignment and vector width
+
+
+def is_aligned(nbytes: int, *arrays) -> bool:
+    """Whether every array (CuPy, or anything with ``.data.ptr``; None skipped) starts on a multiple
+    of ``nbytes``."""
+    return all(a.data.ptr % nbytes == 0 for a in arrays if a is not None)
+
+
+def elements_aligned(n: int, *arrays) -> bool:
+    """Whether every array (None skipped) starts on a multiple of ``n`` of its own elements: what an
+    ``n``-wide vector access needs (e.g. float4 for fp32, 4 x 16 bits for fp16/bf16)."""
+    return all(is_aligned(n * a.dtype.itemsize, a) for a in arrays if a is not None)
+
+
+def vector_width(dtype, c, *arrays) -> int:
+    """Elements per 16-byte access for rows of ``c`` elements of ``dtype``, or 1 when ``c`` is not a
+    multiple of it or a pointer of ``arrays`` is not 16-byte aligned: the vectorized kernels'
+    scalar fallback."""
+    w = VECTOR_BYTES // np.dtype(dtype).itemsize
+    if c % w or not is_aligned(VECTOR_BYTES, *arrays):
+        return 1
+    return w
+
+
 def resident_grid(kernel, n_items: int, threads: int, xp=None) -> int:
     """Blocks for a grid-stride loop over ``n_items`` thread-work items: one full wave of resident blocks
     (from the kernel's register count and the SM's limits), fewer when there is less work."""
@@ -81,4 +109,5 @@ def resident_grid(kernel, n_items: int, threads: int, xp=None) -> int:
     return max(1, min(-(-max(n_items, 1) // threads), per_sm * sms))
 
 
-__all__ = ["SMLimits", "device_limits", "resident_grid"]
+__all__ = ["VECTOR_BYTES", "SMLimits", "device_limits", "elements_aligned", "is_aligned", "resident_grid",
+           "vector_width"]

@@ -19,6 +19,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import VECTOR_BYTES, is_aligned
 
 METHODS = ("naive", "optimized", "fast")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
@@ -55,12 +56,12 @@ def gelu_backward_reference(dy, x):
     return (dy.astype(ct) * grad).astype(x.dtype)
 
 
-def _launch(xp, n, ptrs, dtype, method, name, args):
+def _launch(xp, n, arrays, dtype, method, name, args):
     if method == "naive":
         get_kernel("gelu", f"{name}_naive", dtype)((-(-n // THREADS),), (THREADS,), args)
         return
-    width = 16 // np.dtype(dtype).itemsize
-    vec = all(p % 16 == 0 for p in ptrs)
+    width = VECTOR_BYTES // np.dtype(dtype).itemsize
+    vec = is_aligned(VECTOR_BYTES, *arrays)  # the kernels handle the tail past the last pack
     if method == "fast":  # one pass: enough blocks to cover every pack once
         packs = n // width if vec else n
         blocks = max(1, -(-packs // (THREADS * FAST_UNROLL)))
@@ -86,7 +87,7 @@ def gelu_forward(x, *, out=None, method="fast"):
     if x.dtype not in GPU_DTYPES:
         raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
     out = check_out(out, x.shape, x.dtype, xp)
-    _launch(xp, x.size, (x.data.ptr, out.data.ptr), x.dtype, method, "gelu_forward", (x, out, np.int64(x.size)))
+    _launch(xp, x.size, (x, out), x.dtype, method, "gelu_forward", (x, out, np.int64(x.size)))
     return out
 
 
@@ -106,7 +107,7 @@ def gelu_backward(dy, x, *, out=None, method="fast"):
     if x.dtype not in GPU_DTYPES:
         raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
     out = check_out(out, x.shape, x.dtype, xp)
-    _launch(xp, x.size, (dy.data.ptr, x.data.ptr, out.data.ptr), x.dtype, method, "gelu_backward",
+    _launch(xp, x.size, (dy, x, out), x.dtype, method, "gelu_backward",
             (dy, x, out, np.int64(x.size)))
     return out
 

@@ -41,8 +41,9 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype, vector_width
+from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import vector_width
 
 METHODS = ("naive", "optimized", "fast")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)

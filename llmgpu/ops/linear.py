@@ -29,9 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype, vector_width
+from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..kernels import get_kernel
+from ..kernels.launch import vector_width
 
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 

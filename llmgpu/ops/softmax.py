@@ -41,6 +41,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_out, reference_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import VECTOR_BYTES, elements_aligned
 
 METHODS = ("naive", "warp", "block", "auto")
 AUTO_WARP_MAX_COLS = 128
@@ -162,9 +163,9 @@ def softmax_backward(dp, p, method="auto", out=None, *, scale=1.0, causal=False)
 # --------------------------------------------------------------------------- launching
 
 
-def vector_width(score_dtype, prob_dtype) -> int:
+def pair_vector_width(score_dtype, prob_dtype) -> int:
     """Elements per 16-byte vector of the wider of the two types (4 for fp32, 8 for 16-bit pairs)."""
-    return 16 // max(np.dtype(score_dtype).itemsize, np.dtype(prob_dtype).itemsize)
+    return VECTOR_BYTES // max(np.dtype(score_dtype).itemsize, np.dtype(prob_dtype).itemsize)
 
 
 def block_threads(cols, width) -> int:
@@ -176,9 +177,7 @@ def block_threads(cols, width) -> int:
 
 def can_vectorize(arrays, cols, width) -> bool:
     """16-byte loads need whole vectors per row and every base pointer aligned to its vector size."""
-    if cols % width:
-        return False
-    return all(a.data.ptr % (width * a.dtype.itemsize) == 0 for a in arrays)
+    return cols % width == 0 and elements_aligned(width, *arrays)
 
 
 def _launch(xp, direction, method, arrays, rows, cols, scale, causal_T):
@@ -194,7 +193,7 @@ def _launch(xp, direction, method, arrays, rows, cols, scale, causal_T):
         kernel = get_kernel("softmax", fn, score, prob)
         kernel((-(-rows // WARP_ROWS_PER_BLOCK),), (32 * WARP_ROWS_PER_BLOCK,), args)
     else:
-        width = vector_width(score, prob)
+        width = pair_vector_width(score, prob)
         vec = can_vectorize(arrays, cols, width)
         kernel = get_kernel("softmax", fn, score, prob, "true" if vec else "false")
         kernel((rows,), (block_threads(cols, width if vec else 1),), args)

@@ -106,10 +106,11 @@ def grad_norm_fused(grad, max_norm: float = 0.0, *, prescale=None, out: GradNorm
         return out
 
     from ..kernels import get_kernel
+    from ..kernels.launch import elements_aligned
 
     cp = xp
     n = grad.size
-    vec = int(grad.data.ptr % min(16, 4 * grad.dtype.itemsize) == 0)
+    vec = int(elements_aligned(4, grad))  # chunks of 4 elements
     chunks = n // 4 if vec else n
     blocks = max(1, min(-(-max(chunks, 1) // (4 * THREADS)), MAX_BLOCKS))  # 4 chunks per thread and pass
     partial_sq, partial_bad, done = _workspace(cp.cuda.Device().id)
