@@ -43,14 +43,14 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
-from ..kernels.launch import vector_width
+from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, persistent_grid, resident_blocks, vector_width
 
 METHODS = ("naive", "optimized", "fast")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 # Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
 _REGISTER_PACKS = (1, 2, 3, 4, 6, 8)
-_SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+_SMEM_DEFAULT = SMEM_WITHOUT_OPT_IN
 _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
 _FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory variant even where registers fit
@@ -340,8 +340,8 @@ def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_row
             wpb = max(1, min(_BWD_WARPS, _SMEM_DEFAULT // (8 * c)))
             smem = wpb * 8 * c
         kern = get_kernel("layernorm", "layernorm_backward_warp", x.dtype, int(vec), max(packs, 0))
-        if not (smem > _SMEM_DEFAULT and not _opt_in_shared_memory(kern, smem, xp)):
-            blocks = min(-(-n_rows // wpb), _resident_blocks(kern, 32 * wpb, smem, xp))
+        if not (smem > _SMEM_DEFAULT and not opt_in_shared_memory(kern, smem, xp)):
+            blocks = min(-(-n_rows // wpb), resident_blocks(kern, 32 * wpb, smem, xp))
             partial = xp.empty((blocks, 2, c), dtype=np.float32)
             kern((blocks,), (32 * wpb,), (dy, x, gamma, mean, rstd, dx, partial, np.int32(n_rows), np.int32(c)),
                  shared_mem=smem)
@@ -373,17 +373,13 @@ def _fast_packs(c, dtype, arrays):
 
 
 def _persistent_plan(key, kern, threads, smem, n_rows, xp):
-    """(blocks, threads, smem) for a grid of resident warps that each take the same number of rows,
-    cached per kernel, device and shape (the launch then costs no attribute queries)."""
+    """(blocks, threads, smem) of ``launch.persistent_grid``, cached per kernel, device and shape (the
+    launch then costs no attribute queries)."""
     dev = xp.cuda.Device().id
     full = (key, dev, n_rows, threads, smem)
     plan = _PLANS.get(full)
     if plan is None:
-        wpb = threads // 32
-        resident = _resident_blocks(kern, threads, smem, xp)
-        rows_per_warp = -(-n_rows // (resident * wpb))
-        blocks = -(-n_rows // (wpb * rows_per_warp))
-        plan = _PLANS[full] = (blocks, threads, smem)
+        plan = _PLANS[full] = (persistent_grid(kern, n_rows, threads, smem, xp), threads, smem)
     return plan
 
 
@@ -526,32 +522,6 @@ def _vector_plan(c, dtype, arrays):
         if p >= per_lane:
             return True, p
     return True, 0
-
-
-def _opt_in_shared_memory(kern, nbytes, xp):
-    """Raise the kernel's dynamic shared-memory limit to ``nbytes`` if the device allows it."""
-    limit = backend.device_info(xp).shared_memory_per_block_optin or _SMEM_DEFAULT
-    if nbytes > limit:
-        return False
-    try:
-        kern.max_dynamic_shared_size_bytes = nbytes
-    except Exception:
-        return False
-    return True
-
-
-def _resident_blocks(kern, threads, smem, xp):
-    """How many blocks fill the GPU once (SMs x blocks per SM by registers, threads, shared memory)."""
-    sms = backend.device_info(xp).sm_count or 1
-    try:
-        regs = int(kern.attributes["num_regs"])
-    except Exception:
-        regs = 64
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = 65536 // (regs_per_warp * (threads // 32))
-    by_threads = 2048 // threads
-    by_smem = (228 * 1024) // (smem + 1024) if smem else 32
-    return sms * max(1, min(by_regs, by_threads, by_smem, 32))
 
 
 # --------------------------------------------------------------------------- bandwidth accounting
