@@ -143,6 +143,13 @@ def resident_grid(kernel, n_items: int, threads: int, xp=None, *, limits: SMLimi
     return max(1, min(-(-max(n_items, 1) // threads), resident_blocks(kernel, threads, 0, xp, limits=limits)))
 
 
+def stride_grid(n_items: int, threads: int, xp=None, *, per_sm: int = 8, limits: SMLimits | None = None) -> int:
+    """Blocks for a grid-stride loop that needs no register count: ``per_sm`` blocks per SM, fewer when
+    there is less work than that."""
+    lim = limits or device_limits(xp)
+    return max(1, min(-(-n_items // threads), per_sm * lim.sm_count))
+
+
 def persistent_grid(kernel, n_rows: int, threads: int, smem_bytes: int = 0, xp=None, *,
                     limits: SMLimits | None = None) -> int:
     """Blocks for warps that each own a run of rows (one warp per row at a time): as many rows per
@@ -180,5 +187,6 @@ __all__ = [
     "persistent_grid",
     "resident_blocks",
     "resident_grid",
+    "stride_grid",
     "vector_width",
 ]

@@ -42,6 +42,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, reference_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import stride_grid
 
 METHODS = ("naive", "optimized", "fast")
 FUSED_METHODS = ("optimized", "fast")  # keep lse, share cross_entropy_backward_fused
@@ -224,8 +225,7 @@ def cross_entropy_backward(cache, dloss=1.0, *, out=None):
             (lf, tf, cache.lse, cache.n_valid, *dl, out2, np.int32(v), ign),
         )
     else:
-        sms = backend.device_info(xp).sm_count or 1
-        blocks = max(1, min(-(-(n * v) // 256), 8 * sms))
+        blocks = stride_grid(n * v, 256, xp)
         get_kernel("cross_entropy", "cross_entropy_backward_naive", lf.dtype, ti)(
             (blocks,), (256,), (cache.probs, tf, cache.n_valid, *dl, out2, np.int64(n), np.int32(v), ign)
         )

@@ -80,7 +80,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
 from ..kernels import get_kernel
-from ..kernels.launch import vector_width
+from ..kernels.launch import stride_grid, vector_width
 
 METHODS = ("naive", "optimized", "counting")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
@@ -236,8 +236,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     if method == "naive":
         dwte32 = xp.zeros((v, c), dtype=np.float32)
         dwpe32 = xp.zeros((max_t, c), dtype=np.float32)
-        sms = backend.device_info(xp).sm_count or 1
-        blocks = max(1, min(-(-(bt * c) // THREADS), 8 * sms))
+        blocks = stride_grid(bt * c, THREADS, xp)
         get_kernel("embedding", "embedding_backward_naive", dx.dtype, ti)(
             (blocks,), (THREADS,), (dx, idx, dwte32, dwpe32, np.int64(bt), np.int32(t), np.int32(c), np.int32(v))
         )

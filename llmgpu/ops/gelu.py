@@ -19,7 +19,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype
 from ..kernels import get_kernel
-from ..kernels.launch import VECTOR_BYTES, is_aligned
+from ..kernels.launch import VECTOR_BYTES, is_aligned, stride_grid
 
 METHODS = ("naive", "optimized", "fast")
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
@@ -68,8 +68,7 @@ def _launch(xp, n, arrays, dtype, method, name, args):
         get_kernel("gelu", f"{name}_fast", dtype, int(vec))((blocks,), (THREADS,), args)
         return
     packs = n // width if vec else n
-    sms = backend.device_info(xp).sm_count or 1
-    blocks = max(1, min(-(-packs // THREADS), 8 * sms))  # a grid-stride loop: enough blocks to fill the GPU
+    blocks = stride_grid(packs, THREADS, xp)  # a grid-stride loop: enough blocks to fill the GPU
     get_kernel("gelu", name, dtype, int(vec))((blocks,), (THREADS,), args)
 
 

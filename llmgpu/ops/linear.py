@@ -32,7 +32,7 @@ from .. import backend
 from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..kernels import get_kernel
-from ..kernels.launch import vector_width
+from ..kernels.launch import stride_grid, vector_width
 
 GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
@@ -125,8 +125,7 @@ def add_bias(y, b):
     rows = y.size // c
     w_vec = vector_width(y.dtype, c, y, b)
     n_items = rows * (c // w_vec)
-    sms = backend.device_info(xp).sm_count
-    grid = min(-(-n_items // BIAS_ADD_THREADS), 16 * sms)
+    grid = stride_grid(n_items, BIAS_ADD_THREADS, xp, per_sm=16)
     kernel = get_kernel("bias", "bias_add", y.dtype, w_vec)
     kernel((grid,), (BIAS_ADD_THREADS,), (y, b, np.int64(rows), np.int32(c)))
     return y
