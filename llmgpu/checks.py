@@ -2,7 +2,8 @@
 
 A kernel trusts its pointers and sizes. Everything it cannot check (shape, dtype, contiguity,
 which device the array lives on) is checked here, naming the argument, so bad input raises a
-ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA.
+ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA. Also here: the
+``method`` and GPU-dtype checks every op makes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 from . import backend
 
 FLOAT_DTYPES = (backend.float32, backend.float16, backend.bfloat16, backend.float64)
+GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)  # storage types the CUDA kernels take
 
 
 def array_module(**arrays):
@@ -43,11 +45,29 @@ def check_array(name, a, *, ndim=None, shape=None, dtype=None, dtypes=FLOAT_DTYP
     return a
 
 
-def check_choice(name, value, choices):
-    """``value`` must be one of ``choices`` (e.g. an op's ``method``)."""
+def check_choice(name, value, choices, *, where=None):
+    """``value`` must be one of ``choices``; ``where`` (an op's name) starts the message."""
     if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_method(op, method, methods):
+    """An op's ``method`` argument must be one of ``methods``; the error names the op."""
+    return check_choice("method", method, methods, where=op)
+
+
+def check_gpu_dtype(name, a, dtypes=GPU_DTYPES, *, hint=None):
+    """The storage dtype of ``a`` (an array, or a dtype) must be one of ``dtypes``, those the GPU path
+    takes; ``hint`` (where the other dtypes run) ends the message."""
+    dtype = backend.resolve_dtype(a) if isinstance(a, (np.dtype, str, type)) else a.dtype
+    if dtype not in dtypes:
+        allowed = ", ".join(backend.dtype_name(d) for d in dtypes)
+        if hint is None and dtype == backend.float64:
+            hint = "float64 runs on the NumPy path only"
+        raise TypeError(f"{name} has dtype {dtype}; the GPU path supports {allowed}" + (f" ({hint})" if hint else ""))
+    return a
 
 
 def reference_dtype(*dtypes):

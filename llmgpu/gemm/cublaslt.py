@@ -61,7 +61,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import array_module, check_array, check_choice
 from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
 from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 
@@ -296,8 +296,7 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     ``dbias`` [M] (written, in ``out``'s dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
     1 for the GELU and bias-gradient epilogues and ``beta`` 0 for the GELU ones.
     """
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    check_choice("epilogue", epilogue, EPILOGUES)
     xp = array_module(a=a, b=b, out=out, bias=bias, aux=aux, dbias=dbias)
     on_np = xp is np
     m, n, k, batch = check_operands(a, b, trans_a, trans_b, xp, op="lt_gemm")

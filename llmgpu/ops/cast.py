@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out
+from ..checks import GPU_DTYPES, array_module, check_array, check_out
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned, resident_grid
 
 THREADS = 256
-CAST_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+CAST_DTYPES = GPU_DTYPES  # the kernel's types; the NumPy reference takes the same
 
 
 def _cast_numpy(x, dtype):

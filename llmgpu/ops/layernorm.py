@@ -41,12 +41,19 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype
+from ..checks import (
+    array_module,
+    check_array,
+    check_gpu_dtype,
+    check_method,
+    check_out,
+    check_same_dtype,
+    reference_dtype,
+)
 from ..kernels import get_kernel
 from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, persistent_grid, resident_blocks, vector_width
 
 METHODS = ("naive", "optimized", "fast")
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 # Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
 _REGISTER_PACKS = (1, 2, 3, 4, 6, 8)
@@ -71,19 +78,14 @@ _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 # --------------------------------------------------------------------------- validation
 
 
-def _check_method(method):
-    check_choice("method", method, METHODS)
-
-
 def _rows(x, name="x"):
     if x.ndim < 2:
         raise ValueError(f"{name} must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
-def _check_gpu(x, n_rows, c):
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+def _check_gpu(x, n_rows, c, name="x"):
+    check_gpu_dtype(name, x)
     if n_rows >= 2**31 or c >= 2**31:
         raise ValueError(f"N and C must be below 2**31, got N={n_rows}, C={c}")
 
@@ -195,7 +197,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
     (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward: the
     ``layernorm_forward_fast`` kernel (``_FAST_FORWARD_KERNEL = True``) measured slower on the H200.
     """
-    _check_method(method)
+    check_method("layernorm_forward", method, METHODS)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
     check_array("x", x)
     n_rows, c = _rows(x)
@@ -255,7 +257,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     required) instead of overwriting them. Those buffers may be fp32 when gamma is fp16/bf16 (both
     the same dtype), so a model accumulates straight into its fp32 gradient buffers.
     """
-    _check_method(method)
+    check_method("layernorm_backward", method, METHODS)
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
                       dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
@@ -490,7 +492,7 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
             y = out
         return s, y, mean.reshape(lead), rstd.reshape(lead)
 
-    _check_gpu(a, n_rows, c)
+    _check_gpu(a, n_rows, c, name="a")
     s = xp.empty(a.shape, dtype=a.dtype) if residual_out is None else residual_out
     y = xp.empty(a.shape, dtype=a.dtype) if out is None else out
     vec, packs = _vector_plan(c, a.dtype, (a, b, s, y, gamma, beta))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, reference_dtype
+from ..checks import GPU_DTYPES, array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
 from ..kernels import get_kernel
 from ..kernels.launch import VECTOR_BYTES, elements_aligned
 
@@ -50,12 +50,9 @@ WARP_ROWS_PER_BLOCK = 8  # 256 threads
 BLOCK_MAX_THREADS = 1024
 BLOCK_VECTORS_PER_THREAD = 2  # = SOFTMAX_CACHE in softmax.cu: vectors a thread keeps in registers
 
-_GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
-
 
 def _pick_method(method, cols):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_method("softmax", method, METHODS)
     if method == "auto":
         return "warp" if cols <= AUTO_WARP_MAX_COLS else "block"
     return method
@@ -69,8 +66,7 @@ def _check_causal(name, a, causal):
 def _check_pair(score_name, score_dtype, prob_name, prob_dtype):
     """GPU type pairs: the same dtype, or fp32 scores with fp16/bf16 probabilities."""
     for n, d in ((score_name, score_dtype), (prob_name, prob_dtype)):
-        if d not in _GPU_DTYPES:
-            raise TypeError(f"{n} has dtype {d}; the CUDA kernels support fp32, fp16, bf16")
+        check_gpu_dtype(n, d)
     if score_dtype != prob_dtype and score_dtype != backend.float32:
         raise TypeError(
             f"{score_name} ({backend.dtype_name(score_dtype)}) and {prob_name} ({backend.dtype_name(prob_dtype)}) "
@@ -101,7 +97,7 @@ def softmax_forward(x, method="auto", out=None, *, scale=1.0, causal=False, out_
         raise ValueError("x must have at least one axis")
     _check_causal("x", x, causal)
     pdt = backend.resolve_dtype(out_dtype) if out_dtype is not None else x.dtype
-    if pdt not in (*_GPU_DTYPES, backend.float64):
+    if pdt not in (*GPU_DTYPES, backend.float64):
         raise TypeError(f"out_dtype must be a float dtype, got {pdt}")
     cols = x.shape[-1]
     method = _pick_method(method, cols)

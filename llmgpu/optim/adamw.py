@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import GPU_DTYPES, array_module, check_array
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned, resident_grid
 from .params import FlatParams
@@ -93,12 +93,11 @@ def adamw_update(param, grad, m, v, *, step, lr, beta1=0.9, beta2=0.95, eps=1e-8
     """
     xp = array_module(param=param, grad=grad, m=m, v=v, working=working)
     check_array("param", param, dtype=_F32)
-    check_array("grad", grad, shape=param.shape, dtypes=(backend.float32, backend.float16, backend.bfloat16))
+    check_array("grad", grad, shape=param.shape, dtypes=GPU_DTYPES)
     check_array("m", m, shape=param.shape, dtype=_F32)
     check_array("v", v, shape=param.shape, dtype=_F32)
     if working is not None:
-        check_array("working", working, shape=param.shape,
-                    dtypes=(backend.float32, backend.float16, backend.bfloat16))
+        check_array("working", working, shape=param.shape, dtypes=GPU_DTYPES)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"betas must lie in [0, 1), got beta1={beta1}, beta2={beta2}")
     step_dev = _is_device_scalar(step)

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import GPU_DTYPES, array_module, check_array
 
 THREADS = 256
 MAX_BLOCKS = 1024  # fixed cap: the grid (hence the summation order) depends only on n
 _F32 = backend.float32
-_GRAD_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 
 @dataclass
@@ -56,7 +55,7 @@ def _workspace(device_id: int):
 
 
 def _check_grad(grad, xp):
-    check_array("grad", grad, ndim=1, dtypes=_GRAD_DTYPES)
+    check_array("grad", grad, ndim=1, dtypes=GPU_DTYPES)
 
 
 def _check_scalar(name, x, xp):
