@@ -3,10 +3,13 @@
 A kernel trusts its pointers and sizes. Everything it cannot check (shape, dtype, contiguity,
 which device the array lives on) is checked here, naming the argument, so bad input raises a
 ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA. Also here: the
-``method`` and GPU-dtype checks every op makes.
+``method`` and GPU-dtype checks every op makes, and the import of optional dependencies (cuBLASLt's
+nvmath-python, cuDNN's frontend) with a reason that says what to install.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 
@@ -92,3 +95,30 @@ def check_out(out, shape, dtype, xp, name="out"):
     check_array(name, out, shape=tuple(shape), dtype=dtype)
     return out
 
+
+# --------------------------------------------------------------------------- optional dependencies
+
+
+def optional_import(module, package, hint):
+    """``(module, None)``, or ``(None, reason)`` when ``module`` cannot be imported: one line naming
+    ``package`` and what to do (``hint``, e.g. which extra to install). Never raises."""
+    try:
+        return importlib.import_module(module), None
+    except ImportError as e:
+        return None, f"{package} is not installed ({e}); {hint}"
+    except Exception as e:  # a broken CUDA install can raise anything at import
+        return None, f"{package} failed to import ({type(e).__name__}: {e}); {hint}"
+
+
+def gpu_path_unavailable_reason(importer):
+    """Why an optional GPU path cannot run here (no GPU, or ``importer()`` found no module), or None.
+    ``importer`` returns ``optional_import``'s pair; it is called only when a GPU is there."""
+    return backend.gpu_unavailable_reason() or importer()[1]
+
+
+def require_module(importer, error):
+    """The module ``importer()`` returns, or ``error(reason)`` raised."""
+    module, reason = importer()
+    if module is None:
+        raise error(reason)
+    return module

@@ -40,7 +40,14 @@ import sys
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_gpu_dtype
+from ..checks import (
+    array_module,
+    check_array,
+    check_gpu_dtype,
+    gpu_path_unavailable_reason,
+    optional_import,
+    require_module,
+)
 from .attention import AttentionStats, default_scale
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' (brings nvidia-cudnn-frontend; "
@@ -110,21 +117,12 @@ def _import_cudnn():
             preload()
         except Exception:  # best effort only
             pass
-    try:
-        import cudnn
-    except ImportError as e:
-        return None, f"the cuDNN frontend is not installed ({e}); {INSTALL_HINT}"
-    except Exception as e:
-        return None, f"the cuDNN frontend failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}"
-    return cudnn, None
+    return optional_import("cudnn", "the cuDNN frontend", INSTALL_HINT)
 
 
 def unavailable_reason() -> str | None:
     """None when the cuDNN path can run here; otherwise one line saying what is missing."""
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        return reason
-    return _import_cudnn()[1]
+    return gpu_path_unavailable_reason(_import_cudnn)
 
 
 def available() -> bool:
@@ -132,10 +130,7 @@ def available() -> bool:
 
 
 def _cudnn():
-    mod, reason = _import_cudnn()
-    if mod is None:
-        raise CudnnUnavailableError(reason)
-    return mod
+    return require_module(_import_cudnn, CudnnUnavailableError)
 
 
 # --------------------------------------------------------------------------- strided views
