@@ -44,6 +44,7 @@ from .. import backend
 from ..checks import (
     array_module,
     check_array,
+    check_choice,
     check_gpu_dtype,
     check_method,
     check_out,
@@ -54,21 +55,20 @@ from ..kernels import get_kernel
 from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, persistent_grid, resident_blocks, vector_width
 
 METHODS = ("naive", "optimized", "fast")
+ACCUMULATORS = ("registers", "shared")  # where the backward kernels sum dgamma/dbeta (``accumulators=``)
 
 # Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
 _REGISTER_PACKS = (1, 2, 3, 4, 6, 8)
 _SMEM_DEFAULT = SMEM_WITHOUT_OPT_IN
 _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
-_FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory variant even where registers fit
 # "fast" backward: packs per lane it is instantiated for, by element size (C <= 32 * W * P_max), and warps
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
 _FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
 _FAST_WARPS = 8
-# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory (SACC, blocks of 4 warps, <= 80
-# registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM). A
-# benchmark hook: set False to time the register-accumulator variant.
-_FAST_SMEM_ACC = True
+# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory by default (SACC, blocks of 4 warps,
+# <= 80 registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM);
+# accumulators="registers" times the other variant. fp32 has the register variant only.
 _FAST_SACC_WARPS = 4
 _FWD_FAST_WARPS = 8
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
@@ -243,7 +243,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
 
 def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=None, dgamma_out=None,
-                       dbeta_out=None, dresidual=None, accumulate_params=False):
+                       dbeta_out=None, dresidual=None, accumulate_params=False, accumulators=None):
     """Gradients of LayerNorm from the saved statistics: returns ``(dx, dgamma, dbeta)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``gamma [C]``; ``mean``, ``rstd`` are what
@@ -256,8 +256,14 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     ``accumulate_params=True`` adds the parameter gradients into ``dgamma_out``/``dbeta_out`` (then
     required) instead of overwriting them. Those buffers may be fp32 when gamma is fp16/bf16 (both
     the same dtype), so a model accumulates straight into its fp32 gradient buffers.
+    ``accumulators`` ("registers" or "shared", for benchmarks comparing the variants): where the
+    "optimized" and "fast" kernels sum dgamma/dbeta; None (default) takes each kernel's faster one.
+    A kernel without the variant asked for runs its only one (the naive kernels; "shared" on the fp32
+    "fast" kernel; "registers" for "optimized" rows too long to hold in registers).
     """
     check_method("layernorm_backward", method, METHODS)
+    if accumulators is not None:
+        check_choice("accumulators", accumulators, ACCUMULATORS)
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
                       dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
@@ -312,7 +318,8 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     dbeta = xp.empty((c,), dtype=pdt) if dbeta_out is None else dbeta_out
 
     if method == "fast":
-        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp,
+                          accumulators):
             return dx, dgamma, dbeta
         method = "optimized"  # rows the fast kernel does not take
 
@@ -320,7 +327,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     # the residual gradient and the accumulation with plain array operations (fp32 math, one rounding).
     ln_dx = xp.empty_like(dx) if _overlap(dx, dresidual) else dx
     kg, kb = (xp.empty((c,), dtype=np.float32), xp.empty((c,), dtype=np.float32)) if accumulate else (dgamma, dbeta)
-    _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp)
+    _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp, accumulators)
     if dresidual is not None:
         dx[...] = ln_dx.astype(np.float32, copy=False) + dresidual.astype(np.float32, copy=False)
     if accumulate:
@@ -329,11 +336,11 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     return dx, dgamma, dbeta
 
 
-def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp):
+def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp, accumulators=None):
     """The "naive" or "optimized" kernels: dx into ``dx``; dgamma/dbeta (gamma's dtype or fp32) overwritten."""
     if method == "optimized":
         vec, packs = _vector_plan(c, x.dtype, (dy, x, gamma, dx))
-        if _FORCE_SMEM_ACCUMULATORS:
+        if accumulators == "shared":  # the shared-memory variant even where the row fits in registers
             packs = 0
         wpb = _BWD_WARPS
         if packs > 0:
@@ -407,15 +414,20 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     """The "fast" backward's launch for ``[n_rows, c]`` rows of ``dtype`` (16-byte aligned arrays):
     ``(kernel, blocks, threads, shared_mem)`` of layernorm_backward_fast, or None when the rows do not
     suit it (C not a multiple of the pack width, rows too long, row indices past 32 bits). The second
-    stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. Used by the launcher and by
-    tools/probe_layernorm_backward.py."""
+    stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. The launcher's plan with the
+    default accumulators (``_fast_backward_plan`` takes the choice); used by tools/probe_layernorm_backward.py."""
+    return _fast_backward_plan(n_rows, c, dtype, residual, None, xp)
+
+
+def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
+    """``backward_fast_plan`` with ``accumulators`` (None, "registers", "shared") as in layernorm_backward."""
     xp = backend.default_xp() if xp is None else xp
     dtype = np.dtype(dtype)
     packs = _fast_packs(c, dtype, ())
     if packs is None:
         return None
     width = 16 // dtype.itemsize
-    sacc = int(_FAST_SMEM_ACC and dtype.itemsize == 2)
+    sacc = int(dtype.itemsize == 2 and accumulators != "registers")
     kern = get_kernel("layernorm", "layernorm_backward_fast", dtype, packs, int(residual), sacc)
     if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
         warps = _FAST_SACC_WARPS
@@ -432,11 +444,11 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     return kern, blocks, threads, smem
 
 
-def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp, accumulators=None):
     """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
     if vector_width(x.dtype, c, *((dy, x, dx) if dres is None else (dy, x, dx, dres))) == 1:
         return False
-    plan = backward_fast_plan(n_rows, c, x.dtype, residual=dres is not None, xp=xp)
+    plan = _fast_backward_plan(n_rows, c, x.dtype, dres is not None, accumulators, xp)
     if plan is None:
         return False
     kern, blocks, threads, smem = plan
@@ -544,6 +556,7 @@ def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
 
 
 __all__ = [
+    "ACCUMULATORS",
     "METHODS",
     "add_layernorm_forward",
     "add_layernorm_forward_reference",
