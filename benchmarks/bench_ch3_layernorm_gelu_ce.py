@@ -132,22 +132,14 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
     def fwd(m):
         return lambda: ln.layernorm_forward(x, g, b, out=y, method=m)
 
-    def bwd(m):
-        return lambda: ln.layernorm_backward(dy, x, g, mean, rstd, method=m, dx_out=dx, dgamma_out=dg, dbeta_out=db)
+    def bwd(m, accumulators=None):
+        return lambda: ln.layernorm_backward(dy, x, g, mean, rstd, method=m, dx_out=dx, dgamma_out=dg, dbeta_out=db,
+                                             accumulators=accumulators)
 
-    def smem_variant():  # the shared-memory-accumulator variant, for comparison with the register one
-        ln._FORCE_SMEM_ACCUMULATORS = True
-        try:
-            bwd("optimized")()
-        finally:
-            ln._FORCE_SMEM_ACCUMULATORS = False
-
-    def regacc_variant():  # the 16-bit fast backward with register accumulators, against the default
-        ln._FAST_SMEM_ACC = False
-        try:
-            bwd("fast")()
-        finally:
-            ln._FAST_SMEM_ACC = True
+    # the shared-memory-accumulator variant, for comparison with the register one
+    smem_variant = bwd("optimized", accumulators="shared")
+    # the 16-bit fast backward with register accumulators, against the default
+    regacc_variant = bwd("fast", accumulators="registers")
 
     cases = []
     for m in ln.METHODS:  # naive, optimized, fast (fast: layernorm_forward_fast / layernorm_backward_fast)

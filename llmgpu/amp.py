@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend
-from .checks import array_module, check_array
+from .checks import array_module, check_array, check_choice
 from .kernels import get_kernel
 from .ops.cast import CAST_DTYPES, cast
 from .optim.clip import GradClipper, grad_norm_fused
@@ -61,8 +61,7 @@ class LossScaler:
 
     def __init__(self, kind: str = "dynamic", init_scale: float | None = None, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, *, xp=None):
-        if kind not in self.KINDS:
-            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        check_choice("kind", kind, self.KINDS)
         if init_scale is None:
             init_scale = {"dynamic": 2.0**16, "static": 1024.0, "none": 1.0}[kind]
         if kind == "none" and init_scale != 1.0:

@@ -2,16 +2,21 @@
 
 A kernel trusts its pointers and sizes. Everything it cannot check (shape, dtype, contiguity,
 which device the array lives on) is checked here, naming the argument, so bad input raises a
-ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA.
+ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA. Also here: the
+``method`` and GPU-dtype checks every op makes, and the import of optional dependencies (cuBLASLt's
+nvmath-python, cuDNN's frontend) with a reason that says what to install.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 
 from . import backend
 
 FLOAT_DTYPES = (backend.float32, backend.float16, backend.bfloat16, backend.float64)
+GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)  # storage types the CUDA kernels take
 
 
 def array_module(**arrays):
@@ -43,11 +48,29 @@ def check_array(name, a, *, ndim=None, shape=None, dtype=None, dtypes=FLOAT_DTYP
     return a
 
 
-def check_choice(name, value, choices):
-    """``value`` must be one of ``choices`` (e.g. an op's ``method``)."""
+def check_choice(name, value, choices, *, where=None):
+    """``value`` must be one of ``choices``; ``where`` (an op's name) starts the message."""
     if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_method(op, method, methods):
+    """An op's ``method`` argument must be one of ``methods``; the error names the op."""
+    return check_choice("method", method, methods, where=op)
+
+
+def check_gpu_dtype(name, a, dtypes=GPU_DTYPES, *, hint=None):
+    """The storage dtype of ``a`` (an array, or a dtype) must be one of ``dtypes``, those the GPU path
+    takes; ``hint`` (where the other dtypes run) ends the message."""
+    dtype = backend.resolve_dtype(a) if isinstance(a, (np.dtype, str, type)) else a.dtype
+    if dtype not in dtypes:
+        allowed = ", ".join(backend.dtype_name(d) for d in dtypes)
+        if hint is None and dtype == backend.float64:
+            hint = "float64 runs on the NumPy path only"
+        raise TypeError(f"{name} has dtype {dtype}; the GPU path supports {allowed}" + (f" ({hint})" if hint else ""))
+    return a
 
 
 def reference_dtype(*dtypes):
@@ -73,18 +96,29 @@ def check_out(out, shape, dtype, xp, name="out"):
     return out
 
 
-def grid_size(n_items: int, block: int, max_blocks: int | None = None) -> int:
-    """Blocks needed to cover n_items with ``block`` threads, optionally capped (grid-stride loops)."""
-    g = max(1, -(-n_items // block))
-    return min(g, max_blocks) if max_blocks else g
+# --------------------------------------------------------------------------- optional dependencies
 
 
-def vector_width(dtype, c, *arrays) -> int:
-    """Elements per 16-byte access for rows of ``c`` elements of ``dtype``, or 1 when ``c`` is not a
-    multiple of it or a pointer of ``arrays`` (CuPy) is not 16-byte aligned: the vectorized kernels'
-    scalar fallback."""
-    w = 16 // np.dtype(dtype).itemsize
-    if c % w or any(a.data.ptr % 16 for a in arrays):
-        return 1
-    return w
+def optional_import(module, package, hint):
+    """``(module, None)``, or ``(None, reason)`` when ``module`` cannot be imported: one line naming
+    ``package`` and what to do (``hint``, e.g. which extra to install). Never raises."""
+    try:
+        return importlib.import_module(module), None
+    except ImportError as e:
+        return None, f"{package} is not installed ({e}); {hint}"
+    except Exception as e:  # a broken CUDA install can raise anything at import
+        return None, f"{package} failed to import ({type(e).__name__}: {e}); {hint}"
 
+
+def gpu_path_unavailable_reason(importer):
+    """Why an optional GPU path cannot run here (no GPU, or ``importer()`` found no module), or None.
+    ``importer`` returns ``optional_import``'s pair; it is called only when a GPU is there."""
+    return backend.gpu_unavailable_reason() or importer()[1]
+
+
+def require_module(importer, error):
+    """The module ``importer()`` returns, or ``error(reason)`` raised."""
+    module, reason = importer()
+    if module is None:
+        raise error(reason)
+    return module

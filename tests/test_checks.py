@@ -1,18 +1,68 @@
-"""checks.vector_width: the 16-byte vector width the GPU kernels pick, or their scalar fallback."""
+"""The shared argument checks (llmgpu.checks) and launch arithmetic (llmgpu.kernels.launch), on the CPU:
+vector width and alignment, resident blocks and grids against hand-computed values, the dtype and
+method messages, the optional-dependency import."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from llmgpu import backend
-from llmgpu.checks import vector_width
+from llmgpu import backend, checks
+from llmgpu.checks import check_gpu_dtype, check_method, gpu_path_unavailable_reason, optional_import, require_module
+from llmgpu.kernels import launch
+from llmgpu.kernels.launch import (
+    SMLimits,
+    blocks_per_sm,
+    elements_aligned,
+    is_aligned,
+    kernel_registers,
+    opt_in_shared_memory,
+    persistent_grid,
+    resident_blocks,
+    resident_grid,
+    stride_grid,
+    vector_width,
+)
+
+H100 = SMLimits()  # sm_90: 65536 registers, 2048 threads, 32 blocks, 228 KiB per SM; 132 SMs
+
+
+def _buf(ptr, dtype=np.float32):
+    """A stand-in for a CuPy array: only the pointer and the dtype matter to the alignment checks."""
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr), dtype=np.dtype(dtype))
+
+
+def _kernel(regs):
+    return SimpleNamespace(num_regs=regs)
+
+
+# --------------------------------------------------------------------------- vector width and alignment
 
 
 @pytest.mark.parametrize("dtype,c,expected", [
     (np.float32, 768, 4), (np.float32, 6, 1), (backend.bfloat16, 768, 8), (backend.bfloat16, 12, 1),
-    (np.float16, 8, 8), (np.float16, 1, 1),
+    (np.float16, 8, 8), (np.float16, 1, 1), (np.float32, 7, 1), (backend.bfloat16, 769, 1),
 ])
 def test_vector_width_by_row_length(dtype, c, expected):
     assert vector_width(dtype, c) == expected
+
+
+def test_vector_width_misaligned_pointers():
+    assert vector_width(np.float32, 256, _buf(4096)) == 4
+    assert vector_width(np.float32, 256, _buf(4096), _buf(4100)) == 1  # one pointer 4 bytes off
+    assert vector_width(backend.bfloat16, 64, _buf(4096 + 8, backend.bfloat16)) == 1  # 8-byte aligned only
+    assert vector_width(backend.bfloat16, 64, _buf(4096 + 16, backend.bfloat16)) == 8
+    assert vector_width(np.float32, 255, _buf(4096)) == 1  # odd rows win over alignment
+    assert vector_width(np.float32, 256, _buf(4096), None) == 4  # None: an absent optional array
+
+
+def test_alignment_in_bytes_and_in_elements():
+    assert is_aligned(16, _buf(32), _buf(48)) and not is_aligned(16, _buf(32), _buf(40))
+    # 4-wide vectors of each array's own type: 8 bytes for fp16, 16 for fp32
+    assert elements_aligned(4, _buf(8, np.float16))
+    assert not elements_aligned(4, _buf(8, np.float32))
+    assert elements_aligned(4, _buf(16, np.float32), _buf(8, backend.bfloat16), None)
+    assert not elements_aligned(4, _buf(16, np.float32), _buf(4, backend.bfloat16))
 
 
 @pytest.mark.gpu
@@ -21,3 +71,138 @@ def test_gpu_vector_width_unaligned_pointer(cp):
     assert vector_width(np.float32, 256, buf[:1024]) == 4
     assert vector_width(np.float32, 256, buf[:1024], buf[1:1025]) == 1  # 4 bytes past a 16-byte boundary
     assert vector_width(np.float32, 256, buf[4:1028]) == 4  # 16 bytes past: aligned again
+
+
+# --------------------------------------------------------------------------- resident blocks and grids
+
+
+@pytest.mark.parametrize("regs,threads,smem,expected", [
+    (32, 256, 0, 8),  # the thread limit: 2048 / 256
+    (62, 256, 0, 4),  # 62 regs -> 2048 per warp (units of 256): 65536 / (2048 * 8)
+    (33, 256, 0, 6),  # 33 regs -> 1280 per warp: 65536 / 10240 = 6 (7 without the allocation unit)
+    (68, 256, 0, 3),  # 2304 per warp: 65536 / 18432
+    (32, 128, 48 * 1024, 4),  # shared memory: 233472 / (49152 + 1024 reserved)
+    (32, 128, 45 * 1024, 4),  # 233472 / (46080 + 1024) = 4.96: the reservation costs the fifth block
+    (16, 32, 0, 32),  # the block limit
+    (255, 1024, 0, 1),  # does not fit at all: still one (the launch itself would fail)
+])
+def test_blocks_per_sm_by_hand(regs, threads, smem, expected):
+    assert blocks_per_sm(regs, threads, smem, H100) == expected
+
+
+def test_resident_blocks_from_given_limits():
+    small = SMLimits(regs_per_sm=32768, max_threads_per_sm=1024, max_blocks_per_sm=16, smem_per_sm=65536,
+                     sm_count=10)
+    assert resident_blocks(_kernel(32), 128, limits=small) == 10 * 8  # registers: 32768 / (1024 * 4); threads 8
+    assert resident_blocks(_kernel(32), 64, 15 * 1024, limits=small) == 10 * 4  # 65536 / (15360 + 1024)
+    assert resident_blocks(_kernel(80), 128, limits=H100) == 132 * 6  # 2560 per warp: 65536 / 10240
+    # a kernel that does not report its registers counts as 64: 2048 per warp -> 4 blocks of 256 threads
+    assert resident_blocks(object(), 256, limits=H100) == 132 * 4
+    assert kernel_registers(_kernel(40)) == 40 and kernel_registers(_kernel(0)) == 64
+
+
+def test_resident_and_stride_grids():
+    assert resident_grid(_kernel(62), 1000, 256, limits=H100) == 4  # less work than one wave
+    assert resident_grid(_kernel(62), 10**9, 256, limits=H100) == 132 * 4  # one wave
+    assert resident_grid(_kernel(62), 0, 256, limits=H100) == 1
+    assert stride_grid(1000, 256, limits=H100) == 4
+    assert stride_grid(10**9, 256, limits=H100) == 8 * 132
+    assert stride_grid(10**9, 256, limits=H100, per_sm=16) == 16 * 132
+    assert stride_grid(10**9, 256, limits=SMLimits(sm_count=78)) == 8 * 78
+    assert stride_grid(0, 256, limits=H100) == 1
+
+
+def test_persistent_grid_by_hand():
+    # 80 regs, 4-warp blocks: 6 per SM, 792 blocks = 3168 warps resident. 65536 rows need 21 per warp
+    # (20 cover only 63360), and 21-row warps fill ceil(65536 / 84) = 781 blocks.
+    assert persistent_grid(_kernel(80), 65536, 128, 0, limits=H100) == 781
+    # fewer rows than resident warps: one row each
+    assert persistent_grid(_kernel(80), 1000, 128, 0, limits=H100) == 250
+    # shared memory limits residency: 2 blocks of 100 KiB per SM -> 264 blocks x 8 warps = 2112 warps
+    assert persistent_grid(_kernel(32), 2112 * 3, 256, 100 * 1024, limits=H100) == 264
+
+
+def test_opt_in_shared_memory():
+    kern = SimpleNamespace(max_dynamic_shared_size_bytes=0)
+    assert not opt_in_shared_memory(kern, H100.smem_per_block_optin + 1, limits=H100)
+    assert kern.max_dynamic_shared_size_bytes == 0  # untouched when the device cannot give that much
+    assert opt_in_shared_memory(kern, 100 * 1024, limits=H100)
+    assert kern.max_dynamic_shared_size_bytes == 100 * 1024
+
+    class Refuses:
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return 0
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, value):
+            raise RuntimeError("the driver said no")
+
+    assert not opt_in_shared_memory(Refuses(), 100 * 1024, limits=H100)
+
+
+def test_device_limits_on_numpy_are_the_sm90_defaults():
+    assert launch.device_limits(np) == SMLimits() == SMLimits.for_device(np)
+    assert SMLimits().sm_count == 132 and SMLimits().smem_per_block_optin == 227 * 1024
+
+
+# --------------------------------------------------------------------------- dtype and method checks
+
+
+def test_check_gpu_dtype_messages():
+    assert check_gpu_dtype("x", np.zeros(2, np.float32)) is not None
+    check_gpu_dtype("x", backend.bfloat16)
+    check_gpu_dtype("x", "fp16")
+    with pytest.raises(TypeError) as e:
+        check_gpu_dtype("x", np.zeros(2))
+    assert str(e.value) == ("x has dtype float64; the GPU path supports fp32, fp16, bf16 "
+                            "(float64 runs on the NumPy path only)")
+    with pytest.raises(TypeError) as e:
+        check_gpu_dtype("idx", np.dtype(np.int32))
+    assert str(e.value) == "idx has dtype int32; the GPU path supports fp32, fp16, bf16"
+    with pytest.raises(TypeError) as e:
+        check_gpu_dtype("q", np.zeros(2, np.float32), (backend.float16, backend.bfloat16), hint="fp32 runs elsewhere")
+    assert str(e.value) == "q has dtype float32; the GPU path supports fp16, bf16 (fp32 runs elsewhere)"
+    assert checks.GPU_DTYPES == (backend.float32, backend.float16, backend.bfloat16)
+
+
+def test_check_method_messages():
+    assert check_method("gelu_forward", "fast", ("naive", "fast")) == "fast"
+    with pytest.raises(ValueError) as e:
+        check_method("gelu_forward", "tanh", ("naive", "fast"))
+    assert str(e.value) == "gelu_forward: method must be one of ('naive', 'fast'), got 'tanh'"
+    with pytest.raises(ValueError, match="^kind must be one of"):
+        checks.check_choice("kind", "x", ("a", "b"))
+
+
+# --------------------------------------------------------------------------- optional dependencies
+
+
+def test_optional_import_found_missing_and_broken(tmp_path, monkeypatch):
+    mod, reason = optional_import("json", "the json module", "nothing to do")
+    assert reason is None and mod.dumps([1]) == "[1]"
+    mod, reason = optional_import("llmgpu_no_such_module", "no-such-package", "pip install 'llmgpu[fast]'")
+    assert mod is None
+    assert reason == ("no-such-package is not installed (No module named 'llmgpu_no_such_module'); "
+                      "pip install 'llmgpu[fast]'")
+    (tmp_path / "llmgpu_broken_module.py").write_text("raise RuntimeError('no driver')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod, reason = optional_import("llmgpu_broken_module", "broken", "reinstall")
+    assert mod is None and reason == "broken failed to import (RuntimeError: no driver); reinstall"
+
+
+def test_gpu_path_reason_and_require_module(monkeypatch):
+    calls = []
+
+    def importer():
+        calls.append(1)
+        return None, "module missing"
+
+    monkeypatch.setattr(backend, "gpu_unavailable_reason", lambda: "no GPU")
+    assert gpu_path_unavailable_reason(importer) == "no GPU" and calls == []  # the GPU is asked first
+    monkeypatch.setattr(backend, "gpu_unavailable_reason", lambda: None)
+    assert gpu_path_unavailable_reason(importer) == "module missing"
+    assert gpu_path_unavailable_reason(lambda: (np, None)) is None
+    with pytest.raises(LookupError, match="module missing"):
+        require_module(importer, LookupError)
+    assert require_module(lambda: (np, None), LookupError) is np

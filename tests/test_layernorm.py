@@ -232,6 +232,17 @@ def test_traffic_bytes_fused():
             - ln.traffic_bytes(n, c, "fp32", backward=True)) == n * c * 4
 
 
+def test_accumulators_argument(rng):
+    """accumulators= is checked on every path; the NumPy reference has no kernels, so it gives the same result."""
+    x, gamma, beta, dy = _inputs(rng, 5, 8)
+    _, mean, rstd = layernorm_forward(x, gamma, beta)
+    want = layernorm_backward(dy, x, gamma, mean, rstd)
+    for acc in ln.ACCUMULATORS:
+        for g, e in zip(layernorm_backward(dy, x, gamma, mean, rstd, accumulators=acc), want):
+            np.testing.assert_array_equal(g, e)
+    with pytest.raises(ValueError, match="accumulators must be one of"):
+        layernorm_backward(dy, x, gamma, mean, rstd, accumulators="smem")
+
 def test_fused_bad_inputs(rng):
     x, gamma, beta, dy = _inputs(rng, 4, 6)
     _, mean, rstd = layernorm_forward(x, gamma, beta)
@@ -672,7 +683,7 @@ def test_gpu_fast_forward_matches_reference(cp, rng, monkeypatch, dtype, c, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("c", [64, 520, 768, 1024])
-def test_gpu_fast_backward_both_accumulator_variants(cp, rng, monkeypatch, dtype, c):
+def test_gpu_fast_backward_both_accumulator_variants(cp, rng, dtype, c):
     """The 16-bit fast backward with dgamma/dbeta accumulated in shared memory (default) and in
     registers: both match the reference, with and without dresidual, over many rows per warp."""
     n = 3000
@@ -681,11 +692,28 @@ def test_gpu_fast_backward_both_accumulator_variants(cp, rng, monkeypatch, dtype
     _, ref_m, ref_r = layernorm_forward(x, gamma, beta)
     xd, gd, bd, dyd, dresd = _to(cp, x, gamma, beta, dy, dres)
     _, mean, rstd = layernorm_forward(xd, gd, bd)
-    for smem_acc in (True, False):
-        monkeypatch.setattr(ln, "_FAST_SMEM_ACC", smem_acc)
+    for acc in ("shared", "registers"):
         for r, rd in ((None, None), (dres, dresd)):
             ref = layernorm_backward(dy, x, gamma, ref_m, ref_r, dresidual=r)
             got = layernorm_backward(dyd, xd, gd, mean, rstd, method="fast", dresidual=rd,
-                                     dx_out=poisoned((n, c), dtype, cp))
+                                     dx_out=poisoned((n, c), dtype, cp), accumulators=acc)
             for g, e, name in zip(got, ref, ("dx", "dgamma", "dbeta")):
-                assert_close(g, e, dtype, name=f"{name} (smem accumulators={smem_acc}, dresidual={r is not None})")
+                assert_close(g, e, dtype, name=f"{name} (accumulators={acc}, dresidual={r is not None})")
+
+
+@pytest.mark.gpu
+def test_gpu_accumulators_pick_the_kernel_variant(cp, rng, monkeypatch):
+    """accumulators="shared" takes the optimized backward's shared-memory instantiation (packs 0) and
+    "registers" the 16-bit fast backward's register one (SACC 0, 8-warp blocks)."""
+    n, c = 512, 768
+    x, gamma, beta, dy = _to(cp, *_inputs(rng, n, c, "bf16"))
+    _, mean, rstd = layernorm_forward(x, gamma, beta)
+    picked = []
+    real = ln.get_kernel
+    monkeypatch.setattr(ln, "get_kernel", lambda *a: picked.append(a) or real(*a))
+    layernorm_backward(dy, x, gamma, mean, rstd, method="optimized")
+    layernorm_backward(dy, x, gamma, mean, rstd, method="optimized", accumulators="shared")
+    warp = [a[-1] for a in picked if a[1] == "layernorm_backward_warp"]
+    assert warp[0] > 0 and warp[1] == 0  # packs per lane: registers by default, 0 = shared memory
+    assert ln.backward_fast_plan(n, c, "bf16", xp=cp)[2] == 32 * ln._FAST_SACC_WARPS  # default: shared
+    assert ln._fast_backward_plan(n, c, "bf16", False, "registers", cp)[2] == 32 * ln._FAST_WARPS

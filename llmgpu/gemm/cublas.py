@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import array_module, check_array, check_gpu_dtype
 
 # cudaDataType and cublasComputeType_t values (library_types.h, cublas_api.h)
 CUDA_DATA_TYPES = {backend.float32: 0, backend.float16: 2, backend.bfloat16: 14}  # cudaDataType per storage dtype
@@ -80,8 +80,8 @@ def check_operands(a, b, trans_a, trans_b, xp, op="gemm"):
         raise ValueError(f"{op} needs matrices: a has shape {tuple(a.shape)}, b has shape {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype not in CUDA_DATA_TYPES and not (xp is np and a.dtype == backend.float64):
-        raise TypeError(f"{op} supports fp32, fp16, bf16 inputs (and fp64 on NumPy), got {a.dtype}")
+    if xp is not np:
+        check_gpu_dtype("a", a, tuple(CUDA_DATA_TYPES))  # check_array let fp64 through for NumPy
     m, k = _mk(a, trans_a)
     k2, n = _mk(b, trans_b)
     if k != k2:

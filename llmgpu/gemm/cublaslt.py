@@ -61,7 +61,14 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import (
+    array_module,
+    check_array,
+    check_choice,
+    gpu_path_unavailable_reason,
+    optional_import,
+    require_module,
+)
 from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
 from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 
@@ -94,21 +101,12 @@ class LtUnavailableError(backend.GPUUnavailableError):
 @functools.cache
 def _import_lt():
     """(nvmath.bindings.cublasLt module or None, reason when None)."""
-    try:
-        from nvmath.bindings import cublasLt
-    except ImportError as e:
-        return None, f"nvmath-python is not installed ({e}); {INSTALL_HINT}"
-    except Exception as e:  # a broken CUDA install can raise anything at import
-        return None, f"nvmath-python failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}"
-    return cublasLt, None
+    return optional_import("nvmath.bindings.cublasLt", "nvmath-python", INSTALL_HINT)
 
 
 def unavailable_reason() -> str | None:
     """None when the cuBLASLt path can run here; otherwise one line saying what is missing."""
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        return reason
-    return _import_lt()[1]
+    return gpu_path_unavailable_reason(_import_lt)
 
 
 def available() -> bool:
@@ -116,10 +114,7 @@ def available() -> bool:
 
 
 def _lt_module():
-    lt, reason = _import_lt()
-    if lt is None:
-        raise LtUnavailableError(reason)
-    return lt
+    return require_module(_import_lt, LtUnavailableError)
 
 
 # --------------------------------------------------------------------------- per-device state
@@ -296,8 +291,7 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     ``dbias`` [M] (written, in ``out``'s dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
     1 for the GELU and bias-gradient epilogues and ``beta`` 0 for the GELU ones.
     """
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    check_choice("epilogue", epilogue, EPILOGUES)
     xp = array_module(a=a, b=b, out=out, bias=bias, aux=aux, dbias=dbias)
     on_np = xp is np
     m, n, k, batch = check_operands(a, b, trans_a, trans_b, xp, op="lt_gemm")

@@ -38,11 +38,9 @@ from typing import Any
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_same_dtype
+from ..checks import array_module, check_array, check_gpu_dtype, check_same_dtype
 from ..gemm import gemm
 from .softmax import softmax_backward, softmax_forward
-
-_GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 
 @dataclass
@@ -78,8 +76,8 @@ def _check_qkv(q, k, v):
     check_array("k", k, shape=q.shape)
     check_array("v", v, shape=q.shape)
     check_same_dtype(q=q, k=k, v=v)
-    if xp is not np and q.dtype not in _GPU_DTYPES:
-        raise TypeError(f"q, k, v have dtype {q.dtype}; the GPU path supports fp32, fp16, bf16")
+    if xp is not np:
+        check_gpu_dtype("q", q)  # k and v: q's dtype, checked above
     return xp
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out
+from ..checks import GPU_DTYPES, array_module, check_array, check_out
 from ..kernels import get_kernel
-from ..kernels.launch import resident_grid
+from ..kernels.launch import elements_aligned, resident_grid
 
 THREADS = 256
-CAST_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+CAST_DTYPES = GPU_DTYPES  # the kernel's types; the NumPy reference takes the same
 
 
 def _cast_numpy(x, dtype):
@@ -40,7 +40,7 @@ def cast(x, dtype, out=None):
         out[...] = _cast_numpy(x, dtype)
         return out
     n = x.size
-    vec = int(x.data.ptr % min(16, 4 * x.dtype.itemsize) == 0 and out.data.ptr % min(16, 4 * out.itemsize) == 0)
+    vec = int(elements_aligned(4, x, out))  # groups of 4 elements
     kern = get_kernel("cast", "cast_kernel", x.dtype, dtype)
     kern((resident_grid(kern, -(-n // 8), THREADS, xp),), (THREADS,), (x, out, np.int64(n), np.int32(vec)))
     return out

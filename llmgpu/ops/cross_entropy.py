@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, reference_dtype
+from ..checks import array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import stride_grid
 
 METHODS = ("naive", "optimized", "fast")
 FUSED_METHODS = ("optimized", "fast")  # keep lse, share cross_entropy_backward_fused
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 TARGET_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 FAST_THREADS = 256  # CE_FAST_THREADS in cross_entropy.cu: the fast forward assumes exactly this
@@ -63,10 +63,6 @@ class CrossEntropyCache:
     shape: tuple  # the logits' original shape
     method: str = "optimized"  # picks the backward kernel: "naive" reads probs, the others lse
     probs: object = None  # [N, V] softmax, naive GPU path only
-
-
-def _check_method(method):
-    check_choice("method", method, METHODS)
 
 
 _compute_dtype = reference_dtype
@@ -112,7 +108,7 @@ def cross_entropy_backward_reference(logits2, targets1, lse, n_valid, ignore_ind
 
 def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="fast"):
     """Mean cross-entropy of ``logits [..., V]`` against integer ``targets [...]``: ``(loss, cache)``."""
-    _check_method(method)
+    check_method("cross_entropy_forward", method, METHODS)
     xp = array_module(logits=logits, targets=targets)
     check_array("logits", logits)
     if logits.ndim < 2:
@@ -139,8 +135,7 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="fast"):
                                   tuple(logits.shape), method)
         return loss, cache
 
-    if logits.dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16 logits, got {logits.dtype}")
+    check_gpu_dtype("logits", logits)
     if n >= 2**31 or v >= 2**31:
         raise ValueError(f"N and V must be below 2**31, got N={n}, V={v}")
     ti = _C_INDEX[targets.dtype]
@@ -224,8 +219,7 @@ def cross_entropy_backward(cache, dloss=1.0, *, out=None):
             (lf, tf, cache.lse, cache.n_valid, *dl, out2, np.int32(v), ign),
         )
     else:
-        sms = backend.device_info(xp).sm_count or 1
-        blocks = max(1, min(-(-(n * v) // 256), 8 * sms))
+        blocks = stride_grid(n * v, 256, xp)
         get_kernel("cross_entropy", "cross_entropy_backward_naive", lf.dtype, ti)(
             (blocks,), (256,), (cache.probs, tf, cache.n_valid, *dl, out2, np.int64(n), np.int32(v), ign)
         )

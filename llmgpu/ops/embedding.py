@@ -78,11 +78,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype, vector_width
+from ..checks import (
+    array_module,
+    check_array,
+    check_gpu_dtype,
+    check_method,
+    check_out,
+    check_same_dtype,
+    reference_dtype,
+)
 from ..kernels import get_kernel
+from ..kernels.launch import stride_grid, vector_width
 
 METHODS = ("naive", "optimized", "counting")
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 THREADS = 256
@@ -96,10 +104,6 @@ MAX_PACKS_PER_LANE = 3  # the KP instantiations of embedding_backward_wte_pos: 1
 PIECE = 128  # EMB_PIECE: slots per piece of a hot row; a token with more positions is "hot"
 
 
-def _check_method(method):
-    check_choice("method", method, METHODS)
-
-
 _compute_dtype = reference_dtype
 
 
@@ -108,11 +112,6 @@ def _check_ids_numpy(idx, v):
     if bad.any():
         i = tuple(int(k) for k in np.argwhere(bad)[0])
         raise ValueError(f"idx must lie in [0, {v}); {int(bad.sum())} do not (first: idx{list(i)} = {int(idx[i])})")
-
-
-def _check_gpu_dtype(dtype):
-    if dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {dtype} (float64 runs on NumPy only)")
 
 
 def _pack_grid(rows, c, dtype, arrays):
@@ -150,7 +149,7 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
     """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]``.
 
     ``method="counting"`` is the optimized gather (the methods differ in the backward only)."""
-    _check_method(method)
+    check_method("embedding_forward", method, METHODS)
     xp = array_module(idx=idx, wte=wte, wpe=wpe, out=out)
     check_array("idx", idx, ndim=2, dtypes=INDEX_DTYPES)
     check_array("wte", wte, ndim=2)
@@ -169,7 +168,7 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
         check_out(out, (b, t, c), wte.dtype, xp)[...] = x
         return out
 
-    _check_gpu_dtype(wte.dtype)
+    check_gpu_dtype("wte", wte)
     if b * t >= 2**31 or v >= 2**31:
         raise ValueError("B*T and V must be below 2**31")
     out = check_out(out, (b, t, c), wte.dtype, xp)
@@ -197,7 +196,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     positions, which ``"counting"`` sums in pieces (module docstring). ``"counting"`` neither
     synchronizes nor sizes anything by the data: it can be captured in a CUDA graph.
     """
-    _check_method(method)
+    check_method("embedding_backward", method, METHODS)
     xp = array_module(dx=dx, idx=idx, dwte_out=dwte_out, dwpe_out=dwpe_out)
     check_array("dx", dx, ndim=3)
     b, t, c = dx.shape
@@ -224,7 +223,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
             res.append(val)
         return tuple(res)
 
-    _check_gpu_dtype(dx.dtype)
+    check_gpu_dtype("dx", dx)
     bt = b * t
     if bt >= 2**31 or v >= 2**31:
         raise ValueError("B*T and V must be below 2**31")
@@ -235,8 +234,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     if method == "naive":
         dwte32 = xp.zeros((v, c), dtype=np.float32)
         dwpe32 = xp.zeros((max_t, c), dtype=np.float32)
-        sms = backend.device_info(xp).sm_count or 1
-        blocks = max(1, min(-(-(bt * c) // THREADS), 8 * sms))
+        blocks = stride_grid(bt * c, THREADS, xp)
         get_kernel("embedding", "embedding_backward_naive", dx.dtype, ti)(
             (blocks,), (THREADS,), (dx, idx, dwte32, dwpe32, np.int64(bt), np.int32(t), np.int32(c), np.int32(v))
         )

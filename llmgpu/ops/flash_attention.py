@@ -40,7 +40,14 @@ import sys
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import (
+    array_module,
+    check_array,
+    check_gpu_dtype,
+    gpu_path_unavailable_reason,
+    optional_import,
+    require_module,
+)
 from .attention import AttentionStats, default_scale
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' (brings nvidia-cudnn-frontend; "
@@ -48,7 +55,7 @@ INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' (bri
 _UID = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "dO": 6, "dQ": 7, "dK": 8, "dV": 9}
 _FWD_IO = ("q", "k", "v", "o", "stats")
 _BWD_IO = ("q", "k", "v", "o", "dO", "stats", "dQ", "dK", "dV")
-_GPU_DTYPES = (backend.float16, backend.bfloat16)
+FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what cuDNN's fused attention takes on the GPU
 
 
 class CudnnUnavailableError(backend.GPUUnavailableError):
@@ -110,21 +117,12 @@ def _import_cudnn():
             preload()
         except Exception:  # best effort only
             pass
-    try:
-        import cudnn
-    except ImportError as e:
-        return None, f"the cuDNN frontend is not installed ({e}); {INSTALL_HINT}"
-    except Exception as e:
-        return None, f"the cuDNN frontend failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}"
-    return cudnn, None
+    return optional_import("cudnn", "the cuDNN frontend", INSTALL_HINT)
 
 
 def unavailable_reason() -> str | None:
     """None when the cuDNN path can run here; otherwise one line saying what is missing."""
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        return reason
-    return _import_cudnn()[1]
+    return gpu_path_unavailable_reason(_import_cudnn)
 
 
 def available() -> bool:
@@ -132,10 +130,7 @@ def available() -> bool:
 
 
 def _cudnn():
-    mod, reason = _import_cudnn()
-    if mod is None:
-        raise CudnnUnavailableError(reason)
-    return mod
+    return require_module(_import_cudnn, CudnnUnavailableError)
 
 
 # --------------------------------------------------------------------------- strided views
@@ -392,9 +387,7 @@ def _check_inputs(q, k, v):
     _check_bhtd("k", k, shape=q.shape, dtype=q.dtype)
     _check_bhtd("v", v, shape=q.shape, dtype=q.dtype)
     if xp is not np:
-        if q.dtype not in _GPU_DTYPES:
-            raise TypeError(f"cuDNN flash attention takes fp16 or bf16 q, k, v, got {q.dtype} "
-                            "(fp32 runs on llmgpu.ops.attention)")
+        check_gpu_dtype("q", q, FLASH_DTYPES, hint="cuDNN flash attention; fp32 runs on llmgpu.ops.attention")
         if q.shape[-1] % 8:
             raise ValueError(f"cuDNN flash attention needs a head dimension D divisible by 8, got {q.shape[-1]}")
         for n, a in (("q", q), ("k", k), ("v", v)):

@@ -17,19 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype
+from ..checks import array_module, check_array, check_gpu_dtype, check_method, check_out, check_same_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import VECTOR_BYTES, is_aligned, stride_grid
 
 METHODS = ("naive", "optimized", "fast")
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
 CUBIC = 0.044715
 THREADS = 256
 FAST_UNROLL = 2  # packs per thread in the fast kernels (GELU_FAST_UNROLL in gelu.cu)
-
-
-def _check_method(method):
-    check_choice("method", method, METHODS)
 
 
 def _compute_dtype(dtype):
@@ -55,26 +51,25 @@ def gelu_backward_reference(dy, x):
     return (dy.astype(ct) * grad).astype(x.dtype)
 
 
-def _launch(xp, n, ptrs, dtype, method, name, args):
+def _launch(xp, n, arrays, dtype, method, name, args):
     if method == "naive":
         get_kernel("gelu", f"{name}_naive", dtype)((-(-n // THREADS),), (THREADS,), args)
         return
-    width = 16 // np.dtype(dtype).itemsize
-    vec = all(p % 16 == 0 for p in ptrs)
+    width = VECTOR_BYTES // np.dtype(dtype).itemsize
+    vec = is_aligned(VECTOR_BYTES, *arrays)  # the kernels handle the tail past the last pack
     if method == "fast":  # one pass: enough blocks to cover every pack once
         packs = n // width if vec else n
         blocks = max(1, -(-packs // (THREADS * FAST_UNROLL)))
         get_kernel("gelu", f"{name}_fast", dtype, int(vec))((blocks,), (THREADS,), args)
         return
     packs = n // width if vec else n
-    sms = backend.device_info(xp).sm_count or 1
-    blocks = max(1, min(-(-packs // THREADS), 8 * sms))  # a grid-stride loop: enough blocks to fill the GPU
+    blocks = stride_grid(packs, THREADS, xp)  # a grid-stride loop: enough blocks to fill the GPU
     get_kernel("gelu", name, dtype, int(vec))((blocks,), (THREADS,), args)
 
 
 def gelu_forward(x, *, out=None, method="fast"):
     """y = GELU(x) (tanh approximation), same shape and dtype as x."""
-    _check_method(method)
+    check_method("gelu_forward", method, METHODS)
     xp = array_module(x=x, out=out)
     check_array("x", x)
     if xp is np:
@@ -83,16 +78,15 @@ def gelu_forward(x, *, out=None, method="fast"):
             return y
         check_out(out, x.shape, x.dtype, xp)[...] = y
         return out
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+    check_gpu_dtype("x", x)
     out = check_out(out, x.shape, x.dtype, xp)
-    _launch(xp, x.size, (x.data.ptr, out.data.ptr), x.dtype, method, "gelu_forward", (x, out, np.int64(x.size)))
+    _launch(xp, x.size, (x, out), x.dtype, method, "gelu_forward", (x, out, np.int64(x.size)))
     return out
 
 
 def gelu_backward(dy, x, *, out=None, method="fast"):
     """dx = dy * GELU'(x), same shape and dtype as x."""
-    _check_method(method)
+    check_method("gelu_backward", method, METHODS)
     xp = array_module(dy=dy, x=x, out=out)
     check_array("x", x)
     check_array("dy", dy, shape=tuple(x.shape))
@@ -103,10 +97,9 @@ def gelu_backward(dy, x, *, out=None, method="fast"):
             return dx
         check_out(out, x.shape, x.dtype, xp)[...] = dx
         return out
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+    check_gpu_dtype("x", x)
     out = check_out(out, x.shape, x.dtype, xp)
-    _launch(xp, x.size, (dy.data.ptr, x.data.ptr, out.data.ptr), x.dtype, method, "gelu_backward",
+    _launch(xp, x.size, (dy, x, out), x.dtype, method, "gelu_backward",
             (dy, x, out, np.int64(x.size)))
     return out
 

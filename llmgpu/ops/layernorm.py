@@ -41,26 +41,34 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_out, check_same_dtype, reference_dtype, vector_width
+from ..checks import (
+    array_module,
+    check_array,
+    check_choice,
+    check_gpu_dtype,
+    check_method,
+    check_out,
+    check_same_dtype,
+    reference_dtype,
+)
 from ..kernels import get_kernel
+from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, persistent_grid, resident_blocks, vector_width
 
 METHODS = ("naive", "optimized", "fast")
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+ACCUMULATORS = ("registers", "shared")  # where the backward kernels sum dgamma/dbeta (``accumulators=``)
 
 # Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
 _REGISTER_PACKS = (1, 2, 3, 4, 6, 8)
-_SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+_SMEM_DEFAULT = SMEM_WITHOUT_OPT_IN
 _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
-_FORCE_SMEM_ACCUMULATORS = False  # benchmark hook: take the shared-memory variant even where registers fit
 # "fast" backward: packs per lane it is instantiated for, by element size (C <= 32 * W * P_max), and warps
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
 _FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
 _FAST_WARPS = 8
-# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory (SACC, blocks of 4 warps, <= 80
-# registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM). A
-# benchmark hook: set False to time the register-accumulator variant.
-_FAST_SMEM_ACC = True
+# 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory by default (SACC, blocks of 4 warps,
+# <= 80 registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM);
+# accumulators="registers" times the other variant. fp32 has the register variant only.
 _FAST_SACC_WARPS = 4
 _FWD_FAST_WARPS = 8
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
@@ -70,19 +78,14 @@ _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 # --------------------------------------------------------------------------- validation
 
 
-def _check_method(method):
-    check_choice("method", method, METHODS)
-
-
 def _rows(x, name="x"):
     if x.ndim < 2:
         raise ValueError(f"{name} must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
-def _check_gpu(x, n_rows, c):
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"the CUDA kernels take fp32, fp16 or bf16, got {x.dtype} (float64 runs on NumPy only)")
+def _check_gpu(x, n_rows, c, name="x"):
+    check_gpu_dtype(name, x)
     if n_rows >= 2**31 or c >= 2**31:
         raise ValueError(f"N and C must be below 2**31, got N={n_rows}, C={c}")
 
@@ -194,7 +197,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
     (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward: the
     ``layernorm_forward_fast`` kernel (``_FAST_FORWARD_KERNEL = True``) measured slower on the H200.
     """
-    _check_method(method)
+    check_method("layernorm_forward", method, METHODS)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
     check_array("x", x)
     n_rows, c = _rows(x)
@@ -240,7 +243,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
 
 def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=None, dgamma_out=None,
-                       dbeta_out=None, dresidual=None, accumulate_params=False):
+                       dbeta_out=None, dresidual=None, accumulate_params=False, accumulators=None):
     """Gradients of LayerNorm from the saved statistics: returns ``(dx, dgamma, dbeta)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``gamma [C]``; ``mean``, ``rstd`` are what
@@ -253,8 +256,14 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     ``accumulate_params=True`` adds the parameter gradients into ``dgamma_out``/``dbeta_out`` (then
     required) instead of overwriting them. Those buffers may be fp32 when gamma is fp16/bf16 (both
     the same dtype), so a model accumulates straight into its fp32 gradient buffers.
+    ``accumulators`` ("registers" or "shared", for benchmarks comparing the variants): where the
+    "optimized" and "fast" kernels sum dgamma/dbeta; None (default) takes each kernel's faster one.
+    A kernel without the variant asked for runs its only one (the naive kernels; "shared" on the fp32
+    "fast" kernel; "registers" for "optimized" rows too long to hold in registers).
     """
-    _check_method(method)
+    check_method("layernorm_backward", method, METHODS)
+    if accumulators is not None:
+        check_choice("accumulators", accumulators, ACCUMULATORS)
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
                       dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
@@ -309,7 +318,8 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     dbeta = xp.empty((c,), dtype=pdt) if dbeta_out is None else dbeta_out
 
     if method == "fast":
-        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp,
+                          accumulators):
             return dx, dgamma, dbeta
         method = "optimized"  # rows the fast kernel does not take
 
@@ -317,7 +327,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     # the residual gradient and the accumulation with plain array operations (fp32 math, one rounding).
     ln_dx = xp.empty_like(dx) if _overlap(dx, dresidual) else dx
     kg, kb = (xp.empty((c,), dtype=np.float32), xp.empty((c,), dtype=np.float32)) if accumulate else (dgamma, dbeta)
-    _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp)
+    _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp, accumulators)
     if dresidual is not None:
         dx[...] = ln_dx.astype(np.float32, copy=False) + dresidual.astype(np.float32, copy=False)
     if accumulate:
@@ -326,11 +336,11 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     return dx, dgamma, dbeta
 
 
-def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp):
+def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp, accumulators=None):
     """The "naive" or "optimized" kernels: dx into ``dx``; dgamma/dbeta (gamma's dtype or fp32) overwritten."""
     if method == "optimized":
         vec, packs = _vector_plan(c, x.dtype, (dy, x, gamma, dx))
-        if _FORCE_SMEM_ACCUMULATORS:
+        if accumulators == "shared":  # the shared-memory variant even where the row fits in registers
             packs = 0
         wpb = _BWD_WARPS
         if packs > 0:
@@ -339,8 +349,8 @@ def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_row
             wpb = max(1, min(_BWD_WARPS, _SMEM_DEFAULT // (8 * c)))
             smem = wpb * 8 * c
         kern = get_kernel("layernorm", "layernorm_backward_warp", x.dtype, int(vec), max(packs, 0))
-        if not (smem > _SMEM_DEFAULT and not _opt_in_shared_memory(kern, smem, xp)):
-            blocks = min(-(-n_rows // wpb), _resident_blocks(kern, 32 * wpb, smem, xp))
+        if not (smem > _SMEM_DEFAULT and not opt_in_shared_memory(kern, smem, xp)):
+            blocks = min(-(-n_rows // wpb), resident_blocks(kern, 32 * wpb, smem, xp))
             partial = xp.empty((blocks, 2, c), dtype=np.float32)
             kern((blocks,), (32 * wpb,), (dy, x, gamma, mean, rstd, dx, partial, np.int32(n_rows), np.int32(c)),
                  shared_mem=smem)
@@ -372,17 +382,13 @@ def _fast_packs(c, dtype, arrays):
 
 
 def _persistent_plan(key, kern, threads, smem, n_rows, xp):
-    """(blocks, threads, smem) for a grid of resident warps that each take the same number of rows,
-    cached per kernel, device and shape (the launch then costs no attribute queries)."""
+    """(blocks, threads, smem) of ``launch.persistent_grid``, cached per kernel, device and shape (the
+    launch then costs no attribute queries)."""
     dev = xp.cuda.Device().id
     full = (key, dev, n_rows, threads, smem)
     plan = _PLANS.get(full)
     if plan is None:
-        wpb = threads // 32
-        resident = _resident_blocks(kern, threads, smem, xp)
-        rows_per_warp = -(-n_rows // (resident * wpb))
-        blocks = -(-n_rows // (wpb * rows_per_warp))
-        plan = _PLANS[full] = (blocks, threads, smem)
+        plan = _PLANS[full] = (persistent_grid(kern, n_rows, threads, smem, xp), threads, smem)
     return plan
 
 
@@ -408,15 +414,20 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     """The "fast" backward's launch for ``[n_rows, c]`` rows of ``dtype`` (16-byte aligned arrays):
     ``(kernel, blocks, threads, shared_mem)`` of layernorm_backward_fast, or None when the rows do not
     suit it (C not a multiple of the pack width, rows too long, row indices past 32 bits). The second
-    stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. Used by the launcher and by
-    tools/probe_layernorm_backward.py."""
+    stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. The launcher's plan with the
+    default accumulators (``_fast_backward_plan`` takes the choice); used by tools/probe_layernorm_backward.py."""
+    return _fast_backward_plan(n_rows, c, dtype, residual, None, xp)
+
+
+def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
+    """``backward_fast_plan`` with ``accumulators`` (None, "registers", "shared") as in layernorm_backward."""
     xp = backend.default_xp() if xp is None else xp
     dtype = np.dtype(dtype)
     packs = _fast_packs(c, dtype, ())
     if packs is None:
         return None
     width = 16 // dtype.itemsize
-    sacc = int(_FAST_SMEM_ACC and dtype.itemsize == 2)
+    sacc = int(dtype.itemsize == 2 and accumulators != "registers")
     kern = get_kernel("layernorm", "layernorm_backward_fast", dtype, packs, int(residual), sacc)
     if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
         warps = _FAST_SACC_WARPS
@@ -433,11 +444,11 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     return kern, blocks, threads, smem
 
 
-def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp):
+def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp, accumulators=None):
     """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
     if vector_width(x.dtype, c, *((dy, x, dx) if dres is None else (dy, x, dx, dres))) == 1:
         return False
-    plan = backward_fast_plan(n_rows, c, x.dtype, residual=dres is not None, xp=xp)
+    plan = _fast_backward_plan(n_rows, c, x.dtype, dres is not None, accumulators, xp)
     if plan is None:
         return False
     kern, blocks, threads, smem = plan
@@ -493,7 +504,7 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
             y = out
         return s, y, mean.reshape(lead), rstd.reshape(lead)
 
-    _check_gpu(a, n_rows, c)
+    _check_gpu(a, n_rows, c, name="a")
     s = xp.empty(a.shape, dtype=a.dtype) if residual_out is None else residual_out
     y = xp.empty(a.shape, dtype=a.dtype) if out is None else out
     vec, packs = _vector_plan(c, a.dtype, (a, b, s, y, gamma, beta))
@@ -527,32 +538,6 @@ def _vector_plan(c, dtype, arrays):
     return True, 0
 
 
-def _opt_in_shared_memory(kern, nbytes, xp):
-    """Raise the kernel's dynamic shared-memory limit to ``nbytes`` if the device allows it."""
-    limit = backend.device_info(xp).shared_memory_per_block_optin or _SMEM_DEFAULT
-    if nbytes > limit:
-        return False
-    try:
-        kern.max_dynamic_shared_size_bytes = nbytes
-    except Exception:
-        return False
-    return True
-
-
-def _resident_blocks(kern, threads, smem, xp):
-    """How many blocks fill the GPU once (SMs x blocks per SM by registers, threads, shared memory)."""
-    sms = backend.device_info(xp).sm_count or 1
-    try:
-        regs = int(kern.attributes["num_regs"])
-    except Exception:
-        regs = 64
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = 65536 // (regs_per_warp * (threads // 32))
-    by_threads = 2048 // threads
-    by_smem = (228 * 1024) // (smem + 1024) if smem else 32
-    return sms * max(1, min(by_regs, by_threads, by_smem, 32))
-
-
 # --------------------------------------------------------------------------- bandwidth accounting
 
 
@@ -571,6 +556,7 @@ def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
 
 
 __all__ = [
+    "ACCUMULATORS",
     "METHODS",
     "add_layernorm_forward",
     "add_layernorm_forward_reference",

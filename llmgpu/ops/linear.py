@@ -29,11 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, check_same_dtype, reference_dtype, vector_width
+from ..checks import array_module, check_array, check_gpu_dtype, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..kernels import get_kernel
-
-GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
+from ..kernels.launch import stride_grid, vector_width
 
 # Bias-gradient launch shape (see bias.cu). The number of row chunks depends on the shape only, never
 # on the device, so the reduction order, and therefore db, is the same on every GPU and every run.
@@ -120,12 +119,11 @@ def add_bias(y, b):
         acc = _acc_dtype(y.dtype)
         y[...] = (y.astype(acc) + b.astype(acc)).astype(y.dtype)
         return y
-    _check_gpu_dtype("y", y)
+    check_gpu_dtype("y", y)
     rows = y.size // c
     w_vec = vector_width(y.dtype, c, y, b)
     n_items = rows * (c // w_vec)
-    sms = backend.device_info(xp).sm_count
-    grid = min(-(-n_items // BIAS_ADD_THREADS), 16 * sms)
+    grid = stride_grid(n_items, BIAS_ADD_THREADS, xp, per_sm=16)
     kernel = get_kernel("bias", "bias_add", y.dtype, w_vec)
     kernel((grid,), (BIAS_ADD_THREADS,), (y, b, np.int64(rows), np.int32(c)))
     return y
@@ -149,7 +147,7 @@ def bias_grad(dy, out=None, accumulate=False):
         acc = _acc_dtype(dy.dtype)
         _store(out, dy.reshape(rows, c).astype(acc).sum(axis=0), accumulate)
         return out
-    _check_gpu_dtype("dy", dy)
+    check_gpu_dtype("dy", dy)
     w_vec = vector_width(dy.dtype, c, dy)
     chunks, rows_per_chunk = bias_chunks(rows, c, w_vec)
     partial = xp.empty((chunks, c), dtype=np.float32)
@@ -220,13 +218,8 @@ def _check_weight(x, w, xp):
             f"(shape {tuple(w.shape)})"
         )
     if xp is not np:
-        _check_gpu_dtype("x", x)
+        check_gpu_dtype("x", x)
     return c_out, c_in
-
-
-def _check_gpu_dtype(name, a):
-    if a.dtype not in GPU_DTYPES:
-        raise TypeError(f"{name} has dtype {a.dtype}; the GPU path supports fp32, fp16, bf16")
 
 
 def _check_grad_out(name, out, shape, dtype, xp):

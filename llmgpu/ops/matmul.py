@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks import array_module, check_array, check_out
+from ..checks import array_module, check_array, check_method, check_out
 from ..kernels import get_kernel
 
 METHODS = ("naive", "tiled16", "tiled", "blocked", "blocked8", "cublas")
@@ -24,8 +24,7 @@ _BLOCKED = {"blocked": (64, 64, 16, 4, 4), "blocked8": (128, 128, 8, 8, 8)}
 
 def matmul(a, b, method="blocked", out=None):
     """C[M, N] = A[M, K] @ B[K, N] for fp32 row-major matrices."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_method("matmul", method, METHODS)
     xp = array_module(a=a, b=b)
     check_array("a", a, ndim=2, dtype=np.float32)
     check_array("b", b, ndim=2, dtype=np.float32)

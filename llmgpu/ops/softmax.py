@@ -39,8 +39,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_out, reference_dtype
+from ..checks import GPU_DTYPES, array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import VECTOR_BYTES, elements_aligned
 
 METHODS = ("naive", "warp", "block", "auto")
 AUTO_WARP_MAX_COLS = 128
@@ -49,12 +50,9 @@ WARP_ROWS_PER_BLOCK = 8  # 256 threads
 BLOCK_MAX_THREADS = 1024
 BLOCK_VECTORS_PER_THREAD = 2  # = SOFTMAX_CACHE in softmax.cu: vectors a thread keeps in registers
 
-_GPU_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
-
 
 def _pick_method(method, cols):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_method("softmax", method, METHODS)
     if method == "auto":
         return "warp" if cols <= AUTO_WARP_MAX_COLS else "block"
     return method
@@ -68,8 +66,7 @@ def _check_causal(name, a, causal):
 def _check_pair(score_name, score_dtype, prob_name, prob_dtype):
     """GPU type pairs: the same dtype, or fp32 scores with fp16/bf16 probabilities."""
     for n, d in ((score_name, score_dtype), (prob_name, prob_dtype)):
-        if d not in _GPU_DTYPES:
-            raise TypeError(f"{n} has dtype {d}; the CUDA kernels support fp32, fp16, bf16")
+        check_gpu_dtype(n, d)
     if score_dtype != prob_dtype and score_dtype != backend.float32:
         raise TypeError(
             f"{score_name} ({backend.dtype_name(score_dtype)}) and {prob_name} ({backend.dtype_name(prob_dtype)}) "
@@ -100,7 +97,7 @@ def softmax_forward(x, method="auto", out=None, *, scale=1.0, causal=False, out_
         raise ValueError("x must have at least one axis")
     _check_causal("x", x, causal)
     pdt = backend.resolve_dtype(out_dtype) if out_dtype is not None else x.dtype
-    if pdt not in (*_GPU_DTYPES, backend.float64):
+    if pdt not in (*GPU_DTYPES, backend.float64):
         raise TypeError(f"out_dtype must be a float dtype, got {pdt}")
     cols = x.shape[-1]
     method = _pick_method(method, cols)
@@ -162,9 +159,9 @@ def softmax_backward(dp, p, method="auto", out=None, *, scale=1.0, causal=False)
 # --------------------------------------------------------------------------- launching
 
 
-def vector_width(score_dtype, prob_dtype) -> int:
+def pair_vector_width(score_dtype, prob_dtype) -> int:
     """Elements per 16-byte vector of the wider of the two types (4 for fp32, 8 for 16-bit pairs)."""
-    return 16 // max(np.dtype(score_dtype).itemsize, np.dtype(prob_dtype).itemsize)
+    return VECTOR_BYTES // max(np.dtype(score_dtype).itemsize, np.dtype(prob_dtype).itemsize)
 
 
 def block_threads(cols, width) -> int:
@@ -176,9 +173,7 @@ def block_threads(cols, width) -> int:
 
 def can_vectorize(arrays, cols, width) -> bool:
     """16-byte loads need whole vectors per row and every base pointer aligned to its vector size."""
-    if cols % width:
-        return False
-    return all(a.data.ptr % (width * a.dtype.itemsize) == 0 for a in arrays)
+    return cols % width == 0 and elements_aligned(width, *arrays)
 
 
 def _launch(xp, direction, method, arrays, rows, cols, scale, causal_T):
@@ -194,7 +189,7 @@ def _launch(xp, direction, method, arrays, rows, cols, scale, causal_T):
         kernel = get_kernel("softmax", fn, score, prob)
         kernel((-(-rows // WARP_ROWS_PER_BLOCK),), (32 * WARP_ROWS_PER_BLOCK,), args)
     else:
-        width = vector_width(score, prob)
+        width = pair_vector_width(score, prob)
         vec = can_vectorize(arrays, cols, width)
         kernel = get_kernel("softmax", fn, score, prob, "true" if vec else "false")
         kernel((rows,), (block_threads(cols, width if vec else 1),), args)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
 from ..checks import array_module, check_array, check_out, check_same_dtype
 from ..kernels import get_kernel
+from ..kernels.launch import stride_grid
 
 THREADS = 256
 
@@ -26,7 +26,6 @@ def vector_add(a, b, out=None):
     out = check_out(out, a.shape, a.dtype, xp)
     n = a.size
     # A grid-stride loop needs only enough blocks to fill the GPU: 8 per SM of 256 threads each.
-    sms = backend.device_info(xp).sm_count
-    blocks = min(-(-n // THREADS), 8 * sms)
+    blocks = stride_grid(n, THREADS, xp, per_sm=8)
     get_kernel("vector_add", "vector_add", a.dtype)((blocks,), (THREADS,), (a, b, out, np.int64(n)))
     return out

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import GPU_DTYPES, array_module, check_array
 from ..kernels import get_kernel
-from ..kernels.launch import resident_grid
+from ..kernels.launch import elements_aligned, resident_grid
 from .params import FlatParams
 
 THREADS = 256
@@ -54,15 +54,6 @@ def _check_scalar_array(name, x, xp, dtype=_F32):
 def _host_value(x):
     """Host value of a float or a 0-d NumPy array (NumPy path only; never called with CuPy)."""
     return float(np.asarray(x).reshape(()))
-
-
-def _aligned(a, nbytes_per_4: int) -> bool:
-    return a.data.ptr % min(16, nbytes_per_4) == 0
-
-
-def _vec_ok(*arrays) -> bool:
-    """Whether 4-wide vector accesses are legal: each pointer aligned to 4 elements (max 16 bytes)."""
-    return all(_aligned(a, 4 * a.dtype.itemsize) for a in arrays if a is not None)
 
 
 # --------------------------------------------------------------------------- the reference
@@ -102,12 +93,11 @@ def adamw_update(param, grad, m, v, *, step, lr, beta1=0.9, beta2=0.95, eps=1e-8
     """
     xp = array_module(param=param, grad=grad, m=m, v=v, working=working)
     check_array("param", param, dtype=_F32)
-    check_array("grad", grad, shape=param.shape, dtypes=(backend.float32, backend.float16, backend.bfloat16))
+    check_array("grad", grad, shape=param.shape, dtypes=GPU_DTYPES)
     check_array("m", m, shape=param.shape, dtype=_F32)
     check_array("v", v, shape=param.shape, dtype=_F32)
     if working is not None:
-        check_array("working", working, shape=param.shape,
-                    dtypes=(backend.float32, backend.float16, backend.bfloat16))
+        check_array("working", working, shape=param.shape, dtypes=GPU_DTYPES)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"betas must lie in [0, 1), got beta1={beta1}, beta2={beta2}")
     step_dev = _is_device_scalar(step)
@@ -176,7 +166,7 @@ def launch_flat(xp, *, p, g, m, v, w, n, decay_end, lr, grad_scale, found_inf, s
     write_w = w is not None and w is not p
     if write_w:
         flags |= WRITE_WORKING
-    if _vec_ok(p, g, m, v, w if write_w else None):
+    if elements_aligned(4, p, g, m, v, w if write_w else None):  # the kernel's 4-wide groups
         flags |= VEC
     wt = w.dtype if write_w else _F32
     kern = get_kernel("adamw", "adamw_kernel", g.dtype, wt)

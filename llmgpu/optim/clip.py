@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array
+from ..checks import GPU_DTYPES, array_module, check_array
 
 THREADS = 256
 MAX_BLOCKS = 1024  # fixed cap: the grid (hence the summation order) depends only on n
 _F32 = backend.float32
-_GRAD_DTYPES = (backend.float32, backend.float16, backend.bfloat16)
 
 
 @dataclass
@@ -56,7 +55,7 @@ def _workspace(device_id: int):
 
 
 def _check_grad(grad, xp):
-    check_array("grad", grad, ndim=1, dtypes=_GRAD_DTYPES)
+    check_array("grad", grad, ndim=1, dtypes=GPU_DTYPES)
 
 
 def _check_scalar(name, x, xp):
@@ -106,10 +105,11 @@ def grad_norm_fused(grad, max_norm: float = 0.0, *, prescale=None, out: GradNorm
         return out
 
     from ..kernels import get_kernel
+    from ..kernels.launch import elements_aligned
 
     cp = xp
     n = grad.size
-    vec = int(grad.data.ptr % min(16, 4 * grad.dtype.itemsize) == 0)
+    vec = int(elements_aligned(4, grad))  # chunks of 4 elements
     chunks = n // 4 if vec else n
     blocks = max(1, min(-(-max(chunks, 1) // (4 * THREADS)), MAX_BLOCKS))  # 4 chunks per thread and pass
     partial_sq, partial_bad, done = _workspace(cp.cuda.Device().id)

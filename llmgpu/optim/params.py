@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .. import backend
+from ..checks import GPU_DTYPES
 from ..ops.cast import cast
 
 ALIGN = 16  # elements; keeps 16-byte alignment for fp32 (4-wide) and 16-bit (8-wide) vector access
@@ -97,7 +98,7 @@ class FlatParams:
             raise ValueError("shapes is empty: FlatParams needs at least one tensor")
         self.xp = xp or backend.default_xp()
         self.working_dtype = backend.resolve_dtype(working_dtype)
-        if self.working_dtype not in (backend.float32, backend.float16, backend.bfloat16):
+        if self.working_dtype not in GPU_DTYPES:
             raise TypeError(f"working_dtype must be fp32, fp16 or bf16, got {self.working_dtype}")
         no_decay = no_decay or default_no_decay
         self.names: list[str] = list(shapes)
