@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 //    768 bf16), else 1 block (8 warps x 2 rows; bigger rows, same bytes in flight).
 //  * Every warp does the same number of rows: the host picks the grid so that the rows divide as
 //    evenly as the resident warps allow (no tail wave).
-//  * Streaming loads (__ldcs, evict-first) for dy, x and dresidual: each byte is used once.
+//  * Streaming loads (load_raw16_stream, evict-first) for dy, x and dresidual: each byte is used once.
 //  * Deterministic dgamma/dbeta without atomics: lane accumulators in row order, then the block's
 //    warps in order w = 0..7 (one round through shared memory: all warps store, every thread adds
 //    its columns over w in order), one [gridDim.x, 2, C] fp32 partial row per block, and
@@ -487,39 +487,6 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 //     kernel alone, without any second stage, takes 86.2 us (82 %): the fixed cost is in the main
 //     kernel (first rows in, last rows out, the last row period only part-filled), not in the partials.
 
-#if defined(__HIPCC__)
-#define LN_LOAD_STREAM(p) (*(p))
-#else
-#define LN_LOAD_STREAM(p) __ldcs(p)  // ld.global.cs: evict-first, the data is not reused
-#endif
-
-// One 16-byte pack, loaded with a streaming load, kept raw (4 registers whatever T is).
-template <typename T>
-__device__ __forceinline__ Packed<T, 16 / (int)sizeof(T)> ln_load_stream(const T* p) {
-    Packed<T, 16 / (int)sizeof(T)> r;
-    *reinterpret_cast<uint4*>(&r) = LN_LOAD_STREAM(reinterpret_cast<const uint4*>(p));
-    return r;
-}
-
-// Element k of a raw pack as fp32. For bf16 the float is the 16 bits moved to the top of a 32-bit
-// word: one shift or mask on the word that holds the pair (sm_90's cvt.f32.bf16 path first unpacks
-// 16-bit halves into registers of their own, which costs the registers this kernel is short of).
-template <typename T, int W>
-__device__ __forceinline__ float ln_elem(const Packed<T, W>& p, int k) {
-    return to_float(p.v[k]);
-}
-template <>
-__device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const Packed<__nv_bfloat16, 8>& p, int k) {
-    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
-    return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
-}
-
-template <>
-__device__ __forceinline__ float ln_elem<__half, 8>(const Packed<__half, 8>& p, int k) {
-    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
-    return __half2float(__ushort_as_half((unsigned short)((k & 1) ? (w >> 16) : (w & 0xffffu))));
-}
-
 template <typename T>
 struct IsBf16 {
     static constexpr bool value = false;
@@ -546,9 +513,9 @@ __device__ __forceinline__ void ln_load_row(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         if (lane + 32 * p < nvec) {
-            d[p] = ln_load_stream(dy + off + 32 * W * p);
-            xs[p] = ln_load_stream(x + off + 32 * W * p);
-            if constexpr (RES) r[p] = ln_load_stream(dres + off + 32 * W * p);
+            d[p] = load_raw16_stream(dy + off + 32 * W * p);
+            xs[p] = load_raw16_stream(x + off + 32 * W * p);
+            if constexpr (RES) r[p] = load_raw16_stream(dres + off + 32 * W * p);
         }
     }
     m = mean[row];
@@ -647,8 +614,8 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
-                        const float d = ln_elem(cd[p], k);
-                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
+                        const float d = pack_elem(cd[p], k);
+                        const float xh = (pack_elem(cx[p], k) - cm) * cs;
                         const float g = d * ga[e];
                         sum_g += g;
                         sum_gx += g * xh;
@@ -688,9 +655,9 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
-                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
-                        float v = cs * (ln_elem(cd[p], k) * ga[e] - mg - xh * mgx);
-                        if constexpr (RES) v += ln_elem(cr[p], k);
+                        const float xh = (pack_elem(cx[p], k) - cm) * cs;
+                        float v = cs * (pack_elem(cd[p], k) * ga[e] - mg - xh * mgx);
+                        if constexpr (RES) v += pack_elem(cr[p], k);
                         o.v[k] = from_float<T>(v);
                     }
                 }
@@ -820,7 +787,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
         const long long off = (long long)row * C + lane * W;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) cx[p] = ln_load_stream(x + off + 32 * W * p);
+            if (lane + 32 * p < nvec) cx[p] = load_raw16_stream(x + off + 32 * W * p);
         }
     }
     for (; row < N; row += nw) {
@@ -830,7 +797,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
             const long long off = (long long)nxt * C + lane * W;
 #pragma unroll
             for (int p = 0; p < P; ++p) {
-                if (lane + 32 * p < nvec) nx[p] = ln_load_stream(x + off + 32 * W * p);
+                if (lane + 32 * p < nvec) nx[p] = load_raw16_stream(x + off + 32 * W * p);
             }
         }
         float sum = 0.0f;
@@ -838,7 +805,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
         for (int p = 0; p < P; ++p) {
             if (lane + 32 * p < nvec) {
 #pragma unroll
-                for (int k = 0; k < W; ++k) sum += ln_elem(cx[p], k);
+                for (int k = 0; k < W; ++k) sum += pack_elem(cx[p], k);
             }
         }
         const float m = warp_sum(sum) * inv_c;
@@ -848,7 +815,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
             if (lane + 32 * p < nvec) {
 #pragma unroll
                 for (int k = 0; k < W; ++k) {
-                    const float d = ln_elem(cx[p], k) - m;
+                    const float d = pack_elem(cx[p], k) - m;
                     ss += d * d;
                 }
             }
@@ -864,7 +831,7 @@ __global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const 
                 Pack o;
 #pragma unroll
                 for (int k = 0; k < W; ++k) {
-                    o.v[k] = from_float<T>((ln_elem(cx[p], k) - m) * r * ln_elem(g, k) + ln_elem(b, k));
+                    o.v[k] = from_float<T>((pack_elem(cx[p], k) - m) * r * pack_elem(g, k) + pack_elem(b, k));
                 }
                 *reinterpret_cast<Pack*>(yr + 32 * W * p) = o;
             }
