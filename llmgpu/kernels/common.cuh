@@ -183,6 +183,14 @@ __device__ __forceinline__ float pack_elem(const Packed<T, W>& p, int k) {
     }
 }
 
+// 2^z with one MUFU.EX2 (ex2.approx.ftz.f32: ~2 ulp, denormal results flushed to zero), for the fast
+// kernels whose arithmetic budget per element has no room for exp2f's range reduction.
+__device__ __forceinline__ float fast_exp2(float z) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
+    return r;
+}
+
 // Butterfly reductions inside one warp: after the loop every lane holds the result.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

@@ -286,19 +286,13 @@ __global__ void __launch_bounds__(1024) cross_entropy_backward_fused(
 #define CE_FAST_UNROLL 4
 #define CE_LOG2E 1.4426950408889634f
 
-__device__ __forceinline__ float ce_ex2(float z) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
-    return r;
-}
-
 // The running sum's shift: the max, or 0 while the max is -inf (so that -inf - shift = -inf, exp 0).
 __device__ __forceinline__ float ce_shift(float m) { return m == -LLMGPU_INF ? 0.0f : m; }
 
 // Factor for the running sum when the shift moves from m to c (>= m): exp(m - c); exactly 1 when the
 // max did not change (most groups), 0 when m = -inf (the sum is 0 then, or NaN and stays NaN).
 __device__ __forceinline__ float ce_rescale(float m, float c) {
-    return m == c ? 1.0f : ce_ex2((m - c) * CE_LOG2E);
+    return m == c ? 1.0f : fast_exp2((m - c) * CE_LOG2E);
 }
 
 // Block per row (grid = N, 256 threads): lse[row] only. The loss needs logits[row, target], one
@@ -340,9 +334,9 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
         float acc[U];
 #pragma unroll
         for (int k = 0; k < U; ++k) {
-            acc[k] = ce_ex2((v[k][0] - c) * CE_LOG2E);
+            acc[k] = fast_exp2((v[k][0] - c) * CE_LOG2E);
 #pragma unroll
-            for (int i = 1; i < W; ++i) acc[k] += ce_ex2((v[k][i] - c) * CE_LOG2E);
+            for (int i = 1; i < W; ++i) acc[k] += fast_exp2((v[k][i] - c) * CE_LOG2E);
         }
         float group = acc[0];
 #pragma unroll
@@ -357,9 +351,9 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
 #pragma unroll
         for (int i = 0; i < W; ++i) gm = fmaxf(gm, v[i]);
         const float c = ce_shift(gm);
-        float acc = ce_ex2((v[0] - c) * CE_LOG2E);
+        float acc = fast_exp2((v[0] - c) * CE_LOG2E);
 #pragma unroll
-        for (int i = 1; i < W; ++i) acc += ce_ex2((v[i] - c) * CE_LOG2E);
+        for (int i = 1; i < W; ++i) acc += fast_exp2((v[i] - c) * CE_LOG2E);
         s = s * ce_rescale(m, c) + acc;
         m = gm;
     }
@@ -367,7 +361,7 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
         const float a = to_float(a_raw), b = to_float(b_raw);
         const float gm = fmaxf(m, fmaxf(a, b));
         const float c = ce_shift(gm);
-        s = s * ce_rescale(m, c) + (ce_ex2((a - c) * CE_LOG2E) + ce_ex2((b - c) * CE_LOG2E));
+        s = s * ce_rescale(m, c) + (fast_exp2((a - c) * CE_LOG2E) + fast_exp2((b - c) * CE_LOG2E));
         m = gm;
     }
 

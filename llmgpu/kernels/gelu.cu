@@ -135,12 +135,6 @@ __global__ void __launch_bounds__(256) gelu_backward(const T* __restrict__ dy, c
 #define GELU_FAST_UNROLL 2
 #define GELU_FAST_THREADS 256
 
-__device__ __forceinline__ float gelu_ex2(float z) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
-    return r;
-}
-
 __device__ __forceinline__ float gelu_rcp(float d) {
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -149,7 +143,7 @@ __device__ __forceinline__ float gelu_rcp(float d) {
 
 // s = sigmoid(2u) = 1 / (1 + e), e = 2^z = exp(-2u).
 __device__ __forceinline__ float gelu_fast_sigmoid(float x, float x2, float& e) {
-    e = gelu_ex2(x * fmaf(GELU_FAST_B, x2, GELU_FAST_A));
+    e = fast_exp2(x * fmaf(GELU_FAST_B, x2, GELU_FAST_A));
     const float d = 1.0f + e;
     return d == 1.0f ? 1.0f : gelu_rcp(d);  // no branch: a predicated MUFU.RCP in SASS
 }
