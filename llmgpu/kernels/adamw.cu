@@ -49,8 +49,8 @@ __device__ __forceinline__ void adamw_elem(float& p, float& m, float& v, float g
     p = fmaf(-step_size, __fdiv_rn(m, denom), __fmul_rn(p, decay));
 }
 
-// (No __launch_bounds__(256): with it ptxas capped the 16-bit-gradient variants at 64 registers
-// and spilled on sm_90; without it they use ~68 and the grid is sized from the real occupancy.)
+// (No __launch_bounds__(256): with it ptxas capped the 16-bit-gradient variants' registers and
+// spilled on sm_90; without it the grid is sized from the real occupancy.)
 template <typename G, typename W>
 __global__ void adamw_kernel(
     float* __restrict__ p, G* __restrict__ g, float* __restrict__ m, float* __restrict__ v, W* __restrict__ w,

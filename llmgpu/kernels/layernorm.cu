@@ -433,15 +433,15 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 
 // ===================================================================================== "fast"
 //
-// Why the "optimized" backward above stops near 65 % of the copy bandwidth (H200, 65536 x 768 bf16)
-// and how layernorm_backward_fast is shaped instead:
+// Why the "optimized" backward above stops well short of the copy bandwidth and how
+// layernorm_backward_fast is shaped instead:
 //
 //  * Memory-level parallelism. A memory-bound kernel runs at full bandwidth only while enough bytes
-//    are in flight: by Little's law ~4.3 TB/s x ~1-2 us loaded DRAM latency = 4-8 MB over 132 SMs,
-//    30-65 KB of outstanding loads per SM. In layernorm_backward_warp each warp alternates phases:
-//    load the row -> two warp reductions -> load the row again (L1/L2) -> store dx -> next row. Only
-//    in the first phase does it have DRAM loads outstanding, so on average an SM holds far fewer
-//    bytes in flight than its warps could. Here each warp keeps its whole row in registers (dy and
+//    are in flight: by Little's law, bandwidth x loaded DRAM latency, tens of KB of outstanding loads
+//    per SM. In layernorm_backward_warp each warp alternates phases: load the row -> two warp
+//    reductions -> load the row again (L1/L2) -> store dx -> next row. Only in the first phase does
+//    it have DRAM loads outstanding, so on average an SM holds far fewer bytes in flight than its
+//    warps could. Here each warp keeps its whole row in registers (dy and
 //    x as raw 16-byte packs: 4 registers per pack, P packs per lane) and issues the loads of its
 //    NEXT row before it starts reducing the current one (software pipelining, two rows in flight per
 //    warp). While it shuffles, computes and stores row r, row r + 1 is already on its way.
@@ -470,20 +470,11 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 // width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (1024 for
 // 16-bit, 768 for fp32: beyond that the accumulators alone would not fit in registers).
 //
-// Where the last 20 % go (H200, 65536 x 768 bf16, tools/probe_layernorm_backward.py): 90 us per call,
-// 79 % of the 2 GiB copy ceiling. Fitting the time over 1x, 2x and 4x the rows gives 13-15 us of fixed
-// cost per call and streaming at 92-93 % of the copy: the timing floor (~3.7 us for a one-element kernel
-// between two events), the second stage (~4 us with its launch), and the ramp-up and drain of the
-// persistent grid. A plain device copy of the same bytes reaches only 92-94 %. More bytes in flight
-// did not help; both of these were built, tested and measured on the H200, then removed:
-//   * rows staged in shared memory by cp.async, 2-4 stages per warp (up to 3 rows in flight): 89-93 us;
-//   * the next row prefetched into L2 (prefetch.global.L2) so that only one row lives in registers
-//     (64 registers, 32 warps per SM): 91 us one row ahead, 110 us two rows ahead (commit 7de4492);
-//   * the second stage folded into this kernel (the last blocks to arrive wait for the others and add
-//     the partial rows in a fixed order) and, for 16-bit, one block of all 24 warps per SM (one partial
-//     row per SM, 6x fewer): 89.3 us against 89.7 us with the second kernel (commit d43bbd4). This
-//     kernel alone, without any second stage, takes 86.2 us (82 %): the fixed cost is in the main
-//     kernel (first rows in, last rows out, the last row period only part-filled), not in the partials.
+// What is left between this kernel and a copy of the same bytes is a fixed cost per call (the first
+// rows in and the last rows out of the persistent grid, the second stage), not too few bytes in
+// flight: deeper pipelines (rows staged in shared memory by cp.async, the next row prefetched into
+// L2) and the second stage folded into this kernel were built and were not faster, so the kernel
+// keeps two rows in registers and a separate second stage (dev/cuda/README.md has the history).
 
 template <typename T>
 struct IsBf16 {
@@ -556,8 +547,7 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
     const float inv_c = 1.0f / (float)C;
 
-    // The first row's loads go out before the gamma table is built: they do not need it. (Measured on the
-    // H200 this changes nothing, 90.0 us either way: the table is built within the loads' latency.)
+    // The first row's loads go out before the gamma table is built: they do not need it.
     const int nw = gridDim.x * wpb;
     int row = blockIdx.x * wpb + warp;
     Pack cd[P], cx[P], cr[P];  // the current row: dy, x, dresidual
