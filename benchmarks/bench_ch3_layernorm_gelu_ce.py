@@ -142,7 +142,7 @@ def _ln_cases(xp, rng, sz, dt, reps, slow):
     regacc_variant = bwd("fast", accumulators="registers")
 
     cases = []
-    for m in ln.METHODS:  # naive, optimized, fast (fast: layernorm_forward_fast / layernorm_backward_fast)
+    for m in ln.METHODS:  # naive, optimized, fast (fast: the optimized forward, layernorm_backward_fast)
         r = slow if m == "naive" else reps
         cases.append(("layernorm", "fwd", m, shape, fwd(m), fwd_bytes, r))
         cases.append(("layernorm", "bwd", m, shape, bwd(m), bwd_bytes, r))

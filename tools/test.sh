@@ -12,7 +12,7 @@ step "install llmgpu[cuda13,test,book]"
 python -m pip install -q --disable-pip-version-check -e ".[cuda13,test,book]"
 
 step "ruff"
-ruff check llmgpu tests benchmarks tools
+ruff check llmgpu tests benchmarks tools dev
 
 step "kernel compile check (NVRTC, sm_80 + sm_90, no GPU needed)"
 python -m llmgpu.kernels.compile_check

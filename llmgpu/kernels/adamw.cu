@@ -21,8 +21,10 @@
 // block knows everyone has read it before it writes.
 //
 // Vector path: 4 elements per access (float4 for fp32, 8 bytes for 16-bit types), two independent
-// groups per thread and iteration so more loads are in flight. The host enables it (ADAMW_VEC) only
-// when every pointer is 16-byte aligned (8 for 16-bit arrays); the remainder n % 4 runs scalar.
+// groups per thread and iteration so more loads are in flight, with streaming cache hints
+// (load4_stream / store4_stream, common.cuh): every byte is touched exactly once per step. The host
+// enables it (ADAMW_VEC) only when every pointer is 16-byte aligned (8 for 16-bit arrays); the
+// remainder n % 4 runs scalar.
 #include "common.cuh"
 
 // llmgpu:kernel adamw_kernel<{float,__half,__nv_bfloat16}, {float,__half,__nv_bfloat16}>
@@ -36,39 +38,6 @@
 #define ADAMW_WRITE_WORKING 64  // write the updated weights, cast to W, into w
 #define ADAMW_VEC 128           // pointers aligned: use 4-wide vector accesses
 
-// Streaming cache hints: every byte is touched exactly once per step. HIP has no __ldcs/__stcs.
-#if defined(__HIP_PLATFORM_AMD__)
-#define LDCS(p) (*(p))
-#define STCS(p, x) (*(p) = (x))
-#else
-#define LDCS(p) __ldcs(p)
-#define STCS(p, x) __stcs((p), (x))
-#endif
-
-// ---- 4-wide loads and stores, converting to / from float at the edge
-__device__ __forceinline__ void load4(const float* p, float o[4]) {
-    float4 a = LDCS(reinterpret_cast<const float4*>(p));
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-}
-__device__ __forceinline__ void store4(float* p, const float o[4]) {
-    STCS(reinterpret_cast<float4*>(p), make_float4(o[0], o[1], o[2], o[3]));
-}
-template <typename T>  // 16-bit types: 4 x 2 bytes = one 8-byte access
-__device__ __forceinline__ void load4(const T* p, float o[4]) {
-    uint2 raw = LDCS(reinterpret_cast<const uint2*>(p));
-    T h[4];
-    *reinterpret_cast<uint2*>(h) = raw;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = to_float(h[k]);
-}
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float o[4]) {
-    T h[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) h[k] = from_float<T>(o[k]);
-    STCS(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(h));
-}
-
 // One element of the update, shared by the vector and scalar paths. The roundings are spelled out
 // (fmaf, __fmul_rn, __fdiv_rn are never re-contracted by the compiler), so every copy of this code
 // rounds identically: the fused launch and the per-tensor launches give bit-identical weights.
@@ -80,8 +49,8 @@ __device__ __forceinline__ void adamw_elem(float& p, float& m, float& v, float g
     p = fmaf(-step_size, __fdiv_rn(m, denom), __fmul_rn(p, decay));
 }
 
-// (No __launch_bounds__(256): with it ptxas capped the 16-bit-gradient variants at 64 registers
-// and spilled on sm_90; without it they use ~68 and the grid is sized from the real occupancy.)
+// (No __launch_bounds__(256): with it ptxas capped the 16-bit-gradient variants' registers and
+// spilled on sm_90; without it the grid is sized from the real occupancy.)
 template <typename G, typename W>
 __global__ void adamw_kernel(
     float* __restrict__ p, G* __restrict__ g, float* __restrict__ m, float* __restrict__ v, W* __restrict__ w,
@@ -100,7 +69,7 @@ __global__ void adamw_kernel(
     if ((flags & ADAMW_FOUND_INF) && found_inf[0] != 0.0f) {
         if (zero_grad) {
             const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (long long i = tid; i < n4; i += nthreads) store4(g + 4 * i, zero4);
+            for (long long i = tid; i < n4; i += nthreads) store4_stream(g + 4 * i, zero4);
             for (long long i = 4 * n4 + tid; i < n; i += nthreads) g[i] = from_float<G>(0.0f);
         }
         return;  // uniform over the grid: the counter below is not touched either
@@ -121,26 +90,26 @@ __global__ void adamw_kernel(
         const long long i1 = i0 + nthreads;
         const bool has1 = i1 < n4;
         float pa[4], ga[4], ma[4], va[4], pb[4], gb[4], mb[4], vb[4];
-        load4(p + 4 * i0, pa); load4(g + 4 * i0, ga); load4(m + 4 * i0, ma); load4(v + 4 * i0, va);
-        if (has1) { load4(p + 4 * i1, pb); load4(g + 4 * i1, gb); load4(m + 4 * i1, mb); load4(v + 4 * i1, vb); }
+        load4_stream(p + 4 * i0, pa); load4_stream(g + 4 * i0, ga); load4_stream(m + 4 * i0, ma); load4_stream(v + 4 * i0, va);
+        if (has1) { load4_stream(p + 4 * i1, pb); load4_stream(g + 4 * i1, gb); load4_stream(m + 4 * i1, mb); load4_stream(v + 4 * i1, vb); }
         // decay_end is a multiple of 4 in FlatParams; per element anyway, so any value is right
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float da = (4 * i0 + k < decay_end) ? decay_on : 1.0f;
             adamw_elem(pa[k], ma[k], va[k], __fmul_rn(ga[k], gs), beta1, beta2, eps, step_size, inv_sqrt_bc2, da);
         }
-        store4(p + 4 * i0, pa); store4(m + 4 * i0, ma); store4(v + 4 * i0, va);
-        if (write_w) store4(w + 4 * i0, pa);
-        if (zero_grad) { const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f}; store4(g + 4 * i0, z); }
+        store4_stream(p + 4 * i0, pa); store4_stream(m + 4 * i0, ma); store4_stream(v + 4 * i0, va);
+        if (write_w) store4_stream(w + 4 * i0, pa);
+        if (zero_grad) { const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f}; store4_stream(g + 4 * i0, z); }
         if (has1) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float db = (4 * i1 + k < decay_end) ? decay_on : 1.0f;
                 adamw_elem(pb[k], mb[k], vb[k], __fmul_rn(gb[k], gs), beta1, beta2, eps, step_size, inv_sqrt_bc2, db);
             }
-            store4(p + 4 * i1, pb); store4(m + 4 * i1, mb); store4(v + 4 * i1, vb);
-            if (write_w) store4(w + 4 * i1, pb);
-            if (zero_grad) { const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f}; store4(g + 4 * i1, z); }
+            store4_stream(p + 4 * i1, pb); store4_stream(m + 4 * i1, mb); store4_stream(v + 4 * i1, vb);
+            if (write_w) store4_stream(w + 4 * i1, pb);
+            if (zero_grad) { const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f}; store4_stream(g + 4 * i1, z); }
         }
     }
     // ---- scalar path: everything when unaligned, else the last n % 4 elements

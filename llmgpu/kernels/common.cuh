@@ -43,8 +43,8 @@ __device__ __forceinline__ void store_pack(T* __restrict__ p, const float (&in)[
 // 16-byte pack <-> W floats without going through 16-bit registers: 16-bit types go two at a time
 // through 32-bit words (element 2i is the low half of word i, little endian, as
 // __floats2bfloat162_rn / __floats2half2_rn pack them); bf16 -> fp32 is a shift or a mask. The fast
-// elementwise kernels (gelu.cu, cross_entropy.cu) use these where load_pack's per-element
-// conversions cost instructions they do not have.
+// kernels (gelu.cu, cross_entropy.cu, layernorm.cu through pack_elem) use these where load_pack's
+// per-element conversions cost instructions (or registers) they do not have.
 template <typename T>
 __device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi);
 template <>
@@ -108,6 +108,87 @@ __device__ __forceinline__ void store_pack16(T* __restrict__ p, const float (&v)
         *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]),
                                                   pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
     }
+}
+
+// ------------------------------------------------------------------ streaming (evict-first) accesses
+//
+// For bytes a kernel touches exactly once (optimizer state, casts, the rows of a bandwidth-bound
+// pass): ld.global.cs / st.global.cs through __ldcs / __stcs, so they do not evict lines that other
+// accesses reuse. HIP has neither; there they are plain loads and stores (the hint is only a hint).
+// V is the access type (float4, uint4, uint2, ...): one instruction per call.
+template <typename V>
+__device__ __forceinline__ V load_stream(const V* p) {
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+    return *p;
+#else
+    return __ldcs(p);
+#endif
+}
+
+template <typename V>
+__device__ __forceinline__ void store_stream(V* p, V x) {
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+    *p = x;
+#else
+    __stcs(p, x);
+#endif
+}
+
+// 4 consecutive elements in one streaming access (16 bytes of fp32, 8 of a 16-bit type), converted
+// to / from float at the edge. p must be aligned to the access (4 elements).
+__device__ __forceinline__ void load4_stream(const float* p, float o[4]) {
+    float4 a = load_stream(reinterpret_cast<const float4*>(p));
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+__device__ __forceinline__ void store4_stream(float* p, const float o[4]) {
+    store_stream(reinterpret_cast<float4*>(p), make_float4(o[0], o[1], o[2], o[3]));
+}
+template <typename T>  // 16-bit types: 4 x 2 bytes = one 8-byte access
+__device__ __forceinline__ void load4_stream(const T* p, float o[4]) {
+    uint2 raw = load_stream(reinterpret_cast<const uint2*>(p));
+    T h[4];
+    *reinterpret_cast<uint2*>(h) = raw;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = to_float(h[k]);
+}
+template <typename T>
+__device__ __forceinline__ void store4_stream(T* p, const float o[4]) {
+    T h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = from_float<T>(o[k]);
+    store_stream(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(h));
+}
+
+// One 16-byte pack from a 16-byte-aligned p with a streaming load, kept raw: 4 registers whatever T
+// is (half the registers of holding 8 16-bit elements as fp32); pack_elem converts on use.
+template <typename T>
+__device__ __forceinline__ Packed<T, 16 / (int)sizeof(T)> load_raw16_stream(const T* p) {
+    Packed<T, 16 / (int)sizeof(T)> r;
+    *reinterpret_cast<uint4*>(&r) = load_stream(reinterpret_cast<const uint4*>(p));
+    return r;
+}
+
+// Element k of a raw pack as fp32 (k a constant after unrolling). 16-bit types go through unpack2 on
+// the 32-bit word that holds the pair: for bf16 a shift or a mask, where sm_90's cvt.f32.bf16 path
+// first moves the 16-bit halves into registers of their own (registers the kernels holding raw
+// packs are short of).
+template <typename T, int W>
+__device__ __forceinline__ float pack_elem(const Packed<T, W>& p, int k) {
+    if constexpr (sizeof(T) == 2 && W % 2 == 0) {
+        float lo, hi;
+        unpack2<T>(reinterpret_cast<const unsigned*>(&p)[k >> 1], lo, hi);
+        return (k & 1) ? hi : lo;
+    } else {
+        return to_float(p.v[k]);
+    }
+}
+
+// 2^z with one MUFU.EX2 (ex2.approx.ftz.f32: ~2 ulp, denormal results flushed to zero), for the fast
+// kernels whose arithmetic budget per element has no room for exp2f's range reduction.
+__device__ __forceinline__ float fast_exp2(float z) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
+    return r;
 }
 
 // Butterfly reductions inside one warp: after the loop every lane holds the result.

@@ -8,6 +8,10 @@ a register array indexed at run time.
 
     python -m llmgpu.kernels.compile_check            # every file, sm_80 and sm_90
     python -m llmgpu.kernels.compile_check gemm -a sm_90 -v
+    python -m llmgpu.kernels.compile_check dev/cuda/layernorm_forward_fast.cu   # a .cu file anywhere
+
+A path ending in ``.cu`` is compiled the same way (its own ``// llmgpu:kernel`` lines, the package's
+flags and include path), so experiments outside the package (``dev/cuda``) are checked like it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import loader
 
@@ -49,6 +54,7 @@ class FileReport:
     arch: str
     ok: bool
     log: str
+    expressions: list[str] = field(default_factory=list)
     kernels: list[KernelReport] = field(default_factory=list)
 
 
@@ -63,10 +69,24 @@ def _nvrtc():
 
 
 def compile_file(name: str, arch: str) -> FileReport:
-    """Compile ``<name>.cu`` for ``arch`` with NVRTC and parse ptxas' report."""
+    """Compile the package's ``<name>.cu`` for ``arch`` with NVRTC and parse ptxas' report."""
+    return compile_source(loader.source(name), name, loader.name_expressions(name), arch)
+
+
+def compile_path(path, arch: str) -> FileReport:
+    """Compile a ``.cu`` file anywhere (e.g. dev/cuda) as the package's are, with its own declarations."""
+    path = Path(path)
+    text = path.read_text()
+    exprs = loader.expressions_in(text)
+    if not exprs:
+        raise ValueError(f"{path} declares no kernels (add '// llmgpu:kernel <expr>' lines)")
+    return compile_source(text, path.stem, exprs, arch)
+
+
+def compile_source(text: str, name: str, exprs: list[str], arch: str) -> FileReport:
+    """Compile CUDA source ``text`` (reported as ``<name>.cu``) with the name expressions ``exprs``."""
     nvrtc = _nvrtc()
-    exprs = loader.name_expressions(name)
-    prog = nvrtc.createProgram(loader.source(name), f"{name}.cu", [], [])
+    prog = nvrtc.createProgram(text, f"{name}.cu", [], [])
     try:
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
@@ -82,7 +102,7 @@ def compile_file(name: str, arch: str) -> FileReport:
             lowered = {nvrtc.getLoweredName(prog, e): e for e in exprs}
     finally:
         nvrtc.destroyProgram(prog)
-    report = FileReport(file=name, arch=arch, ok=ok, log=log)
+    report = FileReport(file=name, arch=arch, ok=ok, log=log, expressions=list(exprs))
     current = None
     for line in log.splitlines():
         if m := _FUNC.search(line):
@@ -101,7 +121,7 @@ def compile_file(name: str, arch: str) -> FileReport:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="*", help="kernel files (without .cu); default: all")
+    ap.add_argument("files", nargs="*", help="kernel files (without .cu) or paths to .cu files; default: all")
     ap.add_argument("-a", "--arch", action="append", help="target, e.g. sm_90 (repeatable)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every kernel's resources")
     args = ap.parse_args(argv)
@@ -111,19 +131,20 @@ def main(argv=None) -> int:
     n_kernels = 0
     for name in files:
         for arch in archs:
-            r = compile_file(name, arch)
+            r = compile_path(name, arch) if name.endswith(".cu") else compile_file(name, arch)
+            label = r.file
             if not r.ok:
                 failures += 1
-                print(f"FAIL {name}.cu [{arch}]: compile error\n{r.log}")
+                print(f"FAIL {label}.cu [{arch}]: compile error\n{r.log}")
                 continue
             spilled = [k for k in r.kernels if k.spills]
-            missing = set(loader.name_expressions(name)) - {k.expression for k in r.kernels}
+            missing = set(r.expressions) - {k.expression for k in r.kernels}
             n_kernels += len(r.kernels)
             status = "ok  "
             if spilled or missing:
                 failures += 1
                 status = "FAIL"
-            print(f"{status} {name}.cu [{arch}]: {len(r.kernels)} kernels")
+            print(f"{status} {label}.cu [{arch}]: {len(r.kernels)} kernels")
             for k in r.kernels:
                 flag = " SPILL" if k.spills else (" (stack frame)" if k.stack_bytes else "")
                 if args.verbose or k.spills or k.stack_bytes:

@@ -55,8 +55,8 @@ __device__ __forceinline__ int head_elements(const T* row, int V) {
 
 // exp: __expf (the hardware exp2 on x * log2(e)), ~2 ulp plus ~1 ulp per unit of |x|: a relative
 // error of ~1e-6 on terms that are summed (lse) or already far below 1 (the gradient), and a few
-// instructions instead of expf's ~10 -- at 4 TB/s and 2 bytes per bf16 logit, the arithmetic
-// budget per element is only ~15 instructions.
+// instructions instead of expf's range reduction -- at full bandwidth a 2-byte bf16 logit leaves
+// only a small arithmetic budget per element.
 
 // Add one value. -inf contributes nothing; NaN poisons s (and so the loss).
 __device__ __forceinline__ void online_add(float& m, float& s, float v) {
@@ -255,14 +255,15 @@ __global__ void __launch_bounds__(1024) cross_entropy_backward_fused(
 // ------------------------------------------------------------------------------------- fast
 //
 // Why a second fused forward. It reads N x V logits and writes 12 bytes per row, so it should run
-// at the read bandwidth; bf16 reached 85 % of copy where fp32 reached 95 %. A bf16 pack is 8 logits,
-// so per byte the bf16 kernel does twice the work, and cross_entropy_forward_fused spends it badly:
+// at the read bandwidth; with bf16 logits it falls further short of that than with fp32. A bf16
+// pack is 8 logits, so per byte the bf16 kernel does twice the work, and
+// cross_entropy_forward_fused spends it badly:
 // one 16-byte load in flight per thread (load, then 8 exps, then the next load), a branch per pack
 // for the rescale, __expf(v - m) as three instructions plus the conversion, the max and the add,
 // and the target logit read at the very end (a dependent global load after the block reduction
 // that every row waits for). This kernel:
 //  * loads UNROLL = 4 packs per thread before touching them (64 bytes in flight per thread instead
-//    of 16: the H200 needs ~30 KB in flight per SM to cover DRAM latency at full bandwidth);
+//    of 16: covering DRAM latency at full bandwidth takes tens of KB in flight per SM);
 //  * does one online-softmax step per group of 4 packs (32 bf16 logits): the group's max first,
 //    then a single rescale of the running sum and one exp per logit, no per-pack branch; the
 //    exps of each pack go to their own partial sum, so the dependent add chain is 8 long, not 32;
@@ -274,23 +275,17 @@ __global__ void __launch_bounds__(1024) cross_entropy_backward_fused(
 //  * leaves the target out: the row kernel computes lse only, and cross_entropy_loss_fast (one
 //    block, after it) looks up logits[i, target_i] for all rows at once and takes the mean. In a
 //    row block that lookup is two dependent DRAM round trips (target, then logit) that the whole
-//    block waits for; batched, they cost the GPU a few microseconds once;
+//    block waits for; batched, the round trips are paid once for all rows;
 //  * handles head and tail (the scalar elements before the first and after the last 16-byte
 //    pack: rows of an odd V start anywhere) as one more step: thread i < W takes head element i
 //    and tail element i, loaded before the sweep and added after it, no scalar loops.
 // One block of 256 threads per row (a GPT-2 row of 50257 bf16 logits: 6282 packs, ~25 per thread),
-// 48 registers (bf16): 5 blocks = 1280 threads per SM, 80 KB of loads in flight; blocks of other
-// rows keep the SM busy while one block reduces.
+// few enough registers for several blocks per SM: blocks of other rows keep the SM busy (and their
+// loads in flight) while one block reduces.
 
 #define CE_FAST_THREADS 256
 #define CE_FAST_UNROLL 4
 #define CE_LOG2E 1.4426950408889634f
-
-__device__ __forceinline__ float ce_ex2(float z) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
-    return r;
-}
 
 // The running sum's shift: the max, or 0 while the max is -inf (so that -inf - shift = -inf, exp 0).
 __device__ __forceinline__ float ce_shift(float m) { return m == -LLMGPU_INF ? 0.0f : m; }
@@ -298,7 +293,7 @@ __device__ __forceinline__ float ce_shift(float m) { return m == -LLMGPU_INF ? 0
 // Factor for the running sum when the shift moves from m to c (>= m): exp(m - c); exactly 1 when the
 // max did not change (most groups), 0 when m = -inf (the sum is 0 then, or NaN and stays NaN).
 __device__ __forceinline__ float ce_rescale(float m, float c) {
-    return m == c ? 1.0f : ce_ex2((m - c) * CE_LOG2E);
+    return m == c ? 1.0f : fast_exp2((m - c) * CE_LOG2E);
 }
 
 // Block per row (grid = N, 256 threads): lse[row] only. The loss needs logits[row, target], one
@@ -340,9 +335,9 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
         float acc[U];
 #pragma unroll
         for (int k = 0; k < U; ++k) {
-            acc[k] = ce_ex2((v[k][0] - c) * CE_LOG2E);
+            acc[k] = fast_exp2((v[k][0] - c) * CE_LOG2E);
 #pragma unroll
-            for (int i = 1; i < W; ++i) acc[k] += ce_ex2((v[k][i] - c) * CE_LOG2E);
+            for (int i = 1; i < W; ++i) acc[k] += fast_exp2((v[k][i] - c) * CE_LOG2E);
         }
         float group = acc[0];
 #pragma unroll
@@ -357,9 +352,9 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
 #pragma unroll
         for (int i = 0; i < W; ++i) gm = fmaxf(gm, v[i]);
         const float c = ce_shift(gm);
-        float acc = ce_ex2((v[0] - c) * CE_LOG2E);
+        float acc = fast_exp2((v[0] - c) * CE_LOG2E);
 #pragma unroll
-        for (int i = 1; i < W; ++i) acc += ce_ex2((v[i] - c) * CE_LOG2E);
+        for (int i = 1; i < W; ++i) acc += fast_exp2((v[i] - c) * CE_LOG2E);
         s = s * ce_rescale(m, c) + acc;
         m = gm;
     }
@@ -367,7 +362,7 @@ __global__ void __launch_bounds__(CE_FAST_THREADS) cross_entropy_forward_fast(co
         const float a = to_float(a_raw), b = to_float(b_raw);
         const float gm = fmaxf(m, fmaxf(a, b));
         const float c = ce_shift(gm);
-        s = s * ce_rescale(m, c) + (ce_ex2((a - c) * CE_LOG2E) + ce_ex2((b - c) * CE_LOG2E));
+        s = s * ce_rescale(m, c) + (fast_exp2((a - c) * CE_LOG2E) + fast_exp2((b - c) * CE_LOG2E));
         m = gm;
     }
 

@@ -13,10 +13,10 @@
 //                 per thread after the loop.
 // No tanh at all: 0.5 (1 + tanh(u)) = sigmoid(2u), so y = x * s with s = 1 / (1 + exp(-2u)), and
 // dy/dx = s + 2 x s (1 - s) u'. The tanh form computes 1 + t, which cancels for negative x and
-// leaves y with a large *relative* error where GELU is tiny (measured on the H200: 5e-5 in fp32
-// with a fast tanh); the sigmoid form has no such subtraction. expf, not __expf: the accurate
-// exponential costs a few instructions, and an fp32 element still takes longer to load than to
-// compute. At the extremes exp(-2u) = inf gives s = 0 and y = -0, exp(-2u) = 0 gives s = 1.
+// leaves y with a large *relative* error where GELU is tiny; the sigmoid form has no such
+// subtraction. expf, not __expf: the accurate exponential costs a few instructions, and an fp32
+// element still takes longer to load than to compute. At the extremes exp(-2u) = inf gives s = 0
+// and y = -0, exp(-2u) = 0 gives s = 1.
 //   gelu_*_fast   the same sigmoid form, rewritten for 16-bit storage, where that is no longer true
 //                 (see the block comment above gelu_forward_fast).
 #include "common.cuh"
@@ -101,15 +101,14 @@ __global__ void __launch_bounds__(256) gelu_backward(const T* __restrict__ dy, c
 // ------------------------------------------------------------------------------------------ fast
 //
 // Why bf16 needs another kernel. A 16-byte pack carries 4 fp32 but 8 bf16 elements, so per byte
-// moved the bf16 kernel does twice the arithmetic. At 4 TB/s an H200 SM must finish ~3.5 bf16
-// elements per clock in the forward (4 bytes each) and ~2.4 in the backward (6 bytes); it issues
-// 4 warp instructions (128 lanes) per clock. gelu_forward above spends ~29 instructions per element
-// (SASS): expf is ~8 (range reduction around one MUFU.EX2) and the IEEE division ~6 plus a branch
-// to a slow path, and that branch (BSSY/BSYNC per element) keeps the scheduler from interleaving
-// the 8 elements of a pack, so a warp computes for a long time between two loads and fewer bytes
-// are in flight. fp32 hides this (half the elements per byte); bf16 does not (74 % of copy vs 91 %).
+// moved the bf16 kernel does twice the arithmetic, and at full bandwidth an SM can issue only a few
+// instructions per bf16 element. gelu_forward above spends more: expf (a range reduction around one
+// MUFU.EX2) and the IEEE division with a branch to a slow path, and that branch (BSSY/BSYNC per
+// element) keeps the scheduler from interleaving the elements of a pack, so a warp computes for a
+// long time between two loads and fewer bytes are in flight. fp32 hides this (half the elements per
+// byte); bf16 does not.
 //
-// The fast form does the same math in ~10 instructions per element, without branches:
+// The fast form does the same math in a few instructions per element, without branches:
 //   z = -2u log2(e) = x (A + B x^2)                 A = -2 sqrt(2/pi) log2(e), B = 0.044715 A
 //   e = 2^z   (ex2.approx.ftz: one MUFU.EX2, ~2 ulp)
 //   s = 1 / (1 + e)   (rcp.approx.ftz: one MUFU.RCP, ~1 ulp)   y = x s
@@ -135,12 +134,6 @@ __global__ void __launch_bounds__(256) gelu_backward(const T* __restrict__ dy, c
 #define GELU_FAST_UNROLL 2
 #define GELU_FAST_THREADS 256
 
-__device__ __forceinline__ float gelu_ex2(float z) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(z));
-    return r;
-}
-
 __device__ __forceinline__ float gelu_rcp(float d) {
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -149,7 +142,7 @@ __device__ __forceinline__ float gelu_rcp(float d) {
 
 // s = sigmoid(2u) = 1 / (1 + e), e = 2^z = exp(-2u).
 __device__ __forceinline__ float gelu_fast_sigmoid(float x, float x2, float& e) {
-    e = gelu_ex2(x * fmaf(GELU_FAST_B, x2, GELU_FAST_A));
+    e = fast_exp2(x * fmaf(GELU_FAST_B, x2, GELU_FAST_A));
     const float d = 1.0f + e;
     return d == 1.0f ? 1.0f : gelu_rcp(d);  // no branch: a predicated MUFU.RCP in SASS
 }

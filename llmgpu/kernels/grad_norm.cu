@@ -20,26 +20,7 @@
 
 // llmgpu:kernel grad_norm_kernel<{float,__half,__nv_bfloat16}>
 
-#if defined(__HIP_PLATFORM_AMD__)
-#define LDCS(p) (*(p))
-#else
-#define LDCS(p) __ldcs(p)
-#endif
-
 __device__ __forceinline__ bool not_finite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
-
-__device__ __forceinline__ void load4(const float* p, float o[4]) {
-    float4 a = LDCS(reinterpret_cast<const float4*>(p));
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-}
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float o[4]) {
-    uint2 raw = LDCS(reinterpret_cast<const uint2*>(p));
-    T h[4];
-    *reinterpret_cast<uint2*>(h) = raw;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = to_float(h[k]);
-}
 
 __device__ __forceinline__ double warp_sum_d(double v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -70,7 +51,7 @@ __global__ void __launch_bounds__(256) grad_norm_kernel(
         for (int u = 0; u < 4; ++u) {
             const long long i = i0 + u * nthreads;
             if (i < n4) {
-                load4(x + 4 * i, e[u]);
+                load4_stream(x + 4 * i, e[u]);
             } else {
                 e[u][0] = e[u][1] = e[u][2] = e[u][3] = 0.0f;
             }

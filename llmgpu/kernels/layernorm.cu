@@ -59,8 +59,6 @@
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}>
 // llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0>
-// llmgpu:kernel layernorm_forward_fast<{__half,__nv_bfloat16}, {1,2,3,4}>
-// llmgpu:kernel layernorm_forward_fast<float, {1,2,3,4,6}>
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
 
@@ -435,15 +433,15 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 
 // ===================================================================================== "fast"
 //
-// Why the "optimized" backward above stops near 65 % of the copy bandwidth (H200, 65536 x 768 bf16)
-// and how layernorm_backward_fast is shaped instead:
+// Why the "optimized" backward above stops well short of the copy bandwidth and how
+// layernorm_backward_fast is shaped instead:
 //
 //  * Memory-level parallelism. A memory-bound kernel runs at full bandwidth only while enough bytes
-//    are in flight: by Little's law ~4.3 TB/s x ~1-2 us loaded DRAM latency = 4-8 MB over 132 SMs,
-//    30-65 KB of outstanding loads per SM. In layernorm_backward_warp each warp alternates phases:
-//    load the row -> two warp reductions -> load the row again (L1/L2) -> store dx -> next row. Only
-//    in the first phase does it have DRAM loads outstanding, so on average an SM holds far fewer
-//    bytes in flight than its warps could. Here each warp keeps its whole row in registers (dy and
+//    are in flight: by Little's law, bandwidth x loaded DRAM latency, tens of KB of outstanding loads
+//    per SM. In layernorm_backward_warp each warp alternates phases: load the row -> two warp
+//    reductions -> load the row again (L1/L2) -> store dx -> next row. Only in the first phase does
+//    it have DRAM loads outstanding, so on average an SM holds far fewer bytes in flight than its
+//    warps could. Here each warp keeps its whole row in registers (dy and
 //    x as raw 16-byte packs: 4 registers per pack, P packs per lane) and issues the loads of its
 //    NEXT row before it starts reducing the current one (software pipelining, two rows in flight per
 //    warp). While it shuffles, computes and stores row r, row r + 1 is already on its way.
@@ -457,7 +455,7 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 //    768 bf16), else 1 block (8 warps x 2 rows; bigger rows, same bytes in flight).
 //  * Every warp does the same number of rows: the host picks the grid so that the rows divide as
 //    evenly as the resident warps allow (no tail wave).
-//  * Streaming loads (__ldcs, evict-first) for dy, x and dresidual: each byte is used once.
+//  * Streaming loads (load_raw16_stream, evict-first) for dy, x and dresidual: each byte is used once.
 //  * Deterministic dgamma/dbeta without atomics: lane accumulators in row order, then the block's
 //    warps in order w = 0..7 (one round through shared memory: all warps store, every thread adds
 //    its columns over w in order), one [gridDim.x, 2, C] fp32 partial row per block, and
@@ -472,53 +470,11 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 // width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (1024 for
 // 16-bit, 768 for fp32: beyond that the accumulators alone would not fit in registers).
 //
-// Where the last 20 % go (H200, 65536 x 768 bf16, tools/probe_layernorm_backward.py): 90 us per call,
-// 79 % of the 2 GiB copy ceiling. Fitting the time over 1x, 2x and 4x the rows gives 13-15 us of fixed
-// cost per call and streaming at 92-93 % of the copy: the timing floor (~3.7 us for a one-element kernel
-// between two events), the second stage (~4 us with its launch), and the ramp-up and drain of the
-// persistent grid. A plain device copy of the same bytes reaches only 92-94 %. More bytes in flight
-// did not help; both of these were built, tested and measured on the H200, then removed:
-//   * rows staged in shared memory by cp.async, 2-4 stages per warp (up to 3 rows in flight): 89-93 us;
-//   * the next row prefetched into L2 (prefetch.global.L2) so that only one row lives in registers
-//     (64 registers, 32 warps per SM): 91 us one row ahead, 110 us two rows ahead (commit 7de4492);
-//   * the second stage folded into this kernel (the last blocks to arrive wait for the others and add
-//     the partial rows in a fixed order) and, for 16-bit, one block of all 24 warps per SM (one partial
-//     row per SM, 6x fewer): 89.3 us against 89.7 us with the second kernel (commit d43bbd4). This
-//     kernel alone, without any second stage, takes 86.2 us (82 %): the fixed cost is in the main
-//     kernel (first rows in, last rows out, the last row period only part-filled), not in the partials.
-
-#if defined(__HIPCC__)
-#define LN_LOAD_STREAM(p) (*(p))
-#else
-#define LN_LOAD_STREAM(p) __ldcs(p)  // ld.global.cs: evict-first, the data is not reused
-#endif
-
-// One 16-byte pack, loaded with a streaming load, kept raw (4 registers whatever T is).
-template <typename T>
-__device__ __forceinline__ Packed<T, 16 / (int)sizeof(T)> ln_load_stream(const T* p) {
-    Packed<T, 16 / (int)sizeof(T)> r;
-    *reinterpret_cast<uint4*>(&r) = LN_LOAD_STREAM(reinterpret_cast<const uint4*>(p));
-    return r;
-}
-
-// Element k of a raw pack as fp32. For bf16 the float is the 16 bits moved to the top of a 32-bit
-// word: one shift or mask on the word that holds the pair (sm_90's cvt.f32.bf16 path first unpacks
-// 16-bit halves into registers of their own, which costs the registers this kernel is short of).
-template <typename T, int W>
-__device__ __forceinline__ float ln_elem(const Packed<T, W>& p, int k) {
-    return to_float(p.v[k]);
-}
-template <>
-__device__ __forceinline__ float ln_elem<__nv_bfloat16, 8>(const Packed<__nv_bfloat16, 8>& p, int k) {
-    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
-    return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
-}
-
-template <>
-__device__ __forceinline__ float ln_elem<__half, 8>(const Packed<__half, 8>& p, int k) {
-    const unsigned w = reinterpret_cast<const unsigned*>(&p)[k >> 1];
-    return __half2float(__ushort_as_half((unsigned short)((k & 1) ? (w >> 16) : (w & 0xffffu))));
-}
+// What is left between this kernel and a copy of the same bytes is a fixed cost per call (the first
+// rows in and the last rows out of the persistent grid, the second stage), not too few bytes in
+// flight: deeper pipelines (rows staged in shared memory by cp.async, the next row prefetched into
+// L2) and the second stage folded into this kernel were built and were not faster, so the kernel
+// keeps two rows in registers and a separate second stage (dev/cuda/README.md has the history).
 
 template <typename T>
 struct IsBf16 {
@@ -546,9 +502,9 @@ __device__ __forceinline__ void ln_load_row(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         if (lane + 32 * p < nvec) {
-            d[p] = ln_load_stream(dy + off + 32 * W * p);
-            xs[p] = ln_load_stream(x + off + 32 * W * p);
-            if constexpr (RES) r[p] = ln_load_stream(dres + off + 32 * W * p);
+            d[p] = load_raw16_stream(dy + off + 32 * W * p);
+            xs[p] = load_raw16_stream(x + off + 32 * W * p);
+            if constexpr (RES) r[p] = load_raw16_stream(dres + off + 32 * W * p);
         }
     }
     m = mean[row];
@@ -591,8 +547,7 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
     const float inv_c = 1.0f / (float)C;
 
-    // The first row's loads go out before the gamma table is built: they do not need it. (Measured on the
-    // H200 this changes nothing, 90.0 us either way: the table is built within the loads' latency.)
+    // The first row's loads go out before the gamma table is built: they do not need it.
     const int nw = gridDim.x * wpb;
     int row = blockIdx.x * wpb + warp;
     Pack cd[P], cx[P], cr[P];  // the current row: dy, x, dresidual
@@ -647,8 +602,8 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
-                        const float d = ln_elem(cd[p], k);
-                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
+                        const float d = pack_elem(cd[p], k);
+                        const float xh = (pack_elem(cx[p], k) - cm) * cs;
                         const float g = d * ga[e];
                         sum_g += g;
                         sum_gx += g * xh;
@@ -688,9 +643,9 @@ __global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPl
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
-                        const float xh = (ln_elem(cx[p], k) - cm) * cs;
-                        float v = cs * (ln_elem(cd[p], k) * ga[e] - mg - xh * mgx);
-                        if constexpr (RES) v += ln_elem(cr[p], k);
+                        const float xh = (pack_elem(cx[p], k) - cm) * cs;
+                        float v = cs * (pack_elem(cd[p], k) * ga[e] - mg - xh * mgx);
+                        if constexpr (RES) v += pack_elem(cr[p], k);
                         o.v[k] = from_float<T>(v);
                     }
                 }
@@ -791,90 +746,6 @@ __global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float*
     if (tx == 0 && c < 2 * C) {
         TO* dst = c < C ? dgamma + c : dbeta + (c - C);
         *dst = from_float<TO>(ACC ? to_float(*dst) + r : r);
-    }
-}
-
-// Forward written for bandwidth, the counterpart of layernorm_backward_fast: one warp per row, rows
-// gw, gw + nw, ... (gw = global warp id, nw = warps in the grid, the host sizes the grid to the resident
-// warps), the row held as raw 16-byte packs (4 registers each, whatever T is: half the registers of
-// keeping it as fp32 for 16-bit types), converted on use, and the NEXT row's loads issued before the
-// current row is reduced (two rows in flight per warp). The statistics come from the registers in
-// two passes (mean, then sum of (x - mean)^2: no cancellation), as in layernorm_forward_warp; x is
-// read from DRAM once. gamma/beta are re-read per row through L1 (3 KB, always resident).
-// y may be x itself (out=x): each element is loaded by the lane that later stores it, before the store.
-template <typename T, int P>
-__global__ void __launch_bounds__(256) layernorm_forward_fast(const T* x, const T* __restrict__ gamma,
-                                                              const T* __restrict__ beta, T* y,
-                                                              float* __restrict__ mean, float* __restrict__ rstd,
-                                                              int N, int C, float eps) {
-    constexpr int W = 16 / (int)sizeof(T);
-    using Pack = Packed<T, W>;
-    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
-    const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
-    const float inv_c = 1.0f / (float)C;
-    const int nw = gridDim.x * wpb;
-    int row = blockIdx.x * wpb + (threadIdx.x >> 5);
-
-    Pack cx[P];
-    if (row < N) {
-        const long long off = (long long)row * C + lane * W;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) cx[p] = ln_load_stream(x + off + 32 * W * p);
-        }
-    }
-    for (; row < N; row += nw) {
-        const int nxt = row + nw;
-        Pack nx[P];
-        if (nxt < N) {
-            const long long off = (long long)nxt * C + lane * W;
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                if (lane + 32 * p < nvec) nx[p] = ln_load_stream(x + off + 32 * W * p);
-            }
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) {
-#pragma unroll
-                for (int k = 0; k < W; ++k) sum += ln_elem(cx[p], k);
-            }
-        }
-        const float m = warp_sum(sum) * inv_c;
-        float ss = 0.0f;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) {
-#pragma unroll
-                for (int k = 0; k < W; ++k) {
-                    const float d = ln_elem(cx[p], k) - m;
-                    ss += d * d;
-                }
-            }
-        }
-        const float r = rsqrtf(warp_sum(ss) * inv_c + eps);
-        T* yr = y + (long long)row * C + lane * W;
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            const int j = lane + 32 * p;
-            if (j < nvec) {
-                const Pack g = *reinterpret_cast<const Pack*>(gamma + j * W);
-                const Pack b = *reinterpret_cast<const Pack*>(beta + j * W);
-                Pack o;
-#pragma unroll
-                for (int k = 0; k < W; ++k) {
-                    o.v[k] = from_float<T>((ln_elem(cx[p], k) - m) * r * ln_elem(g, k) + ln_elem(b, k));
-                }
-                *reinterpret_cast<Pack*>(yr + 32 * W * p) = o;
-            }
-        }
-        if (lane == 0) {
-            mean[row] = m;
-            rstd[row] = r;
-        }
-#pragma unroll
-        for (int p = 0; p < P; ++p) cx[p] = nx[p];
     }
 }
 

@@ -64,11 +64,17 @@ def _expand(expr: str) -> list[str]:
     return out
 
 
+def expressions_in(text: str) -> list[str]:
+    """The kernel instantiations a CUDA source declares with ``// llmgpu:kernel`` lines, expanded."""
+    exprs = []
+    for line in _DIRECTIVE.findall(text):
+        exprs += _expand(line)
+    return exprs
+
+
 def name_expressions(name: str) -> list[str]:
     """The kernel instantiations that ``<name>.cu`` declares with ``// llmgpu:kernel`` lines."""
-    exprs = []
-    for line in _DIRECTIVE.findall(source(name)):
-        exprs += _expand(line)
+    exprs = expressions_in(source(name))
     if not exprs:
         raise ValueError(f"{name}.cu declares no kernels (add '// llmgpu:kernel <expr>' lines)")
     return exprs

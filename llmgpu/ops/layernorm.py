@@ -23,8 +23,7 @@ multiply away, instead of two fresh reductions per row::
   memory, optional ``dresidual`` added into dx and ``accumulate_params`` added into fp32 gradient
   buffers in the same kernels; deterministic too. Rows it cannot take (C not a multiple of 8 for
   fp16/bf16 or 4 for fp32, unaligned pointers, C above 1024 (16-bit) or 768 (fp32)) run the
-  "optimized" kernels. Its forward (same row limits) holds the row as raw 16-byte packs in
-  registers with the next row's loads in flight, on a grid of exactly the resident warps.
+  "optimized" kernels. Its forward is the "optimized" one.
 
 ``add_layernorm_forward(a, b, gamma, beta)`` fuses the residual add in front of the forward (the
 transformer's ``x = x + attn(...)`` followed by ``ln_2(x)``): one pass that writes both the new
@@ -70,7 +69,6 @@ _FAST_WARPS = 8
 # <= 80 registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM);
 # accumulators="registers" times the other variant. fp32 has the register variant only.
 _FAST_SACC_WARPS = 4
-_FWD_FAST_WARPS = 8
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
 _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 
@@ -194,8 +192,8 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
     ``x [..., C]`` (at least 2-D), ``gamma [C]``, ``beta [C]`` of one dtype. ``y`` has x's shape and
     dtype (written into ``out`` when given); ``mean`` and ``rstd`` are fp32 shaped ``x.shape[:-1]``
-    (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward: the
-    ``layernorm_forward_fast`` kernel (``_FAST_FORWARD_KERNEL = True``) measured slower on the H200.
+    (float64 on the NumPy path for float64 input). ``method="fast"`` runs the "optimized" forward (a
+    forward shaped like the fast backward did not beat it: dev/cuda/layernorm_forward_fast.py).
     """
     check_method("layernorm_forward", method, METHODS)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
@@ -227,8 +225,6 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
         get_kernel("layernorm", "layernorm_forward_naive", x.dtype)((-(-n_rows // threads),), (threads,), args)
         return out, mean, rstd
 
-    if method == "fast" and _FAST_FORWARD_KERNEL and _forward_fast(args, x, gamma, beta, out, n_rows, c, xp):
-        return out, mean, rstd
     vec, packs = _vector_plan(c, x.dtype, (x, gamma, beta, out))
     wpb = _FWD_WARPS
     smem = 0
@@ -390,24 +386,6 @@ def _persistent_plan(key, kern, threads, smem, n_rows, xp):
     if plan is None:
         plan = _PLANS[full] = (persistent_grid(kern, n_rows, threads, smem, xp), threads, smem)
     return plan
-
-
-# layernorm_forward_fast (packed rows, two in flight per warp) measured 77 % (bf16) / 85 % (fp32) of the
-# copy on the H200 at [65536, 768], against 87 % / 93 % for layernorm_forward_warp: kept, tested, off.
-_FAST_FORWARD_KERNEL = False
-
-
-def _forward_fast(args, x, gamma, beta, out, n_rows, c, xp):
-    """Launch layernorm_forward_fast; False if the rows do not fit it."""
-    packs = _fast_packs(c, x.dtype, (x, gamma, beta, out))
-    if packs is None:
-        return False
-    kern = get_kernel("layernorm", "layernorm_forward_fast", x.dtype, packs)
-    blocks, threads, _ = _persistent_plan(("fwd", x.dtype, packs), kern, 32 * _FWD_FAST_WARPS, 0, n_rows, xp)
-    if n_rows + blocks * _FWD_FAST_WARPS >= 2**31:  # the kernel's row indices are 32-bit
-        return False
-    kern((blocks,), (threads,), args)
-    return True
 
 
 def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
