@@ -31,6 +31,10 @@ residual stream ``s = a + b`` (rounded to the storage dtype) and ``y = LayerNorm
 
 Storage dtypes fp32, fp16, bf16 (x, gamma, beta, dy share one dtype); all arithmetic is fp32. The
 NumPy reference computes in fp32 (float64 for float64 input, used by the finite-difference checks).
+
+This module is long because it holds the three backward variants chapter 3 compares (naive → optimized →
+fast), the fused residual forms chapter 8 uses, their launch plans and one NumPy reference for all of them:
+splitting it would separate each kernel's launcher from the variants it is measured against.
 """
 
 from __future__ import annotations

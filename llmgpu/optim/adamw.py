@@ -39,6 +39,15 @@ def _is_device_scalar(x) -> bool:
     return backend.is_gpu_array(x) or isinstance(x, np.ndarray)
 
 
+def _check_step_scalars(lr, grad_scale, found_inf, xp):
+    """lr and grad_scale may be floats or 0-d fp32 device arrays; found_inf is a 0-d fp32 device flag."""
+    for name, val in (("lr", lr), ("grad_scale", grad_scale)):
+        if _is_device_scalar(val):
+            _check_scalar_array(name, val, xp)
+    if found_inf is not None:
+        _check_scalar_array("found_inf", found_inf, xp)
+
+
 def _check_scalar_array(name, x, xp, dtype=_F32):
     """A 0-d (or 1-element) array used as a device scalar: right backend, right dtype."""
     if backend.get_array_module(x) is not xp:
@@ -105,11 +114,7 @@ def adamw_update(param, grad, m, v, *, step, lr, beta1=0.9, beta2=0.95, eps=1e-8
         _check_scalar_array("step", step, xp, np.int32)
     elif int(step) < 1:
         raise ValueError(f"step is 1-based (the number of this update), got {step}")
-    for name, val in (("lr", lr), ("grad_scale", grad_scale)):
-        if _is_device_scalar(val):
-            _check_scalar_array(name, val, xp)
-    if found_inf is not None:
-        _check_scalar_array("found_inf", found_inf, xp)
+    _check_step_scalars(lr, grad_scale, found_inf, xp)
 
     if xp is np:
         if found_inf is not None and _host_value(found_inf) != 0.0:
@@ -221,11 +226,7 @@ class AdamW:
     def step(self, lr=None, grad_scale=1.0, found_inf=None, zero_grad=False):
         P, xp = self.params, self.xp
         lr = self.lr if lr is None else lr
-        for name, val in (("lr", lr), ("grad_scale", grad_scale)):
-            if _is_device_scalar(val):
-                _check_scalar_array(name, val, xp)
-        if found_inf is not None:
-            _check_scalar_array("found_inf", found_inf, xp)
+        _check_step_scalars(lr, grad_scale, found_inf, xp)
         if xp is np:
             return self._step_numpy(lr, grad_scale, found_inf, zero_grad)
         if self.per_tensor:
