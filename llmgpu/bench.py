@@ -39,7 +39,7 @@ from .perf import timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import import_torch, run_torch
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
-from .train.step import TrainStep
+from .train.step import EAGER_WARMUP, TrainStep
 
 MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile")
 DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile")  # on the CPU: llmgpu-fast
@@ -122,7 +122,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
                                  seed=seed, fast=fast, graph=graph)
     static_bytes = int(pool.used_bytes()) if gpu else None
     t0 = time.perf_counter()
-    for _ in range(max(warmup, 2 if graph else 0)):  # graph: eager warm-up, then the capture
+    for _ in range(max(warmup, EAGER_WARMUP + 1 if graph else 0)):  # graph: the eager warm-up, then the capture
         run()
     if gpu:
         xp.cuda.Device().synchronize()
