@@ -38,7 +38,6 @@ from ..optim import AdamW, GradClipper
 from ..perf.graphs import capture
 from .config import TrainConfig
 
-
 # Eager steps before the capture. With one, the H200 graph step of GPT-2 124M at B=64 held 1.8 GiB more:
 # memory still referenced after a first call is only released by the second.
 EAGER_WARMUP = 2
