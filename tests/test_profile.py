@@ -6,7 +6,7 @@ import pytest
 
 from llmgpu import backend, instrument, plotting
 from llmgpu.kernels.launch import SMLimits
-from llmgpu.perf import graphs, profile
+from llmgpu.perf import graphs, occupancy, profile
 from llmgpu.perf.occupancy import theoretical_occupancy
 from llmgpu.perf.profile import summarize
 
@@ -191,13 +191,13 @@ def test_gpu_occupancy_api_agrees_with_formula(cp):
 
     ks = {"vector_add<float>": get_kernel("vector_add", "vector_add", np.float32),
           "gelu_forward<bf16,vec>": get_kernel("gelu", "gelu_forward", backend.bfloat16, 1)}
-    rows = profile.occupancy_table(ks, block={"vector_add<float>": 256, "gelu_forward<bf16,vec>": 256})
+    rows = occupancy.occupancy_table(ks, block={"vector_add<float>": 256, "gelu_forward<bf16,vec>": 256})
     for r in rows:
         assert r["regs"] > 0 and r["max_threads_per_block"] >= 256 and r["local_bytes"] == 0
         assert r["blocks_per_sm"] >= 1
         if r["blocks_per_sm_api"] is not None:
             assert r["blocks_per_sm"] == r["blocks_per_sm_api"], r
-    assert "vector_add<float>" in profile.format_occupancy_table(rows)
+    assert "vector_add<float>" in occupancy.format_occupancy_table(rows)
 
 
 @pytest.mark.gpu

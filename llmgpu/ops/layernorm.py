@@ -404,7 +404,7 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
 def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
     """``backward_fast_plan`` with ``accumulators`` (None, "registers", "shared") as in layernorm_backward."""
     xp = backend.default_xp() if xp is None else xp
-    dtype = np.dtype(dtype)
+    dtype = backend.resolve_dtype(dtype)
     packs = _fast_packs(c, dtype, ())
     if packs is None:
         return None
