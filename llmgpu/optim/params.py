@@ -50,37 +50,6 @@ def _align(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
-def gpt2_param_shapes(n_layer: int = 12, n_embd: int = 768, vocab: int = 50257, block_size: int = 1024,
-                      bias: bool = True) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of GPT-2 in nanoGPT's naming and (PyTorch ``nn.Linear``) layout.
-
-    ``lm_head.weight`` is tied to ``transformer.wte.weight`` and therefore not listed. With the
-    defaults this is GPT-2 small: 124,439,808 parameters in 148 tensors.
-    """
-    C = n_embd
-    shapes: dict[str, tuple[int, ...]] = {
-        "transformer.wte.weight": (vocab, C),
-        "transformer.wpe.weight": (block_size, C),
-    }
-    for i in range(n_layer):
-        p = f"transformer.h.{i}."
-        block = [
-            ("ln_1.weight", (C,)), ("ln_1.bias", (C,)),
-            ("attn.c_attn.weight", (3 * C, C)), ("attn.c_attn.bias", (3 * C,)),
-            ("attn.c_proj.weight", (C, C)), ("attn.c_proj.bias", (C,)),
-            ("ln_2.weight", (C,)), ("ln_2.bias", (C,)),
-            ("mlp.c_fc.weight", (4 * C, C)), ("mlp.c_fc.bias", (4 * C,)),
-            ("mlp.c_proj.weight", (C, 4 * C)), ("mlp.c_proj.bias", (C,)),
-        ]  # fmt: skip
-        for n, s in block:
-            if bias or not n.endswith(".bias"):
-                shapes[p + n] = s
-    shapes["transformer.ln_f.weight"] = (C,)
-    if bias:
-        shapes["transformer.ln_f.bias"] = (C,)
-    return shapes
-
-
 class FlatParams:
     """One contiguous buffer each for master weights, gradients, AdamW moments and the working copy.
 

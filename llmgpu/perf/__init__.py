@@ -7,6 +7,7 @@
 * ``fusion``: the chapter 8 fusions, separate vs fused, checked and timed.
 * ``sweeps``: the chapters' kernel and model sweeps (GEMM variants, linear layer, attention stages, checkpointing).
 
-Submodules are imported on their own (``from llmgpu.perf import timing``): ``timing`` sits low (ops' and
-kernels' neighbours use it), ``sweeps`` and ``fusion`` sit above the model.
+Submodules are imported on their own (``from llmgpu.perf import timing``). The package sits above the
+model (``sweeps`` and ``fusion`` measure it); nothing below it imports it, so the model and the ops
+carry no measurement code (they only call the ``llmgpu.instrument`` hooks).
 """
