@@ -90,6 +90,20 @@ class GPTBase:
         d[WTE][cfg.vocab_size:] = 0.0
         P.load_dict(d)
 
+    def capture_blocker(self) -> str | None:
+        """Why this model's training step cannot be captured into a CUDA graph, or None when it can.
+        The book model (``GPT``) cannot: its GEMMs are CuPy/cuBLAS calls, which refuse stream capture."""
+        if self.xp is np:
+            return "CUDA graphs need the GPU (CuPy) backend; this model runs on NumPy"
+        return (f"{type(self).__name__} runs its GEMMs through CuPy's cuBLAS, which refuses stream capture; "
+                "use FastGPT in bf16/fp16 for a graph step, or graph=False")
+
+    def check_capturable(self):
+        """Raise ValueError saying why, unless the training step can be captured as a CUDA graph."""
+        why = self.capture_blocker()
+        if why:
+            raise ValueError(f"cannot capture the training step as a CUDA graph: {why}")
+
     def state_dict(self, unpadded: bool = False) -> dict:
         """nanoGPT names and PyTorch layouts (``nn.Linear`` weights ``[out, in]``), fp32 copies on the backend.
 
