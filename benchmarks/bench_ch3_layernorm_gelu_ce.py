@@ -198,6 +198,8 @@ def _ce_cases(xp, rng, sz, dt, reps, slow):
     shape = f"{n}x{v}"
     cases = []
     for m in ce.METHODS:  # "fast" shares the fused backward: its bwd row re-measures that kernel
+        if m == "naive" and backend.resolve_dtype(dt) == backend.float16:
+            continue  # the naive path refuses fp16 (its stored probabilities underflow)
         r = slow if m == "naive" else reps
         _, cache = ce.cross_entropy_forward(logits, t, method=m)
         cases.append(("cross_entropy", "fwd", m, shape, lambda m=m: ce.cross_entropy_forward(logits, t, method=m),

@@ -76,11 +76,16 @@ def gpu_available() -> bool:
     return gpu_unavailable_reason() is None
 
 
+class DeviceSettingError(ValueError):
+    """LLMGPU_DEVICE holds something other than cpu, gpu or auto (the CLI prints it as one line)."""
+
+
 def requested_device() -> str:
-    """'cpu', 'gpu' or 'auto', from LLMGPU_DEVICE."""
+    """'cpu', 'gpu' or 'auto', from LLMGPU_DEVICE (unset or empty: 'auto'); DeviceSettingError otherwise."""
     value = os.environ.get("LLMGPU_DEVICE", "auto").strip().lower() or "auto"
     if value not in ("cpu", "gpu", "auto"):
-        raise ValueError(f"LLMGPU_DEVICE must be 'cpu', 'gpu' or 'auto', not {value!r}")
+        raise DeviceSettingError(f"the environment variable LLMGPU_DEVICE must be 'cpu', 'gpu' or 'auto' "
+                                 f"(or unset), not {os.environ.get('LLMGPU_DEVICE')!r}")
     return value
 
 

@@ -215,6 +215,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def cpu_note(device: str = "auto") -> str:
+    """The line a CPU run starts with: its figures say nothing about the GPU the benchmark is for."""
+    why = "--device cpu" if device == "cpu" else (backend.gpu_unavailable_reason() or "LLMGPU_DEVICE=cpu")
+    why = why.split(" (")[0]  # the short reason; `llmgpu info` prints the whole one
+    return (f"note: no GPU in use ({why}). These figures are NumPy on the CPU, a smoke test only: "
+            "the benchmark's numbers (ms/step, tokens/s, MFU, llmgpu vs PyTorch) need a GPU")
+
+
 def _defaults(a, gpu):
     d = BENCH_DEFAULTS["gpu" if gpu else "cpu"]
     return {k: (getattr(a, k, None) if getattr(a, k, None) is not None else v) for k, v in d.items()}
@@ -239,6 +247,9 @@ def bench_main(args) -> int:
     cfg = GPTConfig.preset(o["preset"], **overrides)
     cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 0) or 0))
     seed = int(getattr(args, "seed", 0) or 0)
+    note = None if gpu else cpu_note(getattr(args, "device", "auto"))
+    if note:
+        print(note)
     print(f"device: {backend.device_info(xp).summary()}")
     print(f"model: {o['preset']} (L={cfg.n_layer}, H={cfg.n_head}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
@@ -295,7 +306,8 @@ def bench_main(args) -> int:
         print(f"llmgpu ({ours['mode']}) / torch.compile tokens/s: {ratio:.3f}")
     out = getattr(args, "json", None) or ("bench.json" if gpu else None)
     if out:
-        payload = {"benchmark": "llmgpu bench", "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
+        payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note,
+                   "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
                    "seq": o["seq"], "dtype": o["dtype"], "steps": o["steps"], "warmup": o["warmup"],
                    "gemm_ceiling_tflops": ceiling, "gemm_ceiling": ceiling_src, "flops_per_token": fpt,
                    "mfu_definition": MFU_DEFINITION,

@@ -48,6 +48,27 @@ def check_array(name, a, *, ndim=None, shape=None, dtype=None, dtypes=FLOAT_DTYP
     return a
 
 
+def check_float(name, value, *, low=None, high=None, low_open=False, high_open=False, where=None):
+    """``value`` must be a finite real number (a bool or a string is a TypeError) within ``[low, high]``
+    (``low_open``/``high_open``: that end excluded); returns it as a float. NaN fails every range, so
+    a NaN learning rate is refused here instead of turning every weight into NaN."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{prefix}{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    ok = np.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        rng = " and ".join(x for x in (lo, hi) if x)
+        raise ValueError(f"{prefix}{name} must be finite" + (f" and {rng}" if rng else "") + f", got {value!r}")
+    return v
+
+
 def check_choice(name, value, choices, *, where=None):
     """``value`` must be one of ``choices``; ``where`` (an op's name) starts the message."""
     if value not in choices:

@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, DataError, CheckpointError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except backend.GPUUnavailableError as e:
+    except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except MemoryError as e:

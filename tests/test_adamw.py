@@ -348,3 +348,53 @@ def test_bad_inputs_gpu(cp):
         adamw_update(p, cp.ones_like(p), cp.zeros_like(p), cp.zeros_like(p), step=1, lr=np.array(1e-3, np.float32))
     with pytest.raises(ValueError, match="param"):
         adamw_update(p.T, cp.ones_like(p.T), cp.zeros_like(p.T), cp.zeros_like(p.T), step=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", ["lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"])
+def test_non_finite_hyperparameters_refused(name, bad):
+    """A NaN/inf float argument would turn every weight into NaN without a word: a ValueError naming it."""
+    p = np.ones((4, 3), np.float32)
+    g, m, v = np.ones_like(p), np.zeros_like(p), np.zeros_like(p)
+    kw = {"lr": 1e-3, name: bad}
+    with pytest.raises(ValueError, match=name):
+        adamw_update(p, g, m, v, step=1, **kw)
+    assert np.all(p == 1.0) and np.all(m == 0.0)  # nothing was touched
+    P = FlatParams({"w": (3, 3)}, xp=np)
+    ctor = {"beta1": {"betas": (bad, 0.95)}, "beta2": {"betas": (0.9, bad)}}.get(name, {name: bad})
+    if name == "grad_scale":
+        with pytest.raises(ValueError, match=name):
+            AdamW(P).step(grad_scale=bad)
+    else:
+        with pytest.raises(ValueError, match=name):
+            AdamW(P, **ctor)
+        if name == "lr":
+            with pytest.raises(ValueError, match="lr"):
+                AdamW(P).step(lr=bad)
+
+
+@pytest.mark.parametrize("name, value", [("lr", -1e-3), ("eps", 0.0), ("weight_decay", -0.1), ("grad_scale", -1.0),
+                                         ("beta1", 1.0), ("beta2", -0.1)])
+def test_out_of_range_hyperparameters_refused(name, value):
+    p = np.ones((4, 3), np.float32)
+    g, m, v = np.ones_like(p), np.zeros_like(p), np.zeros_like(p)
+    with pytest.raises(ValueError, match=name):
+        adamw_update(p, g, m, v, step=1, **{"lr": 1e-3, name: value})
+
+
+def test_hyperparameter_types_refused():
+    p = np.ones((4, 3), np.float32)
+    g, m, v = np.ones_like(p), np.zeros_like(p), np.zeros_like(p)
+    with pytest.raises(TypeError, match="lr"):
+        adamw_update(p, g, m, v, step=1, lr="1e-3")
+    with pytest.raises(TypeError, match="eps"):
+        adamw_update(p, g, m, v, step=1, lr=1e-3, eps=True)
+
+
+def test_load_state_dict_refuses_nan_hyperparameters():
+    P = FlatParams({"w": (3, 3)}, xp=np)
+    opt = AdamW(P)
+    sd = opt.state_dict()
+    sd["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr"):
+        AdamW(P).load_state_dict(sd)

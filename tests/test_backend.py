@@ -103,3 +103,13 @@ def test_bfloat16_on_gpu_roundtrip(cp, rng):
     x = rng.standard_normal(1000).astype(backend.bfloat16)
     y = backend.to_numpy(backend.to_device(x, cp))
     assert y.dtype == backend.bfloat16 and np.array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+@pytest.mark.parametrize("value", ["banana", "cuda", "1"])
+def test_bad_device_value_names_variable_and_choices(monkeypatch, value):
+    monkeypatch.setenv("LLMGPU_DEVICE", value)
+    with pytest.raises(backend.DeviceSettingError, match=r"LLMGPU_DEVICE must be 'cpu', 'gpu' or 'auto'") as e:
+        backend.requested_device()
+    assert isinstance(e.value, ValueError) and repr(value) in str(e.value)
+    with pytest.raises(ValueError, match="LLMGPU_DEVICE"):
+        backend.select_xp("auto")

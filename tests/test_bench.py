@@ -99,7 +99,10 @@ def test_bench_main_quick_run_writes_json(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "FLOPs per token" in text and "llmgpu" in text and f"wrote {out}" in text
+    first = text.splitlines()[0]
+    assert first.startswith("note: no GPU") and "need a GPU" in first  # a CPU run says so, first
     data = json.loads(out.read_text())
+    assert data["gpu"] is False and "need a GPU" in data["note"]
     assert data["benchmark"] == "llmgpu bench" and data["batch"] == 2 and data["seq"] == 16
     assert "6·N" in data["mfu_definition"] and data["gemm_ceiling_tflops"] > 0 and "NumPy" in data["gemm_ceiling"]
     modes = [r["mode"] for r in data["results"]]

@@ -90,3 +90,10 @@ def test_module_entry_point_error_is_one_line():
                        timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["llmgpu: error: --steps must be >= 1, got 0"]
+
+
+@pytest.mark.parametrize("argv", [["info"], ["train", "--steps", "1", "--no-progress"], ["bench", "--steps", "1"]])
+def test_bad_llmgpu_device_is_one_line_exit_2(monkeypatch, capsys, argv):
+    """LLMGPU_DEVICE=banana: one 'llmgpu: error:' line naming the variable and exit code 2, no traceback."""
+    monkeypatch.setenv("LLMGPU_DEVICE", "banana")
+    _one_error_line(capsys, main(argv), "LLMGPU_DEVICE", "'banana'")

@@ -12,6 +12,7 @@ from llmgpu.ops.cross_entropy import (
     cross_entropy_backward,
     cross_entropy_forward,
 )
+from llmgpu.ops.softmax import softmax_forward
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array, rel_error
 
 pytestmark = pytest.mark.ch3
@@ -264,3 +265,37 @@ def test_gpu_bad_inputs(cp, rng, method):
     with pytest.raises(ValueError, match="out"):
         cross_entropy_backward(cache, out=cp.empty((4, 7), cp.float32))
     assert rel_error(cross_entropy_backward(cache, np.float32(2.0)), 2 * cross_entropy_backward(cache)) < 1e-6
+
+
+def test_naive_refuses_fp16_whose_stored_probabilities_underflow(rng):
+    """What the naive path would store in fp16 at GPT-2's vocabulary: the target probabilities of
+    unlikely tokens flush to 0 (-log 0 = inf); the fused path's lse - x_t stays finite. So the naive
+    path refuses fp16, on NumPy as on the GPU."""
+    n, v = 64, 50257
+    logits = random_array(rng, (n, v), "fp32", scale=2.0)
+    t = logits.argmin(axis=1).astype(np.int64)  # an unlikely token per row: p_t ~ 1e-9
+    p_t = softmax_forward(logits)[np.arange(n), t]
+    assert np.all(p_t > 0) and np.all(p_t.astype(np.float16) == 0)
+    l16 = logits.astype(np.float16)
+    loss, _ = cross_entropy_forward(l16, t, method="fast")
+    assert np.isfinite(float(loss))
+    with pytest.raises(TypeError, match="method='naive'.*fp16"):
+        cross_entropy_forward(l16, t, method="naive")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_fp16_realistic_size(cp, rng, method):
+    """fp16 logits at 1000 x 50257: the fused methods give the reference's finite loss; naive refuses."""
+    n, v = 1000, 50257
+    logits = random_array(rng, (n, v), "fp16", scale=2.0)
+    t = _targets(rng, n, v)
+    if method == "naive":
+        with pytest.raises(TypeError, match="fp16"):
+            cross_entropy_forward(cp.asarray(logits), cp.asarray(t), method=method)
+        return
+    ref_loss, _ = cross_entropy_forward(logits, t)
+    loss, cache = cross_entropy_forward(cp.asarray(logits), cp.asarray(t), method=method)
+    assert np.isfinite(float(loss))
+    assert_close(loss, ref_loss, rtol=1e-5)
+    assert np.isfinite(backend.to_numpy(cross_entropy_backward(cache)).astype(np.float32)).all()

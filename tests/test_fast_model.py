@@ -213,3 +213,46 @@ def test_resume_keeps_the_runs_fast_choice_and_falls_back_where_it_cannot_run(tm
     assert "resuming with the book step" in capsys.readouterr().err
     t.run()
     assert t.step == 4
+
+
+# --------------------------------------------------------------------------- CUDA-graph capture: refused up front
+
+
+def test_check_capturable_numpy():
+    from llmgpu.train import TrainStep
+
+    for cls in (GPT, FastGPT):
+        m = cls(CFG, dtype="fp32", xp=np)
+        with pytest.raises(ValueError, match="NumPy"):
+            m.check_capturable()
+    with pytest.raises(ValueError, match="GPU"):
+        TrainStep(FastGPT(CFG, dtype="fp32", xp=np), graph=True)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_step_of_fp32_fast_model_refused_at_construction(cp):
+    """FastGPT in fp32 falls back to chapter 2's attention (CuPy's cuBLAS refuses capture): TrainStep(graph=True)
+    says so when it is built, instead of failing inside the capture."""
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(CFG, dtype="fp32", xp=cp)
+    assert m.capture_blocker() is not None
+    with pytest.raises(ValueError, match=r"fp32.*(bf16|fp16)"):
+        m.check_capturable()
+    with pytest.raises(ValueError, match="cuBLAS"):
+        TrainStep(m, graph=True)
+    TrainStep(m, graph=False)  # eager is fine
+    with pytest.raises(ValueError, match="cuBLAS"):
+        TrainStep(GPT(CFG, dtype="bf16", xp=cp), graph=True)  # the book model: CuPy's cuBLAS throughout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gpu_fast_model_16bit_is_capturable(cp, dtype):
+    _need_fast(cp)
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(CFG, dtype=dtype, xp=cp)
+    assert m.capture_blocker() is None
+    m.check_capturable()
+    TrainStep(m, graph=True)

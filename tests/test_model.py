@@ -393,3 +393,39 @@ def test_gpu_ten_adamw_steps_match_pytorch(cp, rng, dtype, tol):
         theirs.append(tl.item())
     np.testing.assert_allclose(ours, theirs, rtol=tol)
     assert ours[-1] < ours[0]
+
+
+@pytest.mark.parametrize("field, value", [("n_head", 2.5), ("n_layer", "2"), ("n_embd", 64.0), ("vocab_size", True),
+                                          ("block_size", None), ("pad_vocab_to", 1.5)])
+def test_config_field_types(field, value):
+    """Non-int fields fail at construction with one line naming the field (not later, obscurely)."""
+    with pytest.raises(TypeError, match=rf"GPTConfig\.{field} must be an int"):
+        GPTConfig(**{field: value})
+
+
+def test_config_numpy_ints_become_ints():
+    cfg = GPTConfig(n_layer=np.int64(2), n_head=np.int32(2), n_embd=32, vocab_size=64, block_size=8)
+    assert type(cfg.n_layer) is int and type(cfg.n_head) is int
+    assert GPTConfig.from_dict(cfg.as_dict()) == cfg
+
+
+def test_load_state_dict_refuses_non_float_and_non_finite_weights():
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=37, block_size=8)
+    m = GPT(cfg, xp=np, seed=0)
+    key = "transformer.h.0.mlp.c_fc.weight"
+    for dtype in (np.int64, np.int32, np.bool_):
+        sd = m.state_dict()
+        sd[key] = np.ones(sd[key].shape, dtype)
+        with pytest.raises(TypeError, match=key):
+            m.load_state_dict(sd)
+    sd = m.state_dict()
+    sd[key] = sd[key].copy()
+    sd[key][0, :3] = [np.nan, np.inf, -np.inf]
+    m2 = GPT(cfg, xp=np, init=False)
+    with pytest.raises(ValueError, match=rf"{key}.*3 non-finite"):
+        m2.load_state_dict(sd)
+    m2.load_state_dict(sd, allow_nonfinite=True)  # on request: e.g. to look at a diverged run
+    assert np.isnan(m2.params.param(key)[0, 0])
+    sd = m.state_dict()
+    sd["transformer.wte.weight"] = sd["transformer.wte.weight"].astype(backend.bfloat16)  # 16-bit floats load
+    m2.load_state_dict(sd)

@@ -40,10 +40,14 @@ __device__ __forceinline__ float gelu_value(float x) {
     return x * sigmoid_2u(x, x * x);
 }
 
+// Non-finite input (all three kernel families, and the NumPy reference): NaN gives NaN; GELU(+inf) =
+// +inf, GELU(-inf) = NaN (-inf * 0, as the tanh formula and PyTorch give), GELU'(+-inf) = NaN
+// (inf * 0 in the second term). Finite x always gives a finite gradient: x^2 is clamped in u' so
+// that |x| > ~1.8e19 (x^2 = inf) does not turn the saturated term 0 * u' into 0 * inf.
 __device__ __forceinline__ float gelu_grad(float x) {
     const float x2 = x * x;
     const float s = sigmoid_2u(x, x2);
-    const float du = GELU_SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * x2);
+    const float du = GELU_SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * fminf(x2, 1e30f));
     return s + 2.0f * x * s * (1.0f - s) * du;
 }
 
@@ -152,18 +156,18 @@ __device__ __forceinline__ float gelu_fast_value(float x) {
     return x * gelu_fast_sigmoid(x, x * x, e);
 }
 
-// dy/dx = s + x 2u' s (1 - s) = s (1 + q (1 - s)),  q = x 2u',  1 - s = e s  (no cancellation for
-// x > 0, where 1 - s is tiny). Degenerate ends: e = inf gives s = 0 and e s = NaN, which fminf turns
-// into 1 (g = 0 * (1 + q) = 0); |x| > ~1e13 overflows q, clamped so that q * 0 stays 0 (g = 1 for
-// x -> +inf). A NaN x still gives NaN through s.
+// dy/dx = s + x 2u' s (1 - s) = s + (s x (1 - s)) 2u',  1 - s = e s  (no cancellation for x > 0,
+// where 1 - s is tiny). Degenerate ends: e = inf gives s = 0 and e s = NaN, which fminf turns into 1;
+// at either saturated end s x (1 - s) is exactly 0 for finite x (g = s: 0 or 1), and x^2 is clamped
+// in 2u' so that 0 * 2u' stays 0 when x^2 overflows. For x = +-inf, s x (1 - s) is inf * 0 = NaN:
+// g = NaN, as the other kernels and the reference give (gelu_grad). A NaN x gives NaN through s.
 __device__ __forceinline__ float gelu_fast_grad(float x) {
     const float x2 = x * x;
     float e;
     const float s = gelu_fast_sigmoid(x, x2, e);
     const float one_minus_s = fminf(e * s, 1.0f);
-    float q = x * fmaf(GELU_FAST_C2, x2, GELU_FAST_C1);
-    q = fminf(fmaxf(q, -1e30f), 1e30f);
-    return s * fmaf(q, one_minus_s, 1.0f);
+    const float sxo = s * (x * one_minus_s);
+    return fmaf(sxo, fmaf(GELU_FAST_C2, fminf(x2, 1e30f), GELU_FAST_C1), s);
 }
 
 // Grid: ceil(n_packs / (256 * UNROLL)) blocks of 256 threads (at least 1). VEC = 0 (a pointer not

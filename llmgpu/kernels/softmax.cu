@@ -29,6 +29,13 @@
 // score matrices [BH, T, T]: row r is query position r % T and sees keys 0 .. r % T; later columns
 // get probability exactly 0 (and gradient exactly 0) and are never read.
 //
+// Non-finite input, as PyTorch and the NumPy reference: a NaN or a +inf among a row's visible
+// entries makes the whole row of p NaN (+inf: exp(inf - inf)); -inf entries get p = 0; a row with
+// no finite entry at all (all -inf) is NaN. The NaN is carried by the running sum s, never dropped:
+// fmaxf ignores NaN, so no max below may decide on its own to skip an element (see online_add,
+// online_merge and softmax_accumulate). Masked (causal) columns are never read, so a NaN there
+// changes nothing.
+//
 // Types: TS is the score-side type (x in forward, dp in backward), TP the probability-side type
 // (p in forward, p and dx in backward). Either both are the same, or TS is float and TP 16-bit:
 // attention keeps scores in fp32 (cuBLAS writes them with fp32 accumulation) and probabilities in
@@ -46,26 +53,42 @@
 
 __device__ __forceinline__ float softmax_exp(float d) { return exp2f(d * SOFTMAX_LOG2E); }
 
+// max that propagates NaN (fmaxf returns the other operand). sm_80+ has it as one instruction.
+__device__ __forceinline__ float softmax_max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+
 // Number of leading columns of `row` that take part: all of them, or keys 0 .. row % T when causal.
 __device__ __forceinline__ int softmax_valid_cols(long long row, int cols, int causal_T) {
     return causal_T > 0 ? min(cols, (int)(row % causal_T) + 1) : cols;
 }
 
 // Online normalizer: add one (already scaled) score t to the running pair (m, s).
+// A NaN t fails t > m and lands in the sum (s = NaN); a +inf t adds t - t = NaN instead of 1, so that
+// +inf poisons the row as exp(inf - inf) does in the reference (an add on the rare rescale path only).
 __device__ __forceinline__ void online_add(float& m, float& s, float t) {
     if (t > m) {  // new maximum: the old sum was relative to m, rescale it (e^-inf = 0 when empty)
-        s = s * softmax_exp(m - t) + 1.0f;
+        s = s * softmax_exp(m - t) + (t - t + 1.0f);
         m = t;
     } else if (t != -LLMGPU_INF) {
         s += softmax_exp(t - m);
     }
 }
 
-// Merge two partial pairs; an empty part is (−inf, 0).
+// Merge two partial pairs; an empty part is (−inf, 0), or (−inf, NaN) when it saw only NaN.
 __device__ __forceinline__ void online_merge(float& m, float& s, float m2, float s2) {
     const float mn = fmaxf(m, m2);
-    if (mn == -LLMGPU_INF) return;  // both empty: keep (−inf, 0), avoid e^(−inf + inf) = NaN
-    s = s * softmax_exp(m - mn) + s2 * softmax_exp(m2 - mn);
+    if (mn == -LLMGPU_INF) {  // both empty: avoid e^(−inf + inf) = NaN, but keep a NaN of either side
+        s += s2;              // (0 or NaN each)
+        return;
+    }
+    s = s * softmax_exp(m - mn) + s2 * softmax_exp(m2 - mn);  // NaN · 0 is NaN: a NaN s survives
     m = mn;
 }
 
@@ -198,9 +221,9 @@ __device__ __forceinline__ void softmax_accumulate(const SoftmaxVec<TS, N>& a, i
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         t[i] = (base + i < n) ? scale * to_float(a.v[i]) : -LLMGPU_INF;
-        vmax = fmaxf(vmax, t[i]);
+        vmax = softmax_max_nan(vmax, t[i]);  // not fmaxf: a vector of NaN must not look empty below
     }
-    if (vmax == -LLMGPU_INF) return;
+    if (vmax == -LLMGPU_INF) return;  // nothing visible (a NaN vmax goes on: s becomes NaN)
     if (vmax > m) {  // one rescale per vector, not per element
         s *= softmax_exp(m - vmax);
         m = vmax;

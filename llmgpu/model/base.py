@@ -90,6 +90,20 @@ class GPTBase:
         d[WTE][cfg.vocab_size:] = 0.0
         P.load_dict(d)
 
+    def capture_blocker(self) -> str | None:
+        """Why this model's training step cannot be captured into a CUDA graph, or None when it can.
+        The book model (``GPT``) cannot: its GEMMs are CuPy/cuBLAS calls, which refuse stream capture."""
+        if self.xp is np:
+            return "CUDA graphs need the GPU (CuPy) backend; this model runs on NumPy"
+        return (f"{type(self).__name__} runs its GEMMs through CuPy's cuBLAS, which refuses stream capture; "
+                "use FastGPT in bf16/fp16 for a graph step, or graph=False")
+
+    def check_capturable(self):
+        """Raise ValueError saying why, unless the training step can be captured as a CUDA graph."""
+        why = self.capture_blocker()
+        if why:
+            raise ValueError(f"cannot capture the training step as a CUDA graph: {why}")
+
     def state_dict(self, unpadded: bool = False) -> dict:
         """nanoGPT names and PyTorch layouts (``nn.Linear`` weights ``[out, in]``), fp32 copies on the backend.
 
@@ -103,18 +117,21 @@ class GPTBase:
         out["lm_head.weight"] = out[WTE]
         return {n: backend.to_device(a, xp) for n, a in out.items()}
 
-    def load_state_dict(self, sd: dict, strict: bool = True):
+    def load_state_dict(self, sd: dict, strict: bool = True, *, allow_nonfinite: bool = False):
         """Load nanoGPT-named weights (NumPy, CuPy or PyTorch tensors; any float dtype).
 
         ``lm_head.weight`` is optional (tied); an unpadded token embedding is zero-padded. Keys such
-        as ``attn.bias`` (nanoGPT's causal-mask buffer) are ignored.
+        as ``attn.bias`` (nanoGPT's causal-mask buffer) are ignored. A tensor that is not floating
+        point (integer or bool weights: a wrong file, or a buffer under a weight's name) is a
+        TypeError naming its key; a NaN or inf weight a ValueError naming the key and the count
+        (``allow_nonfinite=True`` loads it anyway, e.g. to inspect a run that diverged).
         """
         cfg, P = self.config, self.params
         d = {}
         for k, v in sd.items():
             if k == "lm_head.weight" or k.endswith((".attn.bias", ".attn.masked_bias")):
                 continue
-            d[k] = _to_host(v)
+            d[k] = _checked_host(k, v, allow_nonfinite)
         if WTE in d and d[WTE].shape[0] != cfg.padded_vocab_size and d[WTE].shape[1:] == (cfg.n_embd,):
             if d[WTE].shape[0] > cfg.padded_vocab_size:
                 raise ValueError(f"{WTE} has {d[WTE].shape[0]} rows, the model's vocabulary is "
@@ -123,7 +140,7 @@ class GPTBase:
             pad[: d[WTE].shape[0]] = d[WTE]
             d[WTE] = pad
         if "lm_head.weight" in sd and WTE not in sd:
-            d[WTE] = _to_host(sd["lm_head.weight"])
+            d[WTE] = _checked_host("lm_head.weight", sd["lm_head.weight"], allow_nonfinite)
         P.load_dict(d, strict=strict)
 
     def grads(self) -> dict:
@@ -274,6 +291,25 @@ def _float64_params(shapes, xp) -> FlatParams:
     P.working = P.data
     P.working_dtype = backend.float64
     return P
+
+
+def _checked_host(key, v, allow_nonfinite=False) -> np.ndarray:
+    """``_to_host`` of a float tensor; TypeError for other dtypes, ValueError for NaN/inf (unless allowed)."""
+    dt = getattr(v, "dtype", None)
+    is_float = getattr(dt, "is_floating_point", None)  # torch.dtype
+    if is_float is None:
+        is_float = dt is not None and np.dtype(dt).kind == "f"  # NumPy/CuPy (bf16 from ml_dtypes is kind 'V')
+        is_float = is_float or (dt is not None and np.dtype(dt) == backend.bfloat16)
+    if not is_float:
+        raise TypeError(f"load_state_dict: {key!r} must hold floating-point weights, got "
+                        f"{dt if dt is not None else type(v).__name__}")
+    a = _to_host(v)
+    if not allow_nonfinite:
+        bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+        if bad:
+            raise ValueError(f"load_state_dict: {key!r} has {bad} non-finite (NaN or inf) value(s) of {a.size}; "
+                             "pass allow_nonfinite=True to load them anyway")
+    return a
 
 
 def _to_host(v) -> np.ndarray:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+
 from .. import backend
 
 # nanoGPT's names (and PyTorch layouts: ``nn.Linear`` weights are ``[out, in]``)
@@ -26,6 +28,12 @@ class GPTConfig:
     pad_vocab_to: int = 0  # 0 or 1: no padding; e.g. 64 or 128 pads the vocabulary to a multiple
 
     def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "pad_vocab_to"):
+            v = getattr(self, name)
+            # an int, not a bool (an int subclass), a float ("2.5" heads) or a string ("2" from a file)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"GPTConfig.{name} must be an int, got {type(v).__name__} {v!r}")
+            object.__setattr__(self, name, int(v))  # NumPy ints become ints (as_dict goes to JSON)
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")

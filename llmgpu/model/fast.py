@@ -79,6 +79,15 @@ class FastGPT(GPTBase):
         self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
         self.attention = "flash" if self.flash else "math-copy"
 
+    def capture_blocker(self) -> str | None:
+        """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32 attention
+        falls back to chapter 2's kernels, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
+        if self.xp is np or self.flash:
+            return super().capture_blocker() if self.xp is np else None
+        return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (cuDNN's flash attention "
+                "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
+                "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
+
     @property
     def checkpoint_every(self) -> int:
         """Always 0: no activation checkpointing on this path (module docstring)."""

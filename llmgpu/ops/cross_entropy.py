@@ -23,6 +23,12 @@ Rules, the same on both backends where possible:
   sets that row's loss to NaN (the mean loss becomes NaN) and its gradient row to NaN. Loud, not
   silently wrong; a loss scaler skips the step.
 * Targets must be int32 or int64; float targets are refused.
+* ``method="naive"`` refuses fp16 logits (TypeError), on both backends: it stores the probabilities
+  in the logits' dtype, and fp16 flushes every p below ~6e-8 to 0, so at GPT-2 sizes (V = 50257)
+  some ``-log p_t`` are inf. The fused methods never form p_t (lse − x_t in fp32) and take fp16.
+* Non-finite logits: a NaN or +inf in a counted row makes its lse, the loss and its gradient row
+  NaN; −inf logits add nothing (a masked vocabulary), and a −inf at the target gives loss +inf; an
+  ignored row is never part of the loss, whatever it holds (its gradient row is 0).
 
 ``method`` (default ``"fast"``: 95 % of copy in bf16 on the H200): ``"optimized"`` (fused, online softmax,
 16-byte loads), ``"fast"`` (the fused forward
@@ -77,6 +83,7 @@ def _threads(v, dtype):
 # --------------------------------------------------------------------------- NumPy reference
 
 
+@np.errstate(invalid="ignore")  # NaN/+inf logits: a NaN lse is the documented answer
 def cross_entropy_forward_reference(logits2, targets1, ignore_index):
     """Returns (loss 0-d, lse [N], n_valid) on NumPy arrays, logits [N, V]."""
     ct = _compute_dtype(logits2.dtype)
@@ -91,6 +98,7 @@ def cross_entropy_forward_reference(logits2, targets1, ignore_index):
     return loss, lse.astype(ct), n_valid
 
 
+@np.errstate(invalid="ignore")  # NaN/+inf logits: a NaN lse is the documented answer
 def cross_entropy_backward_reference(logits2, targets1, lse, n_valid, ignore_index, dloss=1.0):
     ct = _compute_dtype(logits2.dtype)
     x = logits2.astype(ct)
@@ -117,6 +125,10 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="fast"):
     if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     ignore_index = int(ignore_index)
+    if method == "naive" and logits.dtype == backend.float16:
+        raise TypeError("cross_entropy_forward: method='naive' stores the softmax probabilities in the logits' "
+                        "dtype, and in fp16 every p below ~6e-8 becomes 0 (-log p = inf at realistic vocabulary "
+                        "sizes); use method='optimized' or 'fast' (log-sum-exp in fp32), or bf16/fp32 logits")
     v = logits.shape[-1]
     n = math.prod(logits.shape[:-1])
     lf = logits.reshape(n, v)

@@ -10,6 +10,11 @@ storage fp32, fp16 or bf16, arithmetic fp32. ``method``: ``"naive"`` (one thread
 16-byte packs per thread, the same sigmoid form with the hardware ex2/rcp approximations: ~10
 instructions per element instead of ~29, what 16-bit storage needs to stay memory-bound; the default,
 97-101 % of the copy bandwidth on the H200 in bf16 and fp32). NumPy arrays run the reference.
+
+Non-finite input, the same for every method and the reference (and PyTorch's tanh GELU): NaN in
+gives NaN out (forward and backward, x or dy); ``GELU(+inf) = +inf``, ``GELU(-inf) = NaN`` (the
+formula's ``-inf · 0``); ``GELU'(±inf) = NaN`` (``inf · 0`` in its second term), so ``dx`` is NaN
+there. Every finite x gives a finite ``GELU'(x)`` (0 or 1 at the saturated ends).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def _compute_dtype(dtype):
     return np.float64
 
 
+@np.errstate(invalid="ignore", over="ignore")  # non-finite x: NaN/inf is the documented answer
 def gelu_forward_reference(x):
     ct = _compute_dtype(x.dtype)
     xf = x.astype(ct)
@@ -41,6 +47,7 @@ def gelu_forward_reference(x):
     return (ct(0.5) * xf * (ct(1.0) + t)).astype(x.dtype)
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def gelu_backward_reference(dy, x):
     ct = _compute_dtype(x.dtype)
     xf = x.astype(ct)

@@ -28,6 +28,11 @@ so the backward pass reads p and dp once and writes dx once: O(T) work and memor
   with 16-byte loads. The benchmark (``benchmarks/bench_ch2_softmax_attention.py``) times both
   across row lengths so the threshold can be checked on the GPU at hand.
 
+Non-finite input, every method and the reference alike (as PyTorch): a NaN or +inf among a row's
+visible entries makes that whole row of p NaN (+inf: inf − inf); −inf entries get probability 0;
+a row with no finite entry (all −inf) is NaN; masked (causal) entries stay exactly 0 and are never
+read. Backward: a NaN in a row's visible p or dp makes that row of dx NaN (through Σ p⊙dp).
+
 Dtypes: fp32, fp16, bf16 on the GPU (arithmetic in fp32); the NumPy reference also takes fp64. The
 output defaults to the input's dtype; ``out_dtype`` may ask for fp16/bf16 probabilities from fp32
 scores (attention does this: scores from cuBLAS in fp32, probabilities in bf16 for the next GEMM).
@@ -114,13 +119,18 @@ def softmax_forward(x, method="auto", out=None, *, scale=1.0, causal=False, out_
 
 
 def _softmax_forward_numpy(x, scale, causal):
-    """The reference: float32 math (float64 for float64 input), max subtracted."""
+    """The reference: float32 math (float64 for float64 input), max subtracted. NaN or +inf among a
+    row's visible entries gives a NaN row (np.max propagates NaN; inf - inf), as in PyTorch; masked
+    (causal) entries are exactly 0 whatever the row holds, as the kernels write them."""
     t = x.astype(_compute_dtype(x.dtype)) * scale
     if causal:
-        t = np.where(_causal_mask(t.shape[-1]), t, -np.inf)
-    t = t - t.max(axis=-1, keepdims=True)
-    e = np.exp(t)  # exp(-inf) = 0 for masked entries
-    return e / e.sum(axis=-1, keepdims=True)
+        mask = _causal_mask(t.shape[-1])
+        t = np.where(mask, t, -np.inf)
+    with np.errstate(invalid="ignore"):  # inf - inf for +inf or all -inf rows: NaN is the answer
+        t = t - t.max(axis=-1, keepdims=True)
+        e = np.exp(t)  # exp(-inf) = 0 for masked entries
+        p = e / e.sum(axis=-1, keepdims=True)
+    return np.where(mask, p, 0.0) if causal else p
 
 
 # --------------------------------------------------------------------------- backward
@@ -143,9 +153,13 @@ def softmax_backward(dp, p, method="auto", out=None, *, scale=1.0, causal=False)
             raise TypeError(f"dp ({dp.dtype}) and p ({p.dtype}) must share a dtype, or dp must be fp32")
         ct = _compute_dtype(dp.dtype, p.dtype)
         pf, gf = p.astype(ct), dp.astype(ct)
-        dx = scale * pf * (gf - (pf * gf).sum(axis=-1, keepdims=True))
+        if causal:  # masked entries are never read (a NaN there must not reach the row's sum)
+            mask = _causal_mask(cols)
+            pf, gf = np.where(mask, pf, 0.0), np.where(mask, gf, 0.0)
+        with np.errstate(invalid="ignore"):  # inf - inf for a +inf dp: NaN is the answer
+            dx = scale * pf * (gf - (pf * gf).sum(axis=-1, keepdims=True))
         if causal:
-            dx = np.where(_causal_mask(cols), dx, 0.0)
+            dx = np.where(mask, dx, 0.0)
         out = check_out(out, p.shape, p.dtype, xp)
         out[...] = dx.astype(p.dtype)
         return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import GPU_DTYPES, array_module, check_array
+from ..checks import GPU_DTYPES, array_module, check_array, check_float
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned, resident_grid
 from .params import FlatParams
@@ -39,11 +39,22 @@ def _is_device_scalar(x) -> bool:
     return backend.is_gpu_array(x) or isinstance(x, np.ndarray)
 
 
+def _check_hyperparameters(where, *, beta1, beta2, eps, weight_decay):
+    """The float hyperparameters: finite and in range (ValueError naming the one that is not)."""
+    check_float("betas[0] (beta1)", beta1, low=0.0, high=1.0, high_open=True, where=where)
+    check_float("betas[1] (beta2)", beta2, low=0.0, high=1.0, high_open=True, where=where)
+    check_float("eps", eps, low=0.0, low_open=True, where=where)
+    check_float("weight_decay", weight_decay, low=0.0, where=where)
+
+
 def _check_step_scalars(lr, grad_scale, found_inf, xp):
-    """lr and grad_scale may be floats or 0-d fp32 device arrays; found_inf is a 0-d fp32 device flag."""
+    """lr and grad_scale may be floats (finite, >= 0) or 0-d fp32 device arrays (their values stay on
+    the device: reading them would synchronize); found_inf is a 0-d fp32 device flag."""
     for name, val in (("lr", lr), ("grad_scale", grad_scale)):
         if _is_device_scalar(val):
             _check_scalar_array(name, val, xp)
+        else:
+            check_float(name, val, low=0.0, where="adamw")
     if found_inf is not None:
         _check_scalar_array("found_inf", found_inf, xp)
 
@@ -107,8 +118,7 @@ def adamw_update(param, grad, m, v, *, step, lr, beta1=0.9, beta2=0.95, eps=1e-8
     check_array("v", v, shape=param.shape, dtype=_F32)
     if working is not None:
         check_array("working", working, shape=param.shape, dtypes=GPU_DTYPES)
-    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"betas must lie in [0, 1), got beta1={beta1}, beta2={beta2}")
+    _check_hyperparameters("adamw_update", beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step_dev = _is_device_scalar(step)
     if step_dev:
         _check_scalar_array("step", step, xp, np.int32)
@@ -208,11 +218,8 @@ class AdamW:
         if not isinstance(params, FlatParams):
             raise TypeError(f"params must be a llmgpu.optim.FlatParams, got {type(params).__name__}")
         beta1, beta2 = betas
-        if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if lr < 0 or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"need lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, eps={eps}, "
-                             f"weight_decay={weight_decay}")
+        _check_hyperparameters("AdamW", beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        check_float("lr", lr, low=0.0, where="AdamW")
         self.params = params
         self.xp = params.xp
         self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = float(lr), float(beta1), float(beta2), \
@@ -308,6 +315,10 @@ class AdamW:
                     raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {arr.shape}, expected {P.shapes[n]}")
                 host[P.offsets[n]: P.offsets[n] + P.sizes[n]] = arr.reshape(-1)
             buf[...] = backend.to_device(host, self.xp)
+        lr, (b1, b2) = state.get("lr", self.lr), state.get("betas", (self.beta1, self.beta2))
+        eps, wd = state.get("eps", self.eps), state.get("weight_decay", self.weight_decay)
+        _check_hyperparameters("AdamW.load_state_dict", beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+        check_float("lr", lr, low=0.0, where="AdamW.load_state_dict")
         self.step_count[...] = int(state["step"])
         self.lr = float(state.get("lr", self.lr))
         self.beta1, self.beta2 = (float(b) for b in state.get("betas", (self.beta1, self.beta2)))

@@ -95,6 +95,8 @@ class TrainStep:
         self.graph_mode = bool(cfg.graph if graph is None else graph)
         if self.graph_mode and self.xp is np:
             raise ValueError("graph=True needs the GPU (CuPy) backend: CUDA graphs are a GPU feature")
+        if self.graph_mode:
+            model.check_capturable()  # a ValueError saying why (e.g. FastGPT in fp32), not a failed capture
         self.grad_sync = grad_sync or LocalGradSync()
         self.graph = None  # the captured step (graph mode), after the second call
         self._inputs = self._lr = None
