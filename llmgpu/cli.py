@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from . import backend
 from .version import __version__
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # every error the command reports (bad flags, data, checkpoints, a diverged run, I/O)
+EXIT_INTERRUPTED = 130  # Ctrl-C (after saving a checkpoint)
 
 
 class UsageError(Exception):
@@ -53,7 +54,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """``llmgpu train``'s flags, one per ``TrainConfig`` field (its default, type, help and group).
 
     Generated, so the command line cannot drift from the configuration: ``TrainConfig(**vars(args))``
-    (less the ``command`` key) is the configuration the flags describe."""
+    (less the ``command`` key) is the configuration the flags describe. The parsed namespace holds only
+    the flags given (argparse.SUPPRESS defaults; TrainConfig supplies the rest), so a resumed run knows
+    which settings were asked for explicitly."""
     from .train.config import TrainConfig
 
     groups = {g: parser.add_argument_group(g) for g in _GROUPS}
@@ -65,15 +68,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         kind = _TYPES[str(f.type).split("|")[0].strip()]
         g = groups[meta["group"]]
         helptext = meta["help"]
+        if f.default is not None:
+            helptext += f" (default {'on' if f.default is True else 'off' if f.default is False else f.default})"
         if kind is bool:
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=helptext)
             continue
-        if f.default is not None and not isinstance(f.default, bool):
-            helptext += f" (default {f.default})"
-        g.add_argument(flag, dest=f.name, type=_typed(kind, flag), default=f.default, help=helptext,
+        g.add_argument(flag, dest=f.name, type=_typed(kind, flag), default=argparse.SUPPRESS, help=helptext,
                        metavar=meta.get("metavar"), choices=meta.get("choices"))
     for flag, dest, value, helptext in _ALIASES:
-        groups["run"].add_argument(flag, dest=dest, action="store_const", const=value, help=helptext)
+        groups["run"].add_argument(flag, dest=dest, action="store_const", const=value, default=argparse.SUPPRESS,
+                                   help=helptext)
     return parser
 
 
@@ -126,13 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(a) -> int:
-    from .train import TrainConfig, default_out_dir, train
+    from .train import TrainConfig, train
 
-    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
-    if cfg.out is None and not cfg.resume:
-        cfg = replace(cfg, out=default_out_dir())
-    summary = train(cfg)
-    if "sample" in summary and cfg.progress:
+    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)}  # the explicit flags
+    summary = train(TrainConfig(**given), explicit=set(given))
+    if "error" in summary:  # diverged: stopped, the last good checkpoint kept
+        raise UsageError(summary["error"])
+    if summary["stop_reason"] == "interrupted":
+        print(f"llmgpu: interrupted at step {summary['steps']}; checkpoint saved in {summary['checkpoint']} "
+              f"(continue with: llmgpu train --resume {summary['out']})", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if "sample" in summary and given.get("progress", True):
         print("--- sample ---")
         print(summary["sample"])
     return 0
@@ -141,20 +150,13 @@ def cmd_train(a) -> int:
 def cmd_sample(a) -> int:
     import numpy as np
 
-    from .model import GPT, GPTConfig
-    from .train import prompt_ids, select_xp
-    from .train.checkpoint import load_checkpoint
-    from .train.data import get_tokenizer
+    from .train import select_xp
+    from .train.sampling import load_for_sampling, prompt_ids, sampling_settings
 
-    if a.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+    sampling_settings(a.temperature, a.top_k)
     xp = select_xp(a.device)
-    weights, meta, _ = load_checkpoint(a.src, with_optim=False)
-    cfg = GPTConfig.from_dict(meta["model_config"])
-    dtype = a.dtype or ("fp32" if xp is np else meta.get("dtype", "bf16"))
-    model = GPT(cfg, dtype=dtype, xp=xp, init=False)
-    model.load_state_dict(weights)
-    tok = get_tokenizer(meta.get("tokenizer", "bytes"))
+    model, tok, _ = load_for_sampling(a.src, xp, a.dtype)
+    cfg = model.config
     ids = prompt_ids(tok, a.prompt)
     if max(ids) >= cfg.vocab_size:
         raise UsageError(f"the prompt has token id {max(ids)} >= the model's vocabulary {cfg.vocab_size}")
@@ -245,19 +247,20 @@ def main(argv=None) -> int:
     except MemoryError as e:
         print(f"llmgpu: error: out of host memory ({e}); lower --batch/--seq or use a smaller --preset",
               file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
-        print(f"llmgpu: error: {e}", file=sys.stderr)
-        return 1
+        where = f": {e.filename}" if e.filename else ""
+        print(f"llmgpu: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:
         if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
             print(f"llmgpu: error: out of GPU memory ({e}); lower --batch, use --checkpoint-every 1 or a smaller "
                   "--preset", file=sys.stderr)
-            return 1
+            return EXIT_USAGE
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside the training loop (which saves and returns): nothing to save
         print("llmgpu: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,8 @@
 * ``report.py``: the progress line and the JSON-lines log.
 * ``data.py``: the embedded corpus, token shards, tokenizers, batches, the GPU prefetcher.
 * ``checkpoint.py``: atomic checkpoint directories (weights, optimizer state, metadata).
+* ``rundir.py``: a run's output directory: no silent overwrite, where a resume writes, the log it continues.
+* ``sampling.py``: prompts, sampling settings, a model loaded from sound weights only (``llmgpu sample``).
 """
 
 from .config import ConfigError, TrainConfig, fast_path_available, resolve, select_xp

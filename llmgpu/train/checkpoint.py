@@ -11,8 +11,11 @@ Why ``.npz`` and not safetensors: NumPy already writes and reads it (no new depe
 maps nothing we need, and every array here is a plain fp32 tensor; ``np.load`` gives a name → array
 dict that ``torch.from_numpy`` turns into a PyTorch state_dict in one line.
 
-Writes go to ``<dir>.tmp`` first and replace ``<dir>`` with one rename, so an interrupted save never
-leaves a half-written checkpoint behind.
+Writes go to ``<dir>.tmp`` first (every file flushed to disk), then ``<dir>`` moves to ``<dir>.old``, the
+new one takes its place and ``.old`` goes: a save that fails or is killed at any point leaves the last
+complete checkpoint readable (``find_checkpoint`` falls back to ``<dir>.old`` when the swap was cut short).
+Anything unreadable (a truncated ``.npz``, a missing file, another format) is a ``CheckpointError`` whose
+one-line message names the file.
 """
 
 from __future__ import annotations
@@ -32,45 +35,90 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read (one-line message for the CLI)."""
 
 
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _savez(path: Path, arrays: dict):
     with open(path, "wb") as f:  # a file object: np.savez would append '.npz' to a str path
         np.savez(f, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename that publishes it
+
+
+def _write_json(path: Path, obj: dict):
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=1, default=_json_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(directory, *, model: dict, meta: dict, optim: dict | None = None) -> Path:
-    """Write a checkpoint directory atomically. ``model``/``optim``: name → NumPy array."""
+    """Write a checkpoint directory atomically. ``model``/``optim``: name → NumPy array.
+
+    On any failure the previous checkpoint at ``directory`` is left as it was (and the partial one removed)."""
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp, old = _sibling(final, ".tmp"), _sibling(final, ".old")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    _savez(tmp / MODEL_FILE, model)
-    if optim is not None:
-        _savez(tmp / OPTIM_FILE, optim)
-    (tmp / META_FILE).write_text(json.dumps({"format": FORMAT, **meta}, indent=1, default=_json_default) + "\n")
-    old = final.with_name(final.name + ".old")
-    if final.exists():
+    try:
+        tmp.mkdir()
+        _savez(tmp / MODEL_FILE, model)
+        if optim is not None:
+            _savez(tmp / OPTIM_FILE, optim)
+        _write_json(tmp / META_FILE, {"format": FORMAT, **meta})  # last: a meta.json means the files are whole
+        _fsync(tmp)
+    except BaseException:  # a full disk, Ctrl-C: drop the partial copy, keep the last good one
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _complete(final):
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
-    os.replace(tmp, final)
+    elif final.exists():  # a damaged checkpoint: nothing worth keeping
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # killed between the two renames: find_checkpoint reads <dir>.old
+    _fsync(final.parent)
     if old.exists():
         shutil.rmtree(old)
     return final
 
 
+def _sibling(d: Path, suffix: str) -> Path:
+    return d.with_name(d.name + suffix)
+
+
+def _complete(d: Path) -> bool:
+    return (d / META_FILE).is_file() and (d / MODEL_FILE).is_file()
+
+
 def find_checkpoint(path) -> Path:
     """The checkpoint directory for ``path``: the directory itself, or its ``checkpoint/`` subdirectory
-    (a run's output directory)."""
+    (a run's output directory); where a save was killed mid-swap, the previous one (``<dir>.old``)."""
     p = Path(path).expanduser()
     for cand in (p, p / "checkpoint"):
-        if (cand / META_FILE).is_file() and (cand / MODEL_FILE).is_file():
+        if _complete(cand):
             return cand
+    for cand in (p, p / "checkpoint"):
+        if not cand.exists() and _complete(_sibling(cand, ".old")):
+            return _sibling(cand, ".old")
+    for cand in (p, p / "checkpoint"):
+        if (cand / META_FILE).is_file() or (cand / MODEL_FILE).is_file():
+            missing = MODEL_FILE if (cand / META_FILE).is_file() else META_FILE
+            raise CheckpointError(f"checkpoint {cand} is incomplete: {cand / missing} is missing")
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
     raise CheckpointError(f"{p} holds no llmgpu checkpoint ({META_FILE} + {MODEL_FILE}, or a checkpoint/ "
                           "directory with them)")
+
+
+# what every reader of a checkpoint relies on
+REQUIRED_META = ("model_config", "step")
 
 
 def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict | None]:
@@ -80,8 +128,12 @@ def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict 
         meta = json.loads((d / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{d / META_FILE} is not readable JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{d} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{d / META_FILE} has format {fmt!r}, expected {FORMAT!r}")
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise CheckpointError(f"{d / META_FILE} lacks {', '.join(missing)}")
     model = _load_npz(d / MODEL_FILE)
     optim = _load_npz(d / OPTIM_FILE) if with_optim and (d / OPTIM_FILE).is_file() else None
     return model, meta, optim
@@ -90,9 +142,17 @@ def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict 
 def _load_npz(path: Path) -> dict:
     try:
         with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable .npz file ({e})") from None
+            return {k: z[k] for k in z.files}  # reads every array: a truncated file fails here, not later
+    except Exception as e:  # BadZipFile, zlib.error, EOFError, ValueError, OSError: all mean "damaged"
+        raise CheckpointError(f"{path} is damaged or not an .npz file ({type(e).__name__}: {e})") from None
+
+
+def non_finite(arrays: dict) -> str | None:
+    """The name of the first array holding an inf or nan, or None."""
+    for k, v in arrays.items():
+        if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
+            return k
+    return None
 
 
 def _json_default(o):

@@ -49,13 +49,16 @@ class TrainConfig:
                              "residual+LayerNorm, flash attention (default: on when the GPU, bf16/fp16 and the "
                              "'fast' extra allow it)", "model")
     graph: bool | None = _opt(None, "replay each step as one CUDA graph (default: with --fast)", "model")
+    block_size: int | None = _opt(None, "context length, the rows of the position embedding (default: the "
+                                  "preset's; --seq may not exceed it)", "model")
     # data
     data: str | None = _opt(None, "'stdlib' (embedded corpus, default), a text file, an llm.c .bin shard, a "
                             "directory or a glob of shards", "data")
     val_data: str | None = _opt(None, "validation data (default: *val* shards, else the last --val-fraction)", "data")
     val_fraction: float = _opt(0.05, "held-out fraction of the training data when there is no --val-data", "data")
     batch: int | None = _opt(None, "sequences per micro-batch (default 16 on GPU, 8 on CPU)", "data")
-    seq: int | None = _opt(None, "tokens per sequence (default 1024 on GPU, 128 on CPU)", "data")
+    seq: int | None = _opt(None, "tokens per sequence (default 1024 on GPU, 128 on CPU, at most the block size)",
+                           "data")
     grad_accum: int = _opt(1, "micro-batches per optimizer step", "data", metavar="N")
     async_copy: bool = _opt(True, "copy the next batch to the GPU on a side stream during the step", "data")
     # optimization
@@ -75,13 +78,17 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "global-norm clipping (0 = off)", "optimization")
     seed: int = _opt(1337, "seed of the initialization, the data order and the samples", "optimization")
     # run
-    out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "run")
-    resume: str | None = _opt(None, "continue the run in DIR (its checkpoint/)", "run", metavar="DIR")
+    out: str | None = _opt(None, "output directory (default runs/<timestamp>; with --resume: the resumed run's)",
+                           "run")
+    overwrite: bool = _opt(False, "replace the run already in --out (default: refuse)", "run")
+    resume: str | None = _opt(None, "continue the run in DIR (its checkpoint/), writing to DIR", "run", metavar="DIR")
     eval_every: int | None = _opt(None, "validation every N steps (default 25 on CPU, 100 on GPU; 0 = off)", "run",
                                   metavar="N")
     eval_batches: int = _opt(8, "validation batches per evaluation", "run")
     log_every: int = _opt(10, "steps between host synchronizations / log lines", "run")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)", "run", metavar="N")
+    max_skipped_steps: int = _opt(25, "stop when N steps in a row are skipped for inf/nan gradients (0 = never)",
+                                  "run", metavar="N")
     device: str = _opt("auto", "where to train", "run", choices=["auto", "cpu", "gpu"])
     cpu_threads: int | None = _opt(None, "BLAS threads on the CPU backend (default 1: small GEMMs; 0: the BLAS "
                                    "default)", "run", metavar="N")
@@ -103,10 +110,41 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# keys a resumed run takes from the command line rather than from the checkpoint
-RESUME_OVERRIDES = ("steps", "max_time", "out", "eval_every", "log_every", "save_every", "progress", "plot",
-                    "sample_tokens", "prompt", "temperature", "top_k", "device", "async_copy", "resume", "cpu_threads",
-                    "fast", "graph")
+# what a resumed run may take from the command line: its length and schedule, its cadences, the machine's
+# settings and the presentation; everything else (model, data, optimizer, seed) is the checkpoint's
+RESUME_OVERRIDES = ("steps", "max_time", "lr", "min_lr_ratio", "warmup", "schedule", "eval_every", "eval_batches",
+                    "log_every", "save_every", "max_skipped_steps", "out", "overwrite", "progress", "plot",
+                    "sample_tokens", "prompt", "temperature", "top_k", "device", "cpu_threads", "async_copy", "fast",
+                    "graph", "resume")
+# taken from the command line on resume even when not given: this invocation's, never the saved run's
+_RESUME_ALWAYS = ("resume", "overwrite", "device", "async_copy")
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a TrainConfig field."""
+    f = {f.name: f for f in fields(TrainConfig)}[name]
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def explicit_fields(cfg: TrainConfig) -> set[str]:
+    """The fields of ``cfg`` that differ from TrainConfig's defaults (what a caller of the API set)."""
+    default = TrainConfig()
+    return {f.name for f in fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+def resume_config(saved: TrainConfig, given: TrainConfig, explicit=None) -> TrainConfig:
+    """The configuration of a resumed run: the checkpoint's (``saved``), with what ``given`` sets of
+    ``RESUME_OVERRIDES``. ``explicit``: the fields the user set (the CLI knows); None: those of ``given``
+    that differ from the defaults. Any other field set to a value the run does not have is a ConfigError."""
+    explicit = explicit_fields(given) if explicit is None else set(explicit)
+    bad = [k for k in sorted(explicit) if k not in RESUME_OVERRIDES and getattr(given, k) != getattr(saved, k)]
+    if bad:
+        what = ", ".join(f"{flag_of(k)} {getattr(given, k)} (the run has {getattr(saved, k)})" for k in bad)
+        accepted = ", ".join(flag_of(k) for k in RESUME_OVERRIDES if k != "resume")
+        raise ConfigError(f"a resumed run keeps its settings: {what} cannot change; --resume accepts {accepted}")
+    over = {k: getattr(given, k) for k in RESUME_OVERRIDES if k in explicit or k in _RESUME_ALWAYS}
+    return replace(saved, **over)
+
 
 CPU_DEFAULTS = dict(preset="tiny", batch=8, seq=128, dtype="fp32", lr=3e-3, warmup=20, eval_every=25,
                     max_time=180.0, pad_vocab=0)
@@ -132,6 +170,9 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
         if getattr(cfg, k) is None:
             if k == "max_time" and cfg.steps is not None:
                 continue
+            preset = cfg.preset or d["preset"]
+            if k == "seq" and preset in PRESETS:  # a default never outgrows the model
+                v = min(v, model_block_size(replace(cfg, preset=preset)))
             upd[k] = v
     cfg = replace(cfg, **upd)
     validate(cfg)
@@ -146,6 +187,11 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
     if cfg.graph is None:
         cfg = replace(cfg, graph=bool(cfg.fast))
     return cfg
+
+
+def model_block_size(cfg: TrainConfig) -> int:
+    """The context length of the model ``cfg`` describes: ``--block-size``, else the preset's."""
+    return cfg.block_size or PRESETS[cfg.preset].block_size
 
 
 def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
@@ -178,6 +224,11 @@ def validate(cfg: TrainConfig):
          f"--max-time must be a positive number, got {cfg.max_time}")
     need(cfg.batch >= 1, f"--batch must be >= 1, got {cfg.batch}")
     need(cfg.seq >= 1, f"--seq must be >= 1, got {cfg.seq}")
+    need(cfg.block_size is None or cfg.block_size >= 1, f"--block-size must be >= 1, got {cfg.block_size}")
+    block = model_block_size(cfg)
+    need(cfg.seq <= block, f"--seq {cfg.seq} exceeds the model's block size {block} "
+         + ("(--block-size)" if cfg.block_size else f"(the {cfg.preset} preset's)")
+         + f": give --block-size {cfg.seq} for a model with a longer context, or a smaller --seq")
     need(cfg.grad_accum >= 1, f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     need(finite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
@@ -185,6 +236,7 @@ def validate(cfg: TrainConfig):
     need(cfg.eval_every >= 0, f"--eval-every must be >= 0, got {cfg.eval_every}")
     need(cfg.log_every >= 1, f"--log-every must be >= 1, got {cfg.log_every}")
     need(cfg.save_every >= 0, f"--save-every must be >= 0, got {cfg.save_every}")
+    need(cfg.max_skipped_steps >= 0, f"--max-skipped-steps must be >= 0, got {cfg.max_skipped_steps}")
     need(finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad-clip must be >= 0, got {cfg.grad_clip}")
     need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
     need(finite(cfg.beta1) and 0 <= cfg.beta1 < 1, f"--beta1 must be in [0, 1), got {cfg.beta1}")
@@ -210,5 +262,5 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--dtype must be bf16, fp16 or fp32, got {cfg.dtype!r}") from None
 
 
-__all__ = ["CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "fast_path_available",
-           "resolve", "select_xp", "validate"]
+__all__ = ["CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "explicit_fields",
+           "fast_path_available", "flag_of", "model_block_size", "resolve", "resume_config", "select_xp", "validate"]

@@ -39,10 +39,8 @@ BYTE_VOCAB = 256
 
 # Directories of the standard library that are not "prose-like" source: test suites, vendored
 # packages, generated codec tables.
-_STDLIB_EXCLUDE = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3", "encodings",
-     "ensurepip"}
-)
+_STDLIB_EXCLUDE = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
+                             "encodings", "ensurepip"})
 EMBEDDED = "stdlib"  # the --data name of the embedded corpus
 FULL_SCAN_TOKENS = 2_000_000_000  # above this, load_corpus scans only some files for the largest token id
 
@@ -205,6 +203,7 @@ class Corpus:
     tokenizer: str  # 'bytes' or 'gpt2'
     description: str
     max_token: int = field(default=-1)
+    notes: list = field(default_factory=list)  # what loading chose that the user may not expect (one line each)
 
     @property
     def n_train(self) -> int:
@@ -221,8 +220,8 @@ class Corpus:
                             f"use a model with --vocab-size >= {self.max_token + 1}")
 
 
-def _expand(spec: str) -> list[Path]:
-    """A file, a directory (its .bin shards, else its text files), or a glob pattern."""
+def _expand(spec: str, notes: list | None = None) -> list[Path]:
+    """A file, a directory (its .bin shards, else its text files: a note says so), or a glob pattern."""
     if any(ch in spec for ch in "*?["):
         paths = sorted(Path(p) for p in glob.glob(spec))
         if not paths:
@@ -231,9 +230,12 @@ def _expand(spec: str) -> list[Path]:
     p = Path(spec).expanduser()
     if p.is_dir():
         shards = sorted(p.glob("*.bin"))
-        if shards:
-            return shards
         texts = sorted(q for q in p.iterdir() if q.is_file() and q.suffix in (".txt", ".md", ".py", ".rst"))
+        if shards:
+            if texts and notes is not None:
+                notes.append(f"{p} holds .bin shards and text files: training on its {len(shards)} .bin file(s) "
+                             f"only, not on its {len(texts)} text file(s) ({texts[0].name}, ...)")
+            return shards
         if not texts:
             raise DataError(f"directory {p} holds no .bin shards and no .txt/.md/.py/.rst files")
         return texts
@@ -278,6 +280,7 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    notes: list[str] = []
     if data in (None, "", EMBEDDED, "embedded"):
         raw = embedded_corpus(max_bytes)
         arrays, tok = [np.frombuffer(raw, dtype=np.uint8)], "bytes"
@@ -285,7 +288,7 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
         desc = (f"embedded corpus: Python {sysconfig.get_python_version()} standard library sources "
                 f"({len(raw) / 1e6:.1f} MB, sha1 {digest})")
     else:
-        paths = _expand(data)
+        paths = _expand(data, notes)
         arrays, tok = _read_any(paths)
         desc = f"{data} ({len(paths)} file{'s' if len(paths) > 1 else ''})"
         if val_data is None and tok == "gpt2" and len(paths) > 1:
@@ -293,17 +296,17 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
             if any(is_val) and not all(is_val):
                 val = [a for a, v in zip(arrays, is_val) if v]
                 train = [a for a, v in zip(arrays, is_val) if not v]
-                return _finish(train, val, tok, desc)
+                return _finish(train, val, tok, desc, notes)
     if val_data is not None:
-        val_arrays, val_tok = _read_any(_expand(val_data))
+        val_arrays, val_tok = _read_any(_expand(val_data, notes))
         if val_tok != tok:
             raise DataError(f"--val-data holds {val_tok} tokens but --data holds {tok} tokens")
-        return _finish(arrays, val_arrays, tok, desc)
+        return _finish(arrays, val_arrays, tok, desc, notes)
     train, val = _tail_split(arrays, val_fraction)
-    return _finish(train, val, tok, desc)
+    return _finish(train, val, tok, desc, notes)
 
 
-def _finish(train, val, tok, desc) -> Corpus:
+def _finish(train, val, tok, desc, notes=()) -> Corpus:
     train = [a for a in train if a.size]
     val = [a for a in val if a.size]
     if not train:
@@ -313,7 +316,7 @@ def _finish(train, val, tok, desc) -> Corpus:
         every = [train[0], train[-1], *val[:1]]  # every batch is checked again as it is read
     mx = max(int(a.max()) for a in every)
     vocab = BYTE_VOCAB if tok == "bytes" else max(GPT2_VOCAB, mx + 1)
-    return Corpus(train=train, val=val, vocab_size=vocab, tokenizer=tok, description=desc, max_token=mx)
+    return Corpus(train, val, vocab_size=vocab, tokenizer=tok, description=desc, max_token=mx, notes=list(notes))
 
 
 # --------------------------------------------------------------------------- batches

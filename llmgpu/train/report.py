@@ -19,7 +19,8 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._len = 0
 
-    def update(self, step: int, *, loss=None, val=None, lr=None, tok_s=None, mfu=None, elapsed=None, eta=None):
+    def update(self, step: int, *, loss=None, val=None, lr=None, tok_s=None, mfu=None, elapsed=None, eta=None,
+               skipped=0):
         if not self.enabled:
             return
         frac = min(step / self.total, 1.0) if self.total else 0.0
@@ -36,6 +37,8 @@ class Progress:
             parts.append(f"{_si(tok_s)} tok/s")
         if mfu is not None:
             parts.append(f"MFU {100 * mfu:.1f}%")
+        if skipped:
+            parts.append(f"skipped {skipped}")  # steps whose inf/nan gradients were not applied
         if elapsed is not None:
             parts.append(f"{_hms(elapsed)}" + (f"<{_hms(eta)}" if eta is not None else ""))
         line = " | ".join(parts)
@@ -55,6 +58,14 @@ class Progress:
             self._len = 0
         self.stream.write(text + "\n")
         self.stream.flush()
+
+    def warn(self, text: str):
+        """A line printed even when progress output is off (what the user must not miss)."""
+        enabled, self.enabled = self.enabled, True
+        try:
+            self.message(text)
+        finally:
+            self.enabled = enabled
 
     def close(self):
         if self.enabled and self.tty and self._len:

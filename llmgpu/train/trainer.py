@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import replace
@@ -29,10 +28,13 @@ from ..optim import lr_at
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from ..plotting import plot_losses
 from ..version import __version__
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import RESUME_OVERRIDES, ConfigError, TrainConfig, fast_path_available, resolve, select_xp
+from . import checkpoint as ckpt_files
+from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
+from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
 from .data import BatchLoader, Corpus, DataStream, get_tokenizer, load_corpus
 from .report import Progress, read_log
+from .rundir import check_out, clear_run, continue_log, default_out_dir, resume_target, write_config
+from .sampling import prompt_ids
 from .step import TrainStep
 
 
@@ -45,35 +47,58 @@ class Trainer:
     ``run()`` the whole loop.
     """
 
-    def __init__(self, cfg: TrainConfig, *, xp=None, corpus: Corpus | None = None):
+    def __init__(self, cfg: TrainConfig, *, xp=None, corpus: Corpus | None = None, explicit=None):
+        """``explicit``: the fields the user set (the CLI passes its explicit flags); on resume every other
+        field comes from the checkpoint, and a set field a resume cannot change is a ConfigError."""
         xp = xp if xp is not None else select_xp(cfg.device)
+        self.notes: list[str] = []  # what the run does differently from what was asked (one line each)
         meta = ckpt_model = ckpt_optim = None
+        self.forked, self.fork_from = False, None  # resumed into another directory; the run it came from
+        self.last_checkpoint = None  # the newest complete checkpoint of this run on disk
         if cfg.resume:
+            self.last_checkpoint = find_checkpoint(cfg.resume)
             ckpt_model, meta, ckpt_optim = load_checkpoint(cfg.resume)
-            saved = TrainConfig.from_dict(meta["train_config"])
-            # what the command line sets explicitly wins; everything else comes from the checkpoint
-            over = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if getattr(cfg, k) is not None}
-            cfg = replace(saved, **over)
+            try:
+                saved = TrainConfig.from_dict(meta["train_config"])
+                saved = replace(saved, block_size=GPTConfig.from_dict(meta["model_config"]).block_size)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{self.last_checkpoint / ckpt_files.META_FILE}: no usable training "
+                                      f"configuration ({type(e).__name__}: {e})") from None
+            out, self.forked, self.fork_from = resume_target(cfg.resume, cfg.out)
+            cfg = replace(resume_config(saved, cfg, explicit), out=str(out))
             fast_ok, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every) if cfg.fast else (True, "")
             if not fast_ok:
                 # the run used the fast step, which this machine cannot run: continue on the book step
                 # (same model and state; the losses will differ from an uninterrupted run in the last bits)
-                print(f"llmgpu: the checkpointed run used the fast step (--fast), unavailable here: {why}; "
-                      "resuming with the book step", file=sys.stderr)
+                self._note(f"the checkpointed run used the fast step (--fast), unavailable here: {why}; resuming "
+                           "with the book step")
                 cfg = replace(cfg, fast=False, graph=False)
+        elif cfg.out is None:
+            cfg = replace(cfg, out=default_out_dir())
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
+        if not cfg.resume or self.forked:  # a new directory: never over another run
+            check_out(Path(cfg.out), cfg.overwrite)
+        if cfg.device == "auto" and xp is np and backend.cupy_module() is not None:
+            # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
+            self._note(f"no usable GPU, so this run trains on the CPU with NumPy (expected on a machine without a "
+                       f"GPU; --device cpu skips the check): {backend.gpu_unavailable_reason()}")
         if xp is np and cfg.cpu_threads != 0:
             backend.blas_threads(cfg.cpu_threads or 1)
 
         # data
         self.corpus = corpus or load_corpus(cfg.data, val_data=cfg.val_data, val_fraction=cfg.val_fraction)
+        for n in self.corpus.notes:
+            self._note(n)
         if meta is not None:
             mcfg = GPTConfig.from_dict(meta["model_config"])
         else:
             base = GPTConfig.preset(cfg.preset)
-            mcfg = replace(base, vocab_size=cfg.vocab_size or self.corpus.vocab_size,
-                           block_size=max(base.block_size, cfg.seq), pad_vocab_to=cfg.pad_vocab)
+            vocab = cfg.vocab_size or self.corpus.vocab_size
+            if cfg.vocab_size is None and vocab != base.vocab_size:
+                self._note(f"the {cfg.preset} preset's vocabulary {base.vocab_size} becomes the data's {vocab} "
+                           f"({self.corpus.tokenizer} tokens; --vocab-size sets it)")
+            mcfg = replace(base, vocab_size=vocab, block_size=model_block_size(cfg), pad_vocab_to=cfg.pad_vocab)
         if cfg.seq > mcfg.block_size:
             raise ConfigError(f"--seq {cfg.seq} exceeds the model's block size {mcfg.block_size}")
         self.corpus.check_vocab(mcfg.vocab_size)
@@ -82,6 +107,11 @@ class Trainer:
                                         vocab_size=mcfg.vocab_size)
         self.stream = DataStream(self.train_loader, xp, async_copy=cfg.async_copy)
         self.val_loader = _val_loader(self.corpus.val, cfg.batch, cfg.seq, mcfg.vocab_size)
+        if cfg.eval_every and self.val_loader is None:
+            self._note(f"no validation: the {self.corpus.n_val} validation tokens make no sequence of {cfg.seq}")
+        elif cfg.eval_every and self.val_loader.batches_per_epoch() < cfg.eval_batches:
+            self._note(f"validation uses {self.val_loader.batches_per_epoch()} batch(es) of "
+                       f"{self.val_loader.batch}, all the validation data holds (--eval-batches {cfg.eval_batches})")
 
         # model, optimizer, precision
         model_cls = FastGPT if cfg.fast else GPT
@@ -96,7 +126,25 @@ class Trainer:
         self.budget_fitted = False
         if meta is not None:
             self._restore(ckpt_model, ckpt_optim, meta)
+        if self.total_steps is not None and cfg.warmup > self.total_steps:
+            self._note(self._warmup_note())
         self.flops_per_token = mcfg.flops_per_token(cfg.seq)
+        self._print_notes()
+
+    def _note(self, text: str):
+        """Say what the run adjusts (one line, even with --quiet), kept for config.json and the log. Notes
+        of the set-up are printed once it has succeeded, so an error stays the only line."""
+        self.notes.append(text)
+        if getattr(self, "_bar", None) is not None:
+            self._bar.warn(f"llmgpu: note: {text}")
+
+    def _print_notes(self):
+        for text in self.notes:
+            print(f"llmgpu: note: {text}", file=sys.stderr)
+
+    def _warmup_note(self) -> str:
+        n = self.total_steps
+        return f"--warmup {self.cfg.warmup} is longer than the run ({n} steps): it warms up over all {n}, never decays"
 
     @property
     def tokens_per_step(self) -> int:
@@ -111,7 +159,8 @@ class Trainer:
         Returns a device array ``[mean loss, gradient norm (unscaled, before clipping), found_inf]``.
         """
         batches = [self.stream.next() for _ in range(self.cfg.grad_accum)]  # on the device already
-        out = self.step_fn(batches, lr)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the run checks for inf/nan itself
+            out = self.step_fn(batches, lr)
         self.step += 1
         return out
 
@@ -159,19 +208,35 @@ class Trainer:
             "rng": self.rng.bit_generator.state,
             "llmgpu": __version__,
         }
-        return save_checkpoint(d, model=sd, optim=optim, meta=meta)
+        path = save_checkpoint(d, model=sd, optim=optim, meta=meta)
+        if directory is None:
+            self.last_checkpoint = path
+        return path
+
+    def weights_finite(self) -> bool:
+        """Whether every master weight is finite (one reduction, one host sync): a checkpoint must be."""
+        return bool(self.xp.isfinite(self.params.data).all())
 
     def _restore(self, model_arrays: dict, optim_arrays: dict | None, meta: dict):
-        self.model.load_state_dict(model_arrays)
+        d = self.last_checkpoint
         if optim_arrays is None:
-            raise ConfigError("the checkpoint holds no optimizer state (optim.npz): cannot resume training from it")
-        ost = dict(meta["optimizer"])
-        ost["m"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("m/")}
-        ost["v"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("v/")}
-        self.opt.load_state_dict(ost)
-        self.scaler.load_state_dict(meta["scaler"])
-        self.stream.load_state_dict(meta["data"])
-        self.rng.bit_generator.state = meta["rng"]
+            raise CheckpointError(f"{d / ckpt_files.OPTIM_FILE} is missing: the checkpoint holds no optimizer state, "
+                                  "so training cannot resume from it (llmgpu sample can still read it)")
+        bad = non_finite(model_arrays)
+        if bad:
+            raise CheckpointError(f"{d / ckpt_files.MODEL_FILE} holds inf/nan weights ({bad}): the run had diverged")
+        try:
+            self.model.load_state_dict(model_arrays)
+            ost = dict(meta["optimizer"])
+            ost["m"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("m/")}
+            ost["v"] = {k[2:]: v for k, v in optim_arrays.items() if k.startswith("v/")}
+            self.opt.load_state_dict(ost)
+            self.scaler.load_state_dict(meta["scaler"])
+            self.stream.load_state_dict(meta["data"])
+            self.rng.bit_generator.state = meta["rng"]
+        except (KeyError, TypeError, ValueError) as e:  # arrays or state that do not fit this run
+            raise CheckpointError(f"checkpoint {d} does not match its own configuration ({type(e).__name__}: "
+                                  f"{e})") from None
         self.step = int(meta["step"])
         # the schedule's length: an explicit --steps, else the one the interrupted run used
         if self.cfg.steps is not None and self.cfg.steps != meta.get("total_steps"):
@@ -199,10 +264,18 @@ class Trainer:
         """
         c, xp = self.cfg, self.xp
         out = Path(c.out)
-        out.mkdir(parents=True, exist_ok=True)
         log_path = out / "log.jsonl"
         resumed = self.step > 0
-        if not resumed and log_path.exists():
+        if not resumed or self.forked:
+            check_out(out, c.overwrite)  # again: the directory may have filled since __init__
+            if out.is_dir() and c.overwrite:
+                clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        kept = []  # the log records of the steps before this session (a resumed run's)
+        if resumed:  # the log up to the checkpoint: steps done after it are done again now
+            src = (self.fork_from / "log.jsonl") if self.forked and self.fork_from else log_path
+            kept = continue_log(src, log_path, self.step)
+        elif log_path.exists():
             log_path.unlink()
         logf = open(log_path, "a")
 
@@ -213,7 +286,7 @@ class Trainer:
         ceiling, ceiling_src = mfu_ceiling(xp, c.dtype)  # MFU's denominator, measured now
         datasheet, gpu_model = datasheet_peak_tflops(xp, c.dtype)
         mc = self.model.config
-        bar = Progress(self.total_steps or 0, enabled=c.progress)
+        bar = self._bar = Progress(self.total_steps or 0, enabled=c.progress)
         bar.message(f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {self.model.num_parameters() / 1e6:.2f}M "
                     f"parameters, vocab {mc.vocab_size}, {backend.dtype_name(self.model.dtype)}, batch "
                     f"{c.batch}x{c.seq}x{c.grad_accum}"
@@ -223,8 +296,11 @@ class Trainer:
         bar.message(f"data: {self.corpus.description}; {self.corpus.n_train:,} training / "
                     f"{self.corpus.n_val:,} validation tokens; output: {out}")
         if resumed:
-            bar.message(f"resumed from step {self.step}")
-        log({"type": "run", "step": self.step, "config": c.as_dict(), "model": mc.as_dict(),
+            bar.message(f"resumed from step {self.step} ({self.last_checkpoint})")
+        write_config(out, {"config": c.as_dict(), "model": mc.as_dict(), "data": self.corpus.description,
+                           "notes": self.notes, "step": self.step,
+                           "resumed_from": str(self.last_checkpoint) if resumed else None})
+        log({"type": "run", "step": self.step, "config": c.as_dict(), "model": mc.as_dict(), "notes": self.notes,
              "parameters": self.model.num_parameters(), "device": backend.device_info(xp).as_dict(),
              "mfu_ceiling_tflops": ceiling, "mfu_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
              "datasheet_peak_tflops": datasheet, "datasheet_gpu": gpu_model, "data": self.corpus.description})
@@ -237,7 +313,8 @@ class Trainer:
                 bar.message(f"step 0: val loss {first_val:.4f}")
 
         pending: list = []  # (step, lr, device record) since the last sync
-        state = {"last_loss": None}
+        state = {"last_loss": None, "streak": 0, "failure": None,
+                 "skipped": sum(1 for r in kept if r.get("type") == "train" and r.get("skipped"))}
 
         def flush(t_from, steps_from):
             """The one host sync of a log interval: fetch the records, write the log lines."""
@@ -251,6 +328,7 @@ class Trainer:
                 if s_ == pending[-1][0]:
                     entry.update(tokens_per_s=tok_s, mfu=util, time_s=now - t0)
                 log(entry)
+                self._check_step(state, s_, float(loss), bool(inf))
             state["last_loss"] = float(host[-1][0])
             pending.clear()
             return now, tok_s, util
@@ -292,14 +370,14 @@ class Trainer:
                         bar.total = self.total_steps
                         if announce:
                             bar.message(f"time budget {c.max_time:.0f} s: about {self.total_steps} steps")
+                            if c.warmup > self.total_steps:
+                                self._note(self._warmup_note())
                     eta = None
                     if self.total_steps and self.step > 1:
                         eta = (now - probe_start) / (self.step - 1) * (self.total_steps - self.step)
                     bar.update(self.step, loss=state["last_loss"], val=last_val, lr=lr, tok_s=tok_s, mfu=util,
-                               elapsed=now - t0, eta=eta)
-                    if not math.isfinite(state["last_loss"]) and not self.scaler.enabled:
-                        bar.message(f"step {self.step}: the loss is {state['last_loss']}; stopping")
-                        stop_reason = "diverged"
+                               elapsed=now - t0, eta=eta, skipped=state["skipped"])
+                    if state["failure"]:
                         break
                 if due_eval:
                     last_val = self.evaluate()
@@ -307,7 +385,8 @@ class Trainer:
                         log({"type": "val", "step": self.step, "val_loss": last_val})
                     t_last = time.perf_counter()  # evaluation time does not count against tokens/s
                 if due_save:
-                    self.save()
+                    if not self._save_if_finite(state):
+                        break
                     t_last = time.perf_counter()
         except KeyboardInterrupt:
             stop_reason = "interrupted"
@@ -315,34 +394,71 @@ class Trainer:
         if pending:  # stopped between syncs
             flush(t_last, steps_last)
         elapsed = time.perf_counter() - t0
-        if c.eval_every and stop_reason != "interrupted" and (last_val is None or self.step % c.eval_every):
+        failed = state["failure"] is not None
+        if c.eval_every and not failed and stop_reason != "interrupted" and (last_val is None
+                                                                              or self.step % c.eval_every):
             v = self.evaluate()
             if v is not None:
                 last_val = v
                 log({"type": "val", "step": self.step, "val_loss": v})
         bar.close()
-        ckpt = self.save()
+        if not failed:
+            self._save_if_finite(state)
+            failed = state["failure"] is not None
+        ckpt = self.last_checkpoint  # a failed run keeps the last good one: nothing bad is written over it
+        if failed:
+            stop_reason = state["failure"][0]
         summary = {"steps": self.step, "stop_reason": stop_reason, "train_time_s": elapsed,
                    "first_val_loss": first_val, "val_loss": last_val, "train_loss": state["last_loss"],
-                   "tokens": self.step * self.tokens_per_step, "checkpoint": str(ckpt), "out": str(out)}
+                   "skipped_steps": state["skipped"], "tokens": self.step * self.tokens_per_step,
+                   "checkpoint": str(ckpt) if ckpt else None, "out": str(out), "notes": self.notes}
+        if failed:
+            summary["error"] = state["failure"][1] + (f"; the last good checkpoint is {ckpt}" if ckpt else
+                                                      "; no checkpoint was saved (--save-every N keeps some)")
         final = stop_reason not in ("stop_at", "interrupted")
         if c.plot and final:
             try:
                 summary["plot"] = str(plot_losses(read_log(log_path), out / "loss.png"))
             except Exception as e:  # a plot must never lose a finished run
                 bar.message(f"(no loss plot: {type(e).__name__}: {e})")
-        if c.sample_tokens and final:
+        if c.sample_tokens and final and not failed:
             text = self.sample()
             (out / "samples.txt").write_text(text + "\n")
             summary["sample"] = text
         log({"type": "end", **{k: v for k, v in summary.items() if k != "sample"}})
         logf.close()
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if failed:
+            bar.message(f"stopped at step {self.step}: {summary['error']}")
+            return summary
         bar.message(f"done: {self.step} steps in {elapsed:.0f} s; "
                     + (f"val loss {first_val:.3f} -> {last_val:.3f}; " if first_val is not None and last_val
                        is not None else (f"val loss {last_val:.3f}; " if last_val is not None else ""))
+                    + (f"{state['skipped']} steps skipped (inf/nan gradients); " if state["skipped"] else "")
                     + f"checkpoint {ckpt}")
         return summary
+
+    def _check_step(self, state: dict, step: int, loss: float, skipped: bool):
+        """Count a skipped step; record the first failure: a non-finite loss without loss scaling (those steps
+        are skipped, but the weights that produced it are broken), or too many skipped steps in a row."""
+        state["skipped"] += skipped
+        state["streak"] = state["streak"] + 1 if skipped else 0
+        if state["failure"]:
+            return
+        if not math.isfinite(loss) and not self.scaler.enabled:
+            state["failure"] = ("diverged", f"the loss is {loss} at step {step}: the run diverged")
+        elif self.cfg.max_skipped_steps and state["streak"] >= self.cfg.max_skipped_steps:
+            state["failure"] = ("skipped", f"{state['streak']} steps in a row (up to step {step}) were skipped for "
+                                f"inf/nan gradients (--max-skipped-steps {self.cfg.max_skipped_steps}): the run "
+                                "diverged")
+
+    def _save_if_finite(self, state: dict) -> bool:
+        """Checkpoint unless a weight is inf/nan (then record the failure: the last good checkpoint stays)."""
+        if not self.weights_finite():
+            state["failure"] = ("diverged", f"the weights hold inf/nan after step {self.step}: the run diverged")
+            return False
+        self.save()
+        return True
 
     def _fit_budget(self, per_step: float, elapsed: float):
         """Set total_steps from the measured seconds per step so the schedule ends when max_time runs out."""
@@ -363,35 +479,15 @@ def _val_loader(val_arrays, batch, seq, vocab_size):
     return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)
 
 
-def prompt_ids(tokenizer, prompt: str | None) -> list[int]:
-    """Token ids of a prompt. ``None``: a default ('def ' for bytes, <|endoftext|> for GPT-2).
-    A GPT-2 prompt may also be given as comma-separated ids ('ids:50256,464')."""
-    if prompt is None:
-        return tokenizer.encode("def ") if tokenizer.name == "bytes" else [50256]
-    if prompt.startswith("ids:"):
-        try:
-            return [int(t) for t in prompt[4:].split(",") if t.strip()]
-        except ValueError:
-            raise ConfigError(f"--prompt ids:... must be comma-separated integers, got {prompt!r}") from None
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise ConfigError("the prompt is empty")
-    return ids
-
-
 # --------------------------------------------------------------------------- entry points
 
 
-def default_out_dir() -> str:
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-
-
-def train(cfg: TrainConfig | None = None, **kwargs) -> dict:
-    """Run a training job; returns the summary (see ``Trainer.run``)."""
+def train(cfg: TrainConfig | None = None, *, explicit=None, **kwargs) -> dict:
+    """Run a training job; returns the summary (see ``Trainer.run``). ``explicit``: see ``Trainer``."""
     cfg = replace(cfg or TrainConfig(), **kwargs)
-    if cfg.out is None and not cfg.resume:
-        cfg = replace(cfg, out=default_out_dir())
-    return Trainer(cfg).run()
+    if explicit is not None:
+        explicit = set(explicit) | set(kwargs)
+    return Trainer(cfg, explicit=explicit).run()
 
 
 __all__ = ["Trainer", "default_out_dir", "prompt_ids", "train"]

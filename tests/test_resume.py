@@ -1,0 +1,332 @@
+"""Runs and checkpoints: --resume continues in its directory, refuses what it cannot apply, never loses a run;
+damaged checkpoints are one line; a save killed at any point leaves the last complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmgpu.cli import main
+from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve
+from llmgpu.train import checkpoint as ck
+from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.ch7
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--eval-every", "0", "--quiet",
+        "--no-plot", "--sample-tokens", "0"]
+FAST = dict(preset="tiny", device="cpu", batch=2, seq=16, lr=3e-3, warmup=2, eval_every=0, log_every=2,
+            progress=False, sample_tokens=0, plot=False)
+
+
+def _one_error_line(capsys, code, *needles):
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("llmgpu: error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def _train_steps(out):
+    return [r["step"] for r in read_log(out) if r["type"] == "train"]
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in read_log(out) if r["type"] == "train"}
+
+
+# --------------------------------------------------------------------------- --resume writes where the run is
+
+
+def test_resume_continues_in_the_directory_it_is_given(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--steps", "3", "--out", "rA"]) == 0
+    shutil.move("rA", "rB")
+    assert main(["train", "--resume", "rB", "--steps", "6"]) == 0
+    assert not Path("rA").exists()  # not re-created from the checkpoint's old --out
+    assert load_checkpoint("rB")[1]["step"] == 6 and _train_steps("rB") == [1, 2, 3, 4, 5, 6]
+    assert json.loads(Path("rB/summary.json").read_text())["steps"] == 6
+    # a default run (runs/<timestamp>) resumed from elsewhere does not re-create runs/<timestamp>
+    assert main(["train", *TINY, "--steps", "2"]) == 0
+    (old,) = Path("runs").iterdir()
+    shutil.move(str(old), "moved")
+    Path("runs").rmdir()
+    assert main(["train", "--resume", "moved/checkpoint", "--steps", "3"]) == 0  # the checkpoint dir works too
+    assert not Path("runs").exists() and _train_steps("moved") == [1, 2, 3]
+
+
+def test_resume_into_another_directory_starts_it_with_the_log_so_far(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(TrainConfig(**FAST, steps=6, out=str(a))).run(stop_at=3)
+    Trainer(TrainConfig(resume=str(a), out=str(b))).run()
+    assert _train_steps(a) == [1, 2, 3] and load_checkpoint(a)[1]["step"] == 3  # the source is left alone
+    assert _train_steps(b) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ConfigError, match="already holds a run"):  # and the target must not be another run
+        Trainer(TrainConfig(resume=str(a), out=str(b)))
+
+
+def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path):
+    """A run killed after its last save logged steps the resume does again: they are not counted twice."""
+    out = tmp_path / "r"
+    Trainer(TrainConfig(**FAST, steps=6, out=str(out))).run(stop_at=2)
+    shutil.copytree(out / "checkpoint", tmp_path / "at2")
+    Trainer(TrainConfig(resume=str(out))).run(stop_at=4)
+    first = _losses(out)
+    shutil.rmtree(out / "checkpoint")
+    shutil.copytree(tmp_path / "at2", out / "checkpoint")  # as if killed at step 4 with the step-2 checkpoint
+    Trainer(TrainConfig(resume=str(out))).run()
+    assert _train_steps(out) == [1, 2, 3, 4, 5, 6]
+    again = _losses(out)
+    np.testing.assert_allclose([again[s] for s in (3, 4)], [first[s] for s in (3, 4)], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("flag,value", [("--preset", "d6"), ("--dtype", "fp16"), ("--seq", "8"), ("--batch", "4"),
+                                        ("--seed", "1"), ("--data", "x.txt"), ("--grad-accum", "2")])
+def test_resume_refuses_flags_it_cannot_apply(tmp_path, capsys, flag, value):
+    out = str(tmp_path / "r")
+    assert main(["train", *TINY, "--steps", "2", "--out", out]) == 0
+    capsys.readouterr()
+    _one_error_line(capsys, main(["train", "--resume", out, flag, value]), flag, "cannot change", "--steps")
+    # the run's own value, the flags a resume takes (length, schedule, cadence) and presentation all work
+    assert main(["train", "--resume", out, "--steps", "4", "--lr", "1e-3", "--warmup", "1", "--log-every", "1",
+                 "--batch", "2", "--quiet"]) == 0
+    assert load_checkpoint(out)[1]["step"] == 4
+
+
+def test_resume_api_refuses_changed_settings(tmp_path):
+    out = str(tmp_path / "r")
+    Trainer(TrainConfig(**FAST, steps=3, out=out)).run(stop_at=1)
+    with pytest.raises(ConfigError, match="--preset d6 .the run has tiny. cannot change"):
+        Trainer(TrainConfig(resume=out, preset="d6"))
+    t = Trainer(TrainConfig(resume=out, steps=5, log_every=1))  # what it may change it takes
+    assert (t.total_steps, t.cfg.log_every, t.cfg.seq) == (5, 1, 16)
+
+
+# --------------------------------------------------------------------------- --out, --overwrite, exit codes
+
+
+def test_out_of_an_existing_run_is_refused_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "2", "--out", str(out)]), "already holds a run",
+                    "--resume", "--overwrite")
+    assert load_checkpoint(out)[1]["step"] == 3  # untouched
+    (out / "keep.txt").write_text("mine")
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out), "--overwrite"]) == 0
+    assert load_checkpoint(out)[1]["step"] == 2 and _train_steps(out) == [1, 2]
+    assert (out / "keep.txt").read_text() == "mine"  # only the run's own files are replaced
+
+
+def test_output_errors_exit_2_with_one_line(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", str(f)]), "not a directory")
+    # an OSError while writing (here: a file where a directory must go) is one line and exit 2 too
+    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--warmup", "1", "--out", str(f / "sub")]),
+                    str(f / "sub"))
+
+
+def test_ctrl_c_saves_says_where_and_exits_130(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r"
+    real = Trainer.train_step
+
+    def step(self, lr):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real(self, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert main(["train", *TINY, "--steps", "6", "--warmup", "1", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted at step 3" in err[0] and str(out / "checkpoint") in err[0], err
+    assert f"--resume {out}" in err[0]
+    assert load_checkpoint(out)[1]["step"] == 3
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert main(["train", "--resume", str(out)]) == 0
+    assert _train_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+# --------------------------------------------------------------------------- the model's block size
+
+
+def test_seq_beyond_the_block_size_needs_block_size(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="--seq 256 exceeds the model's block size 128.*--block-size 256"):
+        resolve(TrainConfig(seq=256), np)
+    assert resolve(TrainConfig(block_size=64), np).seq == 64  # the default seq never outgrows the model
+    t = Trainer(TrainConfig(**{**FAST, "seq": 160}, block_size=160, steps=1, out=str(tmp_path / "b")))
+    assert t.model.config.block_size == 160
+    assert Trainer(TrainConfig(**FAST, steps=1, out=str(tmp_path / "c"))).model.config.block_size == 128
+    capsys.readouterr()
+    _one_error_line(capsys, main(["train", *TINY[:6], "--seq", "200", "--steps", "1"]), "--seq 200", "--block-size")
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def _damage(ckpt: Path, how: str) -> str:
+    """Damage a checkpoint directory; returns the file the error must name."""
+    if how == "truncated":
+        data = (ckpt / "model.npz").read_bytes()
+        (ckpt / "model.npz").write_bytes(data[: len(data) // 2])
+        return "model.npz"
+    if how == "missing-model":
+        (ckpt / "model.npz").unlink()
+        return "model.npz"
+    if how == "garbage-model":
+        (ckpt / "model.npz").write_bytes(b"not a zip file at all")
+        return "model.npz"
+    if how == "meta-json":
+        (ckpt / "meta.json").write_text("{not json")
+        return "meta.json"
+    if how == "format":
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["format"] = "something-else"
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+        return "meta.json"
+    if how == "meta-list":
+        (ckpt / "meta.json").write_text("[1, 2]")
+        return "meta.json"
+    if how == "missing-optim":
+        (ckpt / "optim.npz").unlink()
+        return "optim.npz"
+    if how == "wrong-shapes":
+        z = dict(np.load(ckpt / "model.npz"))
+        z["transformer.wte.weight"] = z["transformer.wte.weight"][:, :7]
+        with open(ckpt / "model.npz", "wb") as f:
+            np.savez(f, **z)
+        return str(ckpt)
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing-model", "garbage-model", "meta-json", "format", "meta-list",
+                                 "missing-optim", "wrong-shapes"])
+def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, how):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    name = _damage(out / "checkpoint", how)
+    _one_error_line(capsys, main(["train", "--resume", str(out), "--steps", "3"]), name)
+    if how != "missing-optim":  # sampling needs no optimizer state
+        _one_error_line(capsys, main(["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"]), name)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+    w1 = {"a": np.arange(6, dtype=np.float32)}
+    save_checkpoint(d, model=w1, meta={"step": 1, "model_config": {}})
+    real = ck._savez
+
+    def full_disk(path, arrays):
+        real(path, arrays)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(ck, "_savez", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(d, model={"a": np.zeros(6, np.float32)}, meta={"step": 2, "model_config": {}})
+    model, meta, _ = load_checkpoint(d)
+    assert meta["step"] == 1 and np.array_equal(model["a"], w1["a"])
+    assert not (tmp_path / "ck.tmp").exists()  # the partial copy is removed
+
+
+# A training run whose checkpoint save at step 4 is slowed at one point (the file being written, or between the
+# two renames), so the test can SIGKILL it there.
+_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from llmgpu.train import TrainConfig, Trainer, checkpoint as ck, trainer
+    point, out = sys.argv[1], sys.argv[2]
+    saves = {"n": 0}
+    real_save, real_savez, real_replace = trainer.save_checkpoint, ck._savez, os.replace
+
+    def save(*a, **k):
+        saves["n"] += 1
+        return real_save(*a, **k)
+
+    def stall(what):
+        print("killme", what, flush=True)
+        time.sleep(600)
+
+    def savez(path, arrays):
+        if point == "writing" and saves["n"] == 2:
+            with open(path, "wb") as f:
+                f.write(b"PK\\x03\\x04 half a file")
+            stall(path)
+        real_savez(path, arrays)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if point == "swapping" and saves["n"] == 2 and str(dst).endswith(".old"):
+            stall(dst)
+
+    trainer.save_checkpoint, ck._savez, os.replace = save, savez, replace
+    Trainer(TrainConfig(preset="tiny", device="cpu", batch=2, seq=16, warmup=2, eval_every=0, log_every=1,
+                        save_every=2, steps=6, progress=False, sample_tokens=0, plot=False, out=out)).run()
+""")
+
+
+@pytest.mark.parametrize("point", ["writing", "swapping"])
+def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path, point):
+    out = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, point, str(out)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stdout.readline()  # blocks until the child stalls inside its second save (step 4)
+        assert line.startswith("killme"), line
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    logged = _losses(out)
+    assert sorted(logged) == [1, 2, 3, 4]  # the killed run got to step 4
+    expected = {"writing": out / "checkpoint", "swapping": out / "checkpoint.old"}[point]
+    assert find_checkpoint(out) == expected
+    assert load_checkpoint(out)[1]["step"] == 2  # the last complete checkpoint
+    t = Trainer(TrainConfig(resume=str(out)))
+    assert t.step == 2
+    t.run()
+    assert _train_steps(out) == [1, 2, 3, 4, 5, 6]
+    again = _losses(out)
+    np.testing.assert_allclose([again[s] for s in (3, 4)], [logged[s] for s in (3, 4)], rtol=1e-6, atol=0)
+    assert find_checkpoint(out) == out / "checkpoint" and load_checkpoint(out)[1]["step"] == 6
+    assert not (out / "checkpoint.old").exists() and not (out / "checkpoint.tmp").exists()
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    d = tmp_path / "ck"
+    save_checkpoint(d, model={"a": np.ones(3, np.float32)}, meta={"step": 1, "model_config": {}})
+    (d / "meta.json").write_text(json.dumps({"format": ck.FORMAT}))
+    with pytest.raises(CheckpointError, match="meta.json lacks model_config, step"):
+        load_checkpoint(d)
+    (d / "model.npz").unlink()
+    with pytest.raises(CheckpointError, match="incomplete.*model.npz is missing"):
+        load_checkpoint(d)
+
+
+def test_a_checkpoint_outside_a_run_directory_needs_out(tmp_path):
+    Trainer(TrainConfig(**FAST, steps=4, out=str(tmp_path / "r"))).run(stop_at=2)
+    shutil.copytree(tmp_path / "r" / "checkpoint", tmp_path / "saved")
+    with pytest.raises(ConfigError, match="outside a run directory: give --out"):
+        Trainer(TrainConfig(resume=str(tmp_path / "saved")))
+    Trainer(TrainConfig(resume=str(tmp_path / "saved"), out=str(tmp_path / "new"))).run()
+    assert load_checkpoint(tmp_path / "new")[1]["step"] == 4 and _train_steps(tmp_path / "new") == [3, 4]
+
+
+def test_overwrite_is_never_inherited_from_the_checkpoint(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(TrainConfig(**FAST, steps=4, out=str(b))).run()
+    Trainer(TrainConfig(**FAST, steps=4, overwrite=True, out=str(a))).run(stop_at=2)
+    with pytest.raises(ConfigError, match="already holds a run"):  # --overwrite was the first run's, not this one's
+        Trainer(TrainConfig(resume=str(a), out=str(b)))
