@@ -130,3 +130,13 @@ def test_files_stay_readable():
 def test_no_docstring_cites_a_file_outside_the_repository():
     for p in ROOT.rglob("*.py"):
         assert "DESIGN.md" not in p.read_text(), f"{p.relative_to(ROOT)} cites DESIGN.md, which is not in the repo"
+
+
+def test_no_private_name_is_imported_from_another_module():
+    bad = []
+    for p in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("llmgpu")):
+                bad += [f"{p.relative_to(ROOT)}: {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private helpers imported across modules (make them public or keep them home):\n" + "\n".join(bad)

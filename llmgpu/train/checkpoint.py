@@ -52,7 +52,7 @@ def _savez(path: Path, arrays: dict):
 
 def _write_json(path: Path, obj: dict):
     with open(path, "w") as f:
-        f.write(json.dumps(obj, indent=1, default=_json_default) + "\n")
+        f.write(json.dumps(obj, indent=1, default=json_default) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -155,7 +155,8 @@ def non_finite(arrays: dict) -> str | None:
     return None
 
 
-def _json_default(o):
+def json_default(o):
+    """JSON for the NumPy scalars, arrays and paths a checkpoint's metadata holds."""
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):

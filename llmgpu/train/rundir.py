@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import _json_default, find_checkpoint
+from .checkpoint import find_checkpoint, json_default
 from .config import ConfigError
 
 RUN_FILES = ("log.jsonl", "config.json", "summary.json", "loss.png", "samples.txt", "checkpoint", "checkpoint.tmp",
@@ -90,7 +90,7 @@ def continue_log(src: Path, dst: Path, step: int) -> list[dict]:
 
 def write_config(out: Path, record: dict):
     """``config.json``: the effective configuration of the run (after defaults and adjustments)."""
-    (out / "config.json").write_text(json.dumps(record, indent=1, default=_json_default) + "\n")
+    (out / "config.json").write_text(json.dumps(record, indent=1, default=json_default) + "\n")
 
 
 __all__ = ["RUN_FILES", "check_out", "clear_run", "continue_log", "default_out_dir", "holds_run", "resume_target",
