@@ -10,7 +10,7 @@
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
 # STEPS="tests llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
-# Without network (the lab's H200): wheels in ./.whl are installed first (../shared/tools/gpu-wheels.sh).
+# Without network (the lab's H200): wheels in ./.whl are installed first (tools/gpu_wheels.sh fetches them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_results}
