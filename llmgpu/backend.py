@@ -297,44 +297,18 @@ def _gpu_info(device_id: int) -> DeviceInfo:
 
 
 def blas_threads(n: int | None) -> int | None:
-    """Set the thread count of the OpenBLAS that NumPy uses; returns the previous count (None: unknown).
+    """Set the thread count of the BLAS that NumPy uses (through ``threadpoolctl``); returns the previous
+    count (None: unknown, or ``n`` is None and nothing changes).
 
     The tiny model's GEMMs are small (128-wide) and many (batched attention products loop over B·H
-    matrices): OpenBLAS threads spend more time handing work around than computing, and on a loaded
+    matrices): BLAS threads spend more time handing work around than computing, and on a loaded
     machine a spinning BLAS thread that lost its core slows a step down tenfold. One thread is the
-    robust default for the CPU backend. Uses threadpoolctl when installed, else OpenBLAS' own
-    ``*_set_num_threads`` entry point found among the loaded libraries (Linux); otherwise nothing.
+    robust default for the CPU backend.
     """
     if n is None:
         return None
-    try:
-        import threadpoolctl
+    import threadpoolctl  # a dependency; imported here because only the CPU backend needs it
 
-        before = [i.get("num_threads") for i in threadpoolctl.threadpool_info() if i.get("internal_api") == "openblas"]
-        threadpoolctl.threadpool_limits(int(n), user_api="blas")
-        return before[0] if before else None
-    except ImportError:
-        pass
-    import ctypes
-    import re
-
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return None
-    prev = None
-    for path in sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                setf = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                if setf is not None:
-                    if get is not None:
-                        prev = int(get())
-                    setf(ctypes.c_int(int(n)))
-    return prev
+    before = [i.get("num_threads") for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+    threadpoolctl.threadpool_limits(int(n), user_api="blas")
+    return before[0] if before else None

@@ -113,3 +113,17 @@ def test_bad_device_value_names_variable_and_choices(monkeypatch, value):
     assert isinstance(e.value, ValueError) and repr(value) in str(e.value)
     with pytest.raises(ValueError, match="LLMGPU_DEVICE"):
         backend.select_xp("auto")
+
+
+def test_blas_threads_sets_and_reports_the_count():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not any(i.get("user_api") == "blas" for i in threadpoolctl.threadpool_info()):
+        pytest.skip("NumPy's BLAS is not visible to threadpoolctl here")
+    old = backend.blas_threads(1)
+    try:
+        assert backend.blas_threads(2) == 1  # the previous count comes back
+        assert [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"][0] == 2
+        assert backend.blas_threads(None) is None
+    finally:
+        if old:
+            backend.blas_threads(old)
