@@ -47,3 +47,19 @@ def rng(request):
 def cp():
     """The CuPy module (only requested by tests marked gpu)."""
     return backend.require_gpu()
+
+
+@pytest.fixture
+def one_error_line(capsys):
+    """Check a CLI call: ``one_error_line(exit_code, *needles)`` asserts exit code 2 and exactly one
+    ``llmgpu: error: ...`` line on stderr (no traceback) holding every needle."""
+    def check(code, *needles):
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert code == 2, err
+        assert len(lines) == 1 and lines[0].startswith("llmgpu: error: "), err
+        for n in needles:
+            assert n in lines[0], lines[0]
+        assert "Traceback" not in err
+
+    return check

@@ -17,16 +17,6 @@ TINY = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "-
         "--quiet", "--no-plot"]
 
 
-def _one_error_line(capsys, code, *needles):
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("llmgpu: error: "), err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in err
-
-
 def test_train_then_sample(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", *TINY, "--steps", "3", "--eval-every", "2", "--sample-tokens", "8", "--out", str(out)])
@@ -56,33 +46,33 @@ def test_train_then_sample(tmp_path, capsys):
     (["sample"], ["--from"]),
     (["nonsense"], ["invalid choice"]),
 ])
-def test_bad_flags_give_one_error_line(capsys, argv, needles):
-    _one_error_line(capsys, main(argv), *needles)
+def test_bad_flags_give_one_error_line(argv, needles, one_error_line):
+    one_error_line(main(argv), *needles)
 
 
-def test_bad_data_gives_one_error_line(tmp_path, capsys):
+def test_bad_data_gives_one_error_line(tmp_path, capsys, one_error_line):
     out = str(tmp_path / "o")
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(tmp_path / "no.txt")]),
+    one_error_line(main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(tmp_path / "no.txt")]),
                     "does not exist")
     bad = tmp_path / "bad.bin"
     bad.write_bytes(np.array([1234, 1, 10] + [0] * 253, "<i4").tobytes() + b"\0" * 20)
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(bad)]),
+    one_error_line(main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(bad)]),
                     "magic 1234", "20240520")
     shard = write_shard(tmp_path / "tok.bin", np.arange(3000) % 1000)
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(shard),
+    one_error_line(main(["train", *TINY, "--steps", "1", "--out", out, "--data", str(shard),
                                   "--vocab-size", "256"]), "token id 999", "vocabulary is 256")
-    _one_error_line(capsys, main(["sample", "--from", str(tmp_path / "nowhere")]), "does not exist")
+    one_error_line(main(["sample", "--from", str(tmp_path / "nowhere")]), "does not exist")
     (tmp_path / "small.txt").write_text("tiny")
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", out, "--data",
+    one_error_line(main(["train", *TINY, "--steps", "1", "--out", out, "--data",
                                   str(tmp_path / "small.txt")]), "too few for one batch")
 
 
-def test_info_and_bench(capsys):
+def test_info_and_bench(capsys, one_error_line):
     assert main(["info"]) == 0
     assert "device:" in capsys.readouterr().out
     assert main(["info", "--json"]) == 0
     assert '"device"' in capsys.readouterr().out
-    _one_error_line(capsys, main(["bench", "--modes", "llmgpu,warp-speed"]), "unknown mode")
+    one_error_line(main(["bench", "--modes", "llmgpu,warp-speed"]), "unknown mode")
 
 
 def test_module_entry_point_error_is_one_line():
@@ -93,7 +83,7 @@ def test_module_entry_point_error_is_one_line():
 
 
 @pytest.mark.parametrize("argv", [["info"], ["train", "--steps", "1", "--no-progress"], ["bench", "--steps", "1"]])
-def test_bad_llmgpu_device_is_one_line_exit_2(monkeypatch, capsys, argv):
+def test_bad_llmgpu_device_is_one_line_exit_2(monkeypatch, capsys, argv, one_error_line):
     """LLMGPU_DEVICE=banana: one 'llmgpu: error:' line naming the variable and exit code 2, no traceback."""
     monkeypatch.setenv("LLMGPU_DEVICE", "banana")
-    _one_error_line(capsys, main(argv), "LLMGPU_DEVICE", "'banana'")
+    one_error_line(main(argv), "LLMGPU_DEVICE", "'banana'")

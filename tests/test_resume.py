@@ -28,15 +28,6 @@ FAST = dict(preset="tiny", device="cpu", batch=2, seq=16, lr=3e-3, warmup=2, eva
             progress=False, sample_tokens=0, plot=False)
 
 
-def _one_error_line(capsys, code, *needles):
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("llmgpu: error: "), err
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
 def _train_steps(out):
     return [r["step"] for r in read_log(out) if r["type"] == "train"]
 
@@ -92,11 +83,11 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("flag,value", [("--preset", "d6"), ("--dtype", "fp16"), ("--seq", "8"), ("--batch", "4"),
                                         ("--seed", "1"), ("--data", "x.txt"), ("--grad-accum", "2")])
-def test_resume_refuses_flags_it_cannot_apply(tmp_path, capsys, flag, value):
+def test_resume_refuses_flags_it_cannot_apply(tmp_path, capsys, flag, value, one_error_line):
     out = str(tmp_path / "r")
     assert main(["train", *TINY, "--steps", "2", "--out", out]) == 0
     capsys.readouterr()
-    _one_error_line(capsys, main(["train", "--resume", out, flag, value]), flag, "cannot change", "--steps")
+    one_error_line(main(["train", "--resume", out, flag, value]), flag, "cannot change", "--steps")
     # the run's own value, the flags a resume takes (length, schedule, cadence) and presentation all work
     assert main(["train", "--resume", out, "--steps", "4", "--lr", "1e-3", "--warmup", "1", "--log-every", "1",
                  "--batch", "2", "--quiet"]) == 0
@@ -115,11 +106,11 @@ def test_resume_api_refuses_changed_settings(tmp_path):
 # --------------------------------------------------------------------------- --out, --overwrite, exit codes
 
 
-def test_out_of_an_existing_run_is_refused_unless_overwrite(tmp_path, capsys):
+def test_out_of_an_existing_run_is_refused_unless_overwrite(tmp_path, capsys, one_error_line):
     out = tmp_path / "r"
     assert main(["train", *TINY, "--steps", "3", "--out", str(out)]) == 0
     capsys.readouterr()
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "2", "--out", str(out)]), "already holds a run",
+    one_error_line(main(["train", *TINY, "--steps", "2", "--out", str(out)]), "already holds a run",
                     "--resume", "--overwrite")
     assert load_checkpoint(out)[1]["step"] == 3  # untouched
     (out / "keep.txt").write_text("mine")
@@ -128,12 +119,12 @@ def test_out_of_an_existing_run_is_refused_unless_overwrite(tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "mine"  # only the run's own files are replaced
 
 
-def test_output_errors_exit_2_with_one_line(tmp_path, capsys):
+def test_output_errors_exit_2_with_one_line(tmp_path, capsys, one_error_line):
     f = tmp_path / "afile"
     f.write_text("x")
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--out", str(f)]), "not a directory")
+    one_error_line(main(["train", *TINY, "--steps", "1", "--out", str(f)]), "not a directory")
     # an OSError while writing (here: a file where a directory must go) is one line and exit 2 too
-    _one_error_line(capsys, main(["train", *TINY, "--steps", "1", "--warmup", "1", "--out", str(f / "sub")]),
+    one_error_line(main(["train", *TINY, "--steps", "1", "--warmup", "1", "--out", str(f / "sub")]),
                     str(f / "sub"))
 
 
@@ -160,7 +151,7 @@ def test_ctrl_c_saves_says_where_and_exits_130(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------- the model's block size
 
 
-def test_seq_beyond_the_block_size_needs_block_size(tmp_path, capsys):
+def test_seq_beyond_the_block_size_needs_block_size(tmp_path, capsys, one_error_line):
     with pytest.raises(ConfigError, match="--seq 256 exceeds the model's block size 128.*--block-size 256"):
         resolve(TrainConfig(seq=256), np)
     assert resolve(TrainConfig(block_size=64), np).seq == 64  # the default seq never outgrows the model
@@ -168,7 +159,7 @@ def test_seq_beyond_the_block_size_needs_block_size(tmp_path, capsys):
     assert t.model.config.block_size == 160
     assert Trainer(TrainConfig(**FAST, steps=1, out=str(tmp_path / "c"))).model.config.block_size == 128
     capsys.readouterr()
-    _one_error_line(capsys, main(["train", *TINY[:6], "--seq", "200", "--steps", "1"]), "--seq 200", "--block-size")
+    one_error_line(main(["train", *TINY[:6], "--seq", "200", "--steps", "1"]), "--seq 200", "--block-size")
 
 
 # --------------------------------------------------------------------------- damaged checkpoints
@@ -211,14 +202,14 @@ def _damage(ckpt: Path, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["truncated", "missing-model", "garbage-model", "meta-json", "format", "meta-list",
                                  "missing-optim", "wrong-shapes"])
-def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, how):
+def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, how, one_error_line):
     out = tmp_path / "r"
     assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
     capsys.readouterr()
     name = _damage(out / "checkpoint", how)
-    _one_error_line(capsys, main(["train", "--resume", str(out), "--steps", "3"]), name)
+    one_error_line(main(["train", "--resume", str(out), "--steps", "3"]), name)
     if how != "missing-optim":  # sampling needs no optimizer state
-        _one_error_line(capsys, main(["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"]), name)
+        one_error_line(main(["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"]), name)
     assert "Traceback" not in capsys.readouterr().err
 
 
