@@ -156,6 +156,8 @@ def select_xp(device: str = "auto"):
     """NumPy or CuPy for ``--device`` (``backend.select_xp``), a bad choice as a ``ConfigError``."""
     try:
         return backend.select_xp(device)
+    except backend.DeviceSettingError:
+        raise  # about LLMGPU_DEVICE, not --device: it says so itself
     except backend.GPUUnavailableError as e:
         raise ConfigError(f"--device gpu: {e}") from None
     except ValueError as e:
