@@ -44,7 +44,7 @@ def _int_at_least(name, low):
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
-_GROUPS = ("model", "data", "optimization", "run")
+_GROUPS = ("model", "data", "optimization", "distributed", "run")
 # older spellings kept as aliases: (flag, field, value stored)
 _ALIASES = (("--sync-copy", "async_copy", False, "copy batches synchronously (= --no-async-copy)"),
             ("--quiet", "progress", False, "no progress output (= --no-progress)"))
@@ -134,6 +134,8 @@ def cmd_train(a) -> int:
     from .train import TrainConfig, train
 
     given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)}  # the explicit flags
+    if given.get("nproc", 1) > 1:
+        return _launch_ranks(a, given)
     summary = train(TrainConfig(**given), explicit=set(given))
     if "error" in summary:  # diverged: stopped, the last good checkpoint kept
         raise UsageError(summary["error"])
@@ -145,6 +147,26 @@ def cmd_train(a) -> int:
         print("--- sample ---")
         print(summary["sample"])
     return 0
+
+
+def _launch_ranks(a, given) -> int:
+    """``--nproc N`` (chapter 9): the same command as N ranks, one per GPU (or N CPU ranks through mpiexec)."""
+    import numpy as np
+
+    from .dist import from_environ
+    from .dist.launch import launch, strip_nproc
+    from .train import select_xp
+
+    if from_environ().world_size > 1:
+        raise UsageError(f"--nproc {given['nproc']} inside a run a launcher already started: give one or the other")
+    gpu = select_xp(given.get("device", "auto")) is not np
+    if gpu:
+        cp = backend.require_gpu()
+        n = cp.cuda.runtime.getDeviceCount()
+        if given["nproc"] > n:
+            raise UsageError(f"--nproc {given['nproc']} but {n} GPU(s) are visible: one rank per GPU (--device cpu "
+                             "trains CPU ranks)")
+    return launch(given["nproc"], ["train", *strip_nproc(a.argv)], gpu=gpu)
 
 
 def cmd_sample(a) -> int:
@@ -227,6 +249,7 @@ def cmd_bench(a) -> int:
 
 def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
+    from .dist import DistError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
     from .train.data import DataError
@@ -234,11 +257,12 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
+        a.argv = list(sys.argv[1:] if argv is None else argv)
         if a.command is None:
             parser.print_help()
             return EXIT_USAGE
         return {"train": cmd_train, "sample": cmd_sample, "info": cmd_info, "bench": cmd_bench}[a.command](a)
-    except (UsageError, ConfigError, DataError, CheckpointError) as e:
+    except (UsageError, ConfigError, DataError, CheckpointError, DistError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:

@@ -21,6 +21,7 @@ FLOORS = [
     ("amp", ("amp",)),
     ("model", ("model",)),
     ("perf", ("perf",)),
+    ("dist", ("dist",)),
     ("train", ("train",)),
     ("applications", ("torch_reference", "bench", "cli", "__main__")),
 ]

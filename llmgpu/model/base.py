@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import backend
 from ..ops.cross_entropy import cross_entropy_forward
-from ..optim.params import FlatParams
+from ..optim.params import ALIGN, FlatParams
 from .config import WTE, GPTConfig, activation_bytes, param_shapes
 
 PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
@@ -42,12 +42,13 @@ class GPTBase:
     ``dtype``: working precision of the forward/backward pass ('fp32', 'bf16', 'fp16'; the master
     weights are always fp32; 'fp64' on NumPy: the finite-difference reference). ``xp``: NumPy or CuPy
     (default: the active backend). ``seed``: the initialization's seed. ``init=False`` leaves the
-    weights at zero (for loading).
+    weights at zero (for loading). ``param_multiple``: see ``FlatParams`` (ZeRO's ranks × ALIGN, chapter 9).
     """
 
     attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
 
-    def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True):
+    def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True,
+                 param_multiple: int = ALIGN):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
@@ -57,7 +58,7 @@ class GPTBase:
         if self.dtype == backend.float64:
             self.params = _float64_params(shapes, self.xp)
         else:
-            self.params = FlatParams(shapes, xp=self.xp, working_dtype=self.dtype)
+            self.params = FlatParams(shapes, xp=self.xp, working_dtype=self.dtype, multiple=param_multiple)
         self.stats: dict = {}  # activation-memory accounting of the last forward_backward
         if init:
             self.init_weights(seed)

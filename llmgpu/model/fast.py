@@ -52,6 +52,7 @@ from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
 from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from ..ops.linear import bias_grad
+from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
 
@@ -67,13 +68,13 @@ class FastGPT(GPTBase):
     flash attention. Same constructor as ``GPT`` (``checkpoint_every`` must be 0)."""
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
-                 init: bool = True):
+                 init: bool = True, param_multiple: int = ALIGN):
         if int(checkpoint_every) != 0:
             raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0); "
                              "use llmgpu.GPT for checkpointed training")
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
-        super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init)
+        super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
         on_np = self.xp is np
         # cuDNN's flash attention takes fp16/bf16; the NumPy reference runs any float type
         self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)

@@ -39,6 +39,7 @@ from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.gelu import gelu_backward, gelu_forward
 from ..ops.layernorm import layernorm_backward, layernorm_forward
 from ..ops.linear import linear_backward, linear_forward
+from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
 
@@ -50,9 +51,9 @@ class GPT(GPTBase):
     """
 
     def __init__(self, config: GPTConfig, *, dtype="fp32", checkpoint_every: int = 0, xp=None, seed: int = 0,
-                 init: bool = True):
+                 init: bool = True, param_multiple: int = ALIGN):
         self.checkpoint_every = checkpoint_every
-        super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init)
+        super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
 
     @property
     def checkpoint_every(self) -> int:

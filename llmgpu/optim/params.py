@@ -56,19 +56,23 @@ class FlatParams:
     ``shapes``: name → shape (insertion order kept in ``.names``). ``xp``: NumPy or CuPy (default:
     ``backend.default_xp()``). ``working_dtype``: the compute precision the model reads ('fp32',
     'bf16', 'fp16'). ``no_decay(name, shape) -> bool`` selects the tensors without weight decay.
+    ``multiple``: the decayed segment and the whole buffer end on a multiple of it (default ``ALIGN``;
+    ZeRO over N ranks asks for N·ALIGN, so each rank's piece of every bucket stays aligned).
 
     All buffers start at zero; initialise weights by writing into ``.param(name)`` (or
     ``load_dict``) and then call ``.sync_working()``.
     """
 
     def __init__(self, shapes: Mapping[str, tuple], *, xp=None, working_dtype="fp32",
-                 no_decay: Callable[[str, tuple], bool] | None = None):
+                 no_decay: Callable[[str, tuple], bool] | None = None, multiple: int = ALIGN):
         if not shapes:
             raise ValueError("shapes is empty: FlatParams needs at least one tensor")
         self.xp = xp or backend.default_xp()
         self.working_dtype = backend.resolve_dtype(working_dtype)
         if self.working_dtype not in GPU_DTYPES:
             raise TypeError(f"working_dtype must be fp32, fp16 or bf16, got {self.working_dtype}")
+        if multiple < ALIGN or multiple % ALIGN:
+            raise ValueError(f"multiple must be a positive multiple of {ALIGN}, got {multiple}")
         no_decay = no_decay or default_no_decay
         self.names: list[str] = list(shapes)
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -89,6 +93,7 @@ class FlatParams:
                 if self.decay[name] == group:
                     self.offsets[name] = pos
                     pos += _align(self.sizes[name])
+            pos = _align(pos, multiple)  # each group ends on a multiple: ZeRO cuts the buffer there (chapter 9)
             if group:
                 self.decay_end = pos  # elements [0, decay_end) get weight decay
         self.numel = pos  # buffer length, padding included (a multiple of ALIGN)
@@ -103,6 +108,19 @@ class FlatParams:
             self.working = self.data
         else:
             self.working = xp_.zeros(self.numel, dtype=self.working_dtype)
+
+    @classmethod
+    def over(cls, *, data, grad, m, v, working, decay_end: int):
+        """A FlatParams without names over given 1-D buffers (one rank's ZeRO shard, ``dist/zero.py``), so
+        ``AdamW`` runs on it unchanged: elements [0, decay_end) get weight decay."""
+        self = cls.__new__(cls)
+        self.xp = backend.get_array_module(data)
+        self.working_dtype = working.dtype
+        self.names, self.shapes, self.sizes, self.decay, self.offsets = [], {}, {}, {}, {}
+        self.data, self.grad, self.m, self.v, self.working = data, grad, m, v, working
+        self.numel = self.num_parameters = int(data.size)
+        self.decay_end = int(decay_end)
+        return self
 
     # ------------------------------------------------------------------ views
 

@@ -77,6 +77,15 @@ class TrainConfig:
     eps: float = _opt(1e-8, "AdamW epsilon", "optimization")
     grad_clip: float = _opt(1.0, "global-norm clipping (0 = off)", "optimization")
     seed: int = _opt(1337, "seed of the initialization, the data order and the samples", "optimization")
+    # distributed (chapter 9)
+    nproc: int = _opt(1, "start N local ranks (one per GPU, or N CPU ranks through mpiexec) and wait for them; "
+                      "under torchrun, mpiexec or srun leave it at 1", "distributed", metavar="N")
+    zero: int = _opt(0, "ZeRO stage: 0 = every rank keeps the whole optimizer state, 1 = AdamW moments and master "
+                     "weights sharded over the ranks, 2 = the reduced gradients too", "distributed", choices=[0, 1, 2])
+    dist_backend: str = _opt("auto", "collectives: auto (NCCL on GPUs, MPI on CPUs, none for one rank); nccl or mpi "
+                             "use that engine even for one rank", "distributed", choices=["auto", "nccl", "mpi"])
+    dist_timeout: float = _opt(300.0, "seconds a rank waits for the others before stopping with an error",
+                               "distributed", metavar="SECONDS")
     # run
     out: str | None = _opt(None, "output directory (default runs/<timestamp>; with --resume: the resumed run's)",
                            "run")
@@ -115,9 +124,9 @@ class TrainConfig:
 RESUME_OVERRIDES = ("steps", "max_time", "lr", "min_lr_ratio", "warmup", "schedule", "eval_every", "eval_batches",
                     "log_every", "save_every", "max_skipped_steps", "out", "overwrite", "progress", "plot",
                     "sample_tokens", "prompt", "temperature", "top_k", "device", "cpu_threads", "async_copy", "fast",
-                    "graph", "resume")
+                    "graph", "resume", "nproc", "zero", "dist_backend", "dist_timeout")
 # taken from the command line on resume even when not given: this invocation's, never the saved run's
-_RESUME_ALWAYS = ("resume", "overwrite", "device", "async_copy")
+_RESUME_ALWAYS = ("resume", "overwrite", "device", "async_copy", "nproc", "dist_backend", "dist_timeout")
 
 
 def flag_of(name: str) -> str:
@@ -256,6 +265,11 @@ def validate(cfg: TrainConfig):
     need(finite(cfg.temperature) and cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}")
     need(cfg.top_k is None or cfg.top_k >= 1, f"--top-k must be >= 1, got {cfg.top_k}")
     need(cfg.time_budget_probe >= 1, f"time_budget_probe must be >= 1, got {cfg.time_budget_probe}")
+    need(cfg.nproc >= 1, f"--nproc must be >= 1, got {cfg.nproc}")
+    need(cfg.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {cfg.zero}")
+    need(cfg.dist_backend in ("auto", "nccl", "mpi"), f"--dist-backend must be auto, nccl or mpi, got "
+         f"{cfg.dist_backend!r}")
+    need(finite(cfg.dist_timeout) and cfg.dist_timeout > 0, f"--dist-timeout must be positive, got {cfg.dist_timeout}")
     need(cfg.schedule in ("cosine", "linear", "constant"),
          f"--schedule must be cosine, linear or constant, got {cfg.schedule!r}")
     try:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import backend
+from .stream import DataStream, GPUPrefetcher  # noqa: F401  (moved to stream.py; still importable from here)
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -328,19 +328,23 @@ class BatchLoader:
     Windows start every ``seq`` tokens and never cross a file boundary. ``shuffle=True`` visits them
     in a fresh seeded order each epoch; ``shuffle=False`` walks them in order (validation).
     ``next_host()`` returns an int32 array ``[2, batch, seq]`` (inputs, targets).
+    Data parallelism (chapter 9): every rank walks the same order, takes the ``rank``-th of ``world``
+    consecutive batches and skips the others; the cursor (the checkpointed position) is the global one.
     """
 
     def __init__(self, arrays: list, batch: int, seq: int, *, seed: int = 0, shuffle: bool = True,
-                 name: str = "train", vocab_size: int | None = None):
+                 name: str = "train", vocab_size: int | None = None, rank: int = 0, world: int = 1):
         if batch < 1 or seq < 1:
             raise DataError(f"batch and sequence length must be >= 1, got batch={batch}, seq={seq}")
         self.arrays = [a for a in arrays if a.size > seq]
         counts = np.array([(a.size - 1) // seq for a in self.arrays], dtype=np.int64)
         self.n_windows = int(counts.sum())
-        if self.n_windows < batch:
+        if self.n_windows < batch * world:
             total = sum(a.size for a in arrays)
             raise DataError(f"the {name} data has {total} tokens: too few for one batch of {batch} x {seq + 1} "
-                            "tokens (lower --batch/--seq or give more data)")
+                            f"tokens{f' on each of {world} ranks' if world > 1 else ''} (lower --batch/--seq or "
+                            "give more data)")
+        self.rank, self.world = rank, world
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         self.batch, self.seq, self.seed, self.shuffle, self.name = batch, seq, seed, shuffle, name
         self.vocab_size = vocab_size  # when given, every batch is checked against it
@@ -378,11 +382,12 @@ class BatchLoader:
 
     def next_host(self, out: np.ndarray | None = None) -> np.ndarray:
         """The next batch as int32 ``[2, batch, seq]``; advances the position (epochs wrap)."""
-        if self.cursor + self.batch > self.n_windows:
+        if self.cursor + self.batch * self.world > self.n_windows:
             self.epoch += 1
             self.cursor = 0
         order = self._order()
-        ids = range(self.cursor, self.cursor + self.batch)
+        first = self.cursor + self.rank * self.batch
+        ids = range(first, first + self.batch)
         if out is None:
             out = np.empty((2, self.batch, self.seq), dtype=np.int32)
         for r, i in enumerate(ids):
@@ -392,108 +397,9 @@ class BatchLoader:
         if self.vocab_size is not None and int(out.max()) >= self.vocab_size:
             raise DataError(f"the {self.name} data has token id {int(out.max())} but the model's vocabulary is "
                             f"{self.vocab_size}")
-        self.cursor += self.batch
+        self.cursor += self.batch * self.world
         return out
 
     def batches_per_epoch(self) -> int:
         return self.n_windows // self.batch
 
-
-class GPUPrefetcher:
-    """Host → device copies of the next batch from pinned memory, on a side stream.
-
-    ``next()`` makes the compute (current) stream wait for batch i's copy event, then starts copying
-    batch i+1 while the caller enqueues step i. A ring of three slots keeps a slot from being
-    overwritten while a step that reads it may still be running: before slot s is refilled, the side
-    stream waits for the event recorded on the compute stream after slot s's batch was consumed.
-    The only host wait is on a *copy* that finished long ago (pinned-buffer reuse), never on compute.
-    """
-
-    SLOTS = 3
-
-    def __init__(self, loader: BatchLoader, cp=None):
-        self.cp = cp or backend.require_gpu()
-        cp = self.cp
-        import cupyx
-
-        self.loader = loader
-        shape = (2, loader.batch, loader.seq)
-        self.stream = cp.cuda.Stream(non_blocking=True)  # does not serialize with the legacy null stream
-        self.host = [cupyx.empty_pinned(shape, dtype=np.int32) for _ in range(self.SLOTS)]
-        self.dev = [cp.empty(shape, dtype=np.int32) for _ in range(self.SLOTS)]
-        self.copied = [None] * self.SLOTS
-        self.released = [None] * self.SLOTS
-        self._next_slot = 0
-        self._pending = None  # (slot, loader state *before* that batch)
-        self._current = None
-
-    def _stage(self):
-        s = self._next_slot
-        self._next_slot = (s + 1) % self.SLOTS
-        if self.copied[s] is not None:
-            self.copied[s].synchronize()  # the pinned buffer's previous copy (finished long ago)
-        state_before = self.loader.state_dict()
-        self.loader.next_host(out=self.host[s])
-        if self.released[s] is not None:
-            self.stream.wait_event(self.released[s])
-        self.dev[s].set(self.host[s], stream=self.stream)
-        ev = self.cp.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.stream)
-        self.copied[s] = ev
-        self._pending = (s, state_before)
-
-    def next(self):
-        """(x, y) on the device, ready to use on the current stream; batch i+1 starts copying."""
-        cp = self.cp
-        compute = cp.cuda.get_current_stream()
-        if self._current is not None:
-            ev = cp.cuda.Event(block=False, disable_timing=True)
-            ev.record(compute)
-            self.released[self._current] = ev
-        if self._pending is None:
-            self._stage()
-        s, _ = self._pending
-        compute.wait_event(self.copied[s])
-        self._current = s
-        self._stage()  # the next batch, overlapping the step the caller is about to enqueue
-        return self.dev[s][0], self.dev[s][1]
-
-    def position(self) -> dict:
-        """The loader position after the batches handed out so far (prefetched ones not counted)."""
-        if self._pending is None:
-            return self.loader.state_dict()
-        return self._pending[1]
-
-    def load_position(self, state: dict):
-        self.loader.load_state_dict(state)
-        self._pending = None
-
-
-class DataStream:
-    """What the trainer uses: ``next()`` → ``(x, y)`` on the model's backend, and a checkpointable position.
-
-    On NumPy it returns host arrays. On CuPy it uses ``GPUPrefetcher`` (``async_copy=True``) or a
-    plain synchronous copy (``async_copy=False``, for comparison).
-    """
-
-    def __init__(self, loader: BatchLoader, xp=np, *, async_copy: bool = True):
-        self.loader, self.xp = loader, xp
-        self._pf = GPUPrefetcher(loader, xp) if (xp is not np and async_copy) else None
-
-    def next(self):
-        if self._pf is not None:
-            return self._pf.next()
-        b = self.loader.next_host()
-        if self.xp is np:
-            return b[0], b[1]
-        d = self.xp.asarray(b)
-        return d[0], d[1]
-
-    def state_dict(self) -> dict:
-        return self._pf.position() if self._pf is not None else self.loader.state_dict()
-
-    def load_state_dict(self, state: dict):
-        if self._pf is not None:
-            self._pf.load_position(state)
-        else:
-            self.loader.load_state_dict(state)

@@ -44,7 +44,15 @@ EAGER_WARMUP = 2
 
 
 class LocalGradSync:
-    """The gradient seam of a step on one process: nothing to reduce (see the module docstring)."""
+    """The gradient seam of a step on one process: nothing to reduce (see the module docstring).
+
+    ``grad_divisor``: the step seeds the backward pass with 1/(micro-batches × grad_divisor) (data
+    parallelism sums the ranks' gradients, so it divides by the world size). A seam with an
+    ``apply_update(lr)`` method (ZeRO, ``dist/zero.py``) performs the update itself.
+    """
+
+    grad_divisor = 1
+    world_size = 1
 
     def grads_ready(self, names: list[str]):
         """The gradients of ``names`` are final for this step (called during the last backward pass)."""
@@ -112,17 +120,37 @@ class TrainStep:
     def _body(self, batches, lr):
         xp, model, P, sync = self.xp, self.model, self.params, self.grad_sync
         n = len(batches)
-        dloss = self.scaler.scale * np.float32(1.0 / n) if self.scaler.enabled else 1.0 / n  # 0-d device array
+        inv = 1.0 / (n * sync.grad_divisor)
+        dloss = self.scaler.scale * np.float32(inv) if self.scaler.enabled else inv  # 0-d device array
         loss_sum = None
         for j, (x, y) in enumerate(batches):
             last = j == n - 1
             loss = model.forward_backward(x, y, dloss=dloss, grads_ready=sync.grads_ready if last else None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
         sync.finish(P)
-        res = apply_update(P, self.opt, self.scaler, self.clipper, self.grad_clip, lr)
+        if hasattr(sync, "apply_update"):
+            res = sync.apply_update(lr)
+        else:
+            res = apply_update(P, self.opt, self.scaler, self.clipper, self.grad_clip, lr)
         mean = loss_sum if n == 1 else loss_sum * np.float32(1.0 / n)
         mean = sync.mean_loss(mean.astype(np.float32).reshape(()))
         return xp.stack([mean, res.norm, res.found_inf])
+
+    # the state a checkpoint needs, whole, also when the seam shards it (ZeRO)
+    def master_weights(self) -> dict:
+        """name → NumPy fp32 master weight."""
+        f = getattr(self.grad_sync, "master_weights", None)
+        return f() if f else self.params.to_dict()
+
+    def optimizer_state(self) -> dict:
+        """AdamW's ``state_dict`` (m and v per name, step count, hyperparameters)."""
+        f = getattr(self.grad_sync, "optimizer_state", None)
+        return f() if f else self.opt.state_dict()
+
+    def weights_finite(self) -> bool:
+        """Whether every master weight is finite (one reduction, one host sync)."""
+        f = getattr(self.grad_sync, "weights_finite", None)
+        return f() if f else bool(self.xp.isfinite(self.params.data).all())
 
     def _graph_step(self, batches, lr):
         xp = self.xp

@@ -31,11 +31,12 @@ from ..version import __version__
 from . import checkpoint as ckpt_files
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
-from .data import BatchLoader, Corpus, DataStream, get_tokenizer, load_corpus
+from .data import BatchLoader, Corpus, get_tokenizer, load_corpus
 from .report import Progress, read_log
 from .rundir import check_out, clear_run, continue_log, default_out_dir, resume_target, write_config
 from .sampling import prompt_ids
 from .step import TrainStep
+from .stream import DataStream
 
 
 class Trainer:

@@ -1,0 +1,25 @@
+"""Training on several GPUs (chapter 9): processes, communicators, data parallelism, ZeRO, the ring.
+
+=================  ===============================================================================
+module             what it holds
+=================  ===============================================================================
+``env``            rank / world size / local rank from torchrun, SLURM, Open MPI or MPICH variables
+``comm``           one interface over NCCL (CuPy arrays) and MPI (NumPy arrays), and a one-rank one
+``bootstrap``      the GPU of the local rank, NCCL's unique id (MPI broadcast or a TCP rendezvous),
+                   the check that every rank runs the same configuration
+``ddp``            gradient buckets reduced during the backward pass (ZeRO stage 0)
+``zero``           ZeRO stages 1 and 2: sharded optimizer state (and gradients)
+``ring``           the ring all-reduce written by hand, and its cost model
+``launch``         ``llmgpu train --nproc N``
+=================  ===============================================================================
+"""
+
+from .bootstrap import check_same, init_process_group, rendezvous, select_device
+from .comm import DEFAULT_TIMEOUT, Communicator, LocalComm, MPIComm, NcclComm, mpi_module, nccl_module
+from .ddp import BUCKET_BYTES, DataParallelSync, plan_buckets
+from .env import DistEnv, DistError, from_environ
+from .zero import ZeroSync
+
+__all__ = ["BUCKET_BYTES", "DEFAULT_TIMEOUT", "Communicator", "DataParallelSync", "DistEnv", "DistError", "LocalComm",
+           "MPIComm", "NcclComm", "ZeroSync", "check_same", "from_environ", "init_process_group", "mpi_module",
+           "nccl_module", "plan_buckets", "rendezvous", "select_device"]

@@ -1,0 +1,160 @@
+"""Starting a distributed run: pick the GPU, create the communicator, check that the ranks agree.
+
+NCCL needs every rank to hold the same 128-byte unique id, created by rank 0, before the communicator
+exists. Two ways to hand it out:
+
+* **MPI** (launched by ``mpiexec``/``mpirun``/``srun``): a broadcast over ``MPI.COMM_WORLD`` (mpi4py).
+* **A rendezvous** at ``MASTER_ADDR:MASTER_PORT`` otherwise (torchrun, ``llmgpu train --nproc``): rank 0
+  listens on a TCP socket, each other rank connects, says its rank and receives the id. We use the standard
+  library's sockets, not CuPy's ``cupyx.distributed`` TCP store (a private module whose interface may change)
+  nor torch's store (a 2 GB dependency for 128 bytes); it carries only the id, never training data, and it
+  has a deadline: rank 0 names the ranks that did not arrive, the others say whom they could not reach.
+
+CPU ranks use MPI for everything (``MPIComm``), so they need an MPI launcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import struct
+import time
+
+import numpy as np
+
+from .. import backend
+from .comm import DEFAULT_TIMEOUT, LocalComm, MPIComm, NcclComm, mpi_module, nccl_module
+from .env import DistEnv, DistError, from_environ
+
+MAGIC = b"llmgpu-rdzv1"
+
+
+def init_process_group(xp=None, env: DistEnv | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+    """The communicator of this process: ``LocalComm`` for one rank, ``MPIComm`` for CPU ranks, ``NcclComm``
+    for GPU ranks (after selecting the GPU of the local rank). ``xp``: the backend the run trains on."""
+    env = env or from_environ()
+    xp = xp if xp is not None else backend.default_xp()
+    if env.world_size == 1:
+        return LocalComm(xp)
+    if xp is np:
+        if not env.uses_mpi:
+            raise DistError(f"{env.world_size} CPU ranks started by {env.launcher} have no MPI to talk through: start "
+                            "them with mpiexec (llmgpu train --nproc N does)")
+        comm = MPIComm(timeout=timeout)
+        if comm.world_size != env.world_size:
+            raise DistError(f"MPI has {comm.world_size} ranks but {env.launcher} announced {env.world_size}")
+        return comm
+    select_device(env)
+    nccl = nccl_module()
+    uid = nccl.get_unique_id() if env.rank == 0 else None
+    if env.uses_mpi:
+        uid = mpi_module().COMM_WORLD.bcast(uid, root=0)
+    else:
+        uid = rendezvous(env, uid, timeout=timeout)
+    return NcclComm(uid, env.rank, env.world_size, timeout=timeout)
+
+
+def select_device(env: DistEnv) -> int:
+    """Make the local rank's GPU current (``local_rank`` modulo the visible GPUs); returns its index."""
+    cp = backend.require_gpu()
+    n = cp.cuda.runtime.getDeviceCount()
+    if env.local_world_size > n:
+        raise DistError(f"{env.local_world_size} ranks on this node but {n} visible GPU(s): one rank per GPU")
+    dev = env.local_rank % n
+    cp.cuda.Device(dev).use()
+    return dev
+
+
+# --------------------------------------------------------------------------- the TCP rendezvous
+
+
+def rendezvous(env: DistEnv, payload: bytes | None, *, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    """Rank 0 serves ``payload`` at MASTER_ADDR:MASTER_PORT to the other ranks; every rank returns it."""
+    if env.master_addr is None or env.master_port is None:
+        raise DistError(f"rank {env.rank}: {env.world_size} GPU ranks without MPI need MASTER_ADDR and MASTER_PORT "
+                        "(set by torchrun and llmgpu train --nproc), or start them with mpiexec")
+    addr = (env.master_addr, env.master_port)
+    deadline = time.monotonic() + timeout
+    if env.rank == 0:
+        return _serve(addr, payload, env.world_size, deadline, timeout)
+    return _fetch(addr, env.rank, deadline, timeout)
+
+
+def _serve(addr, payload, world, deadline, timeout):
+    try:
+        srv = socket.create_server(("", addr[1]), reuse_port=False)
+    except OSError as e:
+        raise DistError(f"rank 0 cannot listen on port {addr[1]} for the rendezvous: {e.strerror}") from None
+    arrived = {0}
+    with srv:
+        while len(arrived) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world)) - arrived)
+                raise DistError(f"rank 0: rank(s) {missing} did not arrive at {addr[0]}:{addr[1]} within "
+                                f"{timeout:.0f} s")
+            srv.settimeout(min(left, 1.0))
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(10.0)
+                try:
+                    head = _recv_exact(conn, len(MAGIC) + 4)
+                except (OSError, ConnectionError):
+                    continue
+                if head[:len(MAGIC)] != MAGIC:
+                    continue  # not one of ours
+                rank = struct.unpack("!i", head[len(MAGIC):])[0]
+                conn.sendall(struct.pack("!i", len(payload)) + payload)
+                arrived.add(rank)
+    return payload
+
+
+def _fetch(addr, rank, deadline, timeout):
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(addr, timeout=5.0) as s:
+                s.sendall(MAGIC + struct.pack("!i", rank))
+                n = struct.unpack("!i", _recv_exact(s, 4))[0]
+                return _recv_exact(s, n)
+        except (OSError, ConnectionError) as e:
+            last = e
+            time.sleep(0.2)
+    raise DistError(f"rank {rank}: could not reach rank 0 at {addr[0]}:{addr[1]} within {timeout:.0f} s ({last})")
+
+
+def _recv_exact(s, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return buf
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def check_same(comm, what: str, value) -> None:
+    """Raise ``DistError`` on every rank unless all ranks hold the same ``value`` (any JSON-able object):
+    a mismatched configuration is an error before the first step, not a silent divergence."""
+    if comm.world_size == 1:
+        return
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+    mine = np.frombuffer(digest, dtype=np.uint8)
+    xp = comm.xp
+    got = xp.zeros(comm.world_size * mine.size, dtype=np.uint8)
+    comm.all_gather(backend.to_device(mine.copy(), xp), got)
+    rows = backend.to_numpy(got).reshape(comm.world_size, -1)
+    differ = [r for r in range(comm.world_size) if not np.array_equal(rows[r], rows[0])]
+    if differ:
+        raise DistError(f"rank(s) {differ} have a different {what} than rank 0: every rank must run the same "
+                        "configuration")
+
+
+__all__ = ["check_same", "init_process_group", "rendezvous", "select_device"]

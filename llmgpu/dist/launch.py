@@ -1,0 +1,129 @@
+"""``llmgpu train --nproc N``: start N local ranks of the same command and wait for them (chapter 9).
+
+* **GPUs**: N child processes with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``); NCCL's id travels through the
+  rendezvous (``dist/bootstrap.py``). This launcher watches them: when one exits with an error, it names
+  that rank and stops the others (SIGTERM, then SIGKILL after ``GRACE_S``), so nothing hangs.
+* **CPU ranks**: MPI processes must be started by MPI's own launcher, so this runs
+  ``mpiexec -n N python -m llmgpu train ...`` (the ``mpich`` wheel brings ``mpiexec``), which stops every
+  rank when one dies; we add a line naming the failure.
+
+The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` reach every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .env import DistError
+
+GRACE_S = 10.0
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (the children must not launch again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_mpiexec() -> str:
+    """``mpiexec`` beside this Python (a venv with the mpich wheel) or on PATH; a one-line error otherwise."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise DistError("--nproc on CPU ranks needs mpiexec: pip install 'llmgpu[dist]' (mpi4py and the mpich wheel)")
+    return found
+
+
+def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
+    """Run ``python -m llmgpu <args>`` as ``nproc`` ranks; returns the exit code for the whole run."""
+    if nproc < 2:
+        raise DistError(f"--nproc must be at least 2 to launch ranks, got {nproc}")
+    cmd = [sys.executable, "-m", "llmgpu", *args]
+    if not gpu:
+        try:
+            import mpi4py  # noqa: F401  (fail here, once, rather than in every rank)
+        except ImportError:
+            raise DistError("--nproc on CPU ranks needs mpi4py: pip install 'llmgpu[dist]'") from None
+        rc = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd])
+        if rc not in (0, 130):
+            say(f"llmgpu: the {nproc}-rank run failed (mpiexec exit code {rc}); the failing rank's message is above",
+                file=sys.stderr)
+        return rc
+    port = free_port()
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env))
+    return _watch(procs, say)
+
+
+def _wait_mpiexec(cmd) -> int:
+    p = subprocess.Popen(cmd)
+    try:
+        return p.wait()
+    except KeyboardInterrupt:  # mpiexec forwards the signal to the ranks; let them save and stop
+        return p.wait()
+
+
+def _watch(procs, say) -> int:
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        return 130
+    r, c = failed
+    how = f"was killed by signal {-c}" if c < 0 else f"exited with code {c}"
+    say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
+    _stop(procs)
+    return c if c > 0 else 1
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+__all__ = ["find_mpiexec", "free_port", "launch", "strip_nproc"]

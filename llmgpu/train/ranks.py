@@ -1,0 +1,81 @@
+"""The trainer's side of data-parallel training (chapter 9): the communicator, the gradient seam, agreement.
+
+Every rank runs the same ``Trainer.run`` loop on its own slice of every batch; the differences are here:
+``connect`` makes the communicator ``--dist-backend`` asks for, ``gradient_seam`` the ``TrainStep`` seam
+(``dist.DataParallelSync`` for ``--zero 0``, ``dist.ZeroSync`` for 1 and 2), and ``agree`` hands rank 0's
+decisions that depend on its clock (the schedule fitted to ``--max-time``, stopping) to every rank, so the
+ranks never disagree about how many collectives there will be. Only rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..dist import DataParallelSync, LocalComm, ZeroSync, check_same, from_environ, init_process_group
+from ..dist.comm import MPIComm, NcclComm
+from ..dist.env import DistEnv
+from .config import ConfigError, TrainConfig
+
+
+def connect(cfg: TrainConfig, xp):
+    """The communicator of this process for ``cfg.dist_backend`` (see ``TrainConfig``)."""
+    env = from_environ()
+    if cfg.nproc > 1 and env.world_size > 1:
+        raise ConfigError(f"--nproc {cfg.nproc} inside a run a launcher already started ({env.launcher}, "
+                          f"{env.world_size} ranks): give one or the other")
+    if cfg.dist_backend == "nccl" and xp is np:
+        raise ConfigError("--dist-backend nccl needs the GPU (NCCL moves CuPy arrays); CPU ranks use mpi")
+    if cfg.dist_backend == "mpi" and xp is not np:
+        raise ConfigError("--dist-backend mpi is the CPU ranks' engine; GPU ranks use nccl")
+    if env.world_size == 1 and cfg.dist_backend != "auto":  # the distributed code path at world size 1
+        if cfg.dist_backend == "mpi":
+            return MPIComm(timeout=cfg.dist_timeout)
+        from ..dist import nccl_module
+
+        return NcclComm(nccl_module().get_unique_id(), 0, 1, timeout=cfg.dist_timeout)
+    return init_process_group(xp, env, timeout=cfg.dist_timeout)
+
+
+def distributed(comm) -> bool:
+    """Whether the step goes through a collective engine (any world size), not the one-process seam."""
+    return not isinstance(comm, LocalComm)
+
+
+def gradient_seam(comm, cfg: TrainConfig, step):
+    """The ``TrainStep`` seam for this run, built after the optimizer state is restored (ZeRO shards it)."""
+    if cfg.zero:
+        return ZeroSync(comm, step, stage=cfg.zero)
+    if distributed(comm):
+        return DataParallelSync(comm, step.params)
+    return None  # TrainStep's LocalGradSync
+
+
+def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int):
+    """Every rank runs the same configuration from the same step (``DistError`` naming the odd ranks)."""
+    mine = {k: v for k, v in cfg.as_dict().items() if k not in ("out", "progress")}  # rank 0 alone writes
+    check_same(comm, "training configuration", mine)
+    check_same(comm, "model", model_config)
+    check_same(comm, "starting step", step)
+
+
+def agree(comm, total_steps: int | None, stop: bool) -> tuple[int | None, bool]:
+    """Rank 0's schedule length and stop decision, on every rank (one tiny broadcast)."""
+    if comm.world_size == 1:
+        return total_steps, stop
+    buf = backend.to_device(np.array([-1 if total_steps is None else total_steps, int(stop)], np.int32), comm.xp)
+    comm.broadcast(buf, root=0)
+    if comm.xp is not np:
+        comm.wait_device(what="the other ranks' schedule")
+    t, s = (int(x) for x in backend.to_numpy(buf))
+    return (None if t < 0 else t), bool(s)
+
+
+def wait_for_ranks(comm, what: str):
+    """Before a host read of device results: a GPU wait with the communicator's deadline (a hung collective
+    never returns by itself); nothing on the CPU, where every MPI call has its own deadline."""
+    if isinstance(comm, NcclComm):
+        comm.wait_device(what=what)
+
+
+__all__ = ["DistEnv", "agree", "check_agreement", "connect", "distributed", "gradient_seam", "wait_for_ranks"]
