@@ -10,6 +10,8 @@ report, in bf16 and fp16 with fp32 gradients, against float64.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -215,3 +217,49 @@ def test_gpu_fast_model_wgrad_at_trap_k(cp, dtype, k):
     # the same through lt_gemm directly with beta = 0 into a fresh fp32 buffer
     out = wgrad_gemm(dy, x, out_dtype="fp32", gemm=lt_gemm)
     assert _rel(out, ref) <= TOL
+
+
+# --------------------------------------------------------------------------- tools/probe_gemm_k.py
+
+
+def _probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "probe_gemm_k.py"
+    spec = importlib.util.spec_from_file_location("probe_gemm_k", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_sweep_covers_the_report_and_its_neighbours():
+    probe = _probe()
+    for quick in (False, True):
+        ks = probe.k_sweep(quick)
+        assert len(ks) == len(set(ks))
+        assert ks[:3] == [k for k in probe.ISSUE_K if k in ks][:3]  # the report's K first
+        assert {2**16, 2**16 + 1, 2**16 + 64, 2**16 + 65, 2**17 + 1} <= set(ks)
+        for k in ks:  # every K has its power-of-two neighbours as baselines for the verdict
+            lo, hi = 2 ** math.floor(math.log2(k)), 2 ** math.ceil(math.log2(k))
+            assert lo in ks or hi in ks or k < 1024
+    assert len(probe.k_sweep(False)) > 100 and len(probe.k_sweep(True)) < 30
+
+
+def test_probe_cpu_smoke_sees_an_emulated_trap_and_a_clean_protection(tmp_path, capsys):
+    """The probe's plumbing on NumPy: a GEMM that drops the last row at K = 2ⁿ + 1 is flagged there (and
+    only there) and recognised as dropping the last row; the protected paths are not flagged."""
+    import json
+
+    probe = _probe()
+    out = tmp_path / "k.jsonl"
+    assert probe.main(["--cpu-smoke", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    summ = recs[-1]
+    assert recs[0]["kind"] == "meta" and summ["kind"] == "summary"
+    assert summ["protected_ok"] is True and summ["trap_reproduced"] is True
+    assert summ["trap_k"] == [65, 129]
+    assert set(summ["flagged_k"]) == {"emul.trap"}
+    assert summ["closer_to_dropping_last_row"]["emul.trap"] == [65, 129]
+    assert all(f["drops_last_row"] for fl in summ["flagged"]["emul.trap"].values() for f in fl)
+    assert "protected paths right at every K: True" in capsys.readouterr().out
