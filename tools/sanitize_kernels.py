@@ -90,8 +90,8 @@ def find_sanitizer() -> str | None:
     for root in ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda"]:
         cands += [f"{root}/bin/compute-sanitizer", f"{root}/compute-sanitizer/compute-sanitizer"]
     for site in [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]:
-        cands += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "compute-sanitizer", "compute-sanitizer")),
-                        reverse=True)
+        for sub in (("compute-sanitizer", "compute-sanitizer"), ("bin", "compute-sanitizer")):  # 13.5 / 13.0 wheels
+            cands += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", *sub)), reverse=True)
         cands += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_sanitizer_api", "compute-sanitizer",
                                                "compute-sanitizer")))
     for c in cands:
@@ -356,8 +356,8 @@ def main(argv=None) -> int:
         path = find_sanitizer()
         if path is None:
             print("sanitize_kernels: compute-sanitizer not found (looked at $COMPUTE_SANITIZER, PATH, "
-                  "/usr/local/cuda*/bin, /usr/local/cuda*/compute-sanitizer, nvidia/cu*/compute-sanitizer in "
-                  "sys.path); install the CUDA toolkit's sanitizer or the nvidia-cuda-sanitizer-api wheel",
+                  "/usr/local/cuda*/bin, /usr/local/cuda*/compute-sanitizer, nvidia/cu*/{bin,compute-sanitizer} "
+                  "in sys.path); install the CUDA toolkit's sanitizer or the nvidia-cuda-sanitizer-api wheel",
                   file=sys.stderr)
             return 1
         print(path)
