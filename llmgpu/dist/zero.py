@@ -129,6 +129,9 @@ class ZeroSync(BucketedReduction):
         if self._gpu:
             cp = xp
             self._slot_free = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+        # whether a slot's event was recorded in this step: before that, stream order (finish joined the
+        # streams) protects the slot, and waiting on an event of an earlier step would break graph capture
+        self._slot_used = [False, False]
         self._first_block = {k: i for k, i in self._block_of_bucket.items()}
         self._bucket_of_block = {i: k for k, i in self._block_of_bucket.items()}
         self._n_layer = len(blocks)
@@ -158,7 +161,7 @@ class ZeroSync(BucketedReduction):
         if i < 0 or i not in self._bucket_of_block:
             return
         s = i % 2
-        if self._gpu:
+        if self._gpu and self._slot_used[s]:
             self.xp.cuda.get_current_stream().wait_event(self._slot_free[s])
         base = self._slot_base[s]
         self.params.grad[base:base + self._slot_len].fill(0)
@@ -197,6 +200,12 @@ class ZeroSync(BucketedReduction):
                 out += tmp
         if k in self._slot_of and self._gpu:
             self._slot_free[self._slot_of[k]].record(self.stream)
+            self._slot_used[self._slot_of[k]] = True
+
+    def finish(self, params=None):
+        super().finish(params)
+        if self.zero_stage == 2 and self._gpu:
+            self._slot_used = [False, False]
 
     # ------------------------------------------------------------------ the update
 
