@@ -24,7 +24,11 @@ batches and learning rate into the graph's static inputs and replays it: one lau
 ``grads_ready(names)`` is handed to the model's backward pass on the last micro-batch, so a bucket's
 reduction can start as soon as its gradients are final; ``finish(params)`` runs after the backward
 pass and before clipping (every reduction issued and ordered before the norm kernel reads the
-gradient); ``mean_loss(loss)`` turns the local mean loss into the global one.
+gradient); ``mean_loss(loss)`` turns the local mean loss into the global one. ``grad_divisor`` (the
+world size) divides the loss gradient's seed; a seam with ``apply_update(lr)`` does the update itself
+(ZeRO: sharded), one with ``every_micro_batch`` hears about every micro-batch (``start_micro_batch(j, n)``
+and ``grads_ready`` each time: ZeRO-2 reduces each micro-batch's block gradients), and ``master_weights``,
+``optimizer_state``, ``weights_finite`` give the whole state a checkpoint needs (``llmgpu/dist``).
 """
 
 from __future__ import annotations
