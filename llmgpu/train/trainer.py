@@ -133,8 +133,10 @@ class Trainer:
         if meta is not None:
             self._restore(ckpt_model, ckpt_optim, meta)
             if meta.get("world_size", 1) != self.world:
+                old = meta["train_config"]
+                before = old["batch"] * old["seq"] * old["grad_accum"] * meta.get("world_size", 1)
                 self._note(f"the run was saved on {meta.get('world_size', 1)} rank(s) and continues on {self.world}: "
-                           f"{self.tokens_per_step} tokens per step now")
+                           f"{self.tokens_per_step} tokens per step (it had {before}; --grad-accum keeps it)")
         check_agreement(self.comm, cfg, mcfg.as_dict(), self.step)
         seam = gradient_seam(self.comm, cfg, self.step_fn)  # after the restore: ZeRO shards the restored state
         if seam is not None:
