@@ -308,3 +308,19 @@ def test_zero_stage_is_checked(one_error_line):
     from llmgpu.cli import main
 
     one_error_line(main(["train", "--device", "cpu", "--zero", "3"]), "--zero", "invalid choice")
+
+
+def test_the_gpu_launcher_names_a_failed_rank_and_stops_the_others():
+    """``--nproc`` on GPUs watches its children itself (here: stand-ins that sleep or fail)."""
+    from llmgpu.dist.launch import _watch
+
+    lines = []
+    ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    assert _watch(ok, lambda *a, **k: lines.append(a[0])) == 0 and not lines
+    t = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+             subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    assert _watch(procs, lambda *a, **k: lines.append(a[0])) == 3
+    assert time.monotonic() - t < 20 and all(p.poll() is not None for p in procs)  # the others were stopped
+    assert lines == ["llmgpu: rank 1 exited with code 3; stopping the other ranks"]
