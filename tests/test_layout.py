@@ -21,6 +21,7 @@ FLOORS = [
     ("amp", ("amp",)),
     ("model", ("model",)),
     ("perf", ("perf",)),
+    ("interop", ("interop",)),  # Hugging Face directories, safetensors: above the model, below the trainer
     ("train", ("train",)),
     ("applications", ("torch_reference", "bench", "cli", "__main__")),
 ]

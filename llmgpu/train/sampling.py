@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..model import GPT, GPTConfig
-from .checkpoint import MODEL_FILE, CheckpointError, find_checkpoint, load_checkpoint, non_finite
+from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
 from .config import ConfigError
 from .data import get_tokenizer
 
@@ -47,7 +47,7 @@ def load_for_sampling(path, xp=np, dtype: str | None = None):
     d = find_checkpoint(path)
     bad = non_finite(weights)
     if bad:
-        raise CheckpointError(f"{d / MODEL_FILE} holds inf/nan weights ({bad}): the run diverged; sample from an "
+        raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the run diverged; sample from an "
                               "earlier checkpoint")
     try:
         cfg = GPTConfig.from_dict(meta["model_config"])

@@ -224,7 +224,7 @@ class Trainer:
                                   "so training cannot resume from it (llmgpu sample can still read it)")
         bad = non_finite(model_arrays)
         if bad:
-            raise CheckpointError(f"{d / ckpt_files.MODEL_FILE} holds inf/nan weights ({bad}): the run had diverged")
+            raise CheckpointError(f"{ckpt_files.model_file(d)} holds inf/nan weights ({bad}): the run had diverged")
         try:
             self.model.load_state_dict(model_arrays)
             ost = dict(meta["optimizer"])
