@@ -179,8 +179,17 @@ def _float32(v, key, where) -> np.ndarray:
 
 
 def is_hf_dir(path) -> bool:
+    """Whether ``path`` looks like a Hugging Face model directory: a ``config.json`` with a ``model_type`` or
+    next to weights (an llmgpu run directory has a ``config.json`` too: its configuration record)."""
     p = Path(path)
-    return (p / CONFIG_FILE).is_file() and not (p / "meta.json").is_file()
+    if not (p / CONFIG_FILE).is_file() or (p / "meta.json").is_file():
+        return False
+    if any((p / f).is_file() for f in (WEIGHTS_FILE, INDEX_FILE, TORCH_FILE)):
+        return True
+    try:
+        return "model_type" in json.loads((p / CONFIG_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def read_hf_config(path) -> dict:

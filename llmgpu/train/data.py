@@ -247,7 +247,7 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
         paths = data_files(data, notes)
         arrays, tok = _read_any(paths)
         desc = f"{data} ({len(paths)} file{'s' if len(paths) > 1 else ''})"
-        if val_data is None and tok == "gpt2" and len(paths) > 1:
+        if val_data is None and paths[0].suffix == ".bin" and len(paths) > 1:
             is_val = ["val" in p.name for p in paths]
             if any(is_val) and not all(is_val):
                 val = [a for a, v in zip(arrays, is_val) if v]

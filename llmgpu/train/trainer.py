@@ -32,6 +32,7 @@ from . import checkpoint as ckpt_files
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
 from .data import BatchLoader, Corpus, DataStream, get_tokenizer, load_corpus
+from .pretrained import init_run
 from .report import Progress, read_log
 from .rundir import check_out, clear_run, continue_log, default_out_dir, resume_target, write_config
 from .sampling import prompt_ids
@@ -55,6 +56,7 @@ class Trainer:
         meta = ckpt_model = ckpt_optim = None
         self.forked, self.fork_from = False, None  # resumed into another directory; the run it came from
         self.last_checkpoint = None  # the newest complete checkpoint of this run on disk
+        cfg, self.init = init_run(cfg, self._note) if cfg.init else (cfg, None)  # --init's weights (pretrained.py)
         if cfg.resume:
             self.last_checkpoint = find_checkpoint(cfg.resume)
             ckpt_model, meta, ckpt_optim = load_checkpoint(cfg.resume)
@@ -92,6 +94,8 @@ class Trainer:
             self._note(n)
         if meta is not None:
             mcfg = GPTConfig.from_dict(meta["model_config"])
+        elif self.init is not None:
+            mcfg = self.init.run_model_config(self.corpus.tokenizer, cfg)
         else:
             base = GPTConfig.preset(cfg.preset)
             vocab = cfg.vocab_size or self.corpus.vocab_size
@@ -116,7 +120,9 @@ class Trainer:
         # model, optimizer, precision
         model_cls = FastGPT if cfg.fast else GPT
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
-                               init=meta is None)
+                               init=meta is None and self.init is None)
+        if self.init is not None:
+            self.model.load_state_dict(self.init.weights)
         self.params = self.model.params
         self.step_fn = TrainStep(self.model, cfg)
         self.opt, self.scaler = self.step_fn.opt, self.step_fn.scaler
