@@ -348,13 +348,26 @@ def test_export_writes_what_transformers_reads(tmp_path, rng, capsys):
 
 
 def test_safetensors_package_reads_the_export(tmp_path, rng):
+    """The export's layout as the reference ``safetensors`` package sees it: names, shapes, dtypes."""
     ref = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
     m = GPT(CFG, xp=np, seed=2)
     d = hf.export_hf(tmp_path / "x", CFG, m.state_dict())
     t = ref.load_file(str(d / "model.safetensors"))
+    want = {"transformer.wte.weight": (65, 32), "transformer.wpe.weight": (16, 32), "transformer.ln_f.weight": (32,),
+            "transformer.ln_f.bias": (32,)}
+    for i in range(2):
+        want.update({f"transformer.h.{i}.{k}": s for k, s in {
+            "ln_1.weight": (32,), "ln_1.bias": (32,), "attn.c_attn.weight": (32, 96), "attn.c_attn.bias": (96,),
+            "attn.c_proj.weight": (32, 32), "attn.c_proj.bias": (32,), "ln_2.weight": (32,), "ln_2.bias": (32,),
+            "mlp.c_fc.weight": (32, 128), "mlp.c_fc.bias": (128,), "mlp.c_proj.weight": (128, 32),
+            "mlp.c_proj.bias": (32,)}.items()})  # fmt: skip
+    assert {k: v.shape for k, v in t.items()} == want and all(v.dtype == np.float32 for v in t.values())
     sd = m.state_dict()
     assert np.array_equal(t["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"].T)
+    assert np.array_equal(t["transformer.h.1.attn.c_proj.weight"], sd["transformer.h.1.attn.c_proj.weight"].T)
     assert np.array_equal(t["transformer.wpe.weight"], sd["transformer.wpe.weight"])
+    raw = ref.load_file(str(d / "nanogpt.safetensors"))
+    assert all(np.array_equal(raw[k], sd[k]) for k in raw) and set(raw) == set(want)
 
 
 def test_llmgpu_export_round_trip_from_a_run(tmp_path, rng, capsys, one_error_line):
