@@ -14,13 +14,26 @@ The package tree is the book's table of contents:
     amp         casts, the loss scaler, precision policies                    chapter 5
     model/      GPT-2: configuration, the book step with checkpointing, the fast step   chapters 6, 8
     perf/       timing, profiling, occupancy, CUDA graphs, fusion, sweeps     chapter 8 (and the measurements of all)
+    interop/    safetensors, Hugging Face GPT-2 directories in and out
     train/      the configuration, THE training step, the trainer, data, checkpoints   chapter 7
     bench, cli  ``llmgpu bench`` and the ``llmgpu`` command
+
+``llmgpu.from_pretrained(path)``: a model from a local Hugging Face GPT-2 directory or an llmgpu run.
 """
 
 from . import backend, ops, plotting, testing
 from .backend import default_xp, device_info, get_array_module, gpu_available, on_gpu
 from .version import __version__
+
+
+def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
+    """A ``GPT`` (``FastGPT`` with ``fast``) from a local Hugging Face GPT-2 directory (``config.json`` +
+    ``model.safetensors``, as ``save_pretrained`` writes it) or an llmgpu run or checkpoint, in ``dtype`` on
+    ``xp`` (default: the active backend). Never downloads (``train/pretrained.py``)."""
+    from .train.pretrained import from_pretrained as load
+
+    return load(path, dtype=dtype, xp=xp, fast=fast)
+
 
 __all__ = [
     "backend",
@@ -28,6 +41,7 @@ __all__ = [
     "plotting",
     "testing",
     "default_xp",
+    "from_pretrained",
     "device_info",
     "get_array_module",
     "gpu_available",

@@ -1,4 +1,4 @@
-"""The ``llmgpu`` command: ``train``, ``sample``, ``info`` and ``bench``.
+"""The ``llmgpu`` command: ``train``, ``sample``, ``eval``, ``prepare``, ``export``, ``info`` and ``bench``.
 
 ``llmgpu train`` with no arguments trains on the embedded corpus (the Python standard library's
 sources, byte-level): on a CPU the ``tiny`` preset for about three minutes, on a GPU GPT-2 small
@@ -94,10 +94,59 @@ def _typed(kind, flag):
     return conv if kind in (int, float) else kind
 
 
+def add_interop_commands(sub):
+    """``llmgpu eval``, ``prepare`` and ``export``: other people's models and data in, ours out."""
+    from .train.config import CPU_DEFAULTS as CPU
+    from .train.config import GPU_DEFAULTS as GPU
+    from .train.prepare import SHARD_TOKENS, VAL_FRACTION
+
+    e = sub.add_parser("eval", help="mean loss and perplexity of a model on held-out data (JSON)",
+                       description="Mean next-token loss and perplexity of an llmgpu run or a Hugging Face GPT-2 "
+                       "directory on token shards or text (tokenized with the model's tokenizer).")
+    e.add_argument("--from", dest="src", required=True, metavar="DIR", help="run, checkpoint or Hugging Face dir")
+    e.add_argument("--data", required=True, help="text file, .bin shard, directory or glob (a directory with "
+                   "*val* shards: those)")
+    e.add_argument("--batch", type=_int_at_least("--batch", 1), help=f"sequences per batch (default {GPU['batch']} on "
+                   f"GPU, {CPU['batch']} on CPU)")
+    e.add_argument("--seq", type=_int_at_least("--seq", 1), help=f"tokens per sequence (default {GPU['seq']} on "
+                   f"GPU, {CPU['seq']} on CPU, at most the model's block size)")
+    e.add_argument("--max-batches", type=_int_at_least("--max-batches", 1), help="at most N batches (default: all)")
+    e.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="compute precision (default "
+                   "fp32)")
+    e.add_argument("--json", metavar="FILE", help="also write the result to FILE")
+    e.add_argument("--quiet", action="store_true", help="no progress output")
+
+    p = sub.add_parser("prepare", help="tokenize text files into llm.c token shards (train + val)",
+                       description="Tokenize text files (one document each) into llm.c-format shards in parallel "
+                       "over files, streaming: DIR/train_*.bin, DIR/val_*.bin and DIR/prepare.json.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories or globs")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--tokenizer", choices=["gpt2", "bytes"], default="gpt2", help="GPT-2 BPE (tiktoken, the 'bpe' "
+                   "extra) or UTF-8 bytes (default gpt2)")
+    p.add_argument("--val-fraction", type=float, default=None, help="held-out share of the tokens, the end of the "
+                   f"stream (default {VAL_FRACTION})")
+    p.add_argument("--shard-tokens", type=_int_at_least("--shard-tokens", 1), default=None,
+                   help=f"tokens per shard (default {SHARD_TOKENS:,})")
+    p.add_argument("--workers", type=_int_at_least("--workers", 1), help="tokenizer processes (default: one per "
+                   "CPU, at most one per file)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+    x = sub.add_parser("export", help="write a run as a Hugging Face GPT-2 directory (transformers loads it)",
+                       description="Write config.json + model.safetensors (Hugging Face names, Conv1D layout) that "
+                       "transformers.GPT2LMHeadModel.from_pretrained loads, plus nanogpt.safetensors (nanoGPT "
+                       "names and layout) and llmgpu.json.")
+    x.add_argument("--from", dest="src", required=True, metavar="RUN", help="run or checkpoint directory")
+    x.add_argument("--to", dest="dst", required=True, metavar="DIR", help="new or empty output directory")
+    x.add_argument("--overwrite", action="store_true", help="write into a directory that holds files")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="llmgpu", description="GPT-2 training on GPUs with CuPy + CUDA C (NumPy on a CPU).")
     p.add_argument("--version", action="version", version=f"llmgpu {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,sample,info,bench}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,sample,eval,prepare,export,info,bench}",
+                           parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a GPT-2 (default: the embedded corpus, time-bounded)",
                        description="Train a GPT-2. With no arguments: the embedded corpus (Python standard "
@@ -116,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute precision (default: the run's "
                    "on GPU, fp32 on CPU)")
+
+    add_interop_commands(sub)
 
     i = sub.add_parser("info", help="device facts: GPU, memory, CuPy/CUDA versions, peak FLOP/s")
     i.add_argument("--json", action="store_true", help="print JSON")
@@ -191,6 +242,35 @@ def cmd_sample(a) -> int:
     return 0
 
 
+def cmd_eval(a) -> int:
+    from .train.evaluate import run_eval
+
+    result = run_eval(a.src, a.data, batch=a.batch, seq=a.seq, max_batches=a.max_batches, device=a.device,
+                      dtype=a.dtype, progress=not a.quiet)
+    text = json.dumps(result, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_prepare(a) -> int:
+    from .train import prepare
+
+    kw = {k: v for k, v in (("val_fraction", a.val_fraction), ("shard_tokens", a.shard_tokens)) if v is not None}
+    prepare.prepare(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, overwrite=a.overwrite,
+                    progress=not a.quiet, **kw)
+    return 0
+
+
+def cmd_export(a) -> int:
+    from .train.pretrained import export
+
+    print(json.dumps(export(a.src, a.dst, overwrite=a.overwrite), indent=1))
+    return 0
+
+
 def cmd_info(a) -> int:
     import numpy as np
 
@@ -251,6 +331,7 @@ def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
     from .dist import DistError
     from .dist.comm import abort_mpi
+    from .interop import InteropError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
     from .train.data import DataError
@@ -262,12 +343,13 @@ def main(argv=None) -> int:
         if a.command is None:
             parser.print_help()
             return EXIT_USAGE
-        return {"train": cmd_train, "sample": cmd_sample, "info": cmd_info, "bench": cmd_bench}[a.command](a)
+        return {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "prepare": cmd_prepare,
+                "export": cmd_export, "info": cmd_info, "bench": cmd_bench}[a.command](a)
     except DistError as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         abort_mpi(EXIT_USAGE)  # the other ranks of an MPI run stop too (one may hang in a collective)
         return EXIT_USAGE
-    except (UsageError, ConfigError, DataError, CheckpointError) as e:
+    except (UsageError, ConfigError, DataError, CheckpointError, InteropError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:

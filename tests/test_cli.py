@@ -21,7 +21,7 @@ def test_train_then_sample(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", *TINY, "--steps", "3", "--eval-every", "2", "--sample-tokens", "8", "--out", str(out)])
     assert code == 0
-    assert (out / "checkpoint" / "model.npz").is_file() and (out / "log.jsonl").is_file()
+    assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "log.jsonl").is_file()
     capsys.readouterr()
     assert main(["sample", "--from", str(out), "--prompt", "import", "--tokens", "10", "--device", "cpu",
                  "--seed", "1"]) == 0

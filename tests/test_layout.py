@@ -22,6 +22,7 @@ FLOORS = [
     ("model", ("model",)),
     ("perf", ("perf",)),
     ("dist", ("dist",)),
+    ("interop", ("interop",)),  # Hugging Face directories, safetensors: above the model, below the trainer
     ("train", ("train",)),
     ("applications", ("torch_reference", "bench", "cli", "__main__")),
 ]

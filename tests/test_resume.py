@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from llmgpu.cli import main
+from llmgpu.interop.safetensors import load_file, save_file
 from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve
 from llmgpu.train import checkpoint as ck
 from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
@@ -168,15 +169,15 @@ def test_seq_beyond_the_block_size_needs_block_size(tmp_path, capsys, one_error_
 def _damage(ckpt: Path, how: str) -> str:
     """Damage a checkpoint directory; returns the file the error must name."""
     if how == "truncated":
-        data = (ckpt / "model.npz").read_bytes()
-        (ckpt / "model.npz").write_bytes(data[: len(data) // 2])
-        return "model.npz"
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+        return "model.safetensors"
     if how == "missing-model":
-        (ckpt / "model.npz").unlink()
-        return "model.npz"
+        (ckpt / "model.safetensors").unlink()
+        return "model.safetensors"
     if how == "garbage-model":
-        (ckpt / "model.npz").write_bytes(b"not a zip file at all")
-        return "model.npz"
+        (ckpt / "model.safetensors").write_bytes(b"not a safetensors file at all")
+        return "model.safetensors"
     if how == "meta-json":
         (ckpt / "meta.json").write_text("{not json")
         return "meta.json"
@@ -192,10 +193,9 @@ def _damage(ckpt: Path, how: str) -> str:
         (ckpt / "optim.npz").unlink()
         return "optim.npz"
     if how == "wrong-shapes":
-        z = dict(np.load(ckpt / "model.npz"))
+        z = load_file(ckpt / "model.safetensors")
         z["transformer.wte.weight"] = z["transformer.wte.weight"][:, :7]
-        with open(ckpt / "model.npz", "wb") as f:
-            np.savez(f, **z)
+        save_file(ckpt / "model.safetensors", z)
         return str(ckpt)
     raise AssertionError(how)
 
@@ -213,22 +213,46 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, how, o
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer", ["_save_weights", "_savez"])
+def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch, writer):
     d = tmp_path / "ck"
     w1 = {"a": np.arange(6, dtype=np.float32)}
     save_checkpoint(d, model=w1, meta={"step": 1, "model_config": {}})
-    real = ck._savez
+    real = getattr(ck, writer)
 
     def full_disk(path, arrays):
         real(path, arrays)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(ck, "_savez", full_disk)
+    monkeypatch.setattr(ck, writer, full_disk)
     with pytest.raises(OSError, match="No space"):
-        save_checkpoint(d, model={"a": np.zeros(6, np.float32)}, meta={"step": 2, "model_config": {}})
+        save_checkpoint(d, model={"a": np.zeros(6, np.float32)}, meta={"step": 2, "model_config": {}},
+                        optim={"m/a": np.zeros(6, np.float32)})
     model, meta, _ = load_checkpoint(d)
     assert meta["step"] == 1 and np.array_equal(model["a"], w1["a"])
     assert not (tmp_path / "ck.tmp").exists()  # the partial copy is removed
+
+
+def test_checkpoint_weights_are_safetensors_and_old_npz_checkpoints_still_load(tmp_path):
+    out = tmp_path / "r"
+    Trainer(TrainConfig(**FAST, steps=2, out=str(out))).run()
+    ckpt = out / "checkpoint"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors", "optim.npz"]
+    weights = load_file(ckpt / "model.safetensors")
+    assert all(a.dtype == np.float32 for a in weights.values())
+    assert weights["transformer.h.0.attn.c_attn.weight"].shape == (3 * 128, 128)  # nanoGPT's [out, in]
+    # the checkpoint of an earlier version: the same weights in model.npz, format 1
+    with open(ckpt / "model.npz", "wb") as f:
+        np.savez(f, **weights)
+    (ckpt / "model.safetensors").unlink()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "format": "llmgpu-checkpoint-1"}))
+    assert ck.model_file(ckpt).name == "model.npz"
+    model, meta, _ = load_checkpoint(out)
+    assert meta["step"] == 2 and all(np.array_equal(model[k], weights[k]) for k in weights)
+    t = Trainer(TrainConfig(resume=str(out), steps=3))
+    t.run()
+    assert load_checkpoint(out)[1]["step"] == 3 and (ckpt / "model.safetensors").is_file()
 
 
 # A training run whose checkpoint save at step 4 is slowed at one point (the file being written, or between the
@@ -301,8 +325,8 @@ def test_checkpoint_errors_name_the_file(tmp_path):
     (d / "meta.json").write_text(json.dumps({"format": ck.FORMAT}))
     with pytest.raises(CheckpointError, match="meta.json lacks model_config, step"):
         load_checkpoint(d)
-    (d / "model.npz").unlink()
-    with pytest.raises(CheckpointError, match="incomplete.*model.npz is missing"):
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="incomplete.*model.safetensors is missing"):
         load_checkpoint(d)
 
 

@@ -37,7 +37,7 @@ def test_training_lowers_the_loss_and_writes_outputs(tmp_path):
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 and not r["skipped"] for r in train_recs)
     assert any("tokens_per_s" in r and "mfu" in r for r in train_recs)
     assert [r["step"] for r in recs if r["type"] == "val"] == [0, 4, 8, 12, 16, 20, 24]
-    for f in ("loss.png", "samples.txt", "summary.json", "checkpoint/model.npz", "checkpoint/optim.npz",
+    for f in ("loss.png", "samples.txt", "summary.json", "checkpoint/model.safetensors", "checkpoint/optim.npz",
               "checkpoint/meta.json"):
         assert (out / f).is_file(), f
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"

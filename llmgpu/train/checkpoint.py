@@ -1,20 +1,21 @@
-"""Checkpoints on disk: ``.npz`` arrays plus a JSON file, written atomically.
+"""Checkpoints on disk: safetensors weights, ``.npz`` optimizer state and a JSON file, written atomically.
 
 A checkpoint is a directory::
 
-    model.npz    fp32 weights under nanoGPT's names (np.load(...) is a state_dict PyTorch can take)
-    optim.npz    AdamW's moments, keys 'm/<name>' and 'v/<name>'
-    meta.json    everything else: model config, step, optimizer step count and hyperparameters,
-                 loss-scaler state, data-loader position, RNG state, the training configuration
+    model.safetensors    fp32 weights under nanoGPT's names and layouts (``[out, in]`` matrices): what
+                         ``safetensors.numpy.load_file`` or ``safetensors.torch.load_file`` reads as a state dict
+    optim.npz            AdamW's moments, keys 'm/<name>' and 'v/<name>'
+    meta.json            everything else: model config, step, optimizer step count and hyperparameters,
+                         loss-scaler state, data-loader position, RNG state, the tokenizer, the training configuration
 
-Why ``.npz`` and not safetensors: NumPy already writes and reads it (no new dependency), it memory-
-maps nothing we need, and every array here is a plain fp32 tensor; ``np.load`` gives a name → array
-dict that ``torch.from_numpy`` turns into a PyTorch state_dict in one line.
+Weights are safetensors, the format the models people share use (``interop/safetensors.py`` writes it with
+NumPy); the optimizer state is only ever read back by llmgpu, so it stays in NumPy's ``.npz``. Checkpoints of
+earlier versions (weights in ``model.npz``) still load.
 
 Writes go to ``<dir>.tmp`` first (every file flushed to disk), then ``<dir>`` moves to ``<dir>.old``, the
 new one takes its place and ``.old`` goes: a save that fails or is killed at any point leaves the last
 complete checkpoint readable (``find_checkpoint`` falls back to ``<dir>.old`` when the swap was cut short).
-Anything unreadable (a truncated ``.npz``, a missing file, another format) is a ``CheckpointError`` whose
+Anything unreadable (a truncated file, a missing file, another format) is a ``CheckpointError`` whose
 one-line message names the file.
 """
 
@@ -27,8 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = "llmgpu-checkpoint-1"
-MODEL_FILE, OPTIM_FILE, META_FILE = "model.npz", "optim.npz", "meta.json"
+from ..interop import safetensors
+
+FORMAT = "llmgpu-checkpoint-2"  # -1: the same with the weights in model.npz
+FORMATS = ("llmgpu-checkpoint-1", FORMAT)  # what load_checkpoint reads
+MODEL_FILE, OPTIM_FILE, META_FILE = "model.safetensors", "optim.npz", "meta.json"
+LEGACY_MODEL_FILE = "model.npz"
 
 
 class CheckpointError(ValueError):
@@ -50,6 +55,10 @@ def _savez(path: Path, arrays: dict):
         os.fsync(f.fileno())  # on disk before the rename that publishes it
 
 
+def _save_weights(path: Path, arrays: dict):
+    safetensors.save_file(path, arrays, {"format": "pt"})  # fsynced; "pt": what safetensors.torch expects
+
+
 def _write_json(path: Path, obj: dict):
     with open(path, "w") as f:
         f.write(json.dumps(obj, indent=1, default=json_default) + "\n")
@@ -68,7 +77,7 @@ def save_checkpoint(directory, *, model: dict, meta: dict, optim: dict | None = 
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        _savez(tmp / MODEL_FILE, model)
+        _save_weights(tmp / MODEL_FILE, model)
         if optim is not None:
             _savez(tmp / OPTIM_FILE, optim)
         _write_json(tmp / META_FILE, {"format": FORMAT, **meta})  # last: a meta.json means the files are whole
@@ -93,8 +102,15 @@ def _sibling(d: Path, suffix: str) -> Path:
     return d.with_name(d.name + suffix)
 
 
+def model_file(d: Path) -> Path:
+    """The weights file of checkpoint directory ``d``: ``model.safetensors``, or an older checkpoint's ``model.npz``."""
+    d = Path(d)
+    return d / LEGACY_MODEL_FILE if not (d / MODEL_FILE).exists() and (d / LEGACY_MODEL_FILE).exists() \
+        else d / MODEL_FILE
+
+
 def _complete(d: Path) -> bool:
-    return (d / META_FILE).is_file() and (d / MODEL_FILE).is_file()
+    return (d / META_FILE).is_file() and model_file(d).is_file()
 
 
 def find_checkpoint(path) -> Path:
@@ -108,7 +124,7 @@ def find_checkpoint(path) -> Path:
         if not cand.exists() and _complete(_sibling(cand, ".old")):
             return _sibling(cand, ".old")
     for cand in (p, p / "checkpoint"):
-        if (cand / META_FILE).is_file() or (cand / MODEL_FILE).is_file():
+        if (cand / META_FILE).is_file() or model_file(cand).is_file():
             missing = MODEL_FILE if (cand / META_FILE).is_file() else META_FILE
             raise CheckpointError(f"checkpoint {cand} is incomplete: {cand / missing} is missing")
     if not p.exists():
@@ -128,13 +144,14 @@ def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict 
         meta = json.loads((d / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{d / META_FILE} is not readable JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
         fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{d / META_FILE} has format {fmt!r}, expected {FORMAT!r}")
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise CheckpointError(f"{d / META_FILE} lacks {', '.join(missing)}")
-    model = _load_npz(d / MODEL_FILE)
+    weights = model_file(d)
+    model = _load_npz(weights) if weights.suffix == ".npz" else _load_weights(weights)
     optim = _load_npz(d / OPTIM_FILE) if with_optim and (d / OPTIM_FILE).is_file() else None
     return model, meta, optim
 
@@ -145,6 +162,13 @@ def _load_npz(path: Path) -> dict:
             return {k: z[k] for k in z.files}  # reads every array: a truncated file fails here, not later
     except Exception as e:  # BadZipFile, zlib.error, EOFError, ValueError, OSError: all mean "damaged"
         raise CheckpointError(f"{path} is damaged or not an .npz file ({type(e).__name__}: {e})") from None
+
+
+def _load_weights(path: Path) -> dict:
+    try:
+        return safetensors.load_file(path)
+    except safetensors.SafetensorsError as e:  # already one line naming the file
+        raise CheckpointError(str(e)) from None
 
 
 def non_finite(arrays: dict) -> str | None:

@@ -3,8 +3,9 @@
 This is the only place training defaults are written. ``llmgpu train``'s flags are generated from the
 fields (``metadata``: help text, group, flag name), and ``llmgpu bench`` and the chapters take their
 optimizer settings from here too. ``None`` fields get a default that depends on the device
-(``CPU_DEFAULTS`` / ``GPU_DEFAULTS``); ``resolve(cfg, xp)`` fills them in and validates everything,
-raising ``ConfigError`` with one line naming the flag.
+(``CPU_DEFAULTS`` / ``GPU_DEFAULTS``; a run that starts from trained weights, ``--init``, takes
+``FINETUNE_DEFAULTS`` first); ``resolve(cfg, xp)`` fills them in and validates everything, raising
+``ConfigError`` with one line naming the flag.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def _opt(default, help: str, group: str, **cli):  # noqa: A002 - argparse's word
     return field(default=default, metadata={"help": help, "group": group, **cli})
 
 
+# a run that starts from trained weights (--init): a tenth of the GPU peak learning rate, a short warm-up
+# (nanoGPT fine-tunes GPT-2 at 3e-5, Hugging Face's examples at 5e-5; 1e-4 suits short runs on small data)
+FINETUNE_DEFAULTS = dict(lr=1e-4, warmup=10)
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs. ``None`` fields get device-dependent defaults (``resolve``)."""
@@ -51,6 +57,9 @@ class TrainConfig:
     graph: bool | None = _opt(None, "replay each step as one CUDA graph (default: with --fast)", "model")
     block_size: int | None = _opt(None, "context length, the rows of the position embedding (default: the "
                                   "preset's; --seq may not exceed it)", "model")
+    init: str | None = _opt(None, "start a new run from trained weights: a Hugging Face GPT-2 directory (config.json "
+                            "+ model.safetensors) or an llmgpu run; the model's shape, vocabulary and block size are "
+                            "the weights', with fine-tuning defaults", "model", metavar="PATH")
     # data
     data: str | None = _opt(None, "'stdlib' (embedded corpus, default), a text file, an llm.c .bin shard, a "
                             "directory or a glob of shards", "data")
@@ -65,9 +74,11 @@ class TrainConfig:
     steps: int | None = _opt(None, "optimizer steps (default: as many as fit in --max-time)", "optimization")
     max_time: float | None = _opt(None, "training time limit (default 180 on CPU, 300 on GPU when --steps is not "
                                   "given)", "optimization", metavar="SECONDS")
-    lr: float | None = _opt(None, "peak learning rate (default 3e-3 on CPU, 6e-4 on GPU)", "optimization")
+    lr: float | None = _opt(None, "peak learning rate (default 3e-3 on CPU, 6e-4 on GPU, "
+                            f"{FINETUNE_DEFAULTS['lr']:.0e} with --init)".replace("e-0", "e-"), "optimization")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak", "optimization")
-    warmup: int | None = _opt(None, "linear warm-up steps (default 20 on CPU, 50 on GPU)", "optimization")
+    warmup: int | None = _opt(None, "linear warm-up steps (default 20 on CPU, 50 on GPU, "
+                              f"{FINETUNE_DEFAULTS['warmup']} with --init)", "optimization")
     schedule: str = _opt("cosine", "learning-rate schedule after the warm-up", "optimization",
                          choices=["cosine", "linear", "constant"])
     weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only; biases and LayerNorm get none)",
@@ -177,13 +188,15 @@ def select_xp(device: str = "auto"):
 def resolve(cfg: TrainConfig, xp) -> TrainConfig:
     """Fill the ``None`` fields with the defaults of the device, and validate."""
     d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
+    if cfg.init:  # fine-tuning: the model is the weights' (no preset), the schedule gentler
+        d = {**{k: v for k, v in d.items() if k != "preset"}, **FINETUNE_DEFAULTS}
     upd = {}
     for k, v in d.items():
         if getattr(cfg, k) is None:
             if k == "max_time" and cfg.steps is not None:
                 continue
-            preset = cfg.preset or d["preset"]
-            if k == "seq" and preset in PRESETS:  # a default never outgrows the model
+            preset = cfg.preset or d.get("preset")
+            if k == "seq" and (preset in PRESETS or cfg.block_size):  # a default never outgrows the model
                 v = min(v, model_block_size(replace(cfg, preset=preset)))
             upd[k] = v
     cfg = replace(cfg, **upd)
@@ -230,7 +243,11 @@ def validate(cfg: TrainConfig):
     def finite(x):
         return isinstance(x, (int, float)) and math.isfinite(x)
 
-    need(cfg.preset in PRESETS, f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+    if cfg.init:  # the model is the weights' (pretrained.init_config sets the block size)
+        need(cfg.preset is None, f"--init takes the model's shape from its weights: drop --preset {cfg.preset}")
+        need(cfg.block_size is not None, "--init: the block size comes from the weights (pretrained.init_config)")
+    else:
+        need(cfg.preset in PRESETS, f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
     need(cfg.steps is None or cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}")
     need(cfg.max_time is None or (finite(cfg.max_time) and cfg.max_time > 0),
          f"--max-time must be a positive number, got {cfg.max_time}")
@@ -280,4 +297,5 @@ def validate(cfg: TrainConfig):
 
 
 __all__ = ["CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "explicit_fields",
-           "fast_path_available", "flag_of", "model_block_size", "resolve", "resume_config", "select_xp", "validate"]
+           "fast_path_available", "flag_of", "model_block_size", "resolve", "resume_config", "select_xp", "validate",
+           "FINETUNE_DEFAULTS"]

@@ -7,7 +7,8 @@ Three sources, one shape (a list of 1-D token arrays):
   the same ~10 MB of real text without a download (byte-level tokens, vocabulary 256);
 * **plain text files** (UTF-8 bytes, vocabulary 256);
 * **llm.c token shards** (``.bin``): a header of 256 int32 (magic 20240520, version 1, token count)
-  followed by that many uint16 tokens (GPT-2 ids), so shards prepared for llm.c load unchanged.
+  followed by that many uint16 tokens (GPT-2 ids), so shards prepared for llm.c load unchanged; shards
+  written by ``llmgpu prepare`` (``prepare.py``) have a ``prepare.json`` beside them naming their tokenizer.
 
 The token stream is cut into windows of ``seq + 1`` tokens (inputs and next-token targets). Each epoch
 visits the windows in an order drawn from a generator seeded with ``(seed, epoch)``; the loader's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
@@ -29,13 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from .stream import DataStream, GPUPrefetcher  # noqa: F401  (moved to stream.py; still importable from here)
+from .tokenizers import BYTE_VOCAB, GPT2_VOCAB, ByteTokenizer, DataError, GPT2Tokenizer, get_tokenizer
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
-GPT2_VOCAB = 50257
-BYTE_VOCAB = 256
+PREPARE_INFO = "prepare.json"  # written by llmgpu prepare next to its shards: their tokenizer, counts, inputs
 
 # Directories of the standard library that are not "prose-like" source: test suites, vendored
 # packages, generated codec tables.
@@ -43,13 +45,6 @@ _STDLIB_EXCLUDE = frozenset({"test", "tests", "idle_test", "site-packages", "dis
                              "encodings", "ensurepip"})
 EMBEDDED = "stdlib"  # the --data name of the embedded corpus
 FULL_SCAN_TOKENS = 2_000_000_000  # above this, load_corpus scans only some files for the largest token id
-
-
-class DataError(ValueError):
-    """Bad training data (missing file, bad shard header, token ids the model cannot embed...).
-
-    The message is one line meant for the user; the CLI prints it without a traceback.
-    """
 
 
 # --------------------------------------------------------------------------- sources
@@ -102,7 +97,7 @@ def write_shard(path, tokens) -> Path:
     path = Path(path)
     with open(path, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+        tokens.astype("<u2", copy=False).tofile(f)
     return path
 
 
@@ -136,60 +131,6 @@ def read_text(path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-# --------------------------------------------------------------------------- tokenizers
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, needs nothing installed."""
-
-    name = "bytes"
-    vocab_size = BYTE_VOCAB
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-class GPT2Tokenizer:
-    """GPT-2 BPE through ``tiktoken`` when it is installed; otherwise token ids are shown as numbers."""
-
-    name = "gpt2"
-    vocab_size = GPT2_VOCAB
-
-    def __init__(self):
-        try:
-            import tiktoken
-
-            self._enc = tiktoken.get_encoding("gpt2")
-        except Exception:  # not installed, or no network to fetch its files
-            self._enc = None
-
-    @property
-    def available(self) -> bool:
-        return self._enc is not None
-
-    def encode(self, text: str) -> list[int]:
-        if self._enc is None:
-            raise DataError("encoding text for a GPT-2-token model needs tiktoken (pip install tiktoken); "
-                            "or give the prompt as token ids")
-        return self._enc.encode(text, allowed_special={"<|endoftext|>"})
-
-    def decode(self, ids) -> str:
-        if self._enc is None:
-            return " ".join(str(int(i)) for i in ids)
-        return self._enc.decode([int(i) for i in ids])
-
-
-def get_tokenizer(name: str):
-    if name == "bytes":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {name!r} (bytes or gpt2)")
-
-
 # --------------------------------------------------------------------------- corpus
 
 
@@ -220,7 +161,7 @@ class Corpus:
                             f"use a model with --vocab-size >= {self.max_token + 1}")
 
 
-def _expand(spec: str, notes: list | None = None) -> list[Path]:
+def data_files(spec: str, notes: list | None = None) -> list[Path]:
     """A file, a directory (its .bin shards, else its text files: a note says so), or a glob pattern."""
     if any(ch in spec for ch in "*?["):
         paths = sorted(Path(p) for p in glob.glob(spec))
@@ -249,8 +190,23 @@ def _read_any(paths: list[Path]) -> tuple[list, str]:
     if len(kinds) > 1:
         raise DataError("mixing token shards (.bin) and text files in one data set is not supported")
     if kinds == {"shard"}:
-        return [read_shard(p) for p in paths], "gpt2"
+        return [read_shard(p) for p in paths], shard_tokenizer(paths)
     return [read_text(p) for p in paths], "bytes"
+
+
+def shard_tokenizer(paths: list[Path]) -> str:
+    """The tokenizer of shards: what ``prepare.json`` next to them says (llmgpu prepare), else GPT-2 (llm.c's)."""
+    names = set()
+    for d in {p.parent for p in paths}:
+        try:
+            names.add(json.loads((d / PREPARE_INFO).read_text()).get("tokenizer", "gpt2"))
+        except FileNotFoundError:
+            names.add("gpt2")
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"{d / PREPARE_INFO} is not readable JSON ({type(e).__name__}: {e})") from None
+    if len(names) > 1:
+        raise DataError(f"the shards hold tokens of different tokenizers ({', '.join(sorted(names))})")
+    return names.pop()
 
 
 def _tail_split(arrays: list, frac: float) -> tuple[list, list]:
@@ -288,17 +244,17 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
         desc = (f"embedded corpus: Python {sysconfig.get_python_version()} standard library sources "
                 f"({len(raw) / 1e6:.1f} MB, sha1 {digest})")
     else:
-        paths = _expand(data, notes)
+        paths = data_files(data, notes)
         arrays, tok = _read_any(paths)
         desc = f"{data} ({len(paths)} file{'s' if len(paths) > 1 else ''})"
-        if val_data is None and tok == "gpt2" and len(paths) > 1:
+        if val_data is None and paths[0].suffix == ".bin" and len(paths) > 1:
             is_val = ["val" in p.name for p in paths]
             if any(is_val) and not all(is_val):
                 val = [a for a, v in zip(arrays, is_val) if v]
                 train = [a for a, v in zip(arrays, is_val) if not v]
                 return _finish(train, val, tok, desc, notes)
     if val_data is not None:
-        val_arrays, val_tok = _read_any(_expand(val_data, notes))
+        val_arrays, val_tok = _read_any(data_files(val_data, notes))
         if val_tok != tok:
             raise DataError(f"--val-data holds {val_tok} tokens but --data holds {tok} tokens")
         return _finish(arrays, val_arrays, tok, desc, notes)
@@ -412,3 +368,10 @@ def validation_loader(val_arrays, batch, seq, vocab_size):
     if n == 0:
         return None
     return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)
+
+
+# the tokenizers and DataError live in tokenizers.py; they are still importable from here
+__all__ = ["BYTE_VOCAB", "EMBEDDED", "GPT2_VOCAB", "PREPARE_INFO", "SHARD_MAGIC", "BatchLoader", "ByteTokenizer",
+           "Corpus", "DataError", "DataStream", "GPT2Tokenizer", "GPUPrefetcher", "data_files", "embedded_corpus",
+           "get_tokenizer", "load_corpus", "read_shard", "read_text", "shard_tokenizer", "stdlib_files",
+           "validation_loader", "write_shard"]

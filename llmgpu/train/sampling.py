@@ -1,8 +1,9 @@
 """Text from a checkpoint: prompts, the sampling settings, and a model loaded only from sound weights.
 
-``load_for_sampling(path)`` reads a checkpoint (``train --resume``'s reader, without the optimizer state)
-and refuses, in one line naming the file, weights that hold inf/nan (a diverged run) or do not fit the
-model configuration stored with them; ``sampling_settings`` refuses a temperature or top-k that cannot work.
+``load_for_sampling(path)`` reads a checkpoint (``train --resume``'s reader, without the optimizer state) or
+a Hugging Face GPT-2 directory, and refuses, in one line naming the file, weights that hold inf/nan (a
+diverged run) or do not fit the model configuration stored with them; ``sampling_settings`` refuses a
+temperature or top-k that cannot work.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import math
 
 import numpy as np
 
-from ..model import GPT, GPTConfig
-from .checkpoint import MODEL_FILE, CheckpointError, find_checkpoint, load_checkpoint, non_finite
+from .checkpoint import CheckpointError
 from .config import ConfigError
-from .data import get_tokenizer
+from .pretrained import build_model, load_pretrained
+from .tokenizers import get_tokenizer
 
 
 def prompt_ids(tokenizer, prompt: str | None) -> list[int]:
@@ -42,22 +43,15 @@ def sampling_settings(temperature: float, top_k: int | None):
 
 
 def load_for_sampling(path, xp=np, dtype: str | None = None):
-    """(model, tokenizer, meta) of the checkpoint at ``path``; ``dtype`` default: fp32 on the CPU, else the run's."""
-    weights, meta, _ = load_checkpoint(path, with_optim=False)
-    d = find_checkpoint(path)
-    bad = non_finite(weights)
-    if bad:
-        raise CheckpointError(f"{d / MODEL_FILE} holds inf/nan weights ({bad}): the run diverged; sample from an "
-                              "earlier checkpoint")
-    try:
-        cfg = GPTConfig.from_dict(meta["model_config"])
-        model = GPT(cfg, dtype=dtype or ("fp32" if xp is np else meta.get("dtype", "bf16")), xp=xp, init=False)
-        model.load_state_dict(weights)
-        tok = get_tokenizer(meta.get("tokenizer", "bytes"))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {d} does not fit its model configuration ({type(e).__name__}: {e})") \
-            from None
-    return model, tok, meta
+    """(model, tokenizer, meta) of an llmgpu run or checkpoint, or a Hugging Face GPT-2 directory, at ``path``
+    (``pretrained.load_pretrained``: weights with inf/nan refused); ``dtype`` default: fp32 on the CPU, else the
+    run's (bf16 for a Hugging Face model)."""
+    pre = load_pretrained(path)
+    if pre.tokenizer is None:
+        raise CheckpointError(f"{pre.path} does not say which tokenizer its vocabulary of {pre.config.vocab_size} "
+                              "belongs to (GPT-2's has 50257 tokens), so its samples cannot be decoded")
+    model = build_model(pre, dtype=dtype or ("fp32" if xp is np else pre.meta.get("dtype", "bf16")), xp=xp)
+    return model, get_tokenizer(pre.tokenizer), pre.meta
 
 
 __all__ = ["load_for_sampling", "prompt_ids", "sampling_settings"]

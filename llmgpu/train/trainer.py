@@ -33,6 +33,7 @@ from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_f
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
 from .data import BatchLoader, Corpus, get_tokenizer, load_corpus, validation_loader
 from .divergence import check_step
+from .pretrained import init_run
 from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_ranks
 from .report import Progress, read_log
 from .rundir import check_out, default_out_dir, open_run_dir, resume_target, write_config
@@ -61,6 +62,7 @@ class Trainer:
         meta = ckpt_model = ckpt_optim = None
         self.forked, self.fork_from = False, None  # resumed into another directory; the run it came from
         self.last_checkpoint = None  # the newest complete checkpoint of this run on disk
+        cfg, self.init = init_run(cfg, self._note) if cfg.init else (cfg, None)  # --init's weights (pretrained.py)
         if cfg.resume:
             self.last_checkpoint = find_checkpoint(cfg.resume)
             ckpt_model, meta, ckpt_optim = load_checkpoint(cfg.resume)
@@ -98,6 +100,8 @@ class Trainer:
             self._note(n)
         if meta is not None:
             mcfg = GPTConfig.from_dict(meta["model_config"])
+        elif self.init is not None:
+            mcfg = self.init.run_model_config(self.corpus.tokenizer, cfg)
         else:
             base = GPTConfig.preset(cfg.preset)
             vocab = cfg.vocab_size or self.corpus.vocab_size
@@ -122,7 +126,10 @@ class Trainer:
         # model, optimizer, precision
         model_cls = FastGPT if cfg.fast else GPT
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
-                               init=meta is None, param_multiple=ALIGN * (self.world if cfg.zero else 1))
+                               init=meta is None and self.init is None,
+                               param_multiple=ALIGN * (self.world if cfg.zero else 1))
+        if self.init is not None:
+            self.model.load_state_dict(self.init.weights)
         self.params = self.model.params
         self.step_fn = TrainStep(self.model, cfg)
         self.opt, self.scaler = self.step_fn.opt, self.step_fn.scaler
@@ -241,7 +248,7 @@ class Trainer:
                                   "so training cannot resume from it (llmgpu sample can still read it)")
         bad = non_finite(model_arrays)
         if bad:
-            raise CheckpointError(f"{d / ckpt_files.MODEL_FILE} holds inf/nan weights ({bad}): the run had diverged")
+            raise CheckpointError(f"{ckpt_files.model_file(d)} holds inf/nan weights ({bad}): the run had diverged")
         try:
             self.model.load_state_dict(model_arrays)
             ost = dict(meta["optimizer"])

@@ -1,0 +1,91 @@
+"""``llmgpu eval``: the mean loss and perplexity of a model on held-out data.
+
+The model comes from an llmgpu run or a Hugging Face GPT-2 directory (``pretrained.py``); the data is
+token shards or text (``data.py``'s sources). Text is tokenized with the model's tokenizer (in memory: an
+evaluation set, not a training corpus; ``llmgpu prepare`` makes shards of large ones); a directory or glob
+that holds ``*val*`` shards next to training shards is evaluated on the validation shards only.
+
+The data is cut into windows of ``seq + 1`` tokens, walked in order (as the trainer's validation does);
+the loss is the mean next-token cross-entropy over every position of ``batches`` full batches (a last
+partial batch is left out), and the perplexity is ``exp(loss)``. The sum stays on the device; the host
+reads it at each progress update, not after every batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .. import backend
+from .config import CPU_DEFAULTS, GPU_DEFAULTS, ConfigError, select_xp
+from .data import BatchLoader, DataError, load_corpus
+from .pretrained import build_model, load_pretrained
+from .report import Progress
+from .tokenizers import get_tokenizer
+
+
+def eval_tokens(data: str, tokenizer: str | None) -> tuple[list, str, list[str]]:
+    """(token arrays, their tokenizer, notes) of the evaluation data ``data`` for a model reading
+    ``tokenizer`` tokens (None: unknown, the data's are taken as they are)."""
+    corpus = load_corpus(data, val_fraction=0.0)
+    notes = list(corpus.notes)
+    arrays = corpus.train
+    if corpus.val:
+        arrays = corpus.val
+        notes.append(f"{data} holds training and validation shards: evaluating on the {len(arrays)} validation "
+                     "shard(s)")
+    if tokenizer is None or corpus.tokenizer == tokenizer:
+        return arrays, corpus.tokenizer, notes
+    if corpus.tokenizer == "bytes" and tokenizer == "gpt2":  # text: tokenize it as prepare does, one document a file
+        tok = get_tokenizer("gpt2", required=True)
+        arrays = [np.concatenate([[tok.eot], tok.encode_bytes(a.tobytes())]).astype(np.uint16) for a in corpus.train]
+        return arrays, "gpt2", notes
+    raise DataError(f"{data} holds {corpus.tokenizer} tokens but the model reads {tokenizer} tokens")
+
+
+def evaluate(model, arrays: list, *, batch: int, seq: int, max_batches: int | None = None, progress: bool = True,
+             stream=None) -> dict:
+    """Mean loss and perplexity of ``model`` on the windows of ``arrays`` (see the module docstring)."""
+    if seq > model.config.block_size:
+        raise ConfigError(f"--seq {seq} exceeds the model's block size {model.config.block_size}")
+    windows = sum((a.size - 1) // seq for a in arrays if a.size > seq)
+    if windows == 0:
+        total = sum(a.size for a in arrays)
+        raise DataError(f"the evaluation data has {total} tokens: no sequence of {seq} + 1 (lower --seq)")
+    loader = BatchLoader(arrays, min(batch, windows), seq, shuffle=False, name="evaluation",
+                         vocab_size=model.config.vocab_size)
+    n = loader.batches_per_epoch() if max_batches is None else min(max_batches, loader.batches_per_epoch())
+    bar = Progress(n, enabled=progress, stream=stream)
+    every = max(1, n // 50)  # progress updates (host syncs)
+    xp, total, t0 = model.xp, None, time.perf_counter()
+    for i in range(1, n + 1):
+        b = backend.to_device(loader.next_host(), xp)
+        loss = model.loss(b[0], b[1])
+        total = loss if total is None else total + loss
+        if i % every == 0 or i == n:
+            now = time.perf_counter() - t0
+            bar.update(i, loss=float(backend.to_numpy(total)) / i, tok_s=i * loader.batch * seq / max(now, 1e-9),
+                       elapsed=now, eta=now / i * (n - i))
+    bar.close()
+    mean = float(backend.to_numpy(total)) / n
+    return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else math.inf, "batches": n,
+            "batch": loader.batch, "seq": seq, "tokens": n * loader.batch * seq, "seconds": time.perf_counter() - t0}
+
+
+def run_eval(src: str, data: str, *, batch: int | None = None, seq: int | None = None,
+             max_batches: int | None = None, device: str = "auto", dtype: str = "fp32", progress: bool = True) -> dict:
+    """``llmgpu eval``: the model at ``src`` (llmgpu run or Hugging Face directory) on ``data``; a JSON-able dict."""
+    xp = select_xp(device)
+    d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
+    pre = load_pretrained(src)
+    model = build_model(pre, dtype=dtype, xp=xp)
+    arrays, tok, notes = eval_tokens(data, pre.tokenizer)
+    seq = seq or min(d["seq"], pre.config.block_size)
+    out = evaluate(model, arrays, batch=batch or d["batch"], seq=seq, max_batches=max_batches, progress=progress)
+    return {**out, "model": pre.source, "data": data, "tokenizer": tok, "dtype": dtype,
+            "device": backend.device_info(xp).summary(), "notes": notes}
+
+
+__all__ = ["eval_tokens", "evaluate", "run_eval"]

@@ -1,0 +1,238 @@
+"""``llmgpu prepare``: text files -> llm.c token shards, in parallel over files, streaming.
+
+Each input file is one document. A pool of worker processes tokenizes the files (GPT-2's BPE through
+``tiktoken``, or UTF-8 bytes); each worker reads its file in pieces of about ``piece_bytes`` and writes the
+tokens to a temporary file as it goes, so no process ever holds more than a piece of text and no file's
+tokens are kept in memory. The main process then concatenates the token files in input order into shards
+of ``shard_tokens`` (``train_000000.bin``, ..., ``data.write_shard``: llm.c's format, header magic 20240520,
+uint16 tokens), the last ``val_fraction`` of the stream into ``val_000000.bin``, ..., and writes
+``prepare.json`` (tokenizer, counts, inputs), which also tells ``load_corpus`` the shards' tokenizer.
+
+GPT-2 documents start with ``<|endoftext|>`` (50256), as in llm.c's data scripts; text that spells a special
+token is encoded as ordinary text. Pieces end after a newline that is followed by a printable ASCII
+character: GPT-2's pre-tokenizer never joins a newline to a following non-space character, so encoding the
+pieces one by one gives exactly the tokens of the whole file (``tests/test_prepare.py`` checks it). A file
+with no such place in 64 pieces' worth of text is cut at a newline (or anywhere) instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+
+from ..version import __version__
+from .config import TrainConfig
+from .data import PREPARE_INFO, DataError, write_shard
+from .report import Progress
+from .tokenizers import get_tokenizer
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text", ".json", ".jsonl", ".csv", ".html", ".tex")
+SHARD_TOKENS = 100_000_000  # llm.c's FineWeb shards: 100M tokens (200 MB)
+PIECE_BYTES = 1 << 20
+VAL_FRACTION = {f.name: f.default for f in fields(TrainConfig)}["val_fraction"]  # train's default held-out share
+
+
+def safe_cut(buf: bytes) -> int:
+    """Where to end a piece of ``buf``: just after the last newline followed by a printable ASCII character
+    (0 when there is none)."""
+    end = len(buf) - 1
+    while True:
+        i = buf.rfind(b"\n", 0, end)
+        if i < 0:
+            return 0
+        if 0x21 <= buf[i + 1] <= 0x7E:
+            return i + 1
+        end = i
+
+
+def text_pieces(path, piece_bytes: int = PIECE_BYTES):
+    """The bytes of the file ``path`` in pieces of about ``piece_bytes`` (see the module docstring)."""
+    buf = b""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(piece_bytes)
+            if not block:
+                if buf:
+                    yield buf
+                return
+            buf += block
+            if len(buf) < piece_bytes:
+                continue
+            cut = safe_cut(buf)
+            if cut == 0 and len(buf) >= 64 * piece_bytes:  # one enormous line: cut where it does least harm
+                cut = buf.rfind(b"\n") + 1 or _utf8_boundary(buf)
+            if cut:
+                yield buf[:cut]
+                buf = buf[cut:]
+
+
+def _utf8_boundary(buf: bytes) -> int:
+    """The start of the last UTF-8 character of ``buf`` (a place to cut that splits no character)."""
+    i = len(buf) - 1
+    while i > 0 and (buf[i] & 0xC0) == 0x80:  # continuation bytes
+        i -= 1
+    return i or len(buf)
+
+
+def encode_file(path, tokenizer, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
+    """The tokens of one file as a document (``<|endoftext|>`` first for GPT-2), uint16, in memory."""
+    parts = [np.asarray([tokenizer.eot], np.uint16)] if tokenizer.eot is not None else []
+    parts += [tokenizer.encode_bytes(p) for p in text_pieces(path, piece_bytes)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+def _tokenize_to_file(task) -> tuple[int, int]:
+    """Worker: tokenize one file into a raw uint16 file; (tokens, bytes)."""
+    path, dst, tokenizer, piece_bytes = task
+    n = 0
+    with open(dst, "wb") as f:
+        if tokenizer.eot is not None:
+            np.asarray([tokenizer.eot], "<u2").tofile(f)
+            n += 1
+        for piece in text_pieces(path, piece_bytes):
+            ids = tokenizer.encode_bytes(piece).astype("<u2", copy=False)
+            ids.tofile(f)
+            n += ids.size
+    return n, os.path.getsize(path)
+
+
+def input_files(inputs) -> list[Path]:
+    """Files named by ``inputs``: files, directories (their text files, recursively, sorted) and glob patterns."""
+    out: list[Path] = []
+    for spec in inputs:
+        spec = str(spec)
+        if any(ch in spec for ch in "*?["):
+            found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            if not found:
+                raise DataError(f"no files match {spec!r}")
+            out += found
+            continue
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in TEXT_SUFFIXES)
+            if not found:
+                raise DataError(f"directory {p} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise DataError(f"input {p} does not exist")
+    return out
+
+
+class _ShardWriter:
+    """Tokens in, shards of ``size`` tokens out (``<split>_000000.bin``, ...), one buffer of ``size`` tokens."""
+
+    def __init__(self, out: Path, split: str, size: int, total: int):
+        self.out, self.split, self.size = out, split, size
+        self.buf = np.empty(min(size, max(total, 1)), np.uint16)
+        self.n, self.paths = 0, []
+
+    def add(self, tokens: np.ndarray):
+        while tokens.size:
+            k = min(tokens.size, self.buf.size - self.n)
+            self.buf[self.n:self.n + k] = tokens[:k]
+            self.n, tokens = self.n + k, tokens[k:]
+            if self.n == self.buf.size:
+                self.flush()
+
+    def flush(self):
+        if self.n:
+            self.paths.append(write_shard(self.out / f"{self.split}_{len(self.paths):06d}.bin", self.buf[: self.n]))
+            self.n = 0
+
+
+def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION, shard_tokens: int = SHARD_TOKENS,
+            workers: int | None = None, piece_bytes: int = PIECE_BYTES, overwrite: bool = False,
+            progress: bool = True, stream=None) -> dict:
+    """Tokenize the text files ``inputs`` into shards in ``out`` (see the module docstring); returns the summary
+    written to ``prepare.json``. ``tokenizer``: 'gpt2', 'bytes' or a tokenizer object (``tokenizers.py``)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1 or piece_bytes < 1:
+        raise DataError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    files = input_files(inputs)
+    tok = get_tokenizer(tokenizer, required=True) if isinstance(tokenizer, str) else tokenizer
+    if tok.vocab_size > 2**16:
+        raise DataError(f"the {tok.name} tokenizer has {tok.vocab_size} tokens: llm.c shards hold uint16 ids")
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} exists and is not a directory")
+    old = sorted(out.glob("*.bin")) + ([out / PREPARE_INFO] if (out / PREPARE_INFO).exists() else [])
+    if old and not overwrite:
+        raise DataError(f"--out {out} already holds shards ({old[0].name}, ...): give another directory or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in old:
+        p.unlink()
+    tmp = out / ".prepare-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    workers = max(1, min(workers or os.cpu_count() or 1, len(files)))
+    tasks = [(p, tmp / f"{i:06d}.u16", tok, piece_bytes) for i, p in enumerate(files)]
+    total_bytes = sum(p.stat().st_size for p in files) or 1
+    bar = Progress(len(files), enabled=progress, stream=stream)
+    bar.message(f"llmgpu prepare: {len(files)} file(s), {total_bytes / 1e6:.1f} MB, {tok.name} tokens, "
+                f"{workers} worker(s) -> {out}")
+    counts, done_bytes, t0 = [], 0, time.perf_counter()
+    try:
+        pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
+        try:
+            results = pool.imap(_tokenize_to_file, tasks) if pool else map(_tokenize_to_file, tasks)
+            for i, (n, nbytes) in enumerate(results, 1):
+                counts.append(n)
+                done_bytes += nbytes
+                el = time.perf_counter() - t0
+                bar.update(i, tok_s=sum(counts) / max(el, 1e-9), elapsed=el,
+                           eta=el / done_bytes * (total_bytes - done_bytes) if done_bytes else None)
+        finally:
+            if pool:
+                pool.close()
+                pool.join()
+        bar.close()
+        summary = _write_shards(out, [t[1] for t in tasks], counts, val_fraction, shard_tokens)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = {"format": "llmgpu-prepare-1", "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
+               "files": len(files), "bytes": sum(p.stat().st_size for p in files), **summary,
+               "val_fraction": val_fraction, "shard_tokens": shard_tokens, "inputs": [str(p) for p in files],
+               "seconds": time.perf_counter() - t0, "llmgpu": __version__}
+    (out / PREPARE_INFO).write_text(json.dumps(summary, indent=1) + "\n")  # last: the shards are complete
+    bar.message(f"done: {summary['train_tokens']:,} training tokens in {len(summary['train_shards'])} shard(s), "
+                f"{summary['val_tokens']:,} validation tokens in {len(summary['val_shards'])}, "
+                f"{summary['seconds']:.1f} s")
+    return summary
+
+
+def _write_shards(out: Path, token_files: list, counts: list, val_fraction: float, shard_tokens: int) -> dict:
+    total = sum(counts)
+    n_val = int(round(total * val_fraction))
+    if total - n_val <= 0:
+        raise DataError(f"the inputs hold {total} tokens: nothing left to train on after the validation share")
+    train = _ShardWriter(out, "train", shard_tokens, total - n_val)
+    val = _ShardWriter(out, "val", shard_tokens, n_val)
+    left = total - n_val  # training tokens still to write; the rest of the stream is validation
+    for f, n in zip(token_files, counts):
+        if n == 0:
+            continue
+        tokens = np.memmap(f, dtype="<u2", mode="r", shape=(n,))
+        k = min(left, n)
+        train.add(tokens[:k])
+        val.add(tokens[k:])
+        left -= k
+        del tokens
+    train.flush()
+    val.flush()
+    return {"tokens": total, "train_tokens": total - n_val, "val_tokens": n_val,
+            "train_shards": [p.name for p in train.paths], "val_shards": [p.name for p in val.paths]}
+
+
+__all__ = ["PIECE_BYTES", "SHARD_TOKENS", "TEXT_SUFFIXES", "encode_file", "input_files", "prepare", "safe_cut",
+           "text_pieces"]

@@ -1,0 +1,149 @@
+"""Trained weights as a model, from wherever they are: a Hugging Face GPT-2 directory or an llmgpu run.
+
+* ``load_pretrained(path)``: the configuration, fp32 nanoGPT-named weights, tokenizer and provenance of a
+  local Hugging Face GPT-2 directory (``interop/hf.py``) or an llmgpu run/checkpoint (``checkpoint.py``);
+  weights holding inf/nan are refused. What ``train --init``, ``eval``, ``sample`` and ``export`` read.
+* ``from_pretrained(path, dtype=, xp=)``: that, as a ``GPT`` (or ``FastGPT``) ready to run
+  (``llmgpu.from_pretrained``).
+* ``export(src, dst)``: ``llmgpu export``: a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads.
+* ``init_run(cfg)``: a new run's configuration and weights from ``--init PATH``; ``check_tokenizer``.
+
+Nothing is downloaded: a path that does not exist (a hub name such as ``gpt2``) says how to fetch it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import backend
+from ..interop import hf
+from ..model import GPT, FastGPT, GPTConfig
+from ..model.config import WTE
+from ..version import __version__
+from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
+from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, flag_of
+
+
+@dataclass
+class Pretrained:
+    """Weights from a model directory: ``config``, ``weights`` (nanoGPT names, fp32 NumPy, the vocabulary
+    unpadded), ``tokenizer`` ('gpt2', 'bytes' or None: unknown), ``kind`` ('hf' or 'llmgpu')."""
+
+    config: GPTConfig
+    weights: dict
+    tokenizer: str | None
+    kind: str
+    path: Path
+    source: str  # one line for logs and JSON: what the weights are
+    meta: dict = field(default_factory=dict)
+
+    def run_model_config(self, data_tokenizer: str, cfg: TrainConfig) -> GPTConfig:
+        """The model of a run that starts from these weights (``train --init``): their configuration with the
+        run's vocabulary padding, after checking that the data holds the tokens the weights were trained on."""
+        check_tokenizer(self, data_tokenizer, cfg.data)
+        return replace(self.config, pad_vocab_to=cfg.pad_vocab)
+
+
+def load_pretrained(path) -> Pretrained:
+    """The weights at ``path``: a Hugging Face GPT-2 directory (``config.json`` + weights) or an llmgpu run
+    or checkpoint directory. One-line ``InteropError`` / ``CheckpointError`` for anything unusable."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        hint = (" (a Hugging Face hub name? fetch it first, e.g. huggingface-cli download openai-community/gpt2 "
+                f"--local-dir {p.name or 'gpt2'})") if len(p.parts) <= 2 and not p.suffix else ""
+        raise CheckpointError(f"{p} does not exist: llmgpu reads local model directories and never downloads{hint}")
+    if hf.is_hf_dir(p):
+        cfg, weights, info = hf.load_hf(p)
+        return Pretrained(cfg, weights, info.get("tokenizer"), "hf", p, f"Hugging Face GPT-2 {p}", info)
+    weights, meta, _ = load_checkpoint(p, with_optim=False)
+    d = find_checkpoint(p)
+    bad = non_finite(weights)
+    if bad:
+        raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the run diverged; use an earlier "
+                              "checkpoint")
+    try:
+        cfg = GPTConfig.from_dict(meta["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {d} has no usable model configuration ({type(e).__name__}: {e})") \
+            from None
+    if WTE in weights:  # the padded vocabulary rows are zeros: a model of another padding adds its own
+        weights[WTE] = weights[WTE][: cfg.vocab_size]
+    return Pretrained(cfg, weights, meta.get("tokenizer", "bytes"), "llmgpu", d, f"llmgpu run {d} (step "
+                      f"{meta['step']})", meta)
+
+
+def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, pad_vocab_to: int | None = None):
+    """A ``GPT`` (``FastGPT`` with ``fast``) holding ``pre``'s weights; ``pad_vocab_to``: None keeps ``pre``'s."""
+    cfg = pre.config if pad_vocab_to is None else replace(pre.config, pad_vocab_to=pad_vocab_to)
+    model = (FastGPT if fast else GPT)(cfg, dtype=dtype, xp=xp, init=False)
+    try:
+        model.load_state_dict(pre.weights)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{pre.path}: the weights do not fit their model configuration ({type(e).__name__}: "
+                              f"{e})") from None
+    return model
+
+
+def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
+    """A model from a local Hugging Face GPT-2 directory or an llmgpu run: ``GPT`` (``FastGPT`` with ``fast``;
+    bf16/fp16 on a GPU) in ``dtype`` on ``xp`` (default: the active backend). Never downloads."""
+    return build_model(load_pretrained(path), dtype=dtype, xp=xp or backend.default_xp(), fast=fast)
+
+
+def export(src, dst, *, overwrite: bool = False) -> dict:
+    """``llmgpu export``: the weights at ``src`` (an llmgpu run, or a Hugging Face directory) as a directory
+    ``transformers`` loads (``interop.hf.export_hf``). Refuses a ``dst`` holding files unless ``overwrite``."""
+    out = Path(dst).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--to {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--to {out} is not empty: give an empty or new directory, or --overwrite")
+    pre = load_pretrained(src)
+    info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__}
+    hf.export_hf(out, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info)
+    return {"to": str(out), "from": pre.source, "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
+            "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
+
+
+# --------------------------------------------------------------------------- train --init
+
+
+def init_run(cfg: TrainConfig, note=print) -> tuple[TrainConfig, Pretrained]:
+    """(the configuration of a new run that starts from the weights at ``cfg.init``, those weights); ``note``
+    is called with what the run takes from them (one line).
+
+    The model's shape, vocabulary and block size are the weights'; ``--preset`` is an error (it would name
+    another shape), and so are a ``--block-size``/``--vocab-size`` other than the weights'. Fine-tuning
+    defaults (``config.FINETUNE_DEFAULTS``) apply to what the user did not set (``resolve``)."""
+    if cfg.resume:
+        raise ConfigError(f"--init {cfg.init} starts a new run from pretrained weights; --resume continues a run: "
+                          "give one of them")
+    if cfg.preset is not None:
+        raise ConfigError(f"--init {cfg.init} takes the model's shape from its weights: drop --preset {cfg.preset}")
+    pre = load_pretrained(cfg.init)
+    m = pre.config
+    for name, value in (("block_size", m.block_size), ("vocab_size", m.vocab_size)):
+        given = getattr(cfg, name)
+        if given is not None and given != value:
+            raise ConfigError(f"{flag_of(name)} {given}: the weights in {cfg.init} have {name} {value}, which "
+                              "--init keeps")
+    cfg = replace(cfg, block_size=m.block_size, vocab_size=m.vocab_size)
+    unset = [k for k in FINETUNE_DEFAULTS if getattr(cfg, k) is None]  # resolve() fills them in
+    note(f"fine-tuning {pre.source}"
+         + (": " + ", ".join(f"{flag_of(k)} {FINETUNE_DEFAULTS[k]:g}" for k in unset) + " (fine-tuning defaults)"
+            if unset else ""))
+    return cfg, pre
+
+
+def check_tokenizer(pre: Pretrained, data_tokenizer: str, data: str | None):
+    """ConfigError when the data's tokens are not the ones the pretrained weights were trained on."""
+    if pre.tokenizer is not None and data_tokenizer != pre.tokenizer:
+        fix = (f"prepare text for it with: llmgpu prepare FILE... --out DIR --tokenizer {pre.tokenizer}, then --data "
+               "DIR")
+        raise ConfigError(f"the weights in {pre.path} read {pre.tokenizer} tokens but the data "
+                          f"({data or 'the embedded corpus'}) holds {data_tokenizer} tokens: {fix}")
+
+
+__all__ = ["Pretrained", "build_model", "check_tokenizer", "export", "from_pretrained", "init_run",
+           "load_pretrained"]

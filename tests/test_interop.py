@@ -1,0 +1,395 @@
+"""Interop on the CPU: safetensors files, Hugging Face GPT-2 directories in and out, ``llmgpu export``.
+
+Without ``transformers`` here, the Hugging Face side is checked against an independent NumPy forward pass
+written in Hugging Face's conventions (``hf_logits``: Conv1D ``x @ W + b`` on the ``[in, out]`` tensors), so
+a wrong transpose or name is a logits mismatch. ``tests/test_hf_transformers.py`` checks the same against
+``transformers`` itself where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import llmgpu
+from llmgpu.cli import main
+from llmgpu.interop import hf
+from llmgpu.interop import safetensors as st
+from llmgpu.interop.hf import InteropError
+from llmgpu.model import GPT, GPTConfig
+from llmgpu.ops.layernorm import layernorm_forward
+from llmgpu.train import TrainConfig, Trainer
+from llmgpu.train.checkpoint import CheckpointError
+from llmgpu.train.pretrained import load_pretrained
+
+pytestmark = pytest.mark.ch7
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
+HF_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 65, "n_positions": 16,
+             "n_ctx": 16, "n_embd": 32, "n_layer": 2, "n_head": 2, "activation_function": "gelu_new",
+             "layer_norm_epsilon": 1e-5}
+
+
+# --------------------------------------------------------------------------- an independent Hugging Face forward
+
+
+def _ln(x, w, b, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def hf_logits(t: dict, c: dict, idx: np.ndarray) -> np.ndarray:
+    """GPT2LMHeadModel's forward in float64 from Hugging Face tensors (``transformer.`` names, Conv1D layout)."""
+    g = {k.removeprefix("transformer."): v.astype(np.float64) for k, v in t.items()}
+    B, T = idx.shape
+    C, H = c["n_embd"], c["n_head"]
+    x = g["wte.weight"][idx] + g["wpe.weight"][:T]
+    mask = np.triu(np.ones((T, T), bool), 1)
+    for i in range(c["n_layer"]):
+        p = f"h.{i}."
+        qkv = _ln(x, g[p + "ln_1.weight"], g[p + "ln_1.bias"]) @ g[p + "attn.c_attn.weight"] + g[p + "attn.c_attn.bias"]
+        q, k, v = (a.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, axis=-1))
+        s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(C // H)
+        s = np.where(mask, -np.inf, s)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        y = (s / s.sum(-1, keepdims=True)) @ v
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        x = x + y @ g[p + "attn.c_proj.weight"] + g[p + "attn.c_proj.bias"]
+        f = _ln(x, g[p + "ln_2.weight"], g[p + "ln_2.bias"]) @ g[p + "mlp.c_fc.weight"] + g[p + "mlp.c_fc.bias"]
+        f = 0.5 * f * (1 + np.tanh(math.sqrt(2 / math.pi) * (f + 0.044715 * f**3)))  # gelu_new
+        x = x + f @ g[p + "mlp.c_proj.weight"] + g[p + "mlp.c_proj.bias"]
+    x = _ln(x, g["ln_f.weight"], g["ln_f.bias"])
+    return x @ g["wte.weight"].T
+
+
+def random_hf_tensors(rng, c=HF_CONFIG, prefix="transformer.") -> dict:
+    """Random GPT-2 tensors in Hugging Face layout (every tensor random, LayerNorms included)."""
+    C, V, L = c["n_embd"], c["vocab_size"], c["n_layer"]
+    shapes = {"wte.weight": (V, C), "wpe.weight": (c["n_positions"], C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    for i in range(L):
+        shapes.update({f"h.{i}.{k}": s for k, s in {
+            "ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
+            "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
+            "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (4 * C, C),
+            "mlp.c_proj.bias": (C,)}.items()})  # fmt: skip
+    out = {}
+    for k, s in shapes.items():
+        a = rng.standard_normal(s).astype(np.float32) * 0.2
+        out[prefix + k] = (a + 1.0) if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else a
+    return out
+
+
+def write_hf_dir(d, tensors, config=HF_CONFIG, metadata=None):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    st.save_file(d / "model.safetensors", tensors, metadata or {"format": "pt"})
+    return d
+
+
+def _idx(rng, cfg=CFG, B=2):
+    return rng.integers(0, cfg.vocab_size, (B, cfg.block_size)).astype(np.int32)
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def test_safetensors_round_trip_and_layout(tmp_path, rng):
+    arrays = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": np.arange(7, dtype=np.float16),
+              "bf16": np.arange(4, dtype=np.float32).astype(llmgpu.backend.bfloat16),
+              "i64": np.arange(6, dtype=np.int64).reshape(2, 3), "empty": np.zeros((0, 4), np.float32),
+              "big_endian": np.arange(3, dtype=">f4")}
+    p = st.save_file(tmp_path / "a.safetensors", arrays, {"format": "pt"})
+    n = int.from_bytes(p.read_bytes()[:8], "little")
+    assert (8 + n) % 8 == 0  # the data part starts aligned
+    tensors, meta, _ = st.read_header(p)
+    assert meta == {"format": "pt"} and tensors["bf16"][0] == llmgpu.backend.bfloat16
+    back = st.load_file(p)
+    for k, a in arrays.items():
+        assert back[k].shape == a.shape and np.array_equal(back[k].astype(np.float64), a.astype(np.float64)), k
+    assert back["big_endian"].dtype == np.dtype("<f4")
+
+
+def test_safetensors_files_agree_with_the_safetensors_package(tmp_path, rng):
+    ref = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+    arrays = {"w": rng.standard_normal((4, 6)).astype(np.float32), "h": np.arange(5, dtype=np.float16),
+              "i": np.arange(3, dtype=np.int32)}
+    st.save_file(tmp_path / "ours.safetensors", arrays, {"format": "pt"})
+    theirs = ref.load_file(str(tmp_path / "ours.safetensors"))
+    assert all(np.array_equal(theirs[k], arrays[k]) for k in arrays)
+    ref.save_file(arrays, str(tmp_path / "theirs.safetensors"), metadata={"format": "np"})
+    ours = st.load_file(tmp_path / "theirs.safetensors")
+    assert all(np.array_equal(ours[k], arrays[k]) and ours[k].dtype == arrays[k].dtype for k in arrays)
+    assert st.read_metadata(tmp_path / "theirs.safetensors") == {"format": "np"}
+
+
+@pytest.mark.parametrize("how", ["truncated", "longer", "garbage", "short", "json", "offsets", "dtype"])
+def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, how):
+    p = st.save_file(tmp_path / "w.safetensors", {"a": np.ones(8, np.float32), "b": np.zeros(4, np.float32)})
+    data = p.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    if how == "truncated":
+        p.write_bytes(data[:-5])
+    elif how == "longer":
+        p.write_bytes(data + b"\0" * 4)
+    elif how == "garbage":
+        p.write_bytes(b"PK\x03\x04 this is a zip file, not safetensors")
+    elif how == "short":
+        p.write_bytes(b"\x01\x02")
+    else:
+        if how == "json":
+            text = b"{not json" + b" " * (n - 9)
+        else:
+            if how == "offsets":
+                header["b"]["data_offsets"] = [36, 52]  # a gap after a
+            else:
+                header["a"]["dtype"] = "F33"
+            text = json.dumps(header).encode().ljust(n)
+        p.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    with pytest.raises(st.SafetensorsError) as e:
+        st.load_file(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the configuration
+
+
+def test_config_maps_both_ways_and_defaults_are_gpt2_small():
+    assert hf.config_from_hf(HF_CONFIG) == CFG
+    back = hf.config_to_hf(CFG, tokenizer="bytes")
+    assert hf.config_from_hf(back) == CFG
+    for k in ("model_type", "architectures", "n_embd", "n_layer", "n_head", "n_positions", "n_ctx", "vocab_size",
+              "layer_norm_epsilon", "activation_function", "tie_word_embeddings"):
+        assert k in back, k
+    assert back["activation_function"] == "gelu_new" and back["tie_word_embeddings"] is True
+    assert back["bos_token_id"] is None  # a 65-token vocabulary has no <|endoftext|>
+    assert hf.config_to_hf(GPTConfig.preset("gpt2"), tokenizer="gpt2")["eos_token_id"] == 50256
+    # what config.json leaves out means GPT2Config's default: a bare file is GPT-2 small
+    assert hf.config_from_hf({"model_type": "gpt2"}) == GPTConfig.preset("gpt2")
+
+
+def test_the_layernorm_epsilon_is_the_models():
+    import inspect
+
+    assert inspect.signature(layernorm_forward).parameters["eps"].default == hf.LAYER_NORM_EPSILON
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"model_type": None}, "model_type None"),
+    ({"architectures": ["GPT2DoubleHeadsModel"]}, "architecture GPT2DoubleHeadsModel"),
+    ({"activation_function": "gelu"}, "activation_function 'gelu'"),
+    ({"activation_function": "relu"}, "activation_function 'relu'"),
+    ({"n_inner": 96}, "n_inner 96"),
+    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
+    ({"scale_attn_weights": False}, "scale_attn_weights"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"add_cross_attention": True}, "add_cross_attention"),
+    ({"n_head": 3}, "not a usable GPT-2 shape"),
+])  # fmt: skip
+def test_configs_llmgpu_does_not_compute_are_refused_in_one_line(change, needle):
+    with pytest.raises(InteropError, match=needle) as e:
+        hf.config_from_hf({**HF_CONFIG, **change}, where="x/config.json")
+    assert str(e.value).startswith("x/config.json: ") and "\n" not in str(e.value)
+    hf.config_from_hf({**HF_CONFIG, "activation_function": "gelu_pytorch_tanh", "n_inner": 128})  # the same model
+
+
+# --------------------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("variant", ["GPT2LMHeadModel", "GPT2Model", "buffers+tied-head", "fp16", "sharded"])
+def test_import_gives_the_hugging_face_models_logits(tmp_path, rng, variant):
+    t = random_hf_tensors(rng, prefix="" if variant == "GPT2Model" else "transformer.")
+    d = tmp_path / "hf"
+    if variant == "buffers+tied-head":  # what older transformers versions saved
+        for i in range(2):
+            t[f"transformer.h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 16, 16), np.float32))
+            t[f"transformer.h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+        t["lm_head.weight"] = t["transformer.wte.weight"].copy()
+    if variant == "fp16":
+        t = {k: v.astype(np.float16) for k, v in t.items()}
+    if variant == "sharded":
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(HF_CONFIG))
+        names = sorted(t)
+        parts = {"model-00001-of-00002.safetensors": names[:9], "model-00002-of-00002.safetensors": names[9:]}
+        for f, ks in parts.items():
+            st.save_file(d / f, {k: t[k] for k in ks}, {"format": "pt"})
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    else:
+        write_hf_dir(d, t)
+    model = llmgpu.from_pretrained(d, xp=np)
+    assert isinstance(model, GPT) and model.config == CFG
+    idx = _idx(rng)
+    want = hf_logits({k: v for k, v in t.items() if ".attn.bias" not in k and "masked" not in k}, HF_CONFIG, idx)
+    got, _ = model.forward(idx)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    pre = load_pretrained(d)
+    assert pre.kind == "hf" and pre.tokenizer is None  # a 65-token vocabulary is not GPT-2's
+
+
+def test_a_missing_transpose_is_caught_by_the_logits(rng):
+    """The check above can fail: attn.c_proj is square, so only the logits show a transpose left out."""
+    t = random_hf_tensors(rng)
+    good = hf.hf_to_nanogpt(t, CFG)
+    bad = {**good, "transformer.h.1.attn.c_proj.weight": good["transformer.h.1.attn.c_proj.weight"].T}
+    idx = _idx(rng)
+    want = hf_logits(t, HF_CONFIG, idx)
+    for weights, close in ((good, True), (bad, False)):
+        model = GPT(CFG, xp=np, init=False)
+        model.load_state_dict(weights)
+        assert np.allclose(model.forward(idx)[0], want, rtol=2e-4, atol=2e-4) == close
+
+
+FC = "transformer.h.0.mlp.c_fc.weight"
+
+
+def _hf_dir_with(tmp_path, rng, change=None, config=None, drop=None, add=None):
+    t = random_hf_tensors(rng)
+    if drop:
+        del t[drop]
+    t.update(add or {})
+    if change:
+        t = change(t)
+    return write_hf_dir(tmp_path / "bad", t, {**HF_CONFIG, **(config or {})})
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("untied", "untied LM head"),
+    ("untied-config", "tie_word_embeddings is false"),
+    ("unknown", "unknown tensor 'transformer.h.5.attn.c_attn.weight'"),
+    ("missing", "weight(s) missing, e.g. 'transformer.h.1.mlp.c_fc.bias'"),
+    ("shape", "'transformer.h.0.mlp.c_fc.weight' has shape (128, 32), the config makes it (32, 128)"),
+    ("integer", "holds int32, not floating-point"),
+])  # fmt: skip
+def test_layouts_llmgpu_does_not_compute_are_refused_in_one_line(tmp_path, rng, case, needle, capsys, one_error_line):
+    kw = {
+        "untied": dict(add={"lm_head.weight": rng.standard_normal((65, 32)).astype(np.float32)}),
+        "untied-config": dict(config={"tie_word_embeddings": False}),
+        "unknown": dict(add={"transformer.h.5.attn.c_attn.weight": np.zeros((32, 96), np.float32)}),
+        "missing": dict(drop="transformer.h.1.mlp.c_fc.bias"),
+        "shape": dict(change=lambda t: {**t, FC: t[FC].T}),
+        "integer": dict(change=lambda t: {**t, "transformer.ln_f.bias": np.zeros(32, np.int32)}),
+    }[case]
+    d = _hf_dir_with(tmp_path, rng, **kw)
+    with pytest.raises(InteropError, match=needle.replace("(", r"\(").replace(")", r"\)")) as e:
+        llmgpu.from_pretrained(d, xp=np)
+    assert str(d / "model.safetensors") in str(e.value)
+    capsys.readouterr()
+    one_error_line(main(["eval", "--from", str(d), "--data", str(d / "config.json"), "--device", "cpu"]), needle)
+
+
+def test_paths_that_would_need_a_download_or_torch_say_so(tmp_path, rng, monkeypatch, capsys, one_error_line):
+    with pytest.raises(CheckpointError, match="never downloads.*huggingface-cli download"):
+        llmgpu.from_pretrained("openai-community/gpt2", xp=np)
+    one_error_line(main(["sample", "--from", "gpt2", "--device", "cpu"]), "never downloads")
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x02 a pickle")
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # as on a machine without PyTorch
+    with pytest.raises(InteropError, match="pytorch_model.bin is a PyTorch pickle, which needs PyTorch"):
+        llmgpu.from_pretrained(d, xp=np)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(InteropError, match="holds no weights"):
+        llmgpu.from_pretrained(d, xp=np)
+    (d / "config.json").write_text("{not json")
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InteropError, match="config.json is not readable JSON"):
+        llmgpu.from_pretrained(d, xp=np)
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    with pytest.raises(InteropError, match="model.safetensors is 0 bytes"):
+        llmgpu.from_pretrained(d, xp=np)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _run(tmp_path, name="r", **kw):
+    out = tmp_path / name
+    cfg = dict(preset="tiny", device="cpu", batch=2, seq=16, steps=2, eval_every=0, progress=False, sample_tokens=0,
+               plot=False, out=str(out))
+    Trainer(TrainConfig(**{**cfg, **kw})).run()
+    return out
+
+
+def test_export_writes_what_transformers_reads(tmp_path, rng, capsys):
+    m = GPT(GPTConfig(**{**CFG.as_dict(), "pad_vocab_to": 64}), xp=np, seed=1)  # 65 -> 128 rows inside
+    m.params.data[:] += rng.standard_normal(m.params.data.size).astype(np.float32) * 0.05  # LayerNorms too
+    d = hf.export_hf(tmp_path / "x", m.config, m.state_dict(), tokenizer="bytes", info={"step": 7})
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "llmgpu.json", "model.safetensors",
+                                                   "nanogpt.safetensors"]
+    tensors, meta, _ = st.read_header(d / "model.safetensors")
+    assert meta == {"format": "pt"}  # transformers refuses a safetensors file without it
+    assert all(dt == np.float32 for dt, *_ in tensors.values())
+    shapes = {k: v[1] for k, v in tensors.items()}
+    assert shapes["transformer.wte.weight"] == (65, 32)  # the unpadded vocabulary
+    assert shapes["transformer.h.1.attn.c_attn.weight"] == (32, 96) and shapes["transformer.h.1.mlp.c_fc.weight"] \
+        == (32, 128) and shapes["transformer.h.1.mlp.c_proj.weight"] == (128, 32)  # Conv1D [in, out]
+    assert "lm_head.weight" not in shapes and len(shapes) == 4 + 12 * 2  # tied: left out, as save_pretrained does
+    config = json.loads((d / "config.json").read_text())
+    assert config["vocab_size"] == 65 and config["n_positions"] == config["n_ctx"] == 16
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+    raw = st.load_file(d / "nanogpt.safetensors")
+    assert raw["transformer.h.0.mlp.c_fc.weight"].shape == (128, 32)  # nanoGPT's nn.Linear [out, in]
+    # the Hugging Face file computes our model's function (an independent forward in Hugging Face's layout)
+    idx = _idx(rng)
+    np.testing.assert_allclose(hf_logits(st.load_file(d / "model.safetensors"), config, idx), m.forward(idx)[0],
+                               rtol=2e-4, atol=2e-4)
+    # and importing it gives the model back, bit for bit
+    back = llmgpu.from_pretrained(d, xp=np)
+    assert np.array_equal(back.forward(idx)[0], m.forward(idx)[0])
+    assert load_pretrained(d).tokenizer == "bytes"  # llmgpu.json
+
+
+def test_safetensors_package_reads_the_export(tmp_path, rng):
+    """The export's layout as the reference ``safetensors`` package sees it: names, shapes, dtypes."""
+    ref = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+    m = GPT(CFG, xp=np, seed=2)
+    d = hf.export_hf(tmp_path / "x", CFG, m.state_dict())
+    t = ref.load_file(str(d / "model.safetensors"))
+    want = {"transformer.wte.weight": (65, 32), "transformer.wpe.weight": (16, 32), "transformer.ln_f.weight": (32,),
+            "transformer.ln_f.bias": (32,)}
+    for i in range(2):
+        want.update({f"transformer.h.{i}.{k}": s for k, s in {
+            "ln_1.weight": (32,), "ln_1.bias": (32,), "attn.c_attn.weight": (32, 96), "attn.c_attn.bias": (96,),
+            "attn.c_proj.weight": (32, 32), "attn.c_proj.bias": (32,), "ln_2.weight": (32,), "ln_2.bias": (32,),
+            "mlp.c_fc.weight": (32, 128), "mlp.c_fc.bias": (128,), "mlp.c_proj.weight": (128, 32),
+            "mlp.c_proj.bias": (32,)}.items()})  # fmt: skip
+    assert {k: v.shape for k, v in t.items()} == want and all(v.dtype == np.float32 for v in t.values())
+    sd = m.state_dict()
+    assert np.array_equal(t["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"].T)
+    assert np.array_equal(t["transformer.h.1.attn.c_proj.weight"], sd["transformer.h.1.attn.c_proj.weight"].T)
+    assert np.array_equal(t["transformer.wpe.weight"], sd["transformer.wpe.weight"])
+    raw = ref.load_file(str(d / "nanogpt.safetensors"))
+    assert all(np.array_equal(raw[k], sd[k]) for k in raw) and set(raw) == set(want)
+
+
+def test_llmgpu_export_round_trip_from_a_run(tmp_path, rng, capsys, one_error_line):
+    out = _run(tmp_path)
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokenizer"] == "bytes" and report["vocab_size"] == 256
+    ours = llmgpu.from_pretrained(out, xp=np)
+    theirs = llmgpu.from_pretrained(tmp_path / "hf", xp=np)
+    idx = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    assert np.array_equal(ours.forward(idx)[0], theirs.forward(idx)[0])
+    one_error_line(main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]), "is not empty", "--overwrite")
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf"), "--overwrite"]) == 0
+    one_error_line(main(["export", "--from", str(tmp_path / "nothing"), "--to", str(tmp_path / "y")]), "does not exist")
+
+
+def test_sample_and_eval_read_a_hugging_face_directory(tmp_path, rng, capsys):
+    out = _run(tmp_path)
+    hf.export_hf(tmp_path / "hf", *(lambda p: (p.config, p.weights))(load_pretrained(out)), tokenizer="bytes")
+    assert main(["sample", "--from", str(tmp_path / "hf"), "--prompt", "def", "--tokens", "5", "--device", "cpu",
+                 "--seed", "3"]) == 0
+    a = capsys.readouterr().out
+    assert main(["sample", "--from", str(out), "--prompt", "def", "--tokens", "5", "--device", "cpu", "--seed",
+                 "3"]) == 0
+    assert capsys.readouterr().out == a and a.startswith("def")

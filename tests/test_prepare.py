@@ -1,0 +1,238 @@
+"""``llmgpu prepare`` (text -> llm.c shards, parallel, streaming), the tokenizers it uses, and ``llmgpu eval``.
+
+The GPT-2 BPE path runs on a tiny ``tiktoken.Encoding`` built here (GPT-2's pre-tokenizer pattern, the 256
+bytes and a few merges), so no vocabulary is downloaded; the offline path of the real one is checked with
+tiktoken's download made to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from llmgpu.cli import main
+from llmgpu.interop import hf
+from llmgpu.model import GPT, GPTConfig
+from llmgpu.train import TrainConfig, Trainer, evaluate
+from llmgpu.train import prepare as prep
+from llmgpu.train.data import SHARD_HEADER_INTS, SHARD_MAGIC, BatchLoader, load_corpus, read_shard
+from llmgpu.train.pretrained import from_pretrained
+from llmgpu.train.tokenizers import ByteTokenizer, DataError, GPT2Tokenizer, get_tokenizer
+
+pytestmark = pytest.mark.ch7
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+TEXT = ("def f(x):\n    return x  # the end\n\n\nclass A:\n  pass\r\nwörld ✓ héllo\n \n\tthe them then\n"
+        "<|endoftext|> is plain text here\n") * 7
+
+
+@pytest.fixture(scope="module")
+def tiny_bpe():
+    tiktoken = pytest.importorskip("tiktoken", reason="tiktoken is not installed (the 'bpe' extra)")
+    ranks = {bytes([i]): i for i in range(256)}
+    for m in (b"th", b"the", b" t", b" the", b"  ", b"    ", b"\n\n", b"re", b"turn", b"en"):
+        ranks.setdefault(m, len(ranks))
+    enc = tiktoken.Encoding("tiny-gpt2-like", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": len(ranks)})
+    return GPT2Tokenizer(encoding=enc)
+
+
+# --------------------------------------------------------------------------- streaming pieces
+
+
+def test_safe_cut_ends_after_a_newline_before_a_printable_character():
+    assert prep.safe_cut(b"ab\ncd\n ef") == 3  # not before the space: a newline joins following whitespace
+    assert prep.safe_cut(b"abc") == 0 and prep.safe_cut(b"a\n") == 0 and prep.safe_cut(b"a\n\nb") == 3
+
+
+@pytest.mark.parametrize("piece", [1, 5, 17, 1 << 20])
+def test_pieces_give_the_tokens_of_the_whole_file(tmp_path, tiny_bpe, piece):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    pieces = list(prep.text_pieces(f, piece))
+    assert b"".join(pieces) == f.read_bytes() and (len(pieces) > 5) == (piece < 100)
+    whole = [tiny_bpe.eot] + tiny_bpe._enc.encode_ordinary(TEXT)
+    assert prep.encode_file(f, tiny_bpe, piece).tolist() == whole
+    assert prep.encode_file(f, ByteTokenizer(), piece).tolist() == list(f.read_bytes())  # no separator token
+
+
+def test_a_file_without_newlines_is_still_read_in_pieces(tmp_path):
+    f = tmp_path / "one-line.txt"
+    f.write_text("ö" * 1000, encoding="utf-8")
+    pieces = list(prep.text_pieces(f, 4))
+    assert len(pieces) > 1 and max(len(p) for p in pieces) <= 64 * 4 + 4
+    assert all(p.decode("utf-8") for p in pieces)  # never inside a character
+    assert b"".join(pieces) == f.read_bytes()
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def _inputs(tmp_path, n=5):
+    d = tmp_path / "in"
+    d.mkdir()
+    for i in range(n):
+        (d / f"doc{i}.txt").write_text(TEXT[: 150 + 97 * i] + f"\ndocument {i}\n", encoding="utf-8")
+    return d
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_prepare_writes_llmc_shards_in_input_order(tmp_path, tiny_bpe, workers):
+    src = _inputs(tmp_path)
+    out = tmp_path / f"out{workers}"
+    s = prep.prepare([src], out, tokenizer=tiny_bpe, val_fraction=0.1, shard_tokens=500, workers=workers,
+                     piece_bytes=64, progress=False)
+    files = sorted(src.glob("*.txt"))
+    stream = np.concatenate([prep.encode_file(f, tiny_bpe) for f in files])
+    n_val = round(stream.size * 0.1)
+    assert s["tokens"] == stream.size and s["val_tokens"] == n_val and len(s["train_shards"]) > 1
+    for name in s["train_shards"] + s["val_shards"]:
+        header = np.fromfile(out / name, dtype="<i4", count=SHARD_HEADER_INTS)
+        assert header[0] == SHARD_MAGIC and header[1] == 1 and header[2] <= 500
+    train = np.concatenate([read_shard(out / n) for n in s["train_shards"]])
+    val = np.concatenate([read_shard(out / n) for n in s["val_shards"]])
+    assert np.array_equal(np.concatenate([train, val]), stream) and val.size == n_val  # the end is validation
+    info = json.loads((out / "prepare.json").read_text())
+    assert info["tokenizer"] == "gpt2" and info["files"] == 5 and info["inputs"] == [str(f) for f in files]
+    c = load_corpus(str(out))
+    assert c.tokenizer == "gpt2" and c.n_train == train.size and c.n_val == val.size
+    assert not (out / ".prepare-tmp").exists()
+
+
+def test_worker_count_does_not_change_the_shards(tmp_path, tiny_bpe):
+    src = _inputs(tmp_path, 7)
+    a = prep.prepare([src], tmp_path / "a", tokenizer=tiny_bpe, workers=1, shard_tokens=300, progress=False)
+    b = prep.prepare([str(src / "*.txt")], tmp_path / "b", tokenizer=tiny_bpe, workers=4, shard_tokens=300,
+                     progress=False)
+    assert a["train_shards"] == b["train_shards"]
+    for n in a["train_shards"] + a["val_shards"]:
+        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes()
+
+
+def test_prepared_byte_shards_train_and_sample_as_bytes(tmp_path, capsys):
+    src = _inputs(tmp_path, 3)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", "--quiet"]) == 0
+    c = load_corpus(str(tmp_path / "s"))
+    assert c.tokenizer == "bytes" and c.vocab_size == 256 and c.n_val > 0
+    run = ["train", "--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "2", "--quiet",
+           "--no-plot", "--sample-tokens", "0", "--eval-every", "0", "--data", str(tmp_path / "s"), "--out",
+           str(tmp_path / "r")]
+    assert main(run) == 0
+    assert json.loads((tmp_path / "r" / "checkpoint" / "meta.json").read_text())["tokenizer"] == "bytes"
+    capsys.readouterr()
+    assert main(["sample", "--from", str(tmp_path / "r"), "--prompt", "class", "--tokens", "8", "--device",
+                 "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("class")  # decoded as bytes, not shown as GPT-2 ids
+
+
+def test_prepare_shows_progress_and_refuses_to_write_over_shards(tmp_path, capsys, one_error_line):
+    src = _inputs(tmp_path, 2)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", "--workers", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "llmgpu prepare: 2 file(s)" in err and "2/2" in err and "done:" in err
+    one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes"]),
+                   "already holds shards", "--overwrite")
+    assert main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", "--overwrite",
+                 "--quiet", "--val-fraction", "0"]) == 0
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["prepare.json", "train_000000.bin"]
+    capsys.readouterr()
+    one_error_line(main(["prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "t"), "--tokenizer",
+                         "bytes"]), "nope.txt does not exist")
+    one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "t"), "--tokenizer", "bytes",
+                         "--val-fraction", "1.5"]), "--val-fraction")
+
+
+def test_gpt2_offline_without_a_cached_vocabulary_is_one_line(tmp_path, monkeypatch, capsys, one_error_line):
+    pytest.importorskip("tiktoken", reason="tiktoken is not installed (the 'bpe' extra)")
+    import tiktoken.load
+    import tiktoken.registry
+
+    def no_network(url):
+        raise ConnectionError(f"Failed to resolve {url}")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # nothing loaded in this process yet
+    src = _inputs(tmp_path, 1)
+    one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "s")]), "TIKTOKEN_CACHE_DIR", "not cached")
+    with pytest.raises(DataError) as e:
+        get_tokenizer("gpt2", required=True)
+    assert "pip install tiktoken" not in str(e.value)
+    assert not GPT2Tokenizer().available and GPT2Tokenizer().decode([1, 2]) == "1 2"  # samples still show ids
+    # and eval on text with a GPT-2-vocabulary model needs the same vocabulary
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=50257, block_size=16)
+    d = hf.export_hf(tmp_path / "hf", cfg, GPT(cfg, xp=np).state_dict(), tokenizer="gpt2")
+    capsys.readouterr()
+    one_error_line(main(["eval", "--from", str(d), "--data", str(src / "doc0.txt"), "--device", "cpu"]),
+                   "TIKTOKEN_CACHE_DIR")
+
+
+def test_without_tiktoken_the_extra_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    with pytest.raises(DataError, match=r"needs tiktoken: pip install 'llmgpu\[bpe\]'"):
+        get_tokenizer("gpt2", required=True)
+
+
+# --------------------------------------------------------------------------- eval
+
+
+def _run(tmp_path):
+    out = tmp_path / "r"
+    Trainer(TrainConfig(preset="tiny", device="cpu", batch=2, seq=16, steps=2, eval_every=0, progress=False,
+                        sample_tokens=0, plot=False, out=str(out))).run()
+    return out
+
+
+def test_eval_is_the_mean_loss_and_its_perplexity(tmp_path, capsys):
+    out = _run(tmp_path)
+    text = tmp_path / "held-out.txt"
+    text.write_text(TEXT * 3, encoding="utf-8")
+    assert main(["eval", "--from", str(out), "--data", str(text), "--batch", "4", "--seq", "32", "--device", "cpu",
+                 "--json", str(tmp_path / "e.json")]) == 0
+    cap = capsys.readouterr()
+    result = json.loads(cap.out)
+    assert result == json.loads((tmp_path / "e.json").read_text())
+    assert "/" in cap.err and "loss" in cap.err  # the progress line
+    model = from_pretrained(out, xp=np)
+    loader = BatchLoader([np.frombuffer(text.read_bytes(), np.uint8)], 4, 32, shuffle=False)
+    losses = [float(model.loss(*loader.next_host())) for _ in range(loader.batches_per_epoch())]
+    assert result["batches"] == len(losses) and result["tokens"] == len(losses) * 4 * 32
+    assert result["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
+    assert result["tokenizer"] == "bytes" and result["model"].startswith("llmgpu run")
+    # the same model as a Hugging Face directory gives the same numbers; --max-batches cuts the walk short
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--from", str(tmp_path / "hf"), "--data", str(text), "--batch", "4", "--seq", "32",
+                 "--device", "cpu", "--quiet", "--max-batches", "2"]) == 0
+    cap = capsys.readouterr()
+    short = json.loads(cap.out)
+    assert short["batches"] == 2 and short["loss"] == pytest.approx(np.mean(losses[:2]), rel=1e-6) and not cap.err
+
+
+def test_eval_takes_the_validation_shards_and_checks_tokens(tmp_path, capsys, one_error_line):
+    out = _run(tmp_path)
+    src = _inputs(tmp_path, 4)
+    prep.prepare([src], tmp_path / "s", tokenizer="bytes", val_fraction=0.3, progress=False)
+    r = evaluate.run_eval(str(out), str(tmp_path / "s"), batch=2, seq=16, device="cpu", progress=False)
+    n_val = json.loads((tmp_path / "s" / "prepare.json").read_text())["val_tokens"]
+    assert r["batches"] == (n_val - 1) // 16 // 2 and "validation shard" in r["notes"][0]
+    prep.prepare([src], tmp_path / "g", tokenizer=ByteTokenizer(), progress=False)
+    (tmp_path / "g" / "prepare.json").write_text(json.dumps({"tokenizer": "gpt2"}))  # as if GPT-2 tokens
+    capsys.readouterr()
+    one_error_line(main(["eval", "--from", str(out), "--data", str(tmp_path / "g"), "--device", "cpu"]),
+                   "gpt2 tokens", "reads bytes tokens")
+    one_error_line(main(["eval", "--from", str(out), "--data", str(src), "--seq", "512", "--device", "cpu"]),
+                   "--seq 512 exceeds the model's block size 128")
+
+
+def test_eval_tokenizes_text_with_the_models_bpe(tmp_path, tiny_bpe, monkeypatch):
+    monkeypatch.setattr(evaluate, "get_tokenizer", lambda name, required=False: tiny_bpe)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    arrays, tok, _ = evaluate.eval_tokens(str(f), "gpt2")
+    assert tok == "gpt2" and arrays[0].tolist() == [tiny_bpe.eot] + tiny_bpe._enc.encode_ordinary(TEXT)
