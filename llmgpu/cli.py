@@ -166,7 +166,7 @@ def _launch_ranks(a, given) -> int:
         if given["nproc"] > n:
             raise UsageError(f"--nproc {given['nproc']} but {n} GPU(s) are visible: one rank per GPU (--device cpu "
                              "trains CPU ranks)")
-    return launch(given["nproc"], ["train", *strip_nproc(a.argv)], gpu=gpu)
+    return launch(given["nproc"], strip_nproc(a.argv), gpu=gpu)  # a.argv starts with "train"
 
 
 def cmd_sample(a) -> int:

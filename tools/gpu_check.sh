@@ -3,19 +3,22 @@
 #   bash tools/gpu_check.sh [OUTDIR]          (default OUTDIR: gpu_results/)
 # 1. device facts and the kernel compile check
 # 2. pytest with LLMGPU_REQUIRE_GPU=1 (a GPU test that would skip is a failure here)
+# 2b. compute-sanitizer memcheck and racecheck over tools/sanitize_kernels.py: each of our kernels once at
+#     small sizes plus a tiny GPT / FastGPT step without cuDNN; only our kernels are checked (library
+#     GEMMs excluded); a missing compute-sanitizer is a failure (SANITIZE_TIMEOUT: seconds per tool, 150)
 # 3. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 4. the notebooks executed in place, so their committed outputs come from this GPU
 # 3b. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook)
 # 5. the benchmarks (each writes benchmarks/results/*.json) and the LayerNorm backward probe
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
-# STEPS="tests llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
+# STEPS="tests sanitize llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
 # Without network (the lab's H200): wheels in ./.whl are installed first (tools/gpu_wheels.sh fetches them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_results}
 mkdir -p "$OUT/logs"
-STEPS=${STEPS:-"tests llmbench nbval execute bench"}
+STEPS=${STEPS:-"tests sanitize llmbench nbval execute bench"}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu  # no MPLBACKEND: notebooks need the inline backend
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -40,6 +43,19 @@ run compile python3 -m llmgpu.kernels.compile_check -a sm_90
 # pytest-xdist (in the test extra) spreads the suite over 8 processes sharing the GPU: 96 s instead of ~9 min
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 has tests && run pytest env LLMGPU_REQUIRE_GPU=1 python3 -m pytest -q -rs --durations=15 -p no:cacheprovider $xdist ${PYTEST_ARGS:-} tests
+if has sanitize; then
+  if san=$(python3 tools/sanitize_kernels.py --find-sanitizer); then
+    for tool in memcheck racecheck; do
+      # shellcheck disable=SC2046  # the filter options are one word each
+      run "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-150}" "$san" --tool "$tool" --error-exitcode 1 \
+        $(python3 tools/sanitize_kernels.py --filter-args "$tool") python3 tools/sanitize_kernels.py
+    done
+  else
+    echo "==> sanitize: compute-sanitizer not found (install the CUDA toolkit's, or put the"
+    echo "    nvidia-cuda-sanitizer-api wheel in .whl: bash tools/gpu_wheels.sh 'nvidia-cuda-sanitizer-api==13.*')"
+    status=1; echo "sanitize (compute-sanitizer not found)" >> "$OUT/logs/FAILED"
+  fi
+fi
 if has llmbench; then
   run llmgpu_bench python3 -m llmgpu bench --json benchmarks/results/ch8_bench.json
   run llmgpu_bench_padded python3 -m llmgpu bench --pad-vocab 64 --modes llmgpu-fast-graph,torch-compile \

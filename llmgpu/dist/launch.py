@@ -6,7 +6,8 @@
   that rank and stops the others (SIGTERM, then SIGKILL after ``GRACE_S``), so nothing hangs.
 * **CPU ranks**: MPI processes must be started by MPI's own launcher, so this runs
   ``mpiexec -n N python -m llmgpu train ...`` (the ``mpich`` wheel brings ``mpiexec``), which stops every
-  rank when one dies; we add a line naming the failure.
+  rank when one dies and names the dead process by its PID; each rank registers its PID
+  (``register_rank``) in a directory this launcher hands out, so the line we add names the rank.
 
 The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` reach every rank).
 """
@@ -14,17 +15,27 @@ The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` r
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from .env import DistError
 
 GRACE_S = 10.0
+RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register their PIDs
+
+
+def register_rank(rank: int):
+    """Leave this process's PID where the ``--nproc`` launcher looks (nothing outside such a run)."""
+    d = os.environ.get(RANK_DIR_VAR)
+    if d and os.path.isdir(d):
+        Path(d, str(rank)).write_text(str(os.getpid()))
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -65,10 +76,13 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             import mpi4py  # noqa: F401  (fail here, once, rather than in every rank)
         except ImportError:
             raise DistError("--nproc on CPU ranks needs mpi4py: pip install 'llmgpu[dist]'") from None
-        rc = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd])
+        with tempfile.TemporaryDirectory(prefix="llmgpu-ranks-") as d:
+            rc, dead = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], dict(os.environ, **{RANK_DIR_VAR: d}))
+            ranks = {Path(d, f).read_text().strip(): f for f in os.listdir(d)}
         if rc not in (0, 130):
-            say(f"llmgpu: the {nproc}-rank run failed (mpiexec exit code {rc}); the failing rank's message is above",
-                file=sys.stderr)
+            who = (f"rank {ranks[dead[0]]} (pid {dead[0]}) {_how(int(dead[1]))}" if dead and dead[0] in ranks
+                   else f"a rank exited with code {rc}")
+            say(f"llmgpu: {who}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
         return rc
     port = free_port()
     procs = []
@@ -79,12 +93,28 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
     return _watch(procs, say)
 
 
-def _wait_mpiexec(cmd) -> int:
-    p = subprocess.Popen(cmd)
+def _how(code: int) -> str:
+    return f"was killed by signal {code - 128 if code > 128 else code}" if code in (9, 15) or code > 128 \
+        else f"exited with code {code}"
+
+
+def _wait_mpiexec(cmd, env) -> tuple[int, tuple | None]:
+    """Run mpiexec, passing its stdout through (where Hydra reports a dead process: 'PID n ... EXIT CODE: c');
+    returns its exit code and (pid, code) of the first process it reported dead."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    dead, pid = None, None
     try:
-        return p.wait()
+        for line in p.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            m = re.search(r"PID (\d+) RUNNING AT", line)
+            pid = m.group(1) if m else pid
+            m = re.search(r"EXIT CODE: (\d+)", line)
+            if m and pid and dead is None:
+                dead = (pid, m.group(1))
+        return p.wait(), dead
     except KeyboardInterrupt:  # mpiexec forwards the signal to the ranks; let them save and stop
-        return p.wait()
+        return p.wait(), None
 
 
 def _watch(procs, say) -> int:
@@ -107,7 +137,7 @@ def _watch(procs, say) -> int:
             p.wait()
         return 130
     r, c = failed
-    how = f"was killed by signal {-c}" if c < 0 else f"exited with code {c}"
+    how = f"was killed by signal {-c}" if c < 0 else _how(c)
     say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
     _stop(procs)
     return c if c > 0 else 1
@@ -126,4 +156,4 @@ def _stop(procs):
             p.wait()
 
 
-__all__ = ["find_mpiexec", "free_port", "launch", "strip_nproc"]
+__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "register_rank", "strip_nproc"]

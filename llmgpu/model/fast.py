@@ -8,7 +8,8 @@ and why (chapter 8 measures each item):
 * **Every GEMM through cuBLASLt** (``llmgpu.gemm.cublaslt.lt_gemm``): CuPy refuses its own cuBLAS calls
   while a stream is capturing, cuBLASLt called directly does not, so the whole training step can
   become one CUDA graph (``llmgpu.train.TrainStep(graph=True)``). Weight gradients are written by the GEMM straight
-  into the fp32 gradient buffer (``beta=1`` accumulates).
+  into the fp32 gradient buffer (``beta=1`` accumulates); a token count N that is not a multiple of 64 is
+  split into two GEMMs (``llmgpu.gemm.ksplit.wgrad_gemm``: cuBLAS' precision trap at N = 2ⁿ + 1, issue 13).
 * **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)``
   is one GEMM that also keeps the pre-activation (GELU_AUX_BIAS), and the backward's
   ``(dm W₂) ⊙ GELU'(f)`` is one GEMM (DGELU). Each removes a read and a write of an ``[N, 4C]`` or
@@ -45,6 +46,7 @@ import numpy as np
 
 from .. import backend
 from ..gemm.cublaslt import lt_gemm
+from ..gemm.ksplit import wgrad_gemm
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
 from ..ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
@@ -119,7 +121,7 @@ class FastGPT(GPTBase):
         cin = x.shape[1]
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=(n * cout + n * cin) * dy.dtype.itemsize
                     + 8 * cout * cin):
-            lt_gemm(dy, x, trans_a=True, out=G(w_name), beta=1.0)
+            wgrad_gemm(dy, x, out=G(w_name), beta=1.0, gemm=lt_gemm)  # N % 64 != 0: split (issue 13)
         if b_name is not None:
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
                 bias_grad(dy, out=G(b_name), accumulate=True)
@@ -263,7 +265,7 @@ class FastGPT(GPTBase):
         del ce
         dhf = self._dgrad(dlogits, WTE, name="lm_head")
         with region("lm_head wgrad", flops=2.0 * N * Vp * C, bytes=(N * Vp + N * C) * it + 8 * Vp * C):
-            lt_gemm(dlogits, hf, trans_a=True, out=G(WTE), beta=1.0)
+            wgrad_gemm(dlogits, hf, out=G(WTE), beta=1.0, gemm=lt_gemm)
         del dlogits, hf
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
         dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")

@@ -9,7 +9,9 @@ upstream gradient ``dy [N, Cout]``:
 * bias      ``db = Σ_rows dy``       the deterministic two-stage ``bias_grad`` kernels
 
 All GEMMs go through :func:`llmgpu.gemm.gemm` (cuBLAS, fp32 accumulation, no transposing copies;
-its docstring explains the row-major/column-major mapping). The bias kernels live in
+its docstring explains the row-major/column-major mapping); the weight gradient through
+:func:`llmgpu.gemm.ksplit.wgrad_gemm`, which splits a row count N that is not a multiple of 64 into
+two GEMMs (cuBLAS' precision trap at N = 2ⁿ + 1, issue 13; one plain GEMM otherwise). The bias kernels live in
 ``llmgpu/kernels/bias.cu``. With ``accumulate=True`` the weight and bias gradients are *added* into
 caller-provided buffers (cuBLAS ``beta = 1``), which is what gradient accumulation over
 micro-batches needs.
@@ -31,6 +33,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
+from ..gemm.ksplit import wgrad_gemm
 from ..kernels import get_kernel
 from ..kernels.launch import stride_grid, vector_width
 
@@ -102,7 +105,8 @@ def linear_backward(dy, x, w, bias=True, *, dx_out=None, dw_out=None, db_out=Non
         return dx, dw, db
 
     gemm(dy2, w, out=dx2)  # dx = dy W
-    gemm(dy2, x2, trans_a=True, out=dw, beta=1.0 if accumulate else 0.0)  # dW = dyᵀ x (+ dW)
+    # dW = dyᵀ x (+ dW), a sum over the N rows: wgrad_gemm splits N when it is not a multiple of 64 (issue 13)
+    wgrad_gemm(dy2, x2, out=dw, beta=1.0 if accumulate else 0.0, gemm=gemm)
     if bias:
         bias_grad(dy2, out=db, accumulate=accumulate)
     return dx, dw, db

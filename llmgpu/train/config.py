@@ -124,7 +124,7 @@ class TrainConfig:
 RESUME_OVERRIDES = ("steps", "max_time", "lr", "min_lr_ratio", "warmup", "schedule", "eval_every", "eval_batches",
                     "log_every", "save_every", "max_skipped_steps", "out", "overwrite", "progress", "plot",
                     "sample_tokens", "prompt", "temperature", "top_k", "device", "cpu_threads", "async_copy", "fast",
-                    "graph", "resume", "nproc", "zero", "dist_backend", "dist_timeout")
+                    "graph", "resume", "nproc", "zero", "dist_backend", "dist_timeout", "grad_accum")
 # taken from the command line on resume even when not given: this invocation's, never the saved run's
 _RESUME_ALWAYS = ("resume", "overwrite", "device", "async_copy", "nproc", "dist_backend", "dist_timeout")
 

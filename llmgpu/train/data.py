@@ -403,3 +403,12 @@ class BatchLoader:
     def batches_per_epoch(self) -> int:
         return self.n_windows // self.batch
 
+
+def validation_loader(val_arrays, batch, seq, vocab_size):
+    """The in-order loader of the validation data (batches of up to ``batch``), or None when it makes no sequence."""
+    if not val_arrays:
+        return None
+    n = sum(max(0, (a.size - 1) // seq) for a in val_arrays if a.size > seq)
+    if n == 0:
+        return None
+    return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)

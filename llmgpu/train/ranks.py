@@ -15,12 +15,14 @@ from .. import backend
 from ..dist import DataParallelSync, LocalComm, ZeroSync, check_same, from_environ, init_process_group
 from ..dist.comm import MPIComm, NcclComm
 from ..dist.env import DistEnv
+from ..dist.launch import register_rank
 from .config import ConfigError, TrainConfig
 
 
 def connect(cfg: TrainConfig, xp):
     """The communicator of this process for ``cfg.dist_backend`` (see ``TrainConfig``)."""
     env = from_environ()
+    register_rank(env.rank)  # for the --nproc launcher's error line (nothing outside such a run)
     if cfg.nproc > 1 and env.world_size > 1:
         raise ConfigError(f"--nproc {cfg.nproc} inside a run a launcher already started ({env.launcher}, "
                           f"{env.world_size} ranks): give one or the other")

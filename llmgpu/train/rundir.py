@@ -70,6 +70,24 @@ def clear_run(out: Path):
             p.unlink()
 
 
+def open_run_dir(out: Path, overwrite: bool, resumed: bool, forked: bool, fork_from: Path | None, step: int) -> list:
+    """Make ``out`` ready for this session: a new run's directory checked (again: it may have filled since the
+    set-up) and cleared with ``overwrite``; a resumed run's log cut back to its checkpoint's ``step`` (from the
+    run it forked from, resumed elsewhere). Returns the log records kept from before this session."""
+    log_path = out / "log.jsonl"
+    if not resumed or forked:
+        check_out(out, overwrite)
+        if out.is_dir() and overwrite:
+            clear_run(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if resumed:  # the log up to the checkpoint: steps done after it are done again now
+        src = (fork_from / "log.jsonl") if forked and fork_from else log_path
+        return continue_log(src, log_path, step)
+    if log_path.exists():
+        log_path.unlink()
+    return []
+
+
 def continue_log(src: Path, dst: Path, step: int) -> list[dict]:
     """Write to ``dst`` the records of the log ``src`` up to ``step`` (the checkpoint's), and return them: what
     a resumed run appends to. Records after it are of steps the run does again; a torn last line is dropped."""

@@ -14,7 +14,6 @@ uninterrupted run's losses bit for bit), a loss-curve PNG and samples at the end
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import replace
@@ -25,15 +24,18 @@ import numpy as np
 from .. import backend
 from ..model import GPT, FastGPT, GPTConfig
 from ..optim import lr_at
+from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from ..plotting import plot_losses
 from ..version import __version__
 from . import checkpoint as ckpt_files
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
-from .data import BatchLoader, Corpus, get_tokenizer, load_corpus
+from .data import BatchLoader, Corpus, get_tokenizer, load_corpus, validation_loader
+from .divergence import check_step
+from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_ranks
 from .report import Progress, read_log
-from .rundir import check_out, clear_run, continue_log, default_out_dir, resume_target, write_config
+from .rundir import check_out, default_out_dir, open_run_dir, resume_target, write_config
 from .sampling import prompt_ids
 from .step import TrainStep
 from .stream import DataStream
@@ -52,6 +54,9 @@ class Trainer:
         """``explicit``: the fields the user set (the CLI passes its explicit flags); on resume every other
         field comes from the checkpoint, and a set field a resume cannot change is a ConfigError."""
         xp = xp if xp is not None else select_xp(cfg.device)
+        self.comm = connect(cfg, xp)  # one rank: LocalComm; chapter 9: NCCL or MPI (train/ranks.py)
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.is_main = self.rank == 0  # the rank that prints and writes files
         self.notes: list[str] = []  # what the run does differently from what was asked (one line each)
         meta = ckpt_model = ckpt_optim = None
         self.forked, self.fork_from = False, None  # resumed into another directory; the run it came from
@@ -78,7 +83,7 @@ class Trainer:
             cfg = replace(cfg, out=default_out_dir())
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
-        if not cfg.resume or self.forked:  # a new directory: never over another run
+        if (not cfg.resume or self.forked) and self.is_main:  # a new directory: never over another run
             check_out(Path(cfg.out), cfg.overwrite)
         if cfg.device == "auto" and xp is np and backend.cupy_module() is not None:
             # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
@@ -105,9 +110,9 @@ class Trainer:
         self.corpus.check_vocab(mcfg.vocab_size)
         self.tokenizer = get_tokenizer(self.corpus.tokenizer)
         self.train_loader = BatchLoader(self.corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, name="training",
-                                        vocab_size=mcfg.vocab_size)
+                                        vocab_size=mcfg.vocab_size, rank=self.rank, world=self.world)
         self.stream = DataStream(self.train_loader, xp, async_copy=cfg.async_copy)
-        self.val_loader = _val_loader(self.corpus.val, cfg.batch, cfg.seq, mcfg.vocab_size)
+        self.val_loader = validation_loader(self.corpus.val, cfg.batch, cfg.seq, mcfg.vocab_size)
         if cfg.eval_every and self.val_loader is None:
             self._note(f"no validation: the {self.corpus.n_val} validation tokens make no sequence of {cfg.seq}")
         elif cfg.eval_every and self.val_loader.batches_per_epoch() < cfg.eval_batches:
@@ -117,7 +122,7 @@ class Trainer:
         # model, optimizer, precision
         model_cls = FastGPT if cfg.fast else GPT
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
-                               init=meta is None)
+                               init=meta is None, param_multiple=ALIGN * (self.world if cfg.zero else 1))
         self.params = self.model.params
         self.step_fn = TrainStep(self.model, cfg)
         self.opt, self.scaler = self.step_fn.opt, self.step_fn.scaler
@@ -127,6 +132,14 @@ class Trainer:
         self.budget_fitted = False
         if meta is not None:
             self._restore(ckpt_model, ckpt_optim, meta)
+            if meta.get("world_size", 1) != self.world:
+                self._note(f"the run was saved on {meta.get('world_size', 1)} rank(s) and continues on {self.world}: "
+                           f"{self.tokens_per_step} tokens per step now")
+        check_agreement(self.comm, cfg, mcfg.as_dict(), self.step)
+        seam = gradient_seam(self.comm, cfg, self.step_fn)  # after the restore: ZeRO shards the restored state
+        if seam is not None:
+            self.step_fn.grad_sync = seam
+            self.opt = self.step_fn.opt
         if self.total_steps is not None and cfg.warmup > self.total_steps:
             self._note(self._warmup_note())
         self.flops_per_token = mcfg.flops_per_token(cfg.seq)
@@ -140,7 +153,7 @@ class Trainer:
             self._bar.warn(f"llmgpu: note: {text}")
 
     def _print_notes(self):
-        for text in self.notes:
+        for text in self.notes if self.is_main else ():
             print(f"llmgpu: note: {text}", file=sys.stderr)
 
     def _warmup_note(self) -> str:
@@ -150,7 +163,7 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         c = self.cfg
-        return c.batch * c.seq * c.grad_accum
+        return c.batch * c.seq * c.grad_accum * self.world
 
     # ------------------------------------------------------------------ the step
 
@@ -192,8 +205,8 @@ class Trainer:
     def save(self, directory=None) -> Path:
         """Checkpoint: weights, AdamW moments and step count, scaler, step, data position, RNG state."""
         d = Path(directory) if directory else Path(self.cfg.out) / "checkpoint"
-        sd = self.params.to_dict()
-        ost = self.opt.state_dict()
+        sd = self.step_fn.master_weights()  # whole, also under ZeRO (every rank takes part in gathering it)
+        ost = self.step_fn.optimizer_state()
         optim = {**{f"m/{k}": v for k, v in ost["m"].items()}, **{f"v/{k}": v for k, v in ost["v"].items()}}
         meta = {
             "step": self.step,
@@ -207,16 +220,17 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "data": self.stream.state_dict(),
             "rng": self.rng.bit_generator.state,
+            "world_size": self.world,
             "llmgpu": __version__,
         }
-        path = save_checkpoint(d, model=sd, optim=optim, meta=meta)
+        path = save_checkpoint(d, model=sd, optim=optim, meta=meta) if self.is_main else d
         if directory is None:
             self.last_checkpoint = path
         return path
 
     def weights_finite(self) -> bool:
         """Whether every master weight is finite (one reduction, one host sync): a checkpoint must be."""
-        return bool(self.xp.isfinite(self.params.data).all())
+        return self.step_fn.weights_finite()
 
     def _restore(self, model_arrays: dict, optim_arrays: dict | None, meta: dict):
         d = self.last_checkpoint
@@ -263,34 +277,27 @@ class Trainer:
 
         Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
         """
-        c, xp = self.cfg, self.xp
+        c, xp, main = self.cfg, self.xp, self.is_main
         out = Path(c.out)
         log_path = out / "log.jsonl"
         resumed = self.step > 0
-        if not resumed or self.forked:
-            check_out(out, c.overwrite)  # again: the directory may have filled since __init__
-            if out.is_dir() and c.overwrite:
-                clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        kept = []  # the log records of the steps before this session (a resumed run's)
-        if resumed:  # the log up to the checkpoint: steps done after it are done again now
-            src = (self.fork_from / "log.jsonl") if self.forked and self.fork_from else log_path
-            kept = continue_log(src, log_path, self.step)
-        elif log_path.exists():
-            log_path.unlink()
-        logf = open(log_path, "a")
+        # the records of the steps before this session (a resumed run's); rank 0 alone owns the directory
+        kept = open_run_dir(out, c.overwrite, resumed, self.forked, self.fork_from, self.step) if main else []
+        logf = open(log_path, "a") if main else None
 
         def log(rec):
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
+            if logf is not None:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
 
         ceiling, ceiling_src = mfu_ceiling(xp, c.dtype)  # MFU's denominator, measured now
         datasheet, gpu_model = datasheet_peak_tflops(xp, c.dtype)
         mc = self.model.config
-        bar = self._bar = Progress(self.total_steps or 0, enabled=c.progress)
+        bar = self._bar = Progress(self.total_steps or 0, enabled=c.progress and main)
         bar.message(f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {self.model.num_parameters() / 1e6:.2f}M "
                     f"parameters, vocab {mc.vocab_size}, {backend.dtype_name(self.model.dtype)}, batch "
-                    f"{c.batch}x{c.seq}x{c.grad_accum}"
+                    f"{c.batch}x{c.seq}x{c.grad_accum}" + (f" on each of {self.world} ranks" if self.world > 1 else "")
+                    + (f", ZeRO-{c.zero}" if c.zero else "")
                     + (f", activation checkpointing every {c.checkpoint_every}" if c.checkpoint_every else "")
                     + (", chapter 8 fast step" + (" as a CUDA graph" if c.graph else "") if c.fast else "")
                     + f"; {backend.device_info(xp).summary()}")
@@ -298,9 +305,10 @@ class Trainer:
                     f"{self.corpus.n_val:,} validation tokens; output: {out}")
         if resumed:
             bar.message(f"resumed from step {self.step} ({self.last_checkpoint})")
-        write_config(out, {"config": c.as_dict(), "model": mc.as_dict(), "data": self.corpus.description,
-                           "notes": self.notes, "step": self.step,
-                           "resumed_from": str(self.last_checkpoint) if resumed else None})
+        if main:
+            write_config(out, {"config": c.as_dict(), "model": mc.as_dict(), "data": self.corpus.description,
+                               "notes": self.notes, "step": self.step, "world_size": self.world,
+                               "resumed_from": str(self.last_checkpoint) if resumed else None})
         log({"type": "run", "step": self.step, "config": c.as_dict(), "model": mc.as_dict(), "notes": self.notes,
              "parameters": self.model.num_parameters(), "device": backend.device_info(xp).as_dict(),
              "mfu_ceiling_tflops": ceiling, "mfu_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
@@ -319,7 +327,9 @@ class Trainer:
 
         def flush(t_from, steps_from):
             """The one host sync of a log interval: fetch the records, write the log lines."""
-            host = backend.to_numpy(xp.stack([r for _, _, r in pending]))  # waits for the GPU
+            records = xp.stack([r for _, _, r in pending])
+            wait_for_ranks(self.comm, f"the steps up to {self.step}")  # with a deadline: a dead rank never answers
+            host = backend.to_numpy(records)  # waits for the GPU
             now = time.perf_counter()
             tok_s = (self.step - steps_from) * self.tokens_per_step / max(now - t_from, 1e-9)
             util = mfu(self.flops_per_token, tok_s, ceiling)
@@ -329,7 +339,8 @@ class Trainer:
                 if s_ == pending[-1][0]:
                     entry.update(tokens_per_s=tok_s, mfu=util, time_s=now - t0)
                 log(entry)
-                self._check_step(state, s_, float(loss), bool(inf))
+                check_step(state, s_, float(loss), bool(inf), loss_scaled=self.scaler.enabled,
+                           max_skipped=self.cfg.max_skipped_steps)
             state["last_loss"] = float(host[-1][0])
             pending.clear()
             return now, tok_s, util
@@ -347,8 +358,8 @@ class Trainer:
                 if stop_at is not None and self.step >= stop_at:
                     stop_reason = "stop_at"
                     break
-                if c.max_time is not None and time.perf_counter() - t0 >= c.max_time:
-                    stop_reason = "max_time"
+                if c.max_time is not None and self.world == 1 and time.perf_counter() - t0 >= c.max_time:
+                    stop_reason = "max_time"  # several ranks: rank 0's clock decides at a sync (below)
                     break
                 lr = self.lr_at(self.step)
                 rec = self.train_step(lr)
@@ -373,12 +384,18 @@ class Trainer:
                             bar.message(f"time budget {c.max_time:.0f} s: about {self.total_steps} steps")
                             if c.warmup > self.total_steps:
                                 self._note(self._warmup_note())
+                    time_up = False
+                    if self.world > 1:  # rank 0's clock sets the schedule and the stop, the same on every rank
+                        time_up = c.max_time is not None and now - t0 >= c.max_time
+                        self.total_steps, time_up = agree(self.comm, self.total_steps, time_up)
+                        bar.total = self.total_steps
+                        stop_reason = "max_time" if time_up else stop_reason
                     eta = None
                     if self.total_steps and self.step > 1:
                         eta = (now - probe_start) / (self.step - 1) * (self.total_steps - self.step)
                     bar.update(self.step, loss=state["last_loss"], val=last_val, lr=lr, tok_s=tok_s, mfu=util,
                                elapsed=now - t0, eta=eta, skipped=state["skipped"])
-                    if state["failure"]:
+                    if state["failure"] or time_up:
                         break
                 if due_eval:
                     last_val = self.evaluate()
@@ -417,18 +434,19 @@ class Trainer:
             summary["error"] = state["failure"][1] + (f"; the last good checkpoint is {ckpt}" if ckpt else
                                                       "; no checkpoint was saved (--save-every N keeps some)")
         final = stop_reason not in ("stop_at", "interrupted")
-        if c.plot and final:
+        if c.plot and final and main:
             try:
                 summary["plot"] = str(plot_losses(read_log(log_path), out / "loss.png"))
             except Exception as e:  # a plot must never lose a finished run
                 bar.message(f"(no loss plot: {type(e).__name__}: {e})")
-        if c.sample_tokens and final and not failed:
+        if c.sample_tokens and final and not failed and main:
             text = self.sample()
             (out / "samples.txt").write_text(text + "\n")
             summary["sample"] = text
         log({"type": "end", **{k: v for k, v in summary.items() if k != "sample"}})
-        logf.close()
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if main:
+            logf.close()
+            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         if failed:
             bar.message(f"stopped at step {self.step}: {summary['error']}")
             return summary
@@ -438,20 +456,6 @@ class Trainer:
                     + (f"{state['skipped']} steps skipped (inf/nan gradients); " if state["skipped"] else "")
                     + f"checkpoint {ckpt}")
         return summary
-
-    def _check_step(self, state: dict, step: int, loss: float, skipped: bool):
-        """Count a skipped step; record the first failure: a non-finite loss without loss scaling (those steps
-        are skipped, but the weights that produced it are broken), or too many skipped steps in a row."""
-        state["skipped"] += skipped
-        state["streak"] = state["streak"] + 1 if skipped else 0
-        if state["failure"]:
-            return
-        if not math.isfinite(loss) and not self.scaler.enabled:
-            state["failure"] = ("diverged", f"the loss is {loss} at step {step}: the run diverged")
-        elif self.cfg.max_skipped_steps and state["streak"] >= self.cfg.max_skipped_steps:
-            state["failure"] = ("skipped", f"{state['streak']} steps in a row (up to step {step}) were skipped for "
-                                f"inf/nan gradients (--max-skipped-steps {self.cfg.max_skipped_steps}): the run "
-                                "diverged")
 
     def _save_if_finite(self, state: dict) -> bool:
         """Checkpoint unless a weight is inf/nan (then record the failure: the last good checkpoint stays)."""
@@ -469,15 +473,6 @@ class Trainer:
         remaining = 0.97 * c.max_time - elapsed
         self.total_steps = self.step + max(0, int(remaining / max(per_step, 1e-9)))  # == step: stop now
         self.budget_fitted = True
-
-
-def _val_loader(val_arrays, batch, seq, vocab_size):
-    if not val_arrays:
-        return None
-    n = sum(max(0, (a.size - 1) // seq) for a in val_arrays if a.size > seq)
-    if n == 0:
-        return None
-    return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)
 
 
 # --------------------------------------------------------------------------- entry points
