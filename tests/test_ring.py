@@ -3,6 +3,7 @@ under ``mpiexec`` against MPI's all-reduce, and on GPUs the reduction kernel and
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -152,17 +153,42 @@ def _mpiexec():
     return (found, None) if found else (None, "no mpiexec beside this Python or on PATH (pip install mpich)")
 
 
+def _mpi_env():
+    # Open MPI (the GPU machine's mpiexec) refuses to start ranks as root unless told that it is meant
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                LLMGPU_DEVICE="cpu", OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_mpi_ring_equals_mpi_allreduce(nproc):
     mpiexec, why = _mpiexec()
     if mpiexec is None:
         pytest.skip(why)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               LLMGPU_DEVICE="cpu", OMP_NUM_THREADS="1")
     r = subprocess.run([mpiexec, "-n", str(nproc), sys.executable, str(WORKER), "cpu"], capture_output=True,
-                       text=True, timeout=120, env=env)
+                       text=True, timeout=120, env=_mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"on {nproc} mpi ranks equals the engine's all-reduce" in r.stdout, r.stdout
+
+
+def test_bench_ch9_on_two_mpi_ranks(tmp_path):
+    mpiexec, why = _mpiexec()
+    if mpiexec is None:
+        pytest.skip(why)
+    out = tmp_path / "ch9.json"
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(ROOT / "benchmarks" / "bench_ch9_allreduce.py"),
+                        "--device", "cpu", "--max-bytes", "1MiB", "--reps", "3", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=_mpi_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and data["backend"] == "mpi" and data["correct"]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    rows = data["rows"]
+    assert {r["impl"] for r in rows} == {"mpi", "ring"}
+    assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536, 262144, 1048576]
+    for row in rows:
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
+        assert row["model_ms"] > 0
 
 
 # --------------------------------------------------------------------------- GPU
