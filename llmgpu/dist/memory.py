@@ -1,6 +1,6 @@
 """Bytes of model state per rank under ZeRO (chapter 9): the paper's formulas next to llmgpu's own buffers.
 
-ψ parameters, N ranks. The ZeRO paper (Rajbhandari et al., 2020, section 3 and figure 1) counts mixed-precision
+ψ parameters, N ranks. The ZeRO paper (Rajbhandari et al., 2020, sections 3 and 5, figure 1) counts mixed-precision
 Adam as 2ψ (fp16 weights) + 2ψ (fp16 gradients) + Kψ of optimizer state, K = 12 (fp32 master weights,
 momentum and variance, 4 bytes each), and shards them in stages:
 
