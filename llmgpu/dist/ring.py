@@ -253,10 +253,13 @@ class RingAllReduce:
         flat = buf.reshape(-1)
         align = GPU_ALIGN if self._gpu else 1
         if flat.size < N * align:  # too small for a segment per rank: run on a zero-padded copy
-            padded = self.xp.zeros(N * align, dtype=flat.dtype)
-            padded[:flat.size] = flat
+            on = stream if self._gpu and stream is not None else contextlib.nullcontext()
+            with on:  # the copies go on the caller's stream, like the ring itself
+                padded = self.xp.zeros(N * align, dtype=flat.dtype)
+                padded[:flat.size] = flat
             self(padded, stream=stream)
-            flat[...] = padded[:flat.size]
+            with on:
+                flat[...] = padded[:flat.size]
             return buf
         layout = RingLayout(flat.size, N, self.chunks, align)
         work = self._work(layout.chunks * layout.max_chunk, flat.dtype)
