@@ -250,6 +250,7 @@ def cmd_bench(a) -> int:
 def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
     from .dist import DistError
+    from .dist.comm import abort_mpi
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
     from .train.data import DataError
@@ -262,7 +263,11 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return {"train": cmd_train, "sample": cmd_sample, "info": cmd_info, "bench": cmd_bench}[a.command](a)
-    except (UsageError, ConfigError, DataError, CheckpointError, DistError) as e:
+    except DistError as e:
+        print(f"llmgpu: error: {e}", file=sys.stderr)
+        abort_mpi(EXIT_USAGE)  # the other ranks of an MPI run stop too (one may hang in a collective)
+        return EXIT_USAGE
+    except (UsageError, ConfigError, DataError, CheckpointError) as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:

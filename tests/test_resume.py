@@ -82,7 +82,7 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value", [("--preset", "d6"), ("--dtype", "fp16"), ("--seq", "8"), ("--batch", "4"),
-                                        ("--seed", "1"), ("--data", "x.txt"), ("--grad-accum", "2")])
+                                        ("--seed", "1"), ("--data", "x.txt"), ("--weight-decay", "0.2")])
 def test_resume_refuses_flags_it_cannot_apply(tmp_path, capsys, flag, value, one_error_line):
     out = str(tmp_path / "r")
     assert main(["train", *TINY, "--steps", "2", "--out", out]) == 0

@@ -25,6 +25,7 @@ is the non-blocking form the bucketed gradient reduction uses (``dist/ddp.py``).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -117,6 +118,15 @@ def mpi_module():
         raise DistError("training on several CPU ranks needs MPI: pip install 'llmgpu[dist]' (mpi4py and the "
                         "mpich wheel, which brings mpiexec)") from None
     return MPI
+
+
+def abort_mpi(code: int = 2) -> None:
+    """After an error on one rank of an MPI run: stop every rank now (MPI_Abort). Exiting normally would run
+    MPI_Finalize, which can wait forever for a rank that hangs. Nothing outside a multi-rank MPI run."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
 
 
 class MPIComm(Communicator):
@@ -306,4 +316,4 @@ class NcclComm(Communicator):
             pass
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Communicator", "LocalComm", "MPIComm", "NcclComm", "mpi_module", "nccl_module"]
+__all__ = ["DEFAULT_TIMEOUT", "Communicator", "abort_mpi", "LocalComm", "MPIComm", "NcclComm", "mpi_module", "nccl_module"]

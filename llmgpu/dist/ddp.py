@@ -65,11 +65,17 @@ class BucketedReduction:
     what is left (in bucket order) and joins the streams.
     """
 
-    def __init__(self, comm, params: FlatParams, bucket_bytes: int = BUCKET_BYTES, multiple: int = ALIGN):
+    def __init__(self, comm, params: FlatParams, bucket_bytes: int = BUCKET_BYTES, multiple: int = ALIGN,
+                 buckets=None):
         self.comm, self.params, self.xp = comm, params, params.xp
         self.world_size = comm.world_size
         self.grad_divisor = comm.world_size  # the step scales dloss by 1/(micro-batches × grad_divisor)
-        self.buckets, self.tensors = plan_buckets(params, bucket_bytes, multiple)
+        if buckets is None:
+            self.buckets, self.tensors = plan_buckets(params, bucket_bytes, multiple)
+        else:  # given ranges (ZeRO-2 cuts at the blocks)
+            segs = params.segments()
+            self.buckets = list(buckets)
+            self.tensors = [[n for n, off, size, _ in segs if off < b and off + size > a] for a, b in self.buckets]
         self._of: dict[str, list[int]] = {}
         for k, names in enumerate(self.tensors):
             for nm in names:

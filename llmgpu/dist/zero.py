@@ -15,7 +15,18 @@ A rank's shard is the concatenation of its pieces in bucket order; every bucket 
 N·ALIGN (the model is built with ``param_multiple=N·ALIGN``), so each piece is aligned, and one bucket
 boundary is the decay split, so the shard's decay split is a single point too: one AdamW launch.
 
-Checkpoints are written whole (``full_state`` gathers the shards), so a run saved on N ranks resumes on M.
+**Stage 2** shards the gradient too: a rank needs only its reduced piece, so no rank should hold the whole
+fp32 gradient. llmgpu's backward pass writes each block's weight gradients between the announcement of the
+block after it (or of ``ln_f``) and its own (``model/base.py``), so those gradients live in one of **two
+slots**, each the size of one block's weight matrices: block i writes slot i mod 2 while the reduce-scatter
+of block i+1 reads the other; before block i-1 starts, the compute stream waits for that reduce-scatter
+and zeroes the slot. With gradient accumulation each micro-batch's block gradients are reduce-scattered
+and added into the shard. The tensors written at both ends of the backward pass (the tied embedding: by
+the LM head first, the lookup last), ``wpe`` and the small 1-D tensors stay resident and are reduced on
+the last micro-batch as in stage 1. Gradient memory: resident + 2 slots + ψ/N, instead of ψ.
+
+Checkpoints are written whole (``master_weights``/``optimizer_state`` gather the shards), so a run saved
+on N ranks resumes on M.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import numpy as np
 
 from .. import backend
 from ..instrument import region
+from ..model.config import LNF_W, WTE, block_param_names
 from ..optim import AdamW
 from ..optim.clip import grad_norm_fused
 from ..optim.params import ALIGN, FlatParams
@@ -46,7 +58,9 @@ class ZeroSync(BucketedReduction):
         self.zero_stage = stage
         P = step.params
         W = comm.world_size
-        super().__init__(comm, P, bucket_bytes, multiple=W * ALIGN)
+        blocks = _block_ranges(P, W * ALIGN) if stage == 2 else None
+        buckets = _stage2_buckets(P, blocks, bucket_bytes, W * ALIGN) if stage == 2 else None
+        super().__init__(comm, P, bucket_bytes, multiple=W * ALIGN, buckets=buckets)
         xp = self.xp
         self.scaler, self.grad_clip, self.clipper = step.scaler, step.grad_clip, step.clipper
         # rank r's piece of bucket k: P[lo + r·len : lo + (r+1)·len], at shard offset off
@@ -78,13 +92,111 @@ class ZeroSync(BucketedReduction):
         if P.working is not P.data:
             P.data = None
         step.opt = self.opt
+        self.every_micro_batch = stage == 2  # TrainStep then announces the gradients of every micro-batch
+        self._slot_of: dict[int, int] = {}  # bucket → slot (stage 2's block buckets)
+        self._block_of_bucket: dict[int, int] = {}
+        self._micro, self._last_micro = 0, True
+        if stage == 2:
+            self._repack_gradients(blocks)
+
+    # ------------------------------------------------------------------ stage 2: the gradient slots
+
+    def _repack_gradients(self, blocks):
+        """Replace the flat fp32 gradient by [resident buckets][slot 0][slot 1] and point every tensor's
+        gradient view (``FlatParams.grad_offsets``) at its new home."""
+        P, xp = self.params, self.xp
+        starts = {lo: i for i, (lo, hi) in blocks.items()}
+        self._base, pos = {}, 0
+        for k, (lo, hi) in enumerate(self.buckets):
+            if lo in starts:
+                self._block_of_bucket[k] = starts[lo]
+                self._slot_of[k] = starts[lo] % 2
+            else:
+                self._base[k] = pos
+                pos += hi - lo
+        slot_len = max(hi - lo for lo, hi in blocks.values())
+        self._slot_base = (pos, pos + slot_len)
+        self._slot_len = slot_len
+        offsets = {}
+        for k, names in enumerate(self.tensors):
+            lo = self.buckets[k][0]
+            base = self._slot_base[self._slot_of[k]] if k in self._slot_of else self._base[k]
+            for nm in names:
+                offsets[nm] = base + P.offsets[nm] - lo
+        P.grad = xp.zeros(pos + 2 * slot_len, np.float32)
+        P.grad_offsets = offsets
+        self._tmp = xp.zeros(max(n for _, n, _ in self.pieces), np.float32)  # a piece of a later micro-batch
+        if self._gpu:
+            cp = xp
+            self._slot_free = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+        self._first_block = {k: i for k, i in self._block_of_bucket.items()}
+        self._bucket_of_block = {i: k for k, i in self._block_of_bucket.items()}
+        self._n_layer = len(blocks)
+
+    def _source(self, k, lo, hi):
+        """Where bucket k's gradient lives now (a slot, a resident range, or the flat buffer below stage 2)."""
+        if self.zero_stage == 1:
+            return self.params.grad[lo:hi]
+        base = self._slot_base[self._slot_of[k]] if k in self._slot_of else self._base[k]
+        return self.params.grad[base:base + hi - lo]
+
+    def start_micro_batch(self, j: int, n: int):
+        """Stage 2: micro-batch j of n begins (the block buckets are reduced in every one)."""
+        if not self.every_micro_batch:
+            return
+        if j > 0:  # a model that announced nothing: reduce the previous micro-batch's blocks now
+            for k in self._slot_of:
+                self._start(k)
+        self._micro, self._last_micro = j, j == n - 1
+        for k in self._slot_of:
+            self._launched[k] = False
+            self._waiting[k] = len(self.tensors[k])
+        self._prepare_block(self._n_layer - 1)
+
+    def _prepare_block(self, i: int):
+        """Before block i's backward writes its slot: the slot's last reduce-scatter is done; zero it."""
+        if i < 0 or i not in self._bucket_of_block:
+            return
+        s = i % 2
+        if self._gpu:
+            self.xp.cuda.get_current_stream().wait_event(self._slot_free[s])
+        base = self._slot_base[s]
+        self.params.grad[base:base + self._slot_len].fill(0)
+
+    def grads_ready(self, names):
+        if not self.every_micro_batch:
+            return super().grads_ready(names)
+        nxt = None
+        for nm in names:
+            for k in self._of.get(nm, ()):
+                if k not in self._slot_of and not self._last_micro:
+                    continue  # resident: reduced once, on the last micro-batch
+                self._waiting[k] -= 1
+                if self._waiting[k] == 0:
+                    self._start(k)
+                if k in self._block_of_bucket:
+                    nxt = self._block_of_bucket[k] - 1
+        if nxt is not None:
+            self._prepare_block(nxt)
 
     # ------------------------------------------------------------------ the reduction
 
     def launch(self, k, lo, hi):
-        src, n, off = self.pieces[k]
-        g, out = self.params.grad[lo:hi], self.shard.grad[off:off + n]
-        self.comm.reduce_scatter(g, out, stream=self.stream if self._gpu else None)
+        _, n, off = self.pieces[k]
+        g, out = self._source(k, lo, hi), self.shard.grad[off:off + n]
+        stream = self.stream if self._gpu else None
+        if k not in self._slot_of or self._micro == 0:
+            self.comm.reduce_scatter(g, out, stream=stream)
+        else:  # a later micro-batch of a stage-2 block: add its piece to the shard's
+            tmp = self._tmp[:n]
+            self.comm.reduce_scatter(g, tmp, stream=stream)
+            if self._gpu:
+                with self.stream:
+                    out += tmp
+            else:
+                out += tmp
+        if k in self._slot_of and self._gpu:
+            self._slot_free[self._slot_of[k]].record(self.stream)
 
     # ------------------------------------------------------------------ the update
 
@@ -140,6 +252,37 @@ class ZeroSync(BucketedReduction):
         flag = self.xp.asarray([0.0 if bool(self.xp.isfinite(self.shard.data).all()) else 1.0], dtype=np.float32)
         self.comm.all_reduce(flag)
         return float(backend.to_numpy(flag)[0]) == 0.0
+
+
+def _block_ranges(P: FlatParams, multiple: int) -> dict:
+    """Block i → (lo, hi): the contiguous range of its weight matrices (the decayed tensors) in the buffer."""
+    out, i = {}, 0
+    while all(n in P for n in block_param_names(i).values()):
+        names = [n for n in block_param_names(i).values() if P.decay[n]]
+        lo = min(P.offsets[n] for n in names)
+        hi = max(P.offsets[n] + -(-P.sizes[n] // multiple) * multiple for n in names)
+        if hi - lo != sum(-(-P.sizes[n] // multiple) * multiple for n in names):
+            raise ValueError(f"block {i}'s weight matrices are not contiguous in the flat buffer: ZeRO-2 needs them so")
+        out[i] = (lo, hi)
+        i += 1
+    if not out or WTE not in P or LNF_W not in P:
+        raise ValueError("ZeRO-2 works on GPT-2 parameters (transformer.h.<i>.*, the embeddings, ln_f)")
+    return out
+
+
+def _stage2_buckets(P: FlatParams, blocks: dict, bucket_bytes: int, multiple: int) -> list:
+    """Stage 2's buckets: one per block (its weight matrices), and the rest (embeddings, the 1-D tensors) cut
+    like stage 1's."""
+    from .ddp import plan_buckets
+
+    edges = {0, P.decay_end, P.numel}
+    for lo, hi in blocks.values():
+        edges |= {lo, hi}
+    others, _ = plan_buckets(P, bucket_bytes, multiple)
+    inside = lambda c: any(lo < c < hi for lo, hi in blocks.values())  # noqa: E731
+    edges |= {c for a, b in others for c in (a, b) if not inside(c)}
+    e = sorted(edges)
+    return [(a, b) for a, b in zip(e[:-1], e[1:]) if b > a]
 
 
 def _split(P: FlatParams, flat: np.ndarray) -> dict:

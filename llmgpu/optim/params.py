@@ -56,8 +56,9 @@ class FlatParams:
     ``shapes``: name → shape (insertion order kept in ``.names``). ``xp``: NumPy or CuPy (default:
     ``backend.default_xp()``). ``working_dtype``: the compute precision the model reads ('fp32',
     'bf16', 'fp16'). ``no_decay(name, shape) -> bool`` selects the tensors without weight decay.
-    ``multiple``: the decayed segment and the whole buffer end on a multiple of it (default ``ALIGN``;
-    ZeRO over N ranks asks for N·ALIGN, so each rank's piece of every bucket stays aligned).
+    ``multiple``: every tensor starts, and the decayed segment and the whole buffer end, on a multiple of it
+    (default ``ALIGN``; ZeRO over N ranks asks for N·ALIGN: every tensor boundary is then a place to cut the
+    buffer into buckets whose N pieces stay aligned).
 
     All buffers start at zero; initialise weights by writing into ``.param(name)`` (or
     ``load_dict``) and then call ``.sync_working()``.
@@ -92,12 +93,13 @@ class FlatParams:
             for name in self.names:
                 if self.decay[name] == group:
                     self.offsets[name] = pos
-                    pos += _align(self.sizes[name])
+                    pos += _align(self.sizes[name], multiple)
             pos = _align(pos, multiple)  # each group ends on a multiple: ZeRO cuts the buffer there (chapter 9)
             if group:
                 self.decay_end = pos  # elements [0, decay_end) get weight decay
         self.numel = pos  # buffer length, padding included (a multiple of ALIGN)
         self.num_parameters = sum(self.sizes.values())  # real parameters, padding excluded
+        self.grad_offsets = self.offsets  # where each gradient lives in .grad (ZeRO-2 repacks it: dist/zero.py)
         xp_ = self.xp
         f32 = backend.float32
         self.data = xp_.zeros(self.numel, dtype=f32)
@@ -117,6 +119,7 @@ class FlatParams:
         self.xp = backend.get_array_module(data)
         self.working_dtype = working.dtype
         self.names, self.shapes, self.sizes, self.decay, self.offsets = [], {}, {}, {}, {}
+        self.grad_offsets = self.offsets
         self.data, self.grad, self.m, self.v, self.working = data, grad, m, v, working
         self.numel = self.num_parameters = int(data.size)
         self.decay_end = int(decay_end)
@@ -124,9 +127,9 @@ class FlatParams:
 
     # ------------------------------------------------------------------ views
 
-    def _view(self, buf, name):
+    def _view(self, buf, name, offsets=None):
         try:
-            off = self.offsets[name]
+            off = (self.offsets if offsets is None else offsets)[name]
         except KeyError:
             raise KeyError(f"no parameter {name!r}; known: {len(self.names)} names, e.g. {self.names[:3]}") from None
         return buf[off : off + self.sizes[name]].reshape(self.shapes[name])
@@ -137,7 +140,7 @@ class FlatParams:
 
     def grad_of(self, name: str):
         """The fp32 gradient of ``name`` (a view into ``.grad``): the model writes here."""
-        return self._view(self.grad, name)
+        return self._view(self.grad, name, self.grad_offsets)
 
     def weight(self, name: str):
         """The working-precision weight ``name`` (a view into ``.working``): the model reads here."""

@@ -120,7 +120,8 @@ class TrainConfig:
 
 
 # what a resumed run may take from the command line: its length and schedule, its cadences, the machine's
-# settings and the presentation; everything else (model, data, optimizer, seed) is the checkpoint's
+# settings (ranks, ZeRO stage, and --grad-accum, so that a run moved to another number of ranks can keep its
+# global batch) and the presentation; everything else (model, data, optimizer, seed) is the checkpoint's
 RESUME_OVERRIDES = ("steps", "max_time", "lr", "min_lr_ratio", "warmup", "schedule", "eval_every", "eval_batches",
                     "log_every", "save_every", "max_skipped_steps", "out", "overwrite", "progress", "plot",
                     "sample_tokens", "prompt", "temperature", "top_k", "device", "cpu_threads", "async_copy", "fast",

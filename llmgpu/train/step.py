@@ -123,9 +123,12 @@ class TrainStep:
         inv = 1.0 / (n * sync.grad_divisor)
         dloss = self.scaler.scale * np.float32(inv) if self.scaler.enabled else inv  # 0-d device array
         loss_sum = None
+        every = getattr(sync, "every_micro_batch", False)  # ZeRO-2 reduces every micro-batch's block gradients
         for j, (x, y) in enumerate(batches):
             last = j == n - 1
-            loss = model.forward_backward(x, y, dloss=dloss, grads_ready=sync.grads_ready if last else None)
+            if every:
+                sync.start_micro_batch(j, n)
+            loss = model.forward_backward(x, y, dloss=dloss, grads_ready=sync.grads_ready if last or every else None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
         sync.finish(P)
         if hasattr(sync, "apply_update"):
