@@ -236,3 +236,112 @@ def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_l
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.figure.tight_layout()
     return ax
+
+
+# --------------------------------------------------------------------------- chapter 9: collectives and the ring
+
+RANK_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+
+
+def draw_holds(holds, ax, *, title="", send=None, recv=None):
+    """One picture of N ranks' buffers: row r is rank r, column s its segment s; the cell is cut into N thin
+    stripes, stripe k in rank k's colour when the cell holds rank k's data (``holds[r, s]``: a bitmask), white
+    when not, so a complete sum is every colour. ``send``/``recv`` (a segment per rank) outline the segment
+    each rank sends (black) and the one it receives (red, dashed) in the step that follows."""
+    from matplotlib.patches import Rectangle
+
+    holds = np.asarray(holds)
+    n_ranks, n_seg = holds.shape
+    N = max(n_ranks, int(holds.max()).bit_length())
+    for r in range(n_ranks):
+        for s in range(n_seg):
+            y = n_ranks - 1 - r
+            for k in range(N):
+                if holds[r, s] >> k & 1:
+                    ax.add_patch(Rectangle((s + 0.05 + 0.9 * k / N, y + 0.1), 0.9 / N, 0.8, lw=0,
+                                           color=RANK_COLORS[k % len(RANK_COLORS)]))
+            ax.add_patch(Rectangle((s + 0.05, y + 0.1), 0.9, 0.8, fill=False, lw=0.6, ec="#999999"))
+            if holds[r, s] == (1 << N) - 1 and N > 1:
+                ax.text(s + 0.5, y + 0.5, "Σ", ha="center", va="center", color="white", fontsize=11,
+                        fontweight="bold")
+        for segs, kw in ((send, {"ec": "black", "lw": 2.2}), (recv, {"ec": "#c44e52", "lw": 2.2, "ls": "--"})):
+            if segs is not None:
+                ax.add_patch(Rectangle((segs[r] + 0.02, n_ranks - 1 - r + 0.05), 0.96, 0.9, fill=False, **kw))
+    ax.set_xlim(0, n_seg)
+    ax.set_ylim(0, n_ranks)
+    ax.set_xticks(np.arange(n_seg) + 0.5, [f"seg {s}" for s in range(n_seg)], fontsize=7)
+    ax.set_yticks(np.arange(n_ranks) + 0.5, [f"rank {r}" for r in reversed(range(n_ranks))], fontsize=7)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
+
+
+def draw_collectives(n_ranks: int = 4):
+    """All-reduce, reduce-scatter and all-gather as before/after pictures of ``n_ranks`` ranks (``draw_holds``)."""
+    plt = _plt()
+    N = n_ranks
+    own = np.array([[1 << r] * N for r in range(N)])
+    full = (1 << N) - 1
+    cases = [("all-reduce", own, np.full((N, N), full)),
+             ("reduce-scatter", own, np.diag([full] * N)),
+             ("all-gather", np.diag([1 << r for r in range(N)]), np.array([[1 << s for s in range(N)]] * N))]
+    fig, axes = plt.subplots(len(cases), 2, figsize=(6.4, 2.0 * len(cases)))
+    for (name, before, after), (a0, a1) in zip(cases, axes):
+        draw_holds(before, a0, title=f"{name}: before")
+        draw_holds(after, a1, title=f"{name}: after")
+    fig.tight_layout()
+    return fig
+
+
+def draw_ring_trace(trace, *, cols: int = 4):
+    """Every state of a simulated ring all-reduce (``llmgpu.dist.ring.simulate_ring_allreduce``): the start,
+    then each step's result; each panel outlines what the next step sends (black) and receives (red)."""
+    plt = _plt()
+    states = len(trace.holds)
+    rows = -(-states // cols)
+    N = trace.holds[0].shape[0]
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, (0.42 * N + 0.9) * rows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        if k >= states:
+            ax.axis("off")
+            continue
+        nxt = trace.steps[k] if k < len(trace.steps) else None
+        done = "start" if k == 0 else f"after step {k} ({trace.steps[k - 1].phase})"
+        draw_holds(trace.holds[k], ax, title=done, send=nxt.send if nxt else None, recv=nxt.recv if nxt else None)
+    fig.tight_layout()
+    return fig
+
+
+def plot_allreduce(rows, *, ax=None, y="busbw_GBps", model=True, title=None):
+    """Bandwidth against message size, one line per (implementation, dtype, world size): ``rows`` as
+    ``benchmarks/bench_ch9_allreduce.py`` writes them (``bytes``, ``impl``, ``dtype``, ``world_size``, ``y``,
+    and ``model_busbw_GBps`` for the cost model's line when ``model``)."""
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["impl"], r["dtype"], r["world_size"]), []).append(r)
+    for (impl, dtype, world), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["bytes"])
+        ls = "--" if impl in ("ring", "reduce kernel") else "-"  # ours dashed, the engine's solid
+        ax.plot([r["bytes"] for r in rs], [r[y] for r in rs], ls, marker="o", ms=3,
+                label=f"{impl} {dtype}, {world} rank{'s' if world > 1 else ''}")
+    for world in sorted({r["world_size"] for r in rows}) if model and y == "busbw_GBps" else ():
+        pts = sorted({(r["bytes"], r["model_busbw_GBps"]) for r in rows
+                      if r["world_size"] == world and r.get("model_busbw_GBps")})
+        if pts:
+            ax.plot(*zip(*pts), ":", color="k", label=f"cost model, {world} ranks")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel({"busbw_GBps": "bus bandwidth (GB/s)", "algbw_GBps": "algorithm bandwidth (GB/s)"}.get(y, y))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.figure.tight_layout()
+    return ax

@@ -18,8 +18,10 @@ from .bootstrap import check_same, init_process_group, rendezvous, select_device
 from .comm import DEFAULT_TIMEOUT, Communicator, LocalComm, MPIComm, NcclComm, mpi_module, nccl_module
 from .ddp import BUCKET_BYTES, DataParallelSync, plan_buckets
 from .env import DistEnv, DistError, from_environ
+from .ring import RingAllReduce, ring_all_reduce, ring_allreduce_seconds, simulate_ring_allreduce
 from .zero import ZeroSync
 
 __all__ = ["BUCKET_BYTES", "DEFAULT_TIMEOUT", "Communicator", "DataParallelSync", "DistEnv", "DistError", "LocalComm",
            "MPIComm", "NcclComm", "ZeroSync", "check_same", "from_environ", "init_process_group", "mpi_module",
-           "nccl_module", "plan_buckets", "rendezvous", "select_device"]
+           "RingAllReduce", "nccl_module", "plan_buckets", "rendezvous", "ring_all_reduce", "ring_allreduce_seconds",
+           "select_device", "simulate_ring_allreduce"]
