@@ -58,12 +58,27 @@ def free_port() -> int:
 
 
 def find_mpiexec() -> str:
-    """``mpiexec`` beside this Python (a venv with the mpich wheel) or on PATH; a one-line error otherwise."""
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        raise DistError("--nproc on CPU ranks needs mpiexec: pip install 'llmgpu[dist]' (mpi4py and the mpich wheel)")
-    return found
+    """The ``mpiexec`` of the MPI that mpi4py loads (MPICH's Hydra or Open MPI's), looked for beside this
+    Python, in ``bin/`` next to the import path (a ``pip install --target`` of the mpich wheel) and on PATH;
+    a one-line error otherwise. Another MPI's mpiexec would start N singletons that never meet."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # only ask which library; the launcher itself is not an MPI process
+    from mpi4py import MPI
+
+    family = "Open MPI" if "Open MPI" in MPI.Get_library_version() else "HYDRA"
+    cands = [Path(sys.executable).parent / "mpiexec"] + [Path(p) / "bin" / "mpiexec" for p in sys.path if p]
+    cands += [Path(p) / "mpiexec" for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    for c in dict.fromkeys(cands):
+        if c.is_file() and os.access(c, os.X_OK):
+            try:
+                v = subprocess.run([str(c), "--version"], capture_output=True, text=True, timeout=20).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if family in v or (family == "Open MPI" and "OpenRTE" in v):
+                return str(c)
+    raise DistError(f"--nproc on CPU ranks needs the mpiexec of mpi4py's MPI ({family}): pip install "
+                    "'llmgpu[dist]' (mpi4py and the mpich wheel)")
 
 
 def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
@@ -77,7 +92,11 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
         except ImportError:
             raise DistError("--nproc on CPU ranks needs mpi4py: pip install 'llmgpu[dist]'") from None
         with tempfile.TemporaryDirectory(prefix="llmgpu-ranks-") as d:
-            rc, dead = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], dict(os.environ, **{RANK_DIR_VAR: d}))
+            env = dict(os.environ, **{RANK_DIR_VAR: d})
+            if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
+                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            rc, dead = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
             ranks = {Path(d, f).read_text().strip(): f for f in os.listdir(d)}
         if rc not in (0, 130):
             who = (f"rank {ranks[dead[0]]} (pid {dead[0]}) {_how(int(dead[1]))}" if dead and dead[0] in ranks
