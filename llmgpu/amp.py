@@ -15,6 +15,8 @@ counter and the overflow flag are 0-d device arrays, updated by small kernels.
 * ``has_inf_or_nan(x)``: 0-d fp32 flag (1.0 / 0.0).
 * ``LossScaler(kind="dynamic"|"static"|"none", ...)``.
 * ``Policy(compute="bf16")``: names the compute dtype and whether a scaler is needed.
+* ``fp16_fate(x, scale)`` and ``log2_histogram(x, edges)``: where gradient values fall on the fp16 axis
+  (chapter 5's census; these read results on the host, they are for inspection, not for a step).
 """
 
 from __future__ import annotations
@@ -193,4 +195,45 @@ class Policy:
         return LossScaler(self.scaler_kind, xp=xp, **kwargs)
 
 
-__all__ = ["LossScaler", "Policy", "cast", "has_inf_or_nan"]
+# --------------------------------------------------------------------------- the fp16 census (chapter 5)
+
+FP16_MIN_SUBNORMAL = 2.0**-24  # smallest positive fp16; below half of it a value rounds to 0
+FP16_MIN_NORMAL = 2.0**-14  # below it fp16 is subnormal: fewer mantissa bits, down to none
+FP16_MAX = 65504.0
+
+
+def fp16_fate(x, scale=1.0) -> dict:
+    """What casting ``x × scale`` to fp16 does to the *nonzero* values of ``x`` (any float dtype).
+
+    Fractions of them that become 0 (``"zero"``: the gradient is lost), fp16 subnormals
+    (``"subnormal"``: below 2^-14, precision shrinking to nothing), normal fp16 numbers (``"normal"``) and
+    ±inf (``"overflow"``); plus ``"n"``, how many values were counted. The product is formed in fp32 and
+    rounded by the cast kernel (nearest, ties to even), as the backward pass rounds. Reads the counts on
+    the host.
+    """
+    xp = array_module(x=x)
+    check_array("x", x, dtypes=CAST_DTYPES)
+    v = x.reshape(-1)
+    v = v[v != 0].astype(_F32) * np.float32(scale)
+    n = int(v.size)
+    if n == 0:
+        return {"n": 0, "zero": 0.0, "subnormal": 0.0, "normal": 0.0, "overflow": 0.0}
+    a = xp.abs(cast(v, "fp16")).astype(_F32)
+    zero, over = int((a == 0).sum()), int(xp.isinf(a).sum())
+    sub = int(((a > 0) & (a < np.float32(FP16_MIN_NORMAL))).sum())
+    return {"n": n, "zero": zero / n, "subnormal": sub / n, "normal": (n - zero - sub - over) / n,
+            "overflow": over / n}
+
+
+def log2_histogram(x, edges) -> np.ndarray:
+    """Counts (host int64) of ``log2 |x|`` over the nonzero values of ``x`` in the bins ``edges`` (ascending,
+    host), computed on x's device; values outside the edges are not counted."""
+    xp = array_module(x=x)
+    v = x.reshape(-1)
+    v = xp.abs(v[v != 0].astype(_F32))
+    counts, _ = xp.histogram(xp.log2(v), bins=xp.asarray(np.asarray(edges, dtype=np.float32)))
+    return backend.to_numpy(counts).astype(np.int64)
+
+
+__all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "FP16_MIN_SUBNORMAL", "LossScaler", "Policy", "cast", "fp16_fate",
+           "has_inf_or_nan", "log2_histogram"]

@@ -217,24 +217,48 @@ def plot_losses(records, png_path=None, ax=None):
 
 
 def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_label="copy ceiling",
-                            ylabel="GB/s (minimum bytes / time)", ax=None):
-    """One group of bars per key (e.g. ``("layernorm", "bwd")``), one bar per method in it, under a dashed
-    ceiling line: ``results[key][method]`` is the value. Chapter 3's kernel summary."""
+                            xlabel="GB/s (minimum bytes / time)", ax=None, fontsize=12):
+    """Horizontal bars, one group per key (e.g. ``("layernorm", "bwd")``, top to bottom), one bar per
+    method that key has, each labelled with its % of the dashed ceiling line: ``results[key][method]`` is
+    the value. Chapter 3's kernel summary.
+
+    Horizontal so that the figure keeps one width (8 inches: drawn about 1:1 on a book page, the labels
+    stay at their point size) and grows in height with the number of kernels.
+    """
     plt = _plt()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(1.6 + 1.5 * len(keys), 3.6))
     methods = list(dict.fromkeys(m for k in keys for m in results[k]))  # in first-seen order
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        vals = [results[k].get(method, 0.0) for k in keys]
-        ax.bar(np.arange(len(keys)) + (i - (len(methods) - 1) / 2) * width, vals, width, label=method)
-    ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"{ceiling_label} {ceiling:.0f} GB/s")
-    ax.set_xticks(np.arange(len(keys)), ["\n".join(map(str, k)) if isinstance(k, tuple) else str(k) for k in keys])
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.set_ylim(0, 1.12 * max(ceiling, *(v for k in keys for v in results[k].values())))
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.figure.tight_layout()
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    bar_h, gap = 0.8, 0.7  # bar height and the space between groups, in bar units
+    n_bars = sum(len(results[k]) for k in keys)
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(8.0, 1.3 + 0.3 * n_bars + 0.15 * len(keys)), layout="constrained")
+    y, ticks, seen = 0.0, [], set()
+    top = max(ceiling, *(v for k in keys for v in results[k].values()))
+    for k in keys:
+        rows = [m for m in methods if m in results[k]]
+        ys = y + np.arange(len(rows))
+        for yy, m in zip(ys, rows):
+            v = results[k][m]
+            ax.barh(yy, v, bar_h, color=colors[m], label=None if m in seen else m)
+            seen.add(m)
+            pct = 100 * v / ceiling
+            ax.text(v + 0.01 * top, yy, f"{pct:.0f}%" if pct >= 1 else f"{pct:.1g}%", va="center",
+                    fontsize=fontsize - 2)
+        ticks.append((ys.mean(), " ".join(map(str, k)) if isinstance(k, tuple) else str(k)))
+        y = ys[-1] + 1 + gap
+    ax.axvline(ceiling, color="k", ls="--", lw=1.2, label=f"{ceiling_label} {ceiling:,.0f} GB/s")
+    ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=fontsize)
+    ax.invert_yaxis()  # the first key on top
+    ax.tick_params(axis="x", labelsize=fontsize - 1)
+    ax.set_xlabel(xlabel, fontsize=fontsize)
+    ax.set_xlim(0, 1.14 * top)  # room for the % labels
+    if title:
+        ax.set_title(title, fontsize=fontsize + 1)
+    if own:  # under the axes, outside the bars
+        ax.figure.legend(loc="outside lower center", ncol=3, fontsize=fontsize - 1, frameon=False)
+    else:
+        ax.legend(fontsize=fontsize - 2, loc="lower right")
     return ax
 
 

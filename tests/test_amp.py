@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.amp import LossScaler, Policy, cast, has_inf_or_nan
+from llmgpu.amp import LossScaler, Policy, cast, fp16_fate, has_inf_or_nan, log2_histogram
 
 pytestmark = pytest.mark.ch5
 
@@ -116,6 +116,23 @@ def test_fp16_underflow_and_scaling_recovers(rng):
     assert lost > 0.5 and kept < 0.01
 
 
+def test_fp16_fate_counts_what_the_cast_does():
+    x = np.array([0.0, 1e-10, -2.0**-26, 2.0**-24, 3e-6, -1e-4, 1.0, 7e4, -1e5], np.float32)
+    f = fp16_fate(x)  # zero is not counted; 1e-10 and 2^-26 round to 0; 2^-24 and 3e-6 are subnormal
+    assert f["n"] == 8 and f["zero"] == 2 / 8 and f["subnormal"] == 2 / 8 and f["overflow"] == 2 / 8
+    assert f["normal"] == 2 / 8
+    g = fp16_fate(x, scale=2.0**16)  # x 2^16: 1e-10 is subnormal, 2^-26 .. 1e-4 normal, 1.0 overflows too
+    assert g["zero"] == 0 and g["subnormal"] == 1 / 8 and g["normal"] == 4 / 8 and g["overflow"] == 3 / 8
+    assert fp16_fate(np.zeros(4, np.float32))["n"] == 0
+    assert fp16_fate(x.astype(backend.bfloat16))["n"] == 8  # any float dtype the cast takes
+
+
+def test_log2_histogram():
+    x = np.array([0.0, 0.5, -0.75, 1.0, 3.0, 2.0**-30], np.float32)
+    counts = log2_histogram(x, [-1.0, 0.0, 1.0, 2.0])  # log2: -1, -0.415, 0, 1.585 (-30: outside)
+    assert counts.tolist() == [2, 1, 1] and counts.dtype == np.int64
+
+
 def test_policy():
     assert Policy().compute == "bf16" and not Policy().needs_scaler
     p = Policy("float16")
@@ -173,3 +190,13 @@ def test_mixed_arrays_gpu(cp):
     s = LossScaler(xp=cp)
     with pytest.raises(TypeError):
         s.update(np.array(0.0, np.float32))
+
+
+@pytest.mark.gpu
+def test_fp16_census_gpu_matches_numpy(cp, rng):
+    x = (rng.standard_normal(100_003) * 10.0 ** rng.integers(-12, 6, 100_003)).astype(np.float32)
+    for scale in (1.0, 2.0**16):
+        assert fp16_fate(cp.asarray(x), scale) == fp16_fate(x, scale)
+    edges = np.arange(-45.0, 20.0, 0.5)
+    # log2 may differ in the last bit between the two libraries: a value next to an edge can change bins
+    assert np.abs(log2_histogram(cp.asarray(x), edges) - log2_histogram(x, edges)).sum() <= 4

@@ -121,6 +121,26 @@ def test_checkpointing_gives_bitwise_identical_gradients(rng, dtype):
     assert ref.activation_bytes(3, 8)["stored"] == ref.stats["activation_bytes_stored"]
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_keep_returns_the_activation_gradients(rng, k):
+    """forward_backward(keep=...) hands out dlogits and each block's output gradient, changes nothing else."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=37, block_size=8, pad_vocab_to=8)
+    idx, tgt = _batch(rng, cfg, B=3)
+    ref, m = GPT(cfg, xp=np, seed=4), GPT(cfg, xp=np, seed=4, checkpoint_every=k)
+    ref.forward_backward(idx, tgt, dloss=4.0)
+    keep = {}
+    m.forward_backward(idx, tgt, dloss=4.0, keep=keep)
+    assert np.array_equal(m.params.grad, ref.params.grad)
+    assert sorted(keep) == ["dlogits", "h.0", "h.1", "h.2"]
+    assert keep["dlogits"].shape == (3 * 8, cfg.padded_vocab_size) and keep["h.1"].shape == (3, 8, 16)
+    # dlogits = dloss * (softmax - onehot) / (B*T): each row sums to 0, the padded columns are 0
+    assert np.allclose(keep["dlogits"].sum(axis=1), 0, atol=1e-6) and not keep["dlogits"][:, 37:].any()
+    # the kept gradients are times dloss, like the weight gradients
+    keep1 = {}
+    GPT(cfg, xp=np, seed=4).forward_backward(idx, tgt, dloss=1.0, keep=keep1)
+    assert np.allclose(keep["h.2"], 4.0 * keep1["h.2"], rtol=1e-5, atol=1e-9)
+
+
 def test_gradient_accumulation_matches_one_big_batch(rng):
     idx, tgt = _batch(rng, SMALL, B=4)
     one = GPT(SMALL, xp=np, seed=5)

@@ -17,6 +17,13 @@ ruff check llmgpu tests benchmarks tools dev
 step "kernel compile check (NVRTC, sm_80 + sm_90, no GPU needed)"
 python -m llmgpu.kernels.compile_check
 
+step "HIP compile check (hipcc, AMD gfx90a, no GPU needed)"
+if command -v hipcc >/dev/null; then
+    python tools/hip_compile_check.py
+else
+    echo "skipped: no hipcc on PATH (apt-get install hipcc; .ci/run installs it where it can)"
+fi
+
 step "pytest"
 python -m pytest -q
 

@@ -1,5 +1,8 @@
 """Row-major GEMMs through cuBLASLt, with fused epilogues, capturable in a CUDA graph (chapter 8).
 
+**NVIDIA-only fast path**: cuBLASLt through nvmath-python exists for NVIDIA GPUs only (on an AMD GPU
+the book step's ``llmgpu.gemm`` would be the one to port: CuPy's ROCm build maps its cuBLAS to hipBLAS).
+
 Why a second GEMM module next to ``llmgpu.gemm``:
 
 * **CUDA graphs.** CuPy refuses its own cuBLAS calls while a stream is capturing, so a training step

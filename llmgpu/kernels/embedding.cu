@@ -28,6 +28,9 @@
 // a token at 20% of the positions costs ~1/100 of the chain, still bitwise reproducible, but no
 // longer the same bits as "optimized" for that row.
 //
+// NVIDIA-only: the counting path groups a warp's equal tokens with __match_any_sync, and reads with
+// __ldcg; HIP 5.2 has neither, so this file does not compile for an AMD GPU (tools/hip_compile_check.py).
+//
 // Token ids outside [0, V): the forward writes NaN in that row of x (loud, no out-of-bounds read);
 // the backward drops those positions from dwte (their gradient has nowhere to go) but keeps them in
 // dwpe. The NumPy path raises ValueError instead.

@@ -139,9 +139,13 @@ __global__ void __launch_bounds__(256) gelu_backward(const T* __restrict__ dy, c
 #define GELU_FAST_THREADS 256
 
 __device__ __forceinline__ float gelu_rcp(float d) {
-    float r;
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+    return __builtin_amdgcn_rcpf(d);  // v_rcp_f32, AMD's approximate reciprocal (HIP compile check)
+#else
+    float r;  // NVIDIA-only fast path (inline PTX)
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
     return r;
+#endif
 }
 
 // s = sigmoid(2u) = 1 / (1 + e), e = 2^z = exp(-2u).

@@ -535,7 +535,7 @@ struct LnFastPlan {
 // SACC = 0: 4 * max(32 * P * W, 8 * C) bytes; SACC = 1: 16 * 32 * P * Q * (1 + 2 * 4) bytes (gamma, then
 // every warp's dgamma/dbeta slots). RES = 1: dx = LN backward + dres (dres may be dx itself).
 template <typename T, int P, int RES, int SACC>
-__global__ void __launch_bounds__(LnFastPlan<T, P, RES, SACC>::threads, LnFastPlan<T, P, RES, SACC>::min_blocks)
+__global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFastPlan<T, P, RES, SACC>::min_blocks))
     layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const float* __restrict__ mean, const float* __restrict__ rstd, const T* dres, T* dx,
                             float* __restrict__ partial, int N, int C) {

@@ -5,6 +5,8 @@
 // does not hog its SM. Queued before a training step, it tells whether the step waits for the GPU:
 // if the host returns from the step while the spin kernel is still running, nothing in the step
 // synchronized.
+//
+// NVIDIA-only (inline PTX %globaltimer, __nanosleep): tools/hip_compile_check.py lists it as such.
 #include "common.cuh"
 
 // llmgpu:kernel gpu_spin

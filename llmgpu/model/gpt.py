@@ -198,12 +198,16 @@ class GPT(GPTBase):
         _, _, _, logits = self._head(x)
         return self.logits_and_loss(logits, targets, B, T, last_only)
 
-    def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
+    def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None, keep=None):
         """One micro-batch: loss (0-d device array, unscaled) and gradients *added* into ``params.grad``.
 
         ``dloss`` seeds the backward pass (loss scale / number of micro-batches; a float or a 0-d
         fp32 device array). Zero the gradient yourself (``zero_grad``) before the first micro-batch.
         ``grads_ready(names)``: called as each group of gradients becomes final (``model/base.py``).
+        ``keep``: a dict that receives activation gradients as the backward pass makes them, in the
+        working dtype and times ``dloss``: ``"dlogits"`` ``[B·T, Vp]`` and, for each block i, ``"h.i"``
+        ``[B, T, C]``, the gradient of the block's output (chapter 5's census of gradient magnitudes;
+        kept arrays stay allocated until the dict lets them go).
         """
         ready = grads_ready or _ignore
         cfg = self.config
@@ -234,6 +238,8 @@ class GPT(GPTBase):
         with region("cross_entropy bwd", bytes=2 * ce_cache.logits.nbytes):
             dlogits = cross_entropy_backward(ce_cache, dloss, out=ce_cache.logits)
         del ce_cache
+        if keep is not None:
+            keep["dlogits"] = dlogits
         C = cfg.n_embd
         with region("lm_head bwd", flops=4.0 * B * T * C * cfg.padded_vocab_size):
             dhf, _, _ = linear_backward(dlogits, hf, self.weight(WTE), bias=False, dw_out=G(WTE), accumulate=True)
@@ -250,6 +256,8 @@ class GPT(GPTBase):
         peak = stored
         if k == 0:
             for i in reversed(range(L)):
+                if keep is not None:
+                    keep[f"h.{i}"] = dx
                 dx = self._block_backward(i, dx, caches[i])
                 caches[i] = None
                 ready(list(block_param_names(i).values()))
@@ -262,6 +270,8 @@ class GPT(GPTBase):
                     span.append(c)
                 peak = max(peak, nbytes_of(inputs) + nbytes_of(span))
                 for j in reversed(range(s, e)):
+                    if keep is not None:
+                        keep[f"h.{j}"] = dx
                     dx = self._block_backward(j, dx, span[j - s])
                     span[j - s] = None
                     ready(list(block_param_names(j).values()))

@@ -1,5 +1,8 @@
 """Fused (flash) attention through cuDNN's frontend: an optional fast path next to chapter 2's kernels.
 
+**NVIDIA-only fast path**: cuDNN runs on NVIDIA GPUs only; chapter 2's attention kernels (softmax.cu)
+are the portable ones (tools/hip_compile_check.py).
+
 Chapter 2's attention writes the T × T scores and probabilities to memory and reads them back
 (B·H·T² elements each way). FlashAttention (Dao et al., 2022; Dao, 2023) never does: it walks over
 key/value tiles keeping a running row maximum and row sum (the online softmax of Milakov &

@@ -9,54 +9,117 @@ import json
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
+# "[#####...............] 75/1378, loss 2.4970, val 2.6003, lr 6.00e-04, 277.4K tok/s, MFU 21.8%, 0:04<1:22"
+# tqdm draws the bar and the counts; the run's own numbers (elapsed<eta from the trainer's schedule fit,
+# which knows about evaluations and the time budget) are the postfix.
+BAR_FORMAT = "[{bar:20}] {n_fmt}/{total_fmt}{postfix}"
+BAR_CHARS = ".#"  # tqdm's ascii charset: empty, full
+
 
 class Progress:
-    """One status line (redrawn in place on a terminal, printed per log interval otherwise)."""
+    """The status line of a run, kept readable wherever it goes.
+
+    * On a terminal, a tqdm bar redrawn in place (trimmed to the terminal's width); ``message`` prints
+      above it with ``tqdm.write``.
+    * In a Jupyter kernel, one output updated in place (an IPython display with a ``display_id``): live
+      while the cell runs, and a saved notebook keeps only the final line.
+    * Anywhere else (a pipe, a log file, CI), a line each time the run passes another tenth of its steps,
+      and the last line at ``close``: about a dozen lines, however long the run.
+
+    Why not tqdm alone: off a terminal tqdm still writes every redraw, ``\r``-separated, so a log file or
+    a notebook cell gets all of them (``disable=None`` instead writes nothing, not even the final line),
+    and ``tqdm.notebook`` needs ipywidgets, whose widgets a rendered book cannot show. All three forms
+    format their line with ``tqdm.format_meter``.
+
+    ``enabled=False`` (``--quiet``) prints nothing but ``warn`` lines. ``total`` (0: not known yet) may be
+    set while the run goes, as the trainer does when it fits the schedule to a time budget.
+    """
+
+    lines = 10  # off a terminal and outside a notebook: a line per tenth of the run
 
     def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.total, self.enabled = total, enabled
+        self.enabled = enabled
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._len = 0
+        self._display = None if self.tty else _jupyter_display(self.stream)
+        self._total = total
+        self._bar = None  # the tqdm bar (terminal), created at the first update
+        self._handle = None  # the IPython display handle (notebook), created at the first update
+        self._last = None  # (step, text) of the last update
+        self._printed = None  # the last step written as a line (pipe or file)
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    @total.setter
+    def total(self, value):
+        self._total = value
+        if self._bar is not None:
+            self._bar.total = value or None
 
     def update(self, step: int, *, loss=None, val=None, lr=None, tok_s=None, mfu=None, elapsed=None, eta=None,
                skipped=0):
         if not self.enabled:
             return
-        frac = min(step / self.total, 1.0) if self.total else 0.0
-        width = 20
-        fill = int(round(frac * width))
-        parts = [f"[{'#' * fill}{'.' * (width - fill)}] {step}/{self.total or '?'}"]
+        stats = []
         if loss is not None:
-            parts.append(f"loss {loss:.4f}")
+            stats.append(f"loss {loss:.4f}")
         if val is not None:
-            parts.append(f"val {val:.4f}")
+            stats.append(f"val {val:.4f}")
         if lr is not None:
-            parts.append(f"lr {lr:.2e}")
+            stats.append(f"lr {lr:.2e}")
         if tok_s is not None:
-            parts.append(f"{_si(tok_s)} tok/s")
+            stats.append(f"{_si(tok_s)} tok/s")
         if mfu is not None:
-            parts.append(f"MFU {100 * mfu:.1f}%")
+            stats.append(f"MFU {100 * mfu:.1f}%")
         if skipped:
-            parts.append(f"skipped {skipped}")  # steps whose inf/nan gradients were not applied
+            stats.append(f"skipped {skipped}")  # steps whose inf/nan gradients were not applied
         if elapsed is not None:
-            parts.append(f"{_hms(elapsed)}" + (f"<{_hms(eta)}" if eta is not None else ""))
-        line = " | ".join(parts)
+            stats.append(f"{_hms(elapsed)}" + (f"<{_hms(eta)}" if eta is not None else ""))
+        text = ", ".join(stats)
+        self._last = (step, text)
         if self.tty:
-            pad = max(0, self._len - len(line))
-            self.stream.write("\r" + line + " " * pad)
-            self._len = len(line)
-        else:
-            self.stream.write(line + "\n")
+            if self._bar is None:
+                self._bar = tqdm(total=self._total or None, file=self.stream, bar_format=BAR_FORMAT,
+                                 ascii=BAR_CHARS, dynamic_ncols=True, mininterval=0, leave=True)
+            self._bar.n = step
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.refresh()
+        elif self._display is not None:
+            data = {"text/plain": self.line()}
+            if self._handle is None:
+                self._handle = self._display(data, raw=True, display_id=True)
+            else:
+                self._handle.update(data, raw=True)
+        elif self._printed is None or self._tenth(step) > self._tenth(self._printed):
+            self._write_line()
+
+    def line(self) -> str:
+        """The last update as one line ("" before the first)."""
+        if self._last is None:
+            return ""
+        step, text = self._last
+        return tqdm.format_meter(step, self._total or None, 0, bar_format=BAR_FORMAT, ascii=BAR_CHARS,
+                                 postfix=text)
+
+    def _tenth(self, step: int) -> int:
+        return int(self.lines * step / self._total) if self._total else 0
+
+    def _write_line(self):
+        self.stream.write(self.line() + "\n")
         self.stream.flush()
+        self._printed = self._last[0]
 
     def message(self, text: str):
         if not self.enabled:
             return
-        if self.tty and self._len:
-            self.stream.write("\n")
-            self._len = 0
-        self.stream.write(text + "\n")
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)  # clears the bar, prints, redraws it below
+        else:
+            self.stream.write(text + "\n")
         self.stream.flush()
 
     def warn(self, text: str):
@@ -68,10 +131,25 @@ class Progress:
             self.enabled = enabled
 
     def close(self):
-        if self.enabled and self.tty and self._len:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._len = 0
+        """End the line: the terminal bar stays as it was last drawn; a pipe or file gets the last update."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self._display is None and self._last is not None and self._printed != self._last[0]:
+            self._write_line()
+
+
+def _jupyter_display(stream):
+    """IPython's ``display`` when ``stream`` is a Jupyter kernel's output stream, else None."""
+    if type(stream).__module__.split(".")[0] != "ipykernel":
+        return None
+    try:
+        from IPython.display import display
+    except ImportError:
+        return None
+    return display
 
 
 def _si(x: float) -> str:
