@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,14 +25,13 @@ from llmgpu.optim.params import ALIGN, FlatParams
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "dist_step.py"
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec") if (Path(sys.executable).parent / "mpiexec").exists() \
-    else shutil.which("mpiexec")
-try:
-    import mpi4py  # noqa: F401
+try:  # the mpiexec of the MPI mpi4py loads (another MPI's would start singletons)
+    from llmgpu.dist.launch import find_mpiexec
 
-    HAVE_MPI = MPIEXEC is not None
-except ImportError:
-    HAVE_MPI = False
+    MPIEXEC = find_mpiexec()
+except (ImportError, DistError):
+    MPIEXEC = None
+HAVE_MPI = MPIEXEC is not None
 # CI installs the test extra, which brings mpi4py and mpich: there these tests must run, not skip
 needs_mpi = pytest.mark.skipif(not HAVE_MPI and not os.environ.get("CI"),
                                reason="MPI tests need mpi4py and mpiexec: pip install 'llmgpu[dist]'")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,9 +147,13 @@ def _mpiexec():
         import mpi4py  # noqa: F401
     except ImportError:
         return None, "mpi4py is not installed (pip install 'llmgpu[test]' brings mpi4py and mpich)"
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    return (found, None) if found else (None, "no mpiexec beside this Python or on PATH (pip install mpich)")
+    from llmgpu.dist import DistError
+    from llmgpu.dist.launch import find_mpiexec
+
+    try:  # the mpiexec of the MPI mpi4py loads (another MPI's would start singletons)
+        return find_mpiexec(), None
+    except DistError as e:
+        return None, str(e)
 
 
 def _mpi_env():
