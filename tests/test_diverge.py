@@ -111,6 +111,7 @@ def test_adjusted_settings_are_said_once_and_written_to_config_json(tmp_path, ca
 
 
 def test_the_cpu_fallback_says_why_only_where_cupy_is_installed(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLMGPU_DEVICE", raising=False)  # the fallback is what --device auto does
     cfg = TrainConfig(**{**FAST, "device": "auto"}, steps=1)
     monkeypatch.setattr(backend, "gpu_unavailable_reason", lambda: "CuPy is installed but no CUDA device was found")
     fake_cupy = types.SimpleNamespace(ndarray=type("ndarray", (), {}))

@@ -206,6 +206,7 @@ def test_gpu_reduce_kernel_equals_numpy(cp, rng, dtype, n, offset):
     b = rng.standard_normal(n + offset).astype(dt)
     want = reduce_add(a[offset:].copy(), b[offset:])  # the NumPy path: fp32 add, one rounding
     da, db = cp.asarray(a), cp.asarray(b)
+    cp.cuda.get_current_stream().synchronize()  # the copies above are on the current stream, not on s
     s = cp.cuda.Stream(non_blocking=True)
     reduce_add(da[offset:], db[offset:], stream=s)  # offset: misaligned pointers take the scalar path
     s.synchronize()

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -99,8 +100,12 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             rc, dead = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
             ranks = {Path(d, f).read_text().strip(): f for f in os.listdir(d)}
         if rc not in (0, 130):
-            who = (f"rank {ranks[dead[0]]} (pid {dead[0]}) {_how(int(dead[1]))}" if dead and dead[0] in ranks
-                   else f"a rank exited with code {rc}")
+            if dead and dead[0] == "rank":
+                who = f"rank {dead[1]} (pid {dead[2]}) {_how(dead[3])}"
+            elif dead and dead[0] in ranks:
+                who = f"rank {ranks[dead[0]]} (pid {dead[0]}) {_how(int(dead[1]))}"
+            else:
+                who = f"a rank exited with code {rc}"
             say(f"llmgpu: {who}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
         return rc
     port = free_port()
@@ -118,22 +123,37 @@ def _how(code: int) -> str:
 
 
 def _wait_mpiexec(cmd, env) -> tuple[int, tuple | None]:
-    """Run mpiexec, passing its stdout through (where Hydra reports a dead process: 'PID n ... EXIT CODE: c');
-    returns its exit code and (pid, code) of the first process it reported dead."""
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
-    dead, pid = None, None
-    try:
-        for line in p.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+    """Run mpiexec, passing its output through and reading it for a dead process (Hydra, on stdout: 'PID n
+    RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on stderr: 'process rank r with PID n ... exited on signal
+    s'). Returns mpiexec's exit code and the first death it reported: ('rank', r, pid, code) or (pid, code)."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    found: list = []
+
+    def pump(src, dst):
+        pid = None
+        for line in src:
+            dst.write(line)
+            dst.flush()
+            m = re.search(r"process rank (\d+) with PID (\d+) on node \S+ exited on signal (\d+)", line)
+            if m:
+                found.append(("rank", m.group(1), m.group(2), 128 + int(m.group(3))))
             m = re.search(r"PID (\d+) RUNNING AT", line)
             pid = m.group(1) if m else pid
             m = re.search(r"EXIT CODE: (\d+)", line)
-            if m and pid and dead is None:
-                dead = (pid, m.group(1))
-        return p.wait(), dead
+            if m and pid:
+                found.append((pid, m.group(1)))
+
+    threads = [threading.Thread(target=pump, args=(p.stdout, sys.stdout), daemon=True),
+               threading.Thread(target=pump, args=(p.stderr, sys.stderr), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        rc = p.wait()
     except KeyboardInterrupt:  # mpiexec forwards the signal to the ranks; let them save and stop
-        return p.wait(), None
+        rc = p.wait()
+    for t in threads:
+        t.join(5)
+    return rc, (found[0] if found else None)
 
 
 def _watch(procs, say) -> int:
