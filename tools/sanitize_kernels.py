@@ -234,6 +234,16 @@ def ops(d: Driver):
                 d.run(f"cast {src}->{dst} n={n}", ca.cast, d.arr((n,), src), dst)
 
 
+def dist(d: Driver):
+    """Chapter 9's own kernel: the ring all-reduce's reduction (aligned and misaligned, every dtype)."""
+    from llmgpu.dist.ring import reduce_add
+
+    for dt in DTYPES:
+        for n, off in ((1, 0), (7, 0), (4097, 3), (40_000, 1)):
+            a, b = d.arr((n + off,), dt), d.arr((n + off,), dt)
+            d.run(f"ring_reduce_add {dt} n={n} offset={off}", reduce_add, a[off:], b[off:])
+
+
 def _softmax_pair(sm, d, x, method, causal=False, out_dtype=None):
     p = sm.softmax_forward(x, method, causal=causal, out_dtype=out_dtype)
     dp = d.arr(x.shape, "fp32" if out_dtype else backend.dtype_name(x.dtype))
@@ -356,7 +366,7 @@ def main(argv=None) -> int:
                     help="print compute-sanitizer's path and exit (status 1 and a message when not found)")
     ap.add_argument("--cpu-dry", action="store_true", help="make the same calls on NumPy (checks the driver)")
     ap.add_argument("--keep-pool", action="store_true", help="keep CuPy's memory pool (memcheck sees less)")
-    ap.add_argument("--only", choices=("ops", "optim", "models"), action="append")
+    ap.add_argument("--only", choices=("ops", "optim", "dist", "models"), action="append")
     ap.add_argument("--no-library", action="store_true",
                     help="leave out the calls that also launch cuBLAS kernels (for racecheck, see LIBRARY_CALLS)")
     a = ap.parse_args(argv)
@@ -388,7 +398,7 @@ def main(argv=None) -> int:
             xp.cuda.set_allocator(None)
     t0 = time.perf_counter()
     d = Driver(xp, LIBRARY_CALLS if a.no_library else ())
-    for part, fn in (("ops", ops), ("optim", optim), ("models", models)):
+    for part, fn in (("ops", ops), ("optim", optim), ("dist", dist), ("models", models)):
         if not a.only or part in a.only:
             fn(d)
             if xp is not np:
