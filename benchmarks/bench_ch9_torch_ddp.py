@@ -21,7 +21,7 @@ import statistics
 import time
 
 from llmgpu.model import GPTConfig
-from llmgpu.torch_reference import _torch_optimizer, build_torch_gpt, import_torch
+from llmgpu.torch_reference import _torch_optimizer, build_torch_gpt, import_torch, torch_train_step
 from llmgpu.train.config import TrainConfig
 
 
@@ -56,16 +56,7 @@ def main():
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=gen).to(dev)
     y = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=gen).to(dev)
-    params = list(model.parameters())
-
-    def step():
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-            loss = run(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = torch_train_step(torch, run, x, y, list(model.parameters()), opt, settings.grad_clip, "cuda", torch.bfloat16)
 
     t0 = time.perf_counter()
     for _ in range(a.warmup):

@@ -162,6 +162,23 @@ def _torch_optimizer(torch, model, fused, opt: TrainConfig):
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, fused=fused)
 
 
+def torch_train_step(torch, run, x, y, params, opt, grad_clip: float, device_type: str, amp):
+    """One PyTorch training step as a closure: forward + loss under autocast (``amp``: a torch dtype, or None
+    for none), backward, global-norm clip, the optimizer step, ``zero_grad(set_to_none=True)``."""
+
+    def step():
+        ctx = torch.autocast(device_type=device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with ctx:
+            loss = run(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
               dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False,
               settings: TrainConfig | None = None) -> dict:
@@ -192,17 +209,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     y = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
     params = list(model.parameters())
 
-    def autocast():
-        return torch.autocast(device_type=device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-
-    def step():
-        with autocast():
-            loss = run(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = torch_train_step(torch, run, x, y, params, opt, settings.grad_clip, device.type, amp)
 
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -236,4 +243,4 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     return res
 
 
-__all__ = ["build_torch_gpt", "run_torch"]
+__all__ = ["build_torch_gpt", "run_torch", "torch_train_step"]
