@@ -132,7 +132,6 @@ class ZeroSync(BucketedReduction):
         # whether a slot's event was recorded in this step: before that, stream order (finish joined the
         # streams) protects the slot, and waiting on an event of an earlier step would break graph capture
         self._slot_used = [False, False]
-        self._first_block = {k: i for k, i in self._block_of_bucket.items()}
         self._bucket_of_block = {i: k for k, i in self._block_of_bucket.items()}
         self._n_layer = len(blocks)
 
