@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -97,13 +98,18 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
                 env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            rc, dead = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
-            ranks = {Path(d, f).read_text().strip(): f for f in os.listdir(d)}
+            watch = _FirstDeath(d)
+            rc, reports = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
+            first = watch.first()
         if rc not in (0, 130):
-            if dead and dead[0] == "rank":
-                who = f"rank {dead[1]} (pid {dead[2]}) {_how(dead[3])}"
-            elif dead and dead[0] in ranks:
-                who = f"rank {ranks[dead[0]]} (pid {dead[0]}) {_how(int(dead[1]))}"
+            codes = {str(r[2]): r[3] for r in reports if r[0] == "rank"} | {r[0]: int(r[1]) for r in reports
+                                                                           if r[0] != "rank"}
+            if len(first) == 1:  # the rank whose process ended first (mpiexec's own report may name another)
+                rank, pid = first[0]
+                who = f"rank {rank} (pid {pid}) {_how(codes[pid]) if pid in codes else 'died'}"
+            elif first:
+                who = (f"one of ranks {', '.join(r for r, _ in first)} died (they ended too close together to tell "
+                       f"which first; mpiexec exit code {rc})")
             else:
                 who = f"a rank exited with code {rc}"
             say(f"llmgpu: {who}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
@@ -122,10 +128,64 @@ def _how(code: int) -> str:
         else f"exited with code {code}"
 
 
-def _wait_mpiexec(cmd, env) -> tuple[int, tuple | None]:
+class _FirstDeath:
+    """Which rank of an mpiexec run ended first. Each rank leaves its PID in ``directory`` (``register_rank``);
+    a thread watches those processes (a pidfd each on Linux, else polling) and keeps the order they end in.
+    mpiexec's own report names a process it saw die, which under load may be one it was already stopping."""
+
+    def __init__(self, directory):
+        self.dir, self.order = directory, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        live, seen = {}, set()  # handle (a pidfd, or -pid when polling) → (rank, pid)
+        while not self._stop.is_set():
+            for f in os.listdir(self.dir):
+                if f in seen:
+                    continue
+                try:
+                    pid = int(Path(self.dir, f).read_text())
+                    handle = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -pid
+                except (OSError, ValueError):  # not written yet, or already gone
+                    continue
+                seen.add(f)
+                live[handle] = (f, str(pid))
+            fds = [h for h in live if h >= 0]
+            ended = select.select(fds, [], [], 0.02)[0] if fds else []
+            if not fds:
+                time.sleep(0.02)
+            ended += [h for h in live if h < 0 and not _alive(-h)]
+            if ended:  # one batch: processes seen ended in the same wake-up, in no particular order
+                self.order.append([live.pop(h) for h in ended])
+                for h in ended:
+                    if h >= 0:
+                        os.close(h)
+
+    def first(self) -> list:
+        """[(rank, pid), ...] of the first processes seen ending: one, or several that ended too close together
+        to order (mpiexec stops the others within milliseconds; a loaded machine may wake this thread later)."""
+        time.sleep(0.1)  # the last exits reach the thread
+        self._stop.set()
+        self._thread.join(2)
+        return sorted(self.order[0], key=lambda t: int(t[0])) if self.order else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _wait_mpiexec(cmd, env) -> tuple[int, list]:
     """Run mpiexec, passing its output through and reading it for a dead process (Hydra, on stdout: 'PID n
     RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on stderr: 'process rank r with PID n ... exited on signal
-    s'). Returns mpiexec's exit code and the first death it reported: ('rank', r, pid, code) or (pid, code)."""
+    s'). Returns mpiexec's exit code and the deaths it reported: ('rank', r, pid, code) or (pid, code) each."""
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     found: list = []
 
@@ -153,7 +213,7 @@ def _wait_mpiexec(cmd, env) -> tuple[int, tuple | None]:
         rc = p.wait()
     for t in threads:
         t.join(5)
-    return rc, (found[0] if found else None)
+    return rc, found
 
 
 def _watch(procs, say) -> int:
