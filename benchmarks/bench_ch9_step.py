@@ -22,11 +22,12 @@ import _common
 import numpy as np
 
 from llmgpu import backend
-from llmgpu.dist import DataParallelSync, ZeroSync, from_environ, init_process_group
-from llmgpu.dist.comm import LocalComm, NcclComm
+from llmgpu.dist import DataParallelSync, ZeroSync
+from llmgpu.dist.comm import LocalComm
 from llmgpu.model import FastGPT, GPTConfig
 from llmgpu.optim.params import ALIGN
 from llmgpu.train.config import TrainConfig
+from llmgpu.train.ranks import connect
 from llmgpu.train.step import TrainStep
 
 RESULTS = _common.RESULTS_DIR / "ch9_step.json"
@@ -34,13 +35,9 @@ CASES = ("plain", "dp", "zero1", "zero2")
 
 
 def comm_for(xp):
-    """The communicator of this process: NCCL (even at world size 1 on a GPU), MPI on CPU ranks."""
-    env = from_environ()
-    if env.world_size == 1 and xp is not np:
-        from cupy.cuda import nccl
-
-        return NcclComm(nccl.get_unique_id(), 0, 1)
-    return init_process_group(xp, env)
+    """The communicator of this process, as ``llmgpu train`` makes it: NCCL on GPUs (even at world size 1),
+    MPI on CPU ranks."""
+    return connect(TrainConfig(dist_backend="auto" if xp is np else "nccl"), xp)
 
 
 def state_bytes(step) -> int:

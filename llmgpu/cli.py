@@ -207,9 +207,9 @@ def _launch_ranks(a, given) -> int:
     from .dist import from_environ
     from .dist.launch import launch, strip_nproc
     from .train import select_xp
+    from .train.ranks import refuse_nested_launch
 
-    if from_environ().world_size > 1:
-        raise UsageError(f"--nproc {given['nproc']} inside a run a launcher already started: give one or the other")
+    refuse_nested_launch(given["nproc"], from_environ())
     gpu = select_xp(given.get("device", "auto")) is not np
     if gpu:
         cp = backend.require_gpu()

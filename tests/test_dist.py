@@ -189,7 +189,7 @@ def test_zero2_keeps_less_gradient_than_the_whole_buffer():
     before = m.params.grad.size
     st.grad_sync = ZeroSync(LocalComm(np), st, stage=2, bucket_bytes=4096)
     sync = st.grad_sync
-    blocks = [k for k in sync._slot_of]
+    blocks = [k for k in sync._block_of]
     assert len(blocks) == cfg.n_layer  # one bucket per block, in two slots
     assert m.params.grad.size < before - (cfg.n_layer - 2) * sync._slot_len + 1
     # one rank at stage 2 trains exactly like the plain step
@@ -329,3 +329,11 @@ def test_the_gpu_launcher_names_a_failed_rank_and_stops_the_others():
     assert _watch(procs, lambda *a, **k: lines.append(a[0])) == 3
     assert time.monotonic() - t < 20 and all(p.poll() is not None for p in procs)  # the others were stopped
     assert lines == ["llmgpu: rank 1 exited with code 3; stopping the other ranks"]
+
+
+def test_nproc_through_the_api_is_refused_not_ignored():
+    from llmgpu.train import TrainConfig, Trainer
+    from llmgpu.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="a Trainer runs as one rank; start 2 ranks with llmgpu train --nproc 2"):
+        Trainer(TrainConfig(device="cpu", nproc=2, steps=1))

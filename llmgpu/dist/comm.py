@@ -59,13 +59,6 @@ class Communicator:
         self.all_reduce(buf, stream=stream)
         return _Done()
 
-    def mean(self, buf, *, stream=None):
-        """In place: the mean over ranks (an all-reduce, then one scale)."""
-        self.all_reduce(buf, stream=stream)
-        if self.world_size > 1:
-            buf *= buf.dtype.type(1.0 / self.world_size)
-        return buf
-
 
 class _Done:
     def wait(self):

@@ -53,8 +53,13 @@ def plan_buckets(params: FlatParams, bucket_bytes: int = BUCKET_BYTES, multiple:
                 pos = end
     edges = sorted(cuts)
     buckets = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-    tensors = [[name for name, off, size, _ in segments if off < b and off + size > a] for a, b in buckets]
-    return buckets, tensors
+    return buckets, tensors_of(params, buckets)
+
+
+def tensors_of(params: FlatParams, buckets) -> list[list[str]]:
+    """For each ``(lo, hi)`` range of the flat buffer, the names of the tensors overlapping it."""
+    segments = params.segments()
+    return [[name for name, off, size, _ in segments if off < b and off + size > a] for a, b in buckets]
 
 
 class BucketedReduction:
@@ -73,9 +78,8 @@ class BucketedReduction:
         if buckets is None:
             self.buckets, self.tensors = plan_buckets(params, bucket_bytes, multiple)
         else:  # given ranges (ZeRO-2 cuts at the blocks)
-            segs = params.segments()
             self.buckets = list(buckets)
-            self.tensors = [[n for n, off, size, _ in segs if off < b and off + size > a] for a, b in self.buckets]
+            self.tensors = tensors_of(params, self.buckets)
         self._of: dict[str, list[int]] = {}
         for k, names in enumerate(self.tensors):
             for nm in names:
@@ -154,4 +158,4 @@ class DataParallelSync(BucketedReduction):
             self._works.append(self.comm.start_all_reduce(g))
 
 
-__all__ = ["BUCKET_BYTES", "BucketedReduction", "DataParallelSync", "plan_buckets"]
+__all__ = ["BUCKET_BYTES", "BucketedReduction", "DataParallelSync", "plan_buckets", "tensors_of"]

@@ -37,9 +37,9 @@ from .. import backend
 from ..instrument import region
 from ..model.config import LNF_W, WTE, block_param_names
 from ..optim import AdamW
-from ..optim.clip import grad_norm_fused
+from ..optim.clip import GradNorm, grad_norm_fused
 from ..optim.params import ALIGN, FlatParams
-from .ddp import BUCKET_BYTES, BucketedReduction
+from .ddp import BUCKET_BYTES, BucketedReduction, plan_buckets
 
 
 class ZeroSync(BucketedReduction):
@@ -85,16 +85,14 @@ class ZeroSync(BucketedReduction):
                          weight_decay=old.weight_decay)
         self.opt.step_count[...] = old.step_count
         self._stats = xp.zeros(2, np.float32)  # [Σ g² of this shard, inf/nan flag], all-reduced
-        f32 = backend.float32
-        self._local = type(self.clipper.result)(xp.empty((), f32), xp.empty((), f32), xp.empty((), f32))
+        self._local = GradNorm(*(xp.empty((), np.float32) for _ in range(3)))  # this shard's norm and inf flag
         # the full-size optimizer state is the shards' now
         P.m = P.v = None
         if P.working is not P.data:
             P.data = None
         step.opt = self.opt
         self.every_micro_batch = stage == 2  # TrainStep then announces the gradients of every micro-batch
-        self._slot_of: dict[int, int] = {}  # bucket → slot (stage 2's block buckets)
-        self._block_of_bucket: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}  # stage 2: bucket → the block whose weight gradients it holds
         self._micro, self._last_micro = 0, True
         if stage == 2:
             self._repack_gradients(blocks)
@@ -109,8 +107,7 @@ class ZeroSync(BucketedReduction):
         self._base, pos = {}, 0
         for k, (lo, hi) in enumerate(self.buckets):
             if lo in starts:
-                self._block_of_bucket[k] = starts[lo]
-                self._slot_of[k] = starts[lo] % 2
+                self._block_of[k] = starts[lo]  # in slot block % 2
             else:
                 self._base[k] = pos
                 pos += hi - lo
@@ -119,10 +116,8 @@ class ZeroSync(BucketedReduction):
         self._slot_len = slot_len
         offsets = {}
         for k, names in enumerate(self.tensors):
-            lo = self.buckets[k][0]
-            base = self._slot_base[self._slot_of[k]] if k in self._slot_of else self._base[k]
             for nm in names:
-                offsets[nm] = base + P.offsets[nm] - lo
+                offsets[nm] = self._base_of(k) + P.offsets[nm] - self.buckets[k][0]
         P.grad = xp.zeros(pos + 2 * slot_len, np.float32)
         P.grad_offsets = offsets
         self._tmp = xp.zeros(max(n for _, n, _ in self.pieces), np.float32)  # a piece of a later micro-batch
@@ -132,14 +127,17 @@ class ZeroSync(BucketedReduction):
         # whether a slot's event was recorded in this step: before that, stream order (finish joined the
         # streams) protects the slot, and waiting on an event of an earlier step would break graph capture
         self._slot_used = [False, False]
-        self._bucket_of_block = {i: k for k, i in self._block_of_bucket.items()}
         self._n_layer = len(blocks)
+
+    def _base_of(self, k: int) -> int:
+        """Stage 2: where bucket k starts in the repacked gradient (its block's slot, or its resident range)."""
+        return self._slot_base[self._block_of[k] % 2] if k in self._block_of else self._base[k]
 
     def _source(self, k, lo, hi):
         """Where bucket k's gradient lives now (a slot, a resident range, or the flat buffer below stage 2)."""
         if self.zero_stage == 1:
             return self.params.grad[lo:hi]
-        base = self._slot_base[self._slot_of[k]] if k in self._slot_of else self._base[k]
+        base = self._base_of(k)
         return self.params.grad[base:base + hi - lo]
 
     def start_micro_batch(self, j: int, n: int):
@@ -147,17 +145,17 @@ class ZeroSync(BucketedReduction):
         if not self.every_micro_batch:
             return
         if j > 0:  # a model that announced nothing: reduce the previous micro-batch's blocks now
-            for k in self._slot_of:
+            for k in self._block_of:
                 self._start(k)
         self._micro, self._last_micro = j, j == n - 1
-        for k in self._slot_of:
+        for k in self._block_of:
             self._launched[k] = False
             self._waiting[k] = len(self.tensors[k])
         self._prepare_block(self._n_layer - 1)
 
     def _prepare_block(self, i: int):
         """Before block i's backward writes its slot: the slot's last reduce-scatter is done; zero it."""
-        if i < 0 or i not in self._bucket_of_block:
+        if not 0 <= i < self._n_layer:
             return
         s = i % 2
         if self._gpu and self._slot_used[s]:
@@ -171,13 +169,13 @@ class ZeroSync(BucketedReduction):
         nxt = None
         for nm in names:
             for k in self._of.get(nm, ()):
-                if k not in self._slot_of and not self._last_micro:
+                if k not in self._block_of and not self._last_micro:
                     continue  # resident: reduced once, on the last micro-batch
                 self._waiting[k] -= 1
                 if self._waiting[k] == 0:
                     self._start(k)
-                if k in self._block_of_bucket:
-                    nxt = self._block_of_bucket[k] - 1
+                if k in self._block_of:
+                    nxt = self._block_of[k] - 1
         if nxt is not None:
             self._prepare_block(nxt)
 
@@ -187,7 +185,7 @@ class ZeroSync(BucketedReduction):
         _, n, off = self.pieces[k]
         g, out = self._source(k, lo, hi), self.shard.grad[off:off + n]
         stream = self.stream if self._gpu else None
-        if k not in self._slot_of or self._micro == 0:
+        if k not in self._block_of or self._micro == 0:
             self.comm.reduce_scatter(g, out, stream=stream)
         else:  # a later micro-batch of a stage-2 block: add its piece to the shard's
             tmp = self._tmp[:n]
@@ -197,9 +195,10 @@ class ZeroSync(BucketedReduction):
                     out += tmp
             else:
                 out += tmp
-        if k in self._slot_of and self._gpu:
-            self._slot_free[self._slot_of[k]].record(self.stream)
-            self._slot_used[self._slot_of[k]] = True
+        if k in self._block_of and self._gpu:
+            s = self._block_of[k] % 2
+            self._slot_free[s].record(self.stream)
+            self._slot_used[s] = True
 
     def finish(self, params=None):
         super().finish(params)
@@ -267,9 +266,10 @@ def _block_ranges(P: FlatParams, multiple: int) -> dict:
     out, i = {}, 0
     while all(n in P for n in block_param_names(i).values()):
         names = [n for n in block_param_names(i).values() if P.decay[n]]
+        held = {n: -(-P.sizes[n] // multiple) * multiple for n in names}  # each tensor's size, padding included
         lo = min(P.offsets[n] for n in names)
-        hi = max(P.offsets[n] + -(-P.sizes[n] // multiple) * multiple for n in names)
-        if hi - lo != sum(-(-P.sizes[n] // multiple) * multiple for n in names):
+        hi = max(P.offsets[n] + held[n] for n in names)
+        if hi - lo != sum(held.values()):
             raise ValueError(f"block {i}'s weight matrices are not contiguous in the flat buffer: ZeRO-2 needs them so")
         out[i] = (lo, hi)
         i += 1
@@ -281,8 +281,6 @@ def _block_ranges(P: FlatParams, multiple: int) -> dict:
 def _stage2_buckets(P: FlatParams, blocks: dict, bucket_bytes: int, multiple: int) -> list:
     """Stage 2's buckets: one per block (its weight matrices), and the rest (embeddings, the 1-D tensors) cut
     like stage 1's."""
-    from .ddp import plan_buckets
-
     edges = {0, P.decay_end, P.numel}
     for lo, hi in blocks.values():
         edges |= {lo, hi}

@@ -23,9 +23,8 @@ def connect(cfg: TrainConfig, xp):
     """The communicator of this process for ``cfg.dist_backend`` (see ``TrainConfig``)."""
     env = from_environ()
     register_rank(env.rank)  # for the --nproc launcher's error line (nothing outside such a run)
-    if cfg.nproc > 1 and env.world_size > 1:
-        raise ConfigError(f"--nproc {cfg.nproc} inside a run a launcher already started ({env.launcher}, "
-                          f"{env.world_size} ranks): give one or the other")
+    refuse_nested_launch(cfg.nproc, env)
+    refuse_unlaunched_nproc(cfg.nproc)
     if cfg.dist_backend == "nccl" and xp is np:
         raise ConfigError("--dist-backend nccl needs the GPU (NCCL moves CuPy arrays); CPU ranks use mpi")
     if cfg.dist_backend == "mpi" and xp is not np:
@@ -37,6 +36,21 @@ def connect(cfg: TrainConfig, xp):
 
         return NcclComm(nccl_module().get_unique_id(), 0, 1, timeout=cfg.dist_timeout)
     return init_process_group(xp, env, timeout=cfg.dist_timeout)
+
+
+def refuse_nested_launch(nproc: int, env: DistEnv):
+    """``--nproc N`` starts ranks; inside ranks a launcher already started it would start them again."""
+    if nproc > 1 and env.world_size > 1:
+        raise ConfigError(f"--nproc {nproc} inside a run a launcher already started ({env.launcher}, "
+                          f"{env.world_size} ranks): give one or the other")
+
+
+def refuse_unlaunched_nproc(nproc: int):
+    """A ``Trainer`` does not start processes: ``nproc`` > 1 reaching it was not launched (the command line's
+    ``--nproc`` starts the ranks, each with ``nproc`` 1)."""
+    if nproc > 1:
+        raise ConfigError(f"nproc={nproc}: a Trainer runs as one rank; start {nproc} ranks with llmgpu train --nproc "
+                          f"{nproc}, torchrun, mpiexec or srun")
 
 
 def distributed(comm) -> bool:
@@ -80,4 +94,5 @@ def wait_for_ranks(comm, what: str):
         comm.wait_device(what=what)
 
 
-__all__ = ["DistEnv", "agree", "check_agreement", "connect", "distributed", "gradient_seam", "wait_for_ranks"]
+__all__ = ["DistEnv", "agree", "check_agreement", "connect", "distributed", "gradient_seam", "refuse_nested_launch",
+           "wait_for_ranks"]
