@@ -171,6 +171,26 @@ def test_gpt2_offline_without_a_cached_vocabulary_is_one_line(tmp_path, monkeypa
                    "TIKTOKEN_CACHE_DIR")
 
 
+def test_gpt2_ranks_file_loads_offline_and_a_wrong_file_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("tiktoken", reason="tiktoken is not installed (the 'bpe' extra)")
+    import base64
+    # a ranks file in tiktoken's format with GPT-2's count: the 256 bytes, then two-byte merges
+    tokens = [bytes([i]) for i in range(256)] + [bytes([a, b]) for a in range(256) for b in range(256)]
+    good = tmp_path / "gpt2.tiktoken"
+    good.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens[:50256])))
+    monkeypatch.setenv("LLMGPU_GPT2_RANKS", str(good))
+    tok = get_tokenizer("gpt2", required=True)
+    assert tok.vocab_size == 50257 and tok.eot == 50256
+    assert tok.encode("ab<|endoftext|>")[-1] == 50256 and tok.decode(tok.encode("ab ba")) == "ab ba"
+    assert 50256 not in tok.encode_bytes(b"ab<|endoftext|>")  # in data files it is plain text
+    short = tmp_path / "short.tiktoken"
+    short.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens[:300])))
+    for path, words in ((short, "300 ranks"), (tmp_path / "missing.tiktoken", "not a tiktoken ranks file")):
+        monkeypatch.setenv("LLMGPU_GPT2_RANKS", str(path))
+        with pytest.raises(DataError, match=words):
+            get_tokenizer("gpt2", required=True)
+
+
 def test_without_tiktoken_the_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "tiktoken", None)
     with pytest.raises(DataError, match=r"needs tiktoken: pip install 'llmgpu\[bpe\]'"):

@@ -5,12 +5,16 @@ file), text to ids (``encode``) and ids back to text (``decode``). A run records
 in its checkpoint (``meta.json``), and ``llmgpu sample`` decodes with it.
 
 GPT-2's vocabulary (``vocab.bpe``, ``encoder.json``) is not part of the ``tiktoken`` wheel: the first use
-downloads it into ``TIKTOKEN_CACHE_DIR`` (else a temporary directory). Offline and without that cache the
-GPT-2 tokenizer is unavailable, and whatever needs it says so in one line (``DataError``). Tests build a
+downloads it into ``TIKTOKEN_CACHE_DIR`` (else a temporary directory). Offline, the same ranks in tiktoken's
+own file format (one ``base64-token rank`` per line; ``openai-whisper`` ships one as ``assets/gpt2.tiktoken``)
+can be named by ``LLMGPU_GPT2_RANKS``. Without either, the GPT-2 tokenizer is unavailable, and whatever needs
+it says so in one line (``DataError``). Tests build a
 small ``tiktoken.Encoding`` in-process and pass it as ``GPT2Tokenizer(encoding=...)``.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -49,12 +53,31 @@ def load_gpt2_encoding():
         import tiktoken
     except ImportError:
         raise DataError("the GPT-2 tokenizer needs tiktoken: pip install 'llmgpu[bpe]'") from None
+    ranks_file = os.environ.get("LLMGPU_GPT2_RANKS")
+    if ranks_file:
+        return _encoding_from_ranks(tiktoken, ranks_file)
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # no network to fetch the vocabulary files, a damaged cache, ...
         raise DataError("tiktoken's GPT-2 vocabulary is not cached here and cannot be downloaded "
-                        f"({type(e).__name__}): run once with network access, or copy a tiktoken cache and point "
-                        "TIKTOKEN_CACHE_DIR at it") from None
+                        f"({type(e).__name__}): run once with network access, point TIKTOKEN_CACHE_DIR at a copied "
+                        "tiktoken cache, or LLMGPU_GPT2_RANKS at a gpt2.tiktoken ranks file") from None
+
+
+def _encoding_from_ranks(tiktoken, path: str):
+    """GPT-2's encoding from a ranks file: GPT-2's split pattern and <|endoftext|> after the 50256 ranks."""
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer pattern, defined once there
+
+    try:
+        ranks = load_tiktoken_bpe(path)
+    except Exception as e:
+        raise DataError(f"LLMGPU_GPT2_RANKS={path}: not a tiktoken ranks file ({type(e).__name__}: {e})") from None
+    if len(ranks) != GPT2_EOT or sorted(ranks.values()) != list(range(GPT2_EOT)):
+        raise DataError(f"LLMGPU_GPT2_RANKS={path}: {len(ranks)} ranks, GPT-2's vocabulary has {GPT2_EOT} "
+                        "(plus <|endoftext|>)")
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB)
 
 
 class GPT2Tokenizer:
