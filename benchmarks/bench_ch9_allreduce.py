@@ -78,6 +78,10 @@ def spawn(nproc: int, argv: list[str], gpu: bool) -> int:
         time.sleep(0.2)
 
 
+def _num(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def time_op(fn, xp, reps: int, warmup: int) -> float:
     """Median ms of ``fn()``: CUDA events on the current stream (GPU), the host clock (CPU, ``fn`` blocks)."""
     for _ in range(warmup):
@@ -189,9 +193,11 @@ def main(argv=None):
                 ms = slowest(comm, time_op(fn, xp, reps, args.warmup))
                 s = ms * 1e-3
                 model = ring_allreduce_seconds(nbytes, N, link, lat, chunks=args.chunks) if N > 1 else None
+                # one rank: no link, so no bus bandwidth; the engine's all-reduce is a no-op, so no algbw either
+                noop = N == 1 and impl == comm.backend
                 row = {"impl": impl, "dtype": dtype, "bytes": nbytes, "world_size": N, "median_ms": ms,
-                       "algbw_GBps": nbytes / s / 1e9,
-                       "busbw_GBps": (busbw(nbytes, s, N) if N > 1 else nbytes / s) / 1e9,
+                       "algbw_GBps": None if noop else nbytes / s / 1e9,
+                       "busbw_GBps": float(busbw(nbytes, s, N)) / 1e9 if N > 1 else None,
                        "model_ms": None if model is None else float(model) * 1e3,
                        "model_busbw_GBps": None if model is None else float(busbw(nbytes, model, N)) / 1e9}
                 if impl == "reduce kernel":
@@ -199,15 +205,15 @@ def main(argv=None):
                 if impl == "ring":
                     row["correct"] = same
                 rows.append(row)
-                say(f"{impl:<14} {dtype:<5} {nbytes:>11,} {ms:>10.4f} {row['algbw_GBps']:>11.2f} "
-                    f"{row['busbw_GBps']:>11.2f} {row['model_ms'] if model is not None else float('nan'):>9.4f}")
+                say(f"{impl:<14} {dtype:<5} {nbytes:>11,} {ms:>10.4f} {_num(row['algbw_GBps']):>11} "
+                    f"{_num(row['busbw_GBps']):>11} {_num(row['model_ms'], 4):>9}")
     if not ok:
         say("bench_ch9_allreduce: the ring's result differs from the engine's all-reduce", file=sys.stderr)
     payload = {"benchmark": "ch9_allreduce", "world_size": N, "backend": comm.backend,
                "launcher": from_environ().launcher, "chunks": args.chunks, "reps": reps, "correct": ok,
                "cost_model": {"link_GBps": link / 1e9, "latency_us": lat * 1e6,
                               "formula": "2(N-1)/N * bytes / link + 2(N-1) * chunks * latency"},
-               "busbw_definition": "algbw * 2(N-1)/N (nccl-tests doc/PERFORMANCE.md); at N = 1: algbw",
+               "busbw_definition": "algbw * 2(N-1)/N (nccl-tests doc/PERFORMANCE.md); none at N = 1 (no link)",
                **environment(xp), "rows": rows}
     default = _common.RESULTS_DIR / ("ch9_allreduce.json" if N == 1 else f"ch9_allreduce_{N}gpu.json")
     out = args.out or (default if gpu and not args.quick else None)

@@ -348,7 +348,8 @@ def plot_allreduce(rows, *, ax=None, y="busbw_GBps", model=True, title=None):
         _, ax = plt.subplots(figsize=(7, 4))
     groups = {}
     for r in rows:
-        groups.setdefault((r["impl"], r["dtype"], r["world_size"]), []).append(r)
+        if r.get(y) is not None:  # at world size 1 no bus bandwidth, and NCCL's all-reduce is a no-op
+            groups.setdefault((r["impl"], r["dtype"], r["world_size"]), []).append(r)
     for (impl, dtype, world), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["bytes"])
         ls = "--" if impl in ("ring", "reduce kernel") else "-"  # ours dashed, the engine's solid

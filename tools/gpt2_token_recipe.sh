@@ -13,6 +13,7 @@ set -x
 python3 -m llmgpu prepare "$STDLIB"/*.py --out "$WORK/shards" --tokenizer gpt2 --val-fraction 0.05
 python3 -m llmgpu train --data "$WORK/shards" --preset gpt2 --steps "$STEPS" --batch 16 --seq 1024 \
     --eval-every 100 --out "$WORK/run" --no-progress
+cat "$WORK/run/summary.json"
 python3 -m llmgpu eval --from "$WORK/run" --data "$WORK/shards" --json "$WORK/eval.json" --quiet
 python3 -m llmgpu sample --from "$WORK/run" --prompt "def main(" --tokens 60 --num-samples 2
 python3 -m llmgpu export --from "$WORK/run" --to "$WORK/hf"
