@@ -84,6 +84,7 @@ CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
+HEURISTIC_RESULTS = 1  # algorithms asked of the heuristic per plan; the first is used (tools/probe_lt_algos.py)
 _MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
@@ -182,8 +183,8 @@ def _alignment(ptr: int, stride_bytes: int = 0) -> int:
 class _Plan:
     """One cublasLtMatmul problem: descriptor, layouts and the chosen algorithm, reused every call."""
 
-    __slots__ = ("desc", "layouts", "la", "lb", "lc", "algo", "algo_ptr", "ws_need", "ptr_buf", "ptr_addr",
-                 "last_bias", "last_aux", "has_bias", "has_aux", "describe")
+    __slots__ = ("desc", "layouts", "la", "lb", "lc", "algos", "n_algos", "algo_ptr", "ws_need", "ptr_buf",
+                 "ptr_addr", "last_bias", "last_aux", "has_bias", "has_aux", "describe")
 
     def __init__(self, lt, st: _DeviceState, spec: dict, bias_ptr: int, aux_ptr: int):
         A = lt.MatmulDescAttribute
@@ -234,25 +235,33 @@ class _Plan:
                 set_pref(pref, P.MIN_ALIGNMENT_B_BYTES, al_a)
                 set_pref(pref, P.MIN_ALIGNMENT_C_BYTES, al_c)
                 set_pref(pref, P.MIN_ALIGNMENT_D_BYTES, al_c)
-                self.algo = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+                self.algos = np.zeros(HEURISTIC_RESULTS, dtype=lt.matmul_heuristic_result_dtype)
                 cnt = np.zeros(1, dtype=np.int32)
                 try:
-                    lt.matmul_algo_get_heuristic(st.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref, 1,
-                                                 self.algo.ctypes.data, cnt.ctypes.data)
+                    lt.matmul_algo_get_heuristic(st.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref,
+                                                 HEURISTIC_RESULTS, self.algos.ctypes.data, cnt.ctypes.data)
                 except Exception as e:
                     raise RuntimeError(f"cuBLASLt has no algorithm for {self.describe}: {type(e).__name__}: {e}") \
                         from e
             finally:
                 lt.matmul_preference_destroy(pref)
-            if int(cnt[0]) < 1 or int(self.algo["state"][0]) != 0:
+            if int(cnt[0]) < 1 or int(self.algos["state"][0]) != 0:
                 raise RuntimeError(f"cuBLASLt heuristic returned no usable algorithm for {self.describe} "
-                                   f"(count {int(cnt[0])}, state {int(self.algo['state'][0])})")
-            self.ws_need = int(self.algo["workspace_size"][0])
-            self.algo_ptr = int(self.algo.ctypes.data)  # 'algo' is the first field of the result struct
+                                   f"(count {int(cnt[0])}, state {int(self.algos['state'][0])})")
+            self.n_algos = int(cnt[0])
+            self.use(0)
         except BaseException:
             self.destroy(lt)
             raise
         self.last_bias, self.last_aux = bias_ptr, aux_ptr
+
+    def use(self, i: int):
+        """Launch with the heuristic's ``i``-th algorithm from now on (0, its first choice, by default)."""
+        if not 0 <= i < self.n_algos or int(self.algos["state"][i]) != 0:
+            raise IndexError(f"algorithm {i} of {self.n_algos} is not usable for {self.describe}")
+        self.ws_need = int(self.algos["workspace_size"][i])
+        # 'algo' is the first field of the result struct
+        self.algo_ptr = int(self.algos.ctypes.data) + i * self.algos.itemsize
 
     def destroy(self, lt):
         for lay in self.layouts:
