@@ -152,7 +152,9 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
            "final_loss": final, "peak_memory_bytes": peak, "static_memory_bytes": static_bytes,
-           "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name}
+           "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name,
+           "vocab": model.config.padded_vocab_size,
+           "activation_bytes_peak": model.stats.get("activation_bytes_peak")}  # counted by the model
     if captured is not None:
         res["graph_nodes"] = captured.node_counts()
     return res
