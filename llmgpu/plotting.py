@@ -216,6 +216,38 @@ def plot_losses(records, png_path=None, ax=None):
     return ax
 
 
+def plot_loss_comparison(runs: dict, png_path=None, ax=None, *, smooth: int = 20):
+    """Training loss of several runs on one axis (``{label: read_log(run_dir)}``), each as its
+    ``smooth``-step moving average, skipped steps (fp16 overflow) marked with an x: bf16 against fp16."""
+    plt = _plt()
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for label, recs in runs.items():
+        tr = [(r["step"], r["loss"], r.get("skipped", False)) for r in recs if r.get("type") == "train"]
+        if not tr:
+            continue
+        s, l_ = np.array([t[:2] for t in tr], dtype=float).T
+        w = max(1, min(smooth, len(l_)))
+        sm = np.convolve(l_, np.ones(w) / w, mode="valid")
+        line, = ax.plot(s[w - 1:], sm, lw=2, label=f"{label} ({w}-step mean)")
+        sk = [(t[0], t[1]) for t in tr if t[2]]
+        if sk:
+            ax.plot(*np.array(sk, dtype=float).T, "x", color=line.get_color(), ms=6,
+                    label=f"{label}: {len(sk)} skipped steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if png_path is not None:
+        ax.figure.tight_layout()
+        ax.figure.savefig(png_path, dpi=120)
+        if own:
+            plt.close(ax.figure)
+        return png_path
+    return ax
+
+
 def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_label="copy ceiling",
                             xlabel="GB/s (minimum bytes / time)", ax=None, fontsize=12):
     """Horizontal bars, one group per key (e.g. ``("layernorm", "bwd")``, top to bottom), one bar per

@@ -76,7 +76,7 @@ def test_fast_model_pads_an_unaligned_vocabulary_and_computes_the_same_function(
     assert fast.state_dict(unpadded=True)["transformer.wte.weight"].shape == (37, 16)
 
 
-@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16", "fp16"])
 def test_fast_model_checkpointing_gives_bitwise_identical_gradients(rng, dtype):
     """The span input keeps x and ln_1(x) (the fused add + LayerNorm crosses the block boundary); the
     recomputed spans run the same kernels on the same inputs: loss and every gradient bit for bit."""
@@ -124,6 +124,38 @@ def test_fast_model_checkpointing_matches_the_book_model_and_keeps_the_span_stat
         FastGPT(CFG, xp=np, checkpoint_every=-1)
     with pytest.raises(ValueError, match="checkpoint_every"):
         fast.checkpoint_every = -2
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_fast_model_fp16_step_skips_an_overflow_and_backs_off(k):
+    """--fast --dtype fp16: the dynamic loss scaler of chapter 5 on the fast step (NumPy here, the same
+    TrainStep on the GPU). A clean step applies and counts a good step; a scale that overflows fp16
+    gradients is detected (found_inf), the update skipped (weights and AdamW state untouched) and the
+    scale halved; the next clean step applies again."""
+    import warnings
+
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(CFG, dtype="fp16", xp=np, seed=0, checkpoint_every=k)
+    step = TrainStep(m, TrainConfig(lr=1e-3))
+    assert step.scaler.enabled and float(step.scaler.scale) == 2.0**16
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, CFG.vocab_size, (2, 8)).astype(np.int32)
+    batch = [(x, np.roll(x, -1, axis=1))]
+    loss, norm, inf = step(batch, 1e-3)
+    assert inf == 0 and np.isfinite(norm) and int(step.scaler.good_steps) == 1
+    w, mom = m.params.data.copy(), m.params.m.copy()
+    step.scaler.scale[...] = 2.0**40  # the backward pass now overflows fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy says so about the inf it computes
+        _, _, inf = step(batch, 1e-3)
+    assert inf == 1
+    assert np.array_equal(m.params.data, w) and np.array_equal(m.params.m, mom), "a skipped step changed the state"
+    assert float(step.scaler.scale) == 2.0**39 and int(step.scaler.good_steps) == 0
+    assert not m.params.grad.any()  # zeroed for the next step all the same
+    step.scaler.scale[...] = 2.0**16
+    _, _, inf = step(batch, 1e-3)
+    assert inf == 0 and not np.array_equal(m.params.data, w)
 
 
 def test_trainer_fast_flags_on_the_cpu(tmp_path):
@@ -364,3 +396,28 @@ def test_checkpointing_benchmark_script_runs_on_the_cpu(capsys):
         sys.path.remove(bench_dir)
     out = capsys.readouterr().out
     assert "every 1" in out and "checkpointing every block" in out and "smoke test" in out
+
+
+@pytest.mark.gpu
+def test_gpu_fast_fp16_graph_step_skips_an_overflow(cp, tmp_path):
+    """The fp16 fast step as one CUDA graph: the scaler's state lives on the device and is read by the
+    graph, so an overflow is skipped and the scale halved inside the replay; the trainer logs skipped steps."""
+    _need_fast(cp)
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64), dtype="fp16", xp=cp)
+    step = TrainStep(m, TrainConfig(lr=1e-3), graph=True)
+    x = cp.asarray(np.random.default_rng(0).integers(0, 211, (4, 64)).astype(np.int32))
+    batch = [(x, cp.roll(x, -1, axis=1))]
+    for _ in range(4):  # two eager, the capture, a replay
+        rec = cp.asnumpy(step(batch, 1e-3))
+        assert rec[2] == 0 and np.isfinite(rec[1])
+    assert step.graph is not None
+    w = m.params.data.copy()
+    step.scaler.scale[...] = 2.0**40
+    rec = cp.asnumpy(step(batch, 1e-3))
+    assert rec[2] == 1 and bool(cp.all(m.params.data == w)) and float(step.scaler.scale) == 2.0**39
+    s = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, dtype="fp16", out=str(tmp_path / "f")))).run()
+    assert np.isfinite(s["train_loss"]) and s["skipped_steps"] >= 0
+    recs = [r for r in read_log(tmp_path / "f") if r["type"] == "train"]
+    assert len(recs) == 8 and all("skipped" in r for r in recs)
