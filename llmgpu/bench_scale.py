@@ -6,8 +6,9 @@ for PyTorch (``torch.compile`` in ``--compile-mode``, the SDPA backend ``llmgpu 
 out-of-memory error caught and the memory released before the next try; then tokens/s, MFU
 (``GPTConfig.flops_per_token``, the bench's GEMM ceiling) and peak memory at that batch.
 
-* llmgpu starts at ``--batch`` (default: twice the largest power of two that ``activation_bytes`` and the
-  parameter state say fits in the free memory; the formula leaves out workspaces, so one try may fail);
+* llmgpu starts at ``--batch`` (default: the largest power of two that ``activation_bytes``, the parameter
+  state and the logits say fits in the free memory; the formula leaves out workspaces and the pool's
+  slack, so it is optimistic: a first try may fail);
 * PyTorch starts at llmgpu's batch (each torch.compile try compiles anew: a minute or more), so the two
   are usually compared at the same batch; on an OOM it halves too.
 * ``--checkpoint-every K`` applies where it is needed: a framework whose largest batch without it is below
@@ -42,8 +43,9 @@ def is_oom(e: BaseException) -> bool:
     """Whether ``e`` is an out-of-memory error of CuPy, PyTorch or the host."""
     if isinstance(e, MemoryError):
         return True
-    name = type(e).__name__
-    return name in ("OutOfMemoryError", "CUDAOutOfMemoryError") or "out of memory" in str(e).lower()
+    name, text = type(e).__name__, str(e).lower()
+    return name in ("OutOfMemoryError", "CUDAOutOfMemoryError") or "out of memory" in text or \
+        "alloc_failed" in text  # cuBLAS / cuDNN: CUBLAS_STATUS_ALLOC_FAILED, CUDNN_STATUS_ALLOC_FAILED
 
 
 def largest_batch(run, start: int, *, min_batch: int = 1, log=print) -> tuple[int | None, dict | None, list]:
@@ -132,7 +134,7 @@ def scale_main(args, xp) -> int:
             start = int(args.batch)
         elif gpu:
             release_memory()
-            start = min(MAX_BATCH, 2 * estimated_batch(cfg, seq, int(xp.cuda.runtime.memGetInfo()[0])))
+            start = estimated_batch(cfg, seq, int(xp.cuda.runtime.memGetInfo()[0]))
         else:
             start = d["batch"]
 
