@@ -16,6 +16,17 @@ Recomputation (activation checkpointing) does not count: MFU measures useful wor
 both frameworks, so the tokens/s ratio is the honest comparison; MFU adds how far both are from the
 hardware.
 
+**Fair settings.** Both frameworks train the same vocabulary: ``--pad-vocab`` defaults to 64 for both
+(50257 → 50304, what nanoGPT and llm.c train; ``FastGPT`` pads to a multiple of 64 in any case), and
+the mode ``torch-compile-unpadded`` adds PyTorch at the unpadded 50257, so the ratio to both is printed.
+PyTorch runs with the SDPA backend that is fastest on this GPU for the model's attention (flash or
+cuDNN, timed once: ``torch_reference.pick_sdpa_backend``; ``--sdpa`` forces one) and the
+``torch.compile`` mode of ``--compile-mode``.
+
+``--preset gpt2,d24,d36,d48`` (several presets, or ``--scale-table``) makes the scale table instead
+(``llmgpu.bench_scale``): per preset the largest power-of-two batch that fits, tokens/s, MFU and peak
+memory for llmgpu and torch.compile side by side.
+
 Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the high-water mark of
 CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes`` is the most it
 ever held; fragmentation can make that a little more than the live peak).
@@ -37,11 +48,11 @@ from . import backend
 from .model import GPT, FastGPT, GPTConfig
 from .perf import timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
-from .torch_reference import import_torch, run_torch
+from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 from .train.step import EAGER_WARMUP, TrainStep
 
-MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile")
+MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile", "torch-compile-unpadded")
 DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile")  # on the CPU: llmgpu-fast
 # the benchmark's own sizes (a throughput measurement, not a training run's defaults)
 BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"},
@@ -152,7 +163,9 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
            "final_loss": final, "peak_memory_bytes": peak, "static_memory_bytes": static_bytes,
-           "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name}
+           "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name,
+           "vocab": model.config.padded_vocab_size,
+           "activation_bytes_peak": model.stats.get("activation_bytes_peak")}  # counted by the model
     if captured is not None:
         res["graph_nodes"] = captured.node_counts()
     return res
@@ -194,17 +207,27 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``llmgpu bench`` (the CLI's sub-parser calls this)."""
-    p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU)")
+    p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU); several, comma-separated "
+                                    "(gpt2,d24,d36,d48): the scale table")
+    p.add_argument("--scale-table", action="store_true", help="the scale table also for one preset: the largest "
+                   "power-of-two batch that fits (from --batch down), tokens/s, MFU, peak memory per framework")
+    p.add_argument("--min-batch", type=int, default=8, help="scale table: below this batch use --checkpoint-every "
+                   "(when given) instead (default 8)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile mode of the PyTorch reference (none: no torch.compile rows)")
+    p.add_argument("--sdpa", choices=("auto",) + SDPA_BACKENDS, default="auto",
+                   help="PyTorch's attention backend (auto: flash or cuDNN, whichever is faster here, timed once)")
     p.add_argument("--batch", type=int, help="sequences per step (default 64 on GPU, 4 on CPU)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
     p.add_argument("--steps", type=int, help="timed steps per mode (default 20 on GPU, 3 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 5 on GPU, 1 on CPU; torch.compile: +5)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute precision (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--vocab-size", type=int, help="vocabulary (default: the preset's, 50257 for gpt2)")
-    p.add_argument("--pad-vocab", type=int, default=0, metavar="M",
-                   help="pad the vocabulary to a multiple of M in both frameworks (64: 50257 -> 50304)")
+    p.add_argument("--pad-vocab", type=int, default=64, metavar="M",
+                   help="pad the vocabulary to a multiple of M in both frameworks (default 64: 50257 -> 50304; "
+                        "0: unpadded, except FastGPT, which always pads)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="llmgpu activation checkpointing (0 = off)")
+                   help="activation checkpointing, both frameworks (0 = off; scale table: where needed)")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
                         "llmgpu-fast instead of llmgpu-fast-graph on the CPU)")
@@ -228,10 +251,33 @@ def _defaults(a, gpu):
     return {k: (getattr(a, k, None) if getattr(a, k, None) is not None else v) for k, v in d.items()}
 
 
+def wants_scale_table(args) -> bool:
+    """Whether ``llmgpu bench``'s arguments ask for the scale table (several presets, or --scale-table)."""
+    return "," in str(getattr(args, "preset", None) or "") or bool(getattr(args, "scale_table", False))
+
+
+def torch_sdpa(args, cfg, batch: int, seq: int, dtype: str, gpu: bool) -> tuple[str | None, dict | None]:
+    """``(backend, measurement)``: the SDPA backend PyTorch runs with: ``--sdpa``, or (auto) the faster of
+    flash and cuDNN on this GPU for the model's attention, timed once and printed (None on a CPU: PyTorch's
+    own choice)."""
+    want = getattr(args, "sdpa", "auto") or "auto"
+    if want != "auto":
+        return want, None
+    if not gpu:
+        return None, None
+    pick = pick_sdpa_backend(cfg, batch, seq, dtype=dtype)
+    times = ", ".join(f"{n} {'-' if t is None else f'{t:.3f} ms'}" for n, t in pick["ms"].items())
+    print(f"PyTorch SDPA backend: {pick['backend'] or 'default'} (causal fwd+bwd at B={batch} T={seq}: {times})")
+    return pick["backend"], pick
+
+
 def bench_main(args) -> int:
     """Run the benchmark described by ``args`` (``add_arguments``'s namespace), print the table, write JSON."""
     xp = backend.select_xp(getattr(args, "device", "auto"))
     gpu = xp is not np
+    if wants_scale_table(args):
+        raise ValueError("several presets (or --scale-table) make the scale table: llmgpu.bench_scale.scale_main "
+                         "(the `llmgpu bench` command calls it)")
     o = _defaults(args, gpu)
     default = ",".join(DEFAULT_MODES) if gpu else ",".join(DEFAULT_MODES).replace("llmgpu-fast-graph", "llmgpu-fast")
     modes = [m.strip() for m in str(getattr(args, "modes", None) or default).split(",") if m.strip()]
@@ -245,7 +291,9 @@ def bench_main(args) -> int:
     if getattr(args, "vocab_size", None):
         overrides["vocab_size"] = int(args.vocab_size)
     cfg = GPTConfig.preset(o["preset"], **overrides)
-    cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 0) or 0))
+    cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
+    ckpt = int(getattr(args, "checkpoint_every", 0) or 0)
+    compile_mode = getattr(args, "compile_mode", "default") or "default"
     seed = int(getattr(args, "seed", 0) or 0)
     note = None if gpu else cpu_note(getattr(args, "device", "auto"))
     if note:
@@ -271,29 +319,35 @@ def bench_main(args) -> int:
             torch_reason = "PyTorch has no CUDA device here"
     except ImportError as e:
         torch, torch_reason = None, str(e)
+    sdpa, sdpa_pick = (torch_sdpa(args, cfg, o["batch"], o["seq"], o["dtype"], gpu) if torch is not None
+                       and not torch_reason else (None, None))
     for mode in modes:
         print(f"running {mode} ...", flush=True)
         try:
             if mode.startswith("llmgpu"):
                 r = run_llmgpu(cfg, o["batch"], o["seq"], o["steps"], warmup=o["warmup"], dtype=o["dtype"], xp=xp,
-                               checkpoint_every=int(getattr(args, "checkpoint_every", 0) or 0), seed=seed,
-                               graph=mode.endswith("-graph"), fast="-fast" in mode)
+                               checkpoint_every=ckpt, seed=seed, graph=mode.endswith("-graph"), fast="-fast" in mode)
             else:
-                if torch_reason:
-                    rows.append({"mode": mode, "skipped": torch_reason})
+                tm = mode.split("-")[1]
+                why = torch_reason or ("--compile-mode none" if tm == "compile" and compile_mode == "none" else None)
+                if why:
+                    rows.append({"mode": mode, "skipped": why})
                     continue
-                tm = mode.split("-", 1)[1]
-                r = run_torch(cfg, o["batch"], o["seq"], o["steps"], tm, dtype=o["dtype"],
+                tcfg = replace(cfg, pad_vocab_to=0) if mode.endswith("-unpadded") else cfg
+                r = run_torch(tcfg, o["batch"], o["seq"], o["steps"], tm, dtype=o["dtype"],
                               settings=optimizer_settings(xp), warmup=o["warmup"] + (5 if tm == "compile" else 0),
-                              device="cuda" if gpu else "cpu", seed=seed)
+                              device="cuda" if gpu else "cpu", seed=seed, compile_mode=compile_mode,
+                              sdpa=sdpa, checkpoint_every=ckpt)
+                r["mode"] = mode
         except Exception as e:  # one failing mode (OOM, capture refused, ...) must not hide the others
             release_memory()
             rows.append({"mode": mode, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"})
             print(f"  {mode} failed: {type(e).__name__}: {str(e).strip()[:300]}")
             continue
         release_memory()
-        r["flops_per_token"] = fpt
-        r["mfu"] = mfu(fpt, r["tokens_per_s"], ceiling) if ceiling else None
+        r["flops_per_token"] = f = replace(cfg, pad_vocab_to=0).flops_per_token(o["seq"]) if mode.endswith(
+            "-unpadded") else fpt  # the FLOPs of the vocabulary this row trained
+        r["mfu"] = mfu(f, r["tokens_per_s"], ceiling) if ceiling else None
         rows.append(r)
         print(f"  {r['ms_per_step']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']:.3f}")
     print()
@@ -302,8 +356,13 @@ def bench_main(args) -> int:
     ours = max((r for r in rows if r.get("framework") == "llmgpu" and r.get("tokens_per_s")),
                key=lambda r: r["tokens_per_s"], default=None)  # our best mode
     ratio = ours["tokens_per_s"] / ref["tokens_per_s"] if ours and ref else None
-    if ratio is not None:
-        print(f"llmgpu ({ours['mode']}) / torch.compile tokens/s: {ratio:.3f}")
+    ratios = {}
+    for r in rows:  # our best mode against each torch.compile row, saying which vocabulary each trained
+        if ours and r.get("mode", "").startswith("torch-compile") and r.get("tokens_per_s"):
+            ratios[r["mode"]] = x = ours["tokens_per_s"] / r["tokens_per_s"]
+            print(f"llmgpu ({ours['mode']}, vocab {ours.get('vocab')}) / {r['mode']} (vocab {r.get('vocab')}"
+                  f"{', ' + r['compile_mode'] if r.get('compile_mode') else ''}) tokens/s: {x:.3f}"
+                  + ("  <- the fair comparison (same vocabulary)" if r.get("vocab") == ours.get("vocab") else ""))
     out = getattr(args, "json", None) or ("bench.json" if gpu else None)
     if out:
         payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note,
@@ -314,6 +373,8 @@ def bench_main(args) -> int:
                    "torch": getattr(torch, "__version__", None) if torch else None,
                    "cupy": getattr(backend.cupy_module(), "__version__", None) if gpu else None,
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,
+                   "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa,
+                   "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt,
                    "results": rows}
         timing.save_results(out, payload, xp=xp)
         print(f"wrote {out}")

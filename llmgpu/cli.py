@@ -322,6 +322,10 @@ def cmd_bench(a) -> int:
     from . import bench
 
     try:
+        if bench.wants_scale_table(a):
+            from .bench_scale import scale_main
+
+            return scale_main(a, backend.select_xp(a.device))
         return bench.bench_main(a)
     except ValueError as e:  # unknown mode, bad sizes
         raise UsageError(str(e)) from None

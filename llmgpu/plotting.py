@@ -216,6 +216,77 @@ def plot_losses(records, png_path=None, ax=None):
     return ax
 
 
+def plot_loss_comparison(runs: dict, png_path=None, ax=None, *, smooth: int = 20):
+    """Training loss of several runs on one axis (``{label: read_log(run_dir)}``), each as its
+    ``smooth``-step moving average, skipped steps (fp16 overflow) marked with an x: bf16 against fp16."""
+    plt = _plt()
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for label, recs in runs.items():
+        tr = [(r["step"], r["loss"], r.get("skipped", False)) for r in recs if r.get("type") == "train"]
+        if not tr:
+            continue
+        s, l_ = np.array([t[:2] for t in tr], dtype=float).T
+        w = max(1, min(smooth, len(l_)))
+        sm = np.convolve(l_, np.ones(w) / w, mode="valid")
+        line, = ax.plot(s[w - 1:], sm, lw=2, label=f"{label} ({w}-step mean)")
+        sk = [(t[0], t[1]) for t in tr if t[2]]
+        if sk:
+            ax.plot(*np.array(sk, dtype=float).T, "x", color=line.get_color(), ms=6,
+                    label=f"{label}: {len(sk)} skipped steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if png_path is not None:
+        ax.figure.tight_layout()
+        ax.figure.savefig(png_path, dpi=120)
+        if own:
+            plt.close(ax.figure)
+        return png_path
+    return ax
+
+
+def plot_scale_table(table, png_path=None, *, title=None):
+    """Chapter 8's scale table (``llmgpu bench --preset gpt2,d24,d36,d48``; its JSON's ``presets`` or a
+    list of its rows): MFU and peak memory against parameters, llmgpu and PyTorch side by side, each point
+    labelled with its batch (``cK``: checkpointing every K blocks)."""
+    plt = _plt()
+    rows = sorted(table.values() if isinstance(table, dict) else table, key=lambda r: r["parameters"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for side, color in (("llmgpu", "#4c72b0"), ("torch", "#dd8452")):
+        pts = [(r["parameters"] / 1e6, r[side]) for r in rows if r.get(side, {}).get("tokens_per_s")]
+        if not pts:
+            continue
+        label = pts[0][1].get("mode", side)
+        xs = [p for p, _ in pts]
+        a1.plot(xs, [100 * (r.get("mfu") or 0) for _, r in pts], "o-", color=color, label=label)
+        mem = [(x, r["peak_memory_bytes"] / 2**30) for x, r in pts if r.get("peak_memory_bytes")]
+        if mem:
+            a2.plot(*zip(*mem), "o-", color=color, label=label)
+        for x, r in pts:
+            k = r.get("checkpoint_every") or 0
+            a1.annotate(f"B={r['batch']}" + (f" c{k}" if k else ""), (x, 100 * (r.get("mfu") or 0)),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    for ax, yl in ((a1, "MFU (%)"), (a2, "peak memory (GiB)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    a1.set_ylim(bottom=0)
+    a2.set_ylim(bottom=0)
+    fig.suptitle(title or "largest power-of-two batch per model size", fontsize=10)
+    fig.tight_layout()
+    if png_path is not None:
+        fig.savefig(png_path, dpi=120)
+        plt.close(fig)
+        return png_path
+    return fig
+
+
 def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_label="copy ceiling",
                             xlabel="GB/s (minimum bytes / time)", ax=None, fontsize=12):
     """Horizontal bars, one group per key (e.g. ``("layernorm", "bwd")``, top to bottom), one bar per

@@ -6,6 +6,11 @@ tanh-GELU MLP of width 4C, biases everywhere, LM head tied to the token embeddin
 parameter names so ``llmgpu.model.GPT.state_dict()`` loads as is, trained with bf16 autocast, fused
 AdamW and the same clipping as ``llmgpu train`` (``TrainConfig``'s settings). PyTorch is imported on
 first use; without it the functions raise ImportError saying so.
+
+``llmgpu bench`` runs it at its best: the SDPA backend that is fastest on this GPU for the model's
+attention shape (``pick_sdpa_backend``: flash and cuDNN timed once, forward + backward), any
+``torch.compile`` mode (``COMPILE_MODES``), and per-span activation checkpointing
+(``torch.utils.checkpoint``) when a large model needs it, as llmgpu's ``checkpoint_every``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import math
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 
@@ -94,13 +100,25 @@ def _torch_classes():
             pad[config.vocab_size:] = -1.0e4
             self.register_buffer("pad_logits", pad, persistent=False)
             self.mask_padded = bool(mask_padded) and V != config.vocab_size
+            self.checkpoint_every = 0  # > 0: recompute spans of that many blocks in backward
+
+        def _span(self, s, e, x):
+            for blk in self.transformer.h[s:e]:
+                x = blk(x)
+            return x
 
         def forward(self, idx, targets=None):
             T = idx.shape[1]
             pos = torch.arange(T, device=idx.device)
             x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-            for blk in self.transformer.h:
-                x = blk(x)
+            L, k = len(self.transformer.h), self.checkpoint_every
+            if k and self.training and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                for s in range(0, L, k):
+                    x = checkpoint(partial(self._span, s, min(s + k, L)), x, use_reentrant=False)
+            else:
+                x = self._span(0, L, x)
             logits = self.lm_head(self.transformer.ln_f(x))
             if self.mask_padded:
                 logits = logits + self.pad_logits
@@ -179,19 +197,101 @@ def torch_train_step(torch, run, x, y, params, opt, grad_clip: float, device_typ
     return step
 
 
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "none")
+_SDPA_CHOICE: dict = {}  # (device, shape, dtype) -> the pick_sdpa_backend result: measured once per process
+
+
+def _sdpa_enum(torch, name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def sdpa_context(torch, name: str | None):
+    """``torch.nn.attention.sdpa_kernel`` restricted to the backend ``name`` (None: PyTorch's own choice)."""
+    if name is None:
+        return contextlib.nullcontext()
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"SDPA backend must be one of {', '.join(SDPA_BACKENDS)}, got {name!r}")
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel([_sdpa_enum(torch, name)])
+
+
+def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", device=None, reps: int = 10,
+                      candidates=("flash", "cudnn")) -> dict:
+    """The fastest SDPA backend for this model's attention on this GPU, timed once per process.
+
+    Each candidate runs causal ``scaled_dot_product_attention`` forward + backward on ``[B, H, T, D]``
+    inputs of the model's shape (CUDA events, median of ``reps``). Returns ``{"backend": name or None,
+    "ms": {name: ms or None}, "errors": {name: why}}``; ``backend`` is None on a CPU or when no candidate
+    runs (PyTorch then picks as usual)."""
+    torch = import_torch()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    B, H, D = batch, config.n_head, config.n_embd // config.n_head
+    key = (str(device), B, H, seq, D, dtype, tuple(candidates))
+    if key in _SDPA_CHOICE:
+        return _SDPA_CHOICE[key]
+    if device.type != "cuda":
+        res = {"backend": None, "ms": {}, "errors": {"all": "no CUDA device: PyTorch's default SDPA backend"}}
+        _SDPA_CHOICE[key] = res
+        return res
+    F = torch.nn.functional
+    tdt = torch.bfloat16 if backend.dtype_name(dtype) == "bf16" else torch.float16
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, seq, D, device=device, dtype=tdt, generator=g, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(B, H, seq, D, device=device, dtype=tdt, generator=g)
+    ms, errors = {}, {}
+    for name in candidates:
+        try:
+            with sdpa_context(torch, name):
+                def run():
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    o.backward(do)
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize(device)
+                times = []
+                for _ in range(reps):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    run()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b))
+            ms[name] = statistics.median(times)
+        except Exception as e:  # this backend does not take the shape/dtype here
+            ms[name] = None
+            errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    ok = {n: t for n, t in ms.items() if t is not None}
+    res = {"backend": min(ok, key=ok.get) if ok else None, "ms": ms, "errors": errors}
+    _SDPA_CHOICE[key] = res
+    torch.cuda.empty_cache()
+    return res
+
+
 def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
               dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False,
-              settings: TrainConfig | None = None) -> dict:
+              settings: TrainConfig | None = None, compile_mode: str = "default", sdpa: str | None = None,
+              checkpoint_every: int = 0) -> dict:
     """Train the PyTorch reference for ``warmup + steps`` steps on synthetic tokens; returns the metrics.
 
     ``mode``: ``"eager"`` or ``"compile"`` (``torch.compile`` of the model; the optimizer stays eager).
     ``dtype``: autocast dtype (``"bf16"``, ``"fp16"`` without a scaler is refused, ``"fp32"`` = no autocast).
     Each step: forward + loss under autocast, backward, global-norm clip at 1.0, fused AdamW
     (``fused=True`` on CUDA), ``zero_grad(set_to_none=True)``. Times: CUDA events per step, median.
+    ``compile_mode``: ``torch.compile``'s ``mode`` with ``mode="compile"`` (one of ``COMPILE_MODES`` but
+    "none"; "default" is ``mode=None``). ``sdpa``: restrict attention to that SDPA backend (``SDPA_BACKENDS``;
+    None: PyTorch's choice). ``checkpoint_every``: recompute spans of k blocks in backward (0 = off).
     """
     torch = import_torch()
     if mode not in ("eager", "compile"):
         raise ValueError(f"mode must be 'eager' or 'compile', got {mode!r}")
+    if compile_mode not in COMPILE_MODES or compile_mode == "none":
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES[:-1])}, got {compile_mode!r}")
     amp = {"bf16": torch.bfloat16, "fp32": None}.get(backend.dtype_name(dtype), "bad")
     if amp == "bad":
         raise ValueError(f"dtype must be bf16 or fp32 for the benchmark, got {dtype!r}")
@@ -201,15 +301,24 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
         warmup = 5 if mode == "compile" else 3
     model = build_torch_gpt(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
     model.train()
+    model.checkpoint_every = int(checkpoint_every)
     settings = settings or TrainConfig(lr=GPU_DEFAULTS["lr"] if cuda else CPU_DEFAULTS["lr"])
     opt = _torch_optimizer(torch, model, fused=cuda, opt=settings)
-    run = torch.compile(model) if mode == "compile" else model
+    cuda_graphs = mode == "compile" and compile_mode in ("reduce-overhead", "max-autotune")
+    run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode) if mode == "compile" \
+        else model
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
     y = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
     params = list(model.parameters())
 
-    step = torch_train_step(torch, run, x, y, params, opt, settings.grad_clip, device.type, amp)
+    inner = torch_train_step(torch, run, x, y, params, opt, settings.grad_clip, device.type, amp)
+
+    def step():
+        if cuda_graphs:  # torch.compile's CUDA graphs: a new step begins (the previous outputs may be overwritten)
+            torch.compiler.cudagraph_mark_step_begin()
+        with sdpa_context(torch, sdpa):
+            return inner()
 
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -239,8 +348,12 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
            "final_loss": float(loss.detach().float().cpu()), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None}
+           "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+           "vocab": config.padded_vocab_size, "sdpa_backend": sdpa, "checkpoint_every": int(checkpoint_every)}
+    if mode == "compile":
+        res["compile_mode"] = compile_mode
     return res
 
 
-__all__ = ["build_torch_gpt", "run_torch", "torch_train_step"]
+__all__ = ["COMPILE_MODES", "SDPA_BACKENDS", "build_torch_gpt", "pick_sdpa_backend", "run_torch", "sdpa_context",
+           "torch_train_step"]

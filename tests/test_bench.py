@@ -180,3 +180,122 @@ def test_gpu_run_llmgpu_reports_memory(cp):
     r = bench.run_llmgpu(replace(SMALL, n_embd=64, n_head=4), batch=4, seq=16, steps=3, warmup=1, dtype="bf16")
     assert r["peak_memory_bytes"] >= r["static_memory_bytes"] > 0
     assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0
+
+
+# --------------------------------------------------------------------------- the scale table and the fair settings
+
+
+def test_largest_batch_halves_on_oom_only():
+    from llmgpu import bench_scale
+
+    calls = []
+
+    def run(b):
+        calls.append(b)
+        if b > 8:
+            raise MemoryError(f"out of memory at batch {b}")
+        return {"batch": b}
+
+    b, r, tried = bench_scale.largest_batch(run, 64, log=lambda *_: None)
+    assert b == 8 and r == {"batch": 8} and calls == [64, 32, 16, 8] and tried == [(64, "OOM"), (32, "OOM"),
+                                                                               (16, "OOM")]
+    assert bench_scale.largest_batch(run, 64, min_batch=16, log=lambda *_: None)[0] is None
+
+    def broken(b):
+        raise RuntimeError("not a memory problem")
+
+    with pytest.raises(RuntimeError, match="not a memory"):
+        bench_scale.largest_batch(broken, 4, log=lambda *_: None)
+    assert bench_scale.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not bench_scale.is_oom(ValueError("bad shape"))
+    # the start estimate grows with the memory and shrinks with the model
+    gpt2, d48 = GPTConfig.preset("gpt2", pad_vocab_to=64), GPTConfig.preset("d48", pad_vocab_to=64)
+    e = [bench_scale.estimated_batch(gpt2, 1024, g * 2**30) for g in (20, 40, 80, 140)]
+    assert e == sorted(e) and e[0] >= 8 and e[-1] <= bench_scale.MAX_BATCH
+    assert bench_scale.estimated_batch(d48, 1024, 140 * 2**30) < e[-1]
+    assert bench_scale.estimated_batch(d48, 1024, 140 * 2**30, checkpoint_every=1) > \
+        bench_scale.estimated_batch(d48, 1024, 140 * 2**30)
+
+
+def test_scale_table_on_the_cpu_with_checkpointing_where_needed(tmp_path, monkeypatch, capsys):
+    """Two presets through `llmgpu bench --preset a,b`; llmgpu 'runs out of memory' above batch 2 without
+    checkpointing (min batch 4): the table falls back to --checkpoint-every 1; the JSON merges by preset."""
+    from llmgpu import bench_scale, cli
+
+    real = bench_scale.run_llmgpu
+
+    def fake(cfg, b, seq, *a, checkpoint_every=0, **kw):
+        if b > 2 and not checkpoint_every:
+            raise MemoryError("out of memory (simulated)")
+        return real(cfg, b, seq, *a, checkpoint_every=checkpoint_every, **kw)
+
+    monkeypatch.setattr(bench_scale, "run_llmgpu", fake)
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"presets": {"d48": {"preset": "d48", "kept": True}}}))
+    rc = cli.main(["bench", "--device", "cpu", "--preset", "tiny,d6", "--seq", "16", "--batch", "4", "--steps", "1",
+                   "--warmup", "0", "--compile-mode", "none", "--checkpoint-every", "1", "--min-batch", "4",
+                   "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "batch 4: out of memory" in text and "4c1" in text and "ratio" in text
+    data = json.loads(out.read_text())
+    assert set(data["presets"]) == {"tiny", "d6", "d48"} and data["presets"]["d48"]["kept"]
+    row = data["presets"]["tiny"]
+    assert row["llmgpu"]["batch"] == 4 and row["llmgpu"]["checkpoint_every"] == 1
+    assert row["llmgpu"]["tried"] == [[4, "OOM"]] and row["llmgpu"]["mfu"] > 0
+    assert row["flops_per_token"] == GPTConfig.preset("tiny", block_size=128).flops_per_token(16)
+    t = row["torch"]
+    assert t.get("mode") == "torch-eager" or "skipped" in t
+    from llmgpu.plotting import plot_scale_table
+
+    png = tmp_path / "scale.png"
+    plot_scale_table({k: v for k, v in data["presets"].items() if k != "d48"}, png)
+    assert png.stat().st_size > 1000
+
+
+def test_bench_pads_both_frameworks_alike_by_default_and_takes_the_torch_options():
+    a = _args()
+    assert a.pad_vocab == 64 and a.compile_mode == "default" and a.sdpa == "auto"
+    assert "torch-compile-unpadded" in bench.MODES and "torch-compile-unpadded" not in bench.DEFAULT_MODES
+    p = bench.add_arguments(argparse.ArgumentParser())
+    for m in torch_reference.COMPILE_MODES:
+        assert p.parse_args(["--compile-mode", m]).compile_mode == m
+    assert bench.wants_scale_table(_args(preset="gpt2,d24")) and not bench.wants_scale_table(_args(preset="gpt2"))
+    assert bench.wants_scale_table(_args(preset="gpt2", scale_table=True))
+    with pytest.raises(ValueError, match="scale table"):
+        bench.bench_main(_args(device="cpu", preset="tiny,d6"))
+
+
+def test_bench_compile_mode_none_skips_the_compile_rows(capsys):
+    rc = bench.bench_main(_args(device="cpu", preset="tiny", batch=2, seq=16, steps=1, warmup=0,
+                                modes="llmgpu,torch-compile", compile_mode="none", no_ceiling=True))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "skipped: --compile-mode none" in text or "skipped: PyTorch is not installed" in text
+
+
+def test_torch_reference_checkpointing_compile_mode_and_sdpa_on_cpu():
+    torch = _torch_or_skip()
+    kw = dict(steps=2, mode="eager", warmup=0, dtype="fp32", device="cpu", seed=3)
+    r0 = torch_reference.run_torch(SMALL, 2, 16, **kw)
+    r1 = torch_reference.run_torch(SMALL, 2, 16, checkpoint_every=1, sdpa="math", **kw)
+    assert r1["final_loss"] == pytest.approx(r0["final_loss"], rel=1e-6)  # recomputation changes no value
+    assert r1["checkpoint_every"] == 1 and r1["sdpa_backend"] == "math" and r1["vocab"] == SMALL.padded_vocab_size
+    with pytest.raises(ValueError, match="compile_mode"):
+        torch_reference.run_torch(SMALL, 2, 16, steps=1, mode="compile", compile_mode="fastest", device="cpu")
+    with pytest.raises(ValueError, match="SDPA"):
+        torch_reference.sdpa_context(torch, "triton")
+    pick = torch_reference.pick_sdpa_backend(SMALL, 2, 16, device="cpu")
+    assert pick["backend"] is None and "CUDA" in pick["errors"]["all"]
+
+
+@pytest.mark.gpu
+def test_gpu_pick_sdpa_backend_times_flash_and_cudnn(cp):
+    torch = _torch_or_skip()
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    cfg = GPTConfig.preset("gpt2")
+    pick = torch_reference.pick_sdpa_backend(cfg, 4, 1024)
+    assert pick["backend"] in ("flash", "cudnn")
+    assert pick["ms"][pick["backend"]] == min(t for t in pick["ms"].values() if t is not None)
+    assert torch_reference.pick_sdpa_backend(cfg, 4, 1024) is pick  # measured once

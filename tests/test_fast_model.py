@@ -76,14 +76,86 @@ def test_fast_model_pads_an_unaligned_vocabulary_and_computes_the_same_function(
     assert fast.state_dict(unpadded=True)["transformer.wte.weight"].shape == (37, 16)
 
 
-def test_fast_model_refuses_checkpointing_and_explains():
-    with pytest.raises(ValueError, match="checkpointing"):
-        FastGPT(CFG, xp=np, checkpoint_every=1)
-    m = FastGPT(CFG, dtype="fp32", xp=np)
-    with pytest.raises(ValueError, match="checkpointing"):
-        m.checkpoint_every = 2
-    ok, why = fast_path_available(np, "bf16")
-    assert not ok and "GPU" in why
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16", "fp16"])
+def test_fast_model_checkpointing_gives_bitwise_identical_gradients(rng, dtype):
+    """The span input keeps x and ln_1(x) (the fused add + LayerNorm crosses the block boundary); the
+    recomputed spans run the same kernels on the same inputs: loss and every gradient bit for bit."""
+    cfg = GPTConfig(n_layer=5, n_head=2, n_embd=16, vocab_size=37, block_size=8, pad_vocab_to=16)
+    idx, tgt = _batch(rng, cfg, B=3)
+    ref = FastGPT(cfg, dtype=dtype, xp=np, seed=2)
+    loss0 = ref.forward_backward(idx, tgt, dloss=0.5)
+    assert ref.checkpoint_every == 0
+    for k in (1, 2, 3, 5, 7):
+        m = FastGPT(cfg, dtype=dtype, xp=np, seed=2, checkpoint_every=k)
+        loss = m.forward_backward(idx, tgt, dloss=0.5)
+        assert np.array_equal(loss, loss0)
+        assert np.array_equal(m.params.grad, ref.params.grad), f"checkpoint_every={k}"
+        assert m.stats["activation_bytes_stored"] < ref.stats["activation_bytes_stored"]
+        est = m.activation_bytes(3, 8)  # the formula counts what the model kept, span inputs with ln_1(x)
+        assert est["stored"] == m.stats["activation_bytes_stored"]
+        assert est["peak"] == m.stats["activation_bytes_peak"]
+    assert ref.activation_bytes(3, 8) == {"stored": ref.stats["activation_bytes_stored"],
+                                          "peak": ref.stats["activation_bytes_peak"]}
+    # switched on an existing model, and two micro-batches accumulate the same way
+    i2, t2 = _batch(rng, cfg, B=3)
+    ref.zero_grad()
+    ref.forward_backward(idx, tgt)
+    ref.forward_backward(i2, t2)
+    m = FastGPT(cfg, dtype=dtype, xp=np, seed=2)
+    m.checkpoint_every = 2
+    m.forward_backward(idx, tgt)
+    m.forward_backward(i2, t2)
+    assert np.array_equal(m.params.grad, ref.params.grad)
+
+
+def test_fast_model_checkpointing_matches_the_book_model_and_keeps_the_span_state():
+    cfg = GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=37, block_size=8, pad_vocab_to=16)
+    rng = np.random.default_rng(5)
+    idx, tgt = _batch(rng, cfg, B=2)
+    for k in (1, 3):
+        _compare(FastGPT(cfg, dtype="fp64", xp=np, seed=1, checkpoint_every=k),
+                 GPT(cfg, dtype="fp64", xp=np, seed=1, checkpoint_every=k), idx, tgt, 1e-10)
+    # what a span input costs: x and ln_1(x) (2 B·T·C) plus two fp32 row statistics, against GPT's x alone
+    fast, book = (c(cfg, dtype="bf16", xp=np, checkpoint_every=1) for c in (FastGPT, GPT))
+    B, T, C = 4, 8, cfg.n_embd
+    assert fast.activation_bytes(B, T)["stored"] == cfg.n_layer * (2 * 2 * B * T * C + 2 * 4 * B * T)
+    assert book.activation_bytes(B, T)["stored"] == cfg.n_layer * 2 * B * T * C
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        FastGPT(CFG, xp=np, checkpoint_every=-1)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        fast.checkpoint_every = -2
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_fast_model_fp16_step_skips_an_overflow_and_backs_off(k):
+    """--fast --dtype fp16: the dynamic loss scaler of chapter 5 on the fast step (NumPy here, the same
+    TrainStep on the GPU). A clean step applies and counts a good step; a scale that overflows fp16
+    gradients is detected (found_inf), the update skipped (weights and AdamW state untouched) and the
+    scale halved; the next clean step applies again."""
+    import warnings
+
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(CFG, dtype="fp16", xp=np, seed=0, checkpoint_every=k)
+    step = TrainStep(m, TrainConfig(lr=1e-3))
+    assert step.scaler.enabled and float(step.scaler.scale) == 2.0**16
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, CFG.vocab_size, (2, 8)).astype(np.int32)
+    batch = [(x, np.roll(x, -1, axis=1))]
+    loss, norm, inf = step(batch, 1e-3)
+    assert inf == 0 and np.isfinite(norm) and int(step.scaler.good_steps) == 1
+    w, mom = m.params.data.copy(), m.params.m.copy()
+    step.scaler.scale[...] = 2.0**40  # the backward pass now overflows fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy says so about the inf it computes
+        _, _, inf = step(batch, 1e-3)
+    assert inf == 1
+    assert np.array_equal(m.params.data, w) and np.array_equal(m.params.m, mom), "a skipped step changed the state"
+    assert float(step.scaler.scale) == 2.0**39 and int(step.scaler.good_steps) == 0
+    assert not m.params.grad.any()  # zeroed for the next step all the same
+    step.scaler.scale[...] = 2.0**16
+    _, _, inf = step(batch, 1e-3)
+    assert inf == 0 and not np.array_equal(m.params.data, w)
 
 
 def test_trainer_fast_flags_on_the_cpu(tmp_path):
@@ -256,3 +328,96 @@ def test_gpu_fast_model_16bit_is_capturable(cp, dtype):
     assert m.capture_blocker() is None
     m.check_capturable()
     TrainStep(m, graph=True)
+
+
+# --------------------------------------------------------------------------- activation checkpointing on the GPU
+
+
+@pytest.mark.gpu
+def test_gpu_fast_checkpointing_is_bitwise_in_bf16(cp, rng):
+    """bf16 on the GPU, cuDNN's deterministic attention backward: every gradient bit for bit, for each k,
+    and the CuPy pool's high-water mark of a forward + backward smaller with checkpointing."""
+    _need_fast(cp)
+    from llmgpu.ops import flash_attention
+
+    cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=211, block_size=256)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=8, T=256))
+    pool = cp.get_default_memory_pool()
+    grads, peaks = {}, {}
+    for k in (0, 1, 2, 3, 4):
+        m = FastGPT(cfg, dtype="bf16", xp=cp, seed=3, checkpoint_every=k)
+        m.forward_backward(idx, tgt)  # warm-up: plans, cuDNN graphs
+        m.zero_grad()
+        cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        before = pool.total_bytes()
+        loss = m.forward_backward(idx, tgt, dloss=0.5)
+        cp.cuda.Device().synchronize()
+        peaks[k] = pool.total_bytes() - before
+        grads[k] = (float(loss), m.params.grad.copy())
+        del m
+    assert flash_attention.backward_is_deterministic() is True
+    for k in (1, 2, 3, 4):
+        assert grads[k][0] == grads[0][0], k
+        assert bool(cp.all(grads[k][1] == grads[0][1])), f"checkpoint_every={k}: gradients differ"
+    assert peaks[1] < peaks[0], peaks
+
+
+@pytest.mark.gpu
+def test_gpu_fast_checkpointed_step_captures_and_trains_like_the_plain_one(cp, tmp_path):
+    """``llmgpu train --fast --checkpoint-every k`` (eager and one CUDA graph): the same losses bit for bit."""
+    _need_fast(cp)
+    losses = {}
+    for graph in (False, True):
+        for k in (0, 1, 3):
+            t = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=graph, checkpoint_every=k,
+                                               out=str(tmp_path / f"g{graph}k{k}"))))
+            assert type(t.model) is FastGPT and t.model.checkpoint_every == k and t.cfg.fast
+            t.run()
+            if graph:
+                assert t.step_fn.graph is not None
+            losses[graph, k] = _losses(tmp_path / f"g{graph}k{k}")
+    for graph in (False, True):
+        assert losses[graph, 1] == losses[graph, 0] and losses[graph, 3] == losses[graph, 0], graph
+    assert fast_path_available(cp, "bf16", checkpoint_every=2)[0]
+
+
+def test_checkpointing_benchmark_script_runs_on_the_cpu(capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        mod = runpy.run_path(str(Path(bench_dir) / "bench_ch8_checkpointing.py"), run_name="bench")
+        assert mod["main"](["--quick", "--steps", "1"]) == 0
+    finally:
+        sys.path.remove(bench_dir)
+    out = capsys.readouterr().out
+    assert "every 1" in out and "checkpointing every block" in out and "smoke test" in out
+
+
+@pytest.mark.gpu
+def test_gpu_fast_fp16_graph_step_skips_an_overflow(cp, tmp_path):
+    """The fp16 fast step as one CUDA graph: the scaler's state lives on the device and is read by the
+    graph, so an overflow is skipped and the scale halved inside the replay; the trainer logs skipped steps."""
+    _need_fast(cp)
+    from llmgpu.train import TrainStep
+
+    m = FastGPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64), dtype="fp16", xp=cp)
+    step = TrainStep(m, TrainConfig(lr=1e-3), graph=True)
+    x = cp.asarray(np.random.default_rng(0).integers(0, 211, (4, 64)).astype(np.int32))
+    batch = [(x, cp.roll(x, -1, axis=1))]
+    for _ in range(4):  # two eager, the capture, a replay
+        rec = cp.asnumpy(step(batch, 1e-3))
+        assert rec[2] == 0 and np.isfinite(rec[1])
+    assert step.graph is not None
+    w = m.params.data.copy()
+    step.scaler.scale[...] = 2.0**40
+    rec = cp.asnumpy(step(batch, 1e-3))
+    assert rec[2] == 1 and bool(cp.all(m.params.data == w)) and float(step.scaler.scale) == 2.0**39
+    s = Trainer(TrainConfig(**_gpu_cfg(steps=8, fast=True, graph=True, dtype="fp16", out=str(tmp_path / "f")))).run()
+    assert np.isfinite(s["train_loss"]) and s["skipped_steps"] >= 0
+    recs = [r for r in read_log(tmp_path / "f") if r["type"] == "train"]
+    assert len(recs) == 8 and all("skipped" in r for r in recs)

@@ -24,7 +24,7 @@ FLOORS = [
     ("dist", ("dist",)),
     ("interop", ("interop",)),  # Hugging Face directories, safetensors: above the model, below the trainer
     ("train", ("train",)),
-    ("applications", ("torch_reference", "bench", "cli", "__main__")),
+    ("applications", ("torch_reference", "bench", "bench_scale", "cli", "__main__")),
 ]
 FLOOR_OF = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 LARGE_OK = 500  # lines; a larger module says why at its top ("This module is long because ...")

@@ -28,8 +28,6 @@ def _batch(rng, cfg, B=2, T=8):
 @pytest.mark.parametrize("model_cls", [GPT, FastGPT])
 @pytest.mark.parametrize("checkpoint_every", [0, 2])
 def test_grads_ready_names_every_gradient_once_when_it_is_final(rng, model_cls, checkpoint_every):
-    if model_cls is FastGPT and checkpoint_every:
-        pytest.skip("FastGPT has no activation checkpointing")
     m = model_cls(CFG, dtype="fp32", xp=np, seed=1, checkpoint_every=checkpoint_every)
     x, y = _batch(rng, CFG)
     seen, snapshot = [], {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,3 +159,20 @@ def test_gpu_fp16_checkpointed_training_runs(cp, tmp_path):
     s = train(TrainConfig(**{**FAST, "device": "gpu", "eval_every": 0}, dtype="fp16", checkpoint_every=2, steps=8,
                           out=str(tmp_path / "f")))
     assert np.isfinite(s["train_loss"]) and s["steps"] == 8
+
+
+def test_compare_runs_tool_on_a_bf16_and_an_fp16_run(tmp_path, capsys):
+    """tools/compare_runs.py (the bf16-vs-fp16 comparison of the fast step on the GPU), here on CPU runs."""
+    import runpy
+
+    for dt in ("bf16", "fp16"):
+        train(TrainConfig(**{**FAST, "eval_every": 0}, steps=6, dtype=dt, out=str(tmp_path / dt)))
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"), run_name="tool")
+    png, js = tmp_path / "c.png", tmp_path / "c.json"
+    assert tool["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp16"), "--window", "3", "--png", str(png),
+                         "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    a, b = data[str(tmp_path / "bf16")], data[str(tmp_path / "fp16")]
+    assert a["dtype"] == "bf16" and b["dtype"] == "fp16" and a["steps"] == b["steps"] == 6
+    assert b["skipped_steps"] == 0 and 0 <= b["max_gap_to_first"] < 0.5 and "max_gap_to_first" not in a
+    assert png.stat().st_size > 1000 and "6 steps" in capsys.readouterr().out

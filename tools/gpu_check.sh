@@ -58,7 +58,7 @@ if has sanitize; then
   fi
 fi
 if has llmbench; then
-  run llmgpu_bench python3 -m llmgpu bench --json benchmarks/results/ch8_bench.json
+  run llmgpu_bench python3 -m llmgpu bench --pad-vocab 0 --json benchmarks/results/ch8_bench.json  # unpadded torch (the pair of the padded run below)
   run llmgpu_bench_padded python3 -m llmgpu bench --pad-vocab 64 --modes llmgpu-fast-graph,torch-compile \
     --json benchmarks/results/ch8_bench_padded.json
   run probe_fast_step python3 tools/probe_fast_step.py --json benchmarks/results/ch8_probe_step.json

@@ -46,6 +46,7 @@ class GPTBase:
     """
 
     attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
+    keeps_ln_1 = False  # a checkpointed span input is x alone (FastGPT: x and ln_1(x); model/config.activation_bytes)
 
     def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True,
                  param_multiple: int = ALIGN):
@@ -201,7 +202,8 @@ class GPTBase:
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
         """``model.config.activation_bytes`` for this model's dtype, attention and (default) checkpointing."""
         k = getattr(self, "checkpoint_every", 0) if checkpoint_every is None else checkpoint_every
-        return activation_bytes(self.config, batch, seq, k, self.dtype, attention=self.attention)
+        return activation_bytes(self.config, batch, seq, k, self.dtype, attention=self.attention,
+                                keeps_ln_1=self.keeps_ln_1)
 
     # ------------------------------------------------------------------ sampling
 

@@ -174,13 +174,18 @@ def block_activation_bytes(config: GPTConfig, batch: int, seq: int, dtype="bf16"
 
 
 def activation_bytes(config: GPTConfig, batch: int, seq: int, checkpoint_every: int = 0, dtype="bf16", *,
-                     attention: str = "math") -> dict:
+                     attention: str = "math", keeps_ln_1: bool = False) -> dict:
     """Bytes of block activations kept for backward, by formula: ``stored`` after the forward pass
     and ``peak`` during backward (one recomputed span alive next to the span inputs not yet used).
+    ``keeps_ln_1`` (``FastGPT``): a span input is the block input x *and* ln_1(x) with its mean and rstd
+    (the fused residual add + LayerNorm crosses the block boundary; ``model/fast.py``).
     The models' ``stats`` after ``forward_backward`` count the same arrays; the tests check they agree."""
     L, k = config.n_layer, int(checkpoint_every)
-    per_block = sum(block_activation_bytes(config, batch, seq, dtype, attention=attention).values())
-    x_in = backend.resolve_dtype(dtype).itemsize * batch * seq * config.n_embd
+    blk = block_activation_bytes(config, batch, seq, dtype, attention=attention)
+    per_block = sum(blk.values())
+    x_in = blk["x (block input)"]
+    if keeps_ln_1:
+        x_in += blk["ln_1 output"] + blk["LayerNorm mean, rstd"] // 2
     if k == 0:
         return {"stored": L * per_block, "peak": L * per_block}
     starts = list(range(0, L, k))

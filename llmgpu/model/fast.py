@@ -30,10 +30,18 @@ their gradients are zero), a ``config.padded_vocab_size`` of 50304, and ``state_
 for the original shapes.
 
 The gradients agree with ``GPT``'s to rounding (the fusions round at different points; in fp32 on
-NumPy the two agree to ~1e-6), not bitwise. Activation checkpointing is not implemented on this path
-(``checkpoint_every`` must be 0): the fused add + LayerNorm crosses block boundaries, which is where
-the book path cuts its spans.
+NumPy the two agree to ~1e-6), not bitwise.
 
+**Activation checkpointing** (``checkpoint_every=k``, 0 = off), as chapter 6 does it for ``GPT``, with
+one difference in where a span starts. The fused residual add + LayerNorm crosses block boundaries:
+block i's ``ln_1`` runs in the same kernel as block i-1's last residual add, so ``ln_1(x)`` cannot be
+recomputed from ``x`` by the kernel that made it. The span input kept for every k-th block is therefore
+the residual stream ``x`` entering it *and* ``ln_1(x)`` with its mean and rstd (what the fused kernel
+wrote; ``2·B·T·C`` values instead of ``B·T·C``). The backward pass walks the spans from the last to the
+first, reruns a span's blocks from that state (the same kernels on the same inputs; the span's last
+residual add + LayerNorm is skipped, as its output belongs to the next span) and then runs their
+backward: the gradients are bitwise identical to the run without checkpointing, and the step still
+captures as one CUDA graph (the recomputation is ordinary kernels; its buffers come from the graph's pool).
 Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
 """
@@ -67,13 +75,14 @@ CROSS_ENTROPY_METHOD = "fast"
 
 class FastGPT(GPTBase):
     """GPT-2 with the chapter 8 step: cuBLASLt GEMMs with fused epilogues, fused residual + LayerNorm,
-    flash attention. Same constructor as ``GPT`` (``checkpoint_every`` must be 0)."""
+    flash attention. Same constructor as ``GPT``; ``checkpoint_every``: 0 (off) or k ≥ 1 (keep every k-th
+    block's input state, recompute the rest in backward; module docstring)."""
+
+    keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN):
-        if int(checkpoint_every) != 0:
-            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0); "
-                             "use llmgpu.GPT for checkpointed training")
+        self.checkpoint_every = checkpoint_every
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
@@ -93,13 +102,13 @@ class FastGPT(GPTBase):
 
     @property
     def checkpoint_every(self) -> int:
-        """Always 0: no activation checkpointing on this path (module docstring)."""
-        return 0
+        return self._ckpt
 
     @checkpoint_every.setter
     def checkpoint_every(self, k: int):
-        if int(k) != 0:
-            raise ValueError("FastGPT does not implement activation checkpointing (checkpoint_every must be 0)")
+        if int(k) < 0:
+            raise ValueError(f"checkpoint_every must be 0 (off) or >= 1, got {k}")
+        self._ckpt = int(k)
 
     # ------------------------------------------------------------------ pieces
 
@@ -190,36 +199,56 @@ class FastGPT(GPTBase):
 
     # ------------------------------------------------------------------ forward
 
-    def _forward_trunk(self, idx, store: bool):
-        """Embeddings, the blocks and ln_f. Returns (x_L [N, C], hf, mean_f, rstd_f, caches)."""
+    def _embed(self, idx):
+        """Embeddings and block 0's ln_1: the state ``(x, ln_1(x), mean, rstd)`` entering block 0."""
         cfg = self.config
         B, T = idx.shape
-        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        N, C = B * T, cfg.n_embd
         it = self.dtype.itemsize
         with region("embedding fwd", bytes=2 * N * C * it + T * C * it + 4 * N, flops=float(N * C)):
             x = embedding_forward(idx, self.weight(WTE), self.weight(WPE)).reshape(N, C)
         with region("ln_1 fwd", bytes=2 * x.nbytes + 8 * N, flops=8.0 * x.size):
             h, mean, rstd = layernorm_forward(x, self.weight("transformer.h.0.ln_1.weight"),
                                               self.weight("transformer.h.0.ln_1.bias"))
-        caches = [None] * L
+        return x, h, mean, rstd
+
+    def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True):
+        """Block i from its input state ``(x, ln_1(x), mean, rstd)``: ``(cache for the backward, the next
+        state)``; the next state is block i+1's input (``ln_f``'s after the last block), or None with
+        ``need_output=False`` (a recomputed span's last block: its final add + LayerNorm is not rerun)."""
+        x, h, mean, rstd = state
+        N, C, L = B * T, self.config.n_embd, self.config.n_layer
+        n = block_param_names(i)
+        qkv = self._linear(h, n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv fwd")
+        y, att = self._attention_forward(qkv, B, T)
+        a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
+        x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
+        f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
+        g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
+                         epilogue="gelu_bias", aux=f)
+        cache = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
+                 "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
+        if not need_output:
+            return cache, None
+        m = self._linear(g, n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj fwd")
+        nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
+        return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
+
+    def _forward_trunk(self, idx, store: bool):
+        """Embeddings, the blocks and ln_f. Returns ``(x_L [N, C], hf, mean_f, rstd_f, caches, inputs)``:
+        with ``store``, every block's cache (no checkpointing) or every k-th block's input state."""
+        B, T = idx.shape
+        L, k = self.config.n_layer, self.checkpoint_every if store else 0
+        caches, inputs = [None] * L, [None] * L
+        state = self._embed(idx)
         for i in range(L):
-            n = block_param_names(i)
-            qkv = self._linear(h, n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv fwd")
-            y, att = self._attention_forward(qkv, B, T)
-            a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
-            x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-            f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
-            g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
-                             epilogue="gelu_bias", aux=f)
-            m = self._linear(g, n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj fwd")
-            nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
-            x_next, h_next, mean_n, rstd_n = self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L
-                                                          else "residual+ln_f fwd")
-            if store:
-                caches[i] = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
-                             "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
-            x, h, mean, rstd = x_next, h_next, mean_n, rstd_n
-        return x, h, mean, rstd, caches
+            if store and k and i % k == 0:
+                inputs[i] = state  # a span input (module docstring); the rest is thrown away as we go
+            c, state = self._block_forward(i, state, B, T)
+            if store and not k:
+                caches[i] = c
+            del c
+        return (*state, caches, inputs)
 
     def _logits(self, hf):
         N = hf.shape[0]
@@ -235,10 +264,34 @@ class FastGPT(GPTBase):
         idx = self.check_idx(idx)
         B, T = idx.shape
         C = self.config.n_embd
-        _, hf, _, _, _ = self._forward_trunk(idx, store=False)
+        _, hf, _, _, _, _ = self._forward_trunk(idx, store=False)
         if last_only:
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
         return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
+
+    def _block_backward(self, i: int, dx, c, B: int, T: int):
+        """Block i's backward from the gradient of its output (the residual stream), ``dx``, which is
+        updated in place and returned: the gradient of its input. Weight gradients accumulate in fp32."""
+        n = block_param_names(i)
+        # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
+        self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
+        df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
+        self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
+        dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
+        del df
+        dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
+                               name="ln_2+residual bwd")
+        del dh2
+        # attention: a = y Wpᵀ + bp; da = dx
+        self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj")
+        dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
+        dqkv = self._attention_backward(dy, c["att"], B, T)
+        del dy
+        self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv")
+        dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
+        del dqkv
+        return self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
+                                 name="ln_1+residual bwd")
 
     # ------------------------------------------------------------------ forward + backward
 
@@ -249,13 +302,13 @@ class FastGPT(GPTBase):
         idx, targets = self.check_batch(idx, targets)
         ready = grads_ready or (lambda names: None)
         B, T = idx.shape
-        N, C, L = B * T, cfg.n_embd, cfg.n_layer
+        N, C, L, k = B * T, cfg.n_embd, cfg.n_layer, self.checkpoint_every
         Vp = cfg.padded_vocab_size
         G = self.params.grad_of
         it = self.dtype.itemsize
 
-        xL, hf, meanf, rstdf, caches = self._forward_trunk(idx, store=True)
-        stored = nbytes_of(caches)
+        xL, hf, meanf, rstdf, caches, inputs = self._forward_trunk(idx, store=True)
+        stored = nbytes_of(caches) + nbytes_of(inputs)
         logits = self._logits(hf)
         with region("cross_entropy fwd", bytes=logits.nbytes + 8 * N, flops=4.0 * logits.size):
             loss, ce = cross_entropy_forward(logits, targets.reshape(-1), method=CROSS_ENTROPY_METHOD)
@@ -272,30 +325,26 @@ class FastGPT(GPTBase):
         ready([LNF_W, LNF_B])
         del dhf, xL
 
-        for i in reversed(range(L)):
-            n, c = block_param_names(i), caches[i]
-            # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-            self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
-            df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
-            self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
-            dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
-            del df
-            dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
-                                   name="ln_2+residual bwd")
-            del dh2
-            # attention: a = y Wpᵀ + bp; da = dx
-            self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj")
-            dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
-            dqkv = self._attention_backward(dy, c["att"], B, T)
-            del dy
-            self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv")
-            dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
-            del dqkv
-            dx = self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
-                                   name="ln_1+residual bwd")
-            del dh1
-            caches[i] = None
-            ready(list(n.values()))
+        peak = stored
+        if k == 0:
+            for i in reversed(range(L)):
+                dx = self._block_backward(i, dx, caches[i], B, T)
+                caches[i] = None
+                ready(list(block_param_names(i).values()))
+        else:
+            for s in reversed(range(0, L, k)):  # the spans, last to first
+                e = min(s + k, L)
+                state, span = inputs[s], []
+                for j in range(s, e):  # recompute the span from its input state, storing its activations
+                    c, state = self._block_forward(j, state, B, T, need_output=j < e - 1)
+                    span.append(c)
+                    del c
+                peak = max(peak, nbytes_of(inputs) + nbytes_of(span))
+                for j in reversed(range(s, e)):
+                    dx = self._block_backward(j, dx, span[j - s], B, T)
+                    span[j - s] = None
+                    ready(list(block_param_names(j).values()))
+                inputs[s] = None
 
         with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
                     flops=float(N * C)):
@@ -304,7 +353,7 @@ class FastGPT(GPTBase):
             accumulate_grad(G(WTE), dwte)
             accumulate_grad(G(WPE), dwpe)
         ready([WTE, WPE])
-        self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": stored}
+        self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 
 

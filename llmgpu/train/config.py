@@ -220,11 +220,10 @@ def model_block_size(cfg: TrainConfig) -> int:
 
 
 def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
-    """(whether ``FastGPT`` can train here, why not): a GPU, bf16/fp16, no checkpointing, the ``fast`` extra."""
+    """(whether ``FastGPT`` can train here, why not): a GPU, bf16/fp16, the ``fast`` extra. ``checkpoint_every``
+    is accepted for the callers' sake: the fast model checkpoints too (``model/fast.py``)."""
     if xp is np:
         return False, "the fast model is a GPU path (cuBLASLt, cuDNN); on the CPU the book model runs"
-    if checkpoint_every:
-        return False, "the fast model does not implement activation checkpointing (--checkpoint-every 0)"
     if backend.resolve_dtype(dtype) not in (backend.bfloat16, backend.float16):
         return False, "the fast model's flash attention takes bf16 or fp16 (--dtype)"
     for mod in (cublaslt, flash_attention):
