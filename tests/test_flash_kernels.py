@@ -128,8 +128,9 @@ def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal):
     r_o, r_lse, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, do, causal)
     assert_close(o, r_o, rtol=RTOL[dtype], name="o")
     assert_close(st.lse, r_lse, rtol=1e-4, name="lse")
-    if shape[2] == 1:  # one key: dq = dk = 0 exactly, dv = dO
-        assert not cp.any(dq.astype(np.float32)) and not cp.any(dk.astype(np.float32))
+    if shape[2] == 1:  # one key: P = 1, dv = dO exactly; dq = dk = 0 up to rounding (dP and D are summed in
+        # different orders, so dS = dP − D is ~1e-7, not exactly 0)
+        assert float(cp.abs(dq.astype(np.float32)).max()) < 1e-3 and float(cp.abs(dk.astype(np.float32)).max()) < 1e-3
         assert cp.array_equal(dv, do)
         return
     for g, r, n in ((dq, r_dq, "dq"), (dk, r_dk, "dk"), (dv, r_dv, "dv")):
