@@ -259,7 +259,7 @@ def _elem_strides(a):
 
 
 def check_layout(q, k, v):
-    """What cuDNN needs beyond our common checks: D divisible by 8, 16-byte aligned pointers."""
+    """What cuDNN needs beyond the common checks (16-byte aligned pointers, done by the caller): D divisible by 8."""
     if q.shape[-1] % 8:
         raise ValueError(f"cuDNN flash attention needs a head dimension D divisible by 8, got {q.shape[-1]}")
 
