@@ -16,6 +16,7 @@ import pytest
 from llmgpu import backend
 from llmgpu.gemm import cublaslt as gemm_lt
 from llmgpu.gemm.cublaslt import gelu_grad_reference, gelu_reference, lt_gemm
+from llmgpu.ops import cudnn_attention
 from llmgpu.ops import flash_attention as fa
 from llmgpu.ops.attention import AttentionStats, attention_backward, attention_forward
 from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference
@@ -501,10 +502,10 @@ def test_flash_bad_arguments(rng):
 
 
 def test_missing_cudnn_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(fa, "_import_cudnn", lambda: (None, "the cuDNN frontend is not installed; " +
-                                                      fa.INSTALL_HINT))
+    monkeypatch.setattr(cudnn_attention, "_import_cudnn", lambda: (None, "the cuDNN frontend is not installed; " +
+                                                                   fa.INSTALL_HINT))
     with pytest.raises(fa.CudnnUnavailableError, match=r"llmgpu\[fast\]"):
-        fa._cudnn()
+        cudnn_attention._cudnn()
 
 
 # =========================================================================== cuDNN attention: GPU
@@ -512,7 +513,7 @@ def test_missing_cudnn_says_what_to_install(monkeypatch):
 
 @pytest.fixture
 def cudnn_fa(cp):
-    reason = fa.unavailable_reason()
+    reason = cudnn_attention.unavailable_reason()
     if reason is not None:
         pytest.skip(f"cuDNN flash attention not available: {reason}")
     return fa
@@ -535,9 +536,10 @@ def _attn_ref_gpu(cp, q, k, v, do, causal):
                                           ((2, 12, 1024, 64), True)])
 def test_gpu_cudnn_matches_math_path(cp, cudnn_fa, rng, dtype, shape, causal):
     q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
-    o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp))
+    o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp), kernel="cudnn")
     dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=poisoned(shape, dtype, cp),
-                                             dk=poisoned(shape, dtype, cp), dv=poisoned(shape, dtype, cp))
+                                             dk=poisoned(shape, dtype, cp), dv=poisoned(shape, dtype, cp),
+                                             kernel="cudnn")
     ro, (rdq, rdk, rdv), rlse = _attn_ref_gpu(cp, q, k, v, do, causal)
     assert_close(o, ro, rtol=2e-2, name="o")
     for g, r, n in ((dq, rdq, "dq"), (dk, rdk, "dk"), (dv, rdv, "dv")):
@@ -555,11 +557,11 @@ def test_gpu_cudnn_qkv_views(cp, cudnn_fa, rng):
     qkv = _dev(cp, rng, (B, T, 3 * C), "bf16")
     q, k, v = fa.split_qkv(qkv, H)
     y = poisoned((B, T, C), "bf16", cp)
-    o, st = fa.flash_attention_forward(q, k, v, out=fa.heads_view(y, H))
+    o, st = fa.flash_attention_forward(q, k, v, out=fa.heads_view(y, H), kernel="cudnn")
     dout = _dev(cp, rng, (B, T, C), "bf16")
     dqkv = poisoned((B, T, 3 * C), "bf16", cp)
     dq, dk, dv = fa.split_qkv(dqkv, H)
-    fa.flash_attention_backward(fa.heads_view(dout, H), q, k, v, o, st, dq=dq, dk=dk, dv=dv)
+    fa.flash_attention_backward(fa.heads_view(dout, H), q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="cudnn")
     assert not cp.isnan(y.astype(np.float32)).any() and not cp.isnan(dqkv.astype(np.float32)).any()
     ro, (rdq, rdk, rdv), _ = _attn_ref_gpu(cp, q, k, v, fa.heads_view(dout, H), True)
     assert_close(fa.heads_view(y, H), ro, rtol=2e-2, name="o")
@@ -577,8 +579,8 @@ def test_gpu_cudnn_captured_in_graph(cp, cudnn_fa, rng):
     dq, dk, dv = (cp.empty(shape, backend.bfloat16) for _ in range(3))
 
     def step():
-        _, st = fa.flash_attention_forward(q, k, v, out=o, lse=lse)
-        fa.flash_attention_backward(do, q, k, v, o, st, dq=dq, dk=dk, dv=dv)
+        _, st = fa.flash_attention_forward(q, k, v, out=o, lse=lse, kernel="cudnn")
+        fa.flash_attention_backward(do, q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="cudnn")
 
     g = capture(step)
     cp.cuda.Device().synchronize()
@@ -597,10 +599,10 @@ def test_gpu_cudnn_captured_in_graph(cp, cudnn_fa, rng):
 def test_gpu_cudnn_bad_inputs(cp, cudnn_fa, rng):
     q = _dev(cp, rng, (1, 2, 16, 64), "fp32")
     with pytest.raises(TypeError, match="supports fp16, bf16"):
-        fa.flash_attention_forward(q, q, q)
+        fa.flash_attention_forward(q, q, q, kernel="cudnn")
     qb = q.astype(backend.bfloat16)
     with pytest.raises(TypeError, match="k=ndarray"):
-        fa.flash_attention_forward(qb, cp.asnumpy(qb), qb)
+        fa.flash_attention_forward(qb, cp.asnumpy(qb), qb, kernel="cudnn")
     odd = _dev(cp, rng, (1, 2, 16, 12), "bf16")
     with pytest.raises(ValueError, match="divisible by 8"):
-        fa.flash_attention_forward(odd, odd, odd)
+        fa.flash_attention_forward(odd, odd, odd, kernel="cudnn")

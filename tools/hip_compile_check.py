@@ -46,6 +46,8 @@ DEFAULT_ARCH = "gfx90a"
 NVIDIA_ONLY = {
     "embedding": "warp match and cache-hinted loads: __match_any_sync (the counting backward groups equal "
                  "token ids of a warp) and __ldcg have no HIP 5.2 counterpart",
+    "flash_attention": "inline PTX mma.sync (m16n8k16 tensor-core MMAs, sm_80+): a HIP build would need AMD's "
+                       "MFMA intrinsics and a 64-lane fragment layout instead",
     "spin": "inline PTX (%globaltimer) and __nanosleep: a timing tool for NVIDIA GPUs",
 }
 _ERROR = re.compile(r"error: (.*)")

@@ -12,7 +12,9 @@
 Every kernel of ``llmgpu/kernels/*.cu`` runs through its ops module, each method and dtype, at sizes
 that hit the vector and the scalar (tail) paths: vector_add, the chapter-0 matmuls, bias add and
 gradient (linear forward / backward), softmax forward / backward (naive, warp, block; causal; odd
-and aligned row lengths; fp32 scores with 16-bit probabilities), chapter 2's attention (not cuDNN),
+and aligned row lengths; fp32 scores with 16-bit probabilities), chapter 2's attention (not cuDNN), our flash
+attention (tensor-core forward and deterministic backward, the scalar forward; bf16 / fp16, D = 64 and 128, T = 1,
+65, 130, causal or not, on strided views of one QKV buffer),
 layernorm (naive / optimized / fast, register and shared accumulators, residual, fused add+LN), GELU,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
 optimized / counting), cast, AdamW (flat, per tensor, with working copy, skipped step), the fused
@@ -194,6 +196,15 @@ def ops(d: Driver):
             for causal in (True, False):
                 d.run(f"attention {dt} T={t} D={dd} causal={causal}", _attention, att, d, q, k, v, causal)
 
+    from llmgpu.ops import flash_attention as fa  # our flash kernels (flash_attention.cu), never cuDNN here
+
+    for dt in ("bf16", "fp16"):
+        for dd in fa.HEAD_DIMS:
+            for b_, h, t in ((1, 2, 1), (2, 1, 65), (1, 1, 130)):  # one key, a partial tile, two full + a partial
+                qkv = d.arr((b_, t, 3 * h * dd), dt)
+                for causal in (True, False):
+                    d.run(f"flash_attention {dt} T={t} D={dd} causal={causal}", _flash, fa, d, qkv, h, causal)
+
     for dt in DTYPES:
         for c in (32, 100, 768, 1000):
             x, g, b = d.arr((5, c), dt), d.arr((c,), dt), d.arr((c,), dt)
@@ -253,6 +264,17 @@ def _softmax_pair(sm, d, x, method, causal=False, out_dtype=None):
 def _attention(att, d, q, k, v, causal):
     o, stats = att.attention_forward(q, k, v, causal)
     att.attention_backward(d.arr(q.shape, backend.dtype_name(q.dtype)), q, k, v, o, stats, causal)
+
+
+def _flash(fa, d, qkv, h, causal):
+    """Our tensor-core forward and backward on strided views of one QKV buffer, then the scalar forward."""
+    q, k, v = fa.split_qkv(qkv, h)
+    o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
+    dqkv = d.xp.empty_like(qkv)
+    dq, dk, dv = fa.split_qkv(dqkv, h)
+    fa.flash_attention_backward(d.arr(q.shape, backend.dtype_name(q.dtype)), q, k, v, o, st, causal, dq=dq, dk=dk,
+                                dv=dv, kernel="ours")
+    fa.flash_attention_forward(q, k, v, causal, kernel="scalar")
 
 
 def _layernorm(ln, d, x, g, b, method, accumulators):

@@ -1,7 +1,4 @@
-"""Fused (flash) attention through cuDNN's frontend: an optional fast path next to chapter 2's kernels.
-
-**NVIDIA-only fast path**: cuDNN runs on NVIDIA GPUs only; chapter 2's attention kernels (softmax.cu)
-are the portable ones (tools/hip_compile_check.py).
+"""Fused (flash) attention: our CUDA kernels on tensor cores, cuDNN's as an optional alternative (chapter 2b).
 
 Chapter 2's attention writes the T × T scores and probabilities to memory and reads them back
 (B·H·T² elements each way). FlashAttention (Dao et al., 2022; Dao, 2023) never does: it walks over
@@ -17,123 +14,81 @@ The backward recomputes ``P = exp(c·S − lse)`` tile by tile and uses ``D_i = 
 
     dV = Pᵀ dO,   dP = dO Vᵀ,   dS = c · P ⊙ (dP − D),   dQ = dS K,   dK = dSᵀ Q
 
-This module runs NVIDIA's implementation of that algorithm through the cuDNN frontend's Python
-graph API (package ``nvidia-cudnn-frontend``, module ``cudnn``; an optional extra:
-``pip install 'llmgpu[fast]'``). Same call shapes as ``llmgpu.ops.attention``: q, k, v ``[B, H, T, D]``
-(fp16 or bf16 on the GPU), returning ``(o, stats)`` where ``stats`` is an ``AttentionStats`` holding
-``lse`` (fp32 ``[B, H, T]``, what cuDNN calls the softmax stats). The arrays may be **strided
-views**: ``split_qkv(qkv, n_head)`` gives q, k, v as views of the ``[B, T, 3C]`` output of the QKV
-projection and ``heads_view(y, n_head)`` a ``[B, H, T, D]`` view of a ``[B, T, C]`` buffer, so no
-transposing copies are needed around attention (``out=``, ``dq=``, ``dk=``, ``dv=`` accept such views).
+Implementations (``kernel=``), on CuPy arrays:
 
-cuDNN graphs are built once per shape, dtype, strides and mask, and cached with their workspace;
-``execute`` allocates nothing and is capturable in a CUDA graph (verified on the H200).
-Make the first call of each shape outside capture (a warm-up). NumPy arrays run a reference of the
-same algorithm (float32; float64 stays float64), so the math is checked on any machine.
+* ``"ours"``   ``kernels/flash_attention.cu``: tensor-core MMAs (inline PTX ``mma.sync``, NVIDIA sm_80+), fp16 or
+  bf16 in, fp32 accumulation, head dims 64 and 128, any T, causal or not. The backward is deterministic (no
+  atomics: one kernel over key tiles for dK, dV and one over query tiles for dQ), so it is bitwise repeatable.
+* ``"scalar"`` forward only: the same tiling in plain fp32 arithmetic (no tensor cores), the teaching step.
+* ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
+  extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
+* ``"auto"``   (default, ``DEFAULT_KERNEL``) whichever of ours and cuDNN is faster here, timed once per shape (B, H,
+  T, D, dtype, causal, direction) on the first call and remembered in the process; ours where cuDNN is not
+  installed or cannot take the shape, cuDNN for head dims ours lacks. The first call of a shape syncs the device
+  (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without a decision, ours runs).
+
+NumPy arrays run the reference of the same algorithm (``llmgpu.ops.flash_reference``, tiled online softmax;
+float32 math, float64 stays float64), so the math is checked on any machine.
+
+Same call shapes as ``llmgpu.ops.attention``: q, k, v ``[B, H, T, D]``, returning ``(o, stats)`` where ``stats``
+is an ``AttentionStats`` holding ``lse`` (fp32 ``[B, H, T]``; cuDNN's "softmax stats" are the same numbers, so
+either backward takes either forward's stats). The arrays may be **strided views**: ``split_qkv(qkv, n_head)``
+gives q, k, v as views of the ``[B, T, 3C]`` output of the QKV projection and ``heads_view(y, n_head)`` a
+``[B, H, T, D]`` view of a ``[B, T, C]`` buffer, so no transposing copies are needed around attention (``out=``,
+``dq=``, ``dk=``, ``dv=`` accept such views). On the GPU every array starts on a 16-byte boundary and our kernels
+need element strides that are multiples of 8 (what those views give for D = 64 or 128).
+
+Our launches allocate nothing but one fp32 [B, H, T] buffer for D per shape (cached, made on the first call), so
+after a warm-up they are capturable in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import glob
-import os
-import sys
-
 import numpy as np
 
 from .. import backend
-from ..checks import (
-    array_module,
-    check_array,
-    check_gpu_dtype,
-    gpu_path_unavailable_reason,
-    optional_import,
-    require_module,
-)
+from ..checks import array_module, check_array, check_choice, check_gpu_dtype
+from ..kernels import get_kernel
+from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
+from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
+from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
 
-INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' (brings nvidia-cudnn-frontend; "
-                "cuDNN 9 itself comes from the nvidia-cudnn-cu12/cu13 wheel or a system install)")
-_UID = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "dO": 6, "dQ": 7, "dK": 8, "dV": 9}
-_FWD_IO = ("q", "k", "v", "o", "stats")
-_BWD_IO = ("q", "k", "v", "o", "dO", "stats", "dQ", "dK", "dV")
-FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what cuDNN's fused attention takes on the GPU
-
-
-class CudnnUnavailableError(backend.GPUUnavailableError):
-    """The cuDNN path was asked for but the cudnn frontend (or libcudnn, or a GPU) is missing."""
+KERNELS = ("auto", "ours", "scalar", "cudnn")
+DEFAULT_KERNEL = "auto"
+HEAD_DIMS = (64, 128)  # what our kernels are instantiated for
+FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
+THREADS = 128  # FA_THREADS in flash_attention.cu
+PAD = 8  # FA_PAD
+AUTO_REPS = 3  # timed calls per candidate when "auto" decides
 
 
 # --------------------------------------------------------------------------- availability
 
 
-def _mapped_libs(prefix):
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if len(line.split()) >= 6}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith(prefix))
-
-
-def _preload_libcudnn():
-    """Map libcudnn.so.9 before ``import cudnn`` when it sits in an ``nvidia/cudnn/lib`` directory of any
-    sys.path entry (wheels installed with ``--target`` are not where the frontend looks). One cuDNN per
-    process: a copy that is already mapped (e.g. by PyTorch) wins."""
-    if any(os.path.basename(p).startswith("libcudnn.so") for p in _mapped_libs("libcudnn")):
-        return
-    for root in sys.path:
-        if not root:
-            continue
-        for path in sorted(glob.glob(os.path.join(root, "nvidia", "cudnn", "lib", "libcudnn.so.*"))):
-            suffix = os.path.basename(path)[len("libcudnn.so."):]
-            if suffix.isdigit():
-                try:
-                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                    return
-                except OSError:
-                    continue
-
-
-def _preload_nvrtc():
-    """cuDNN compiles some engines at run time with NVRTC, which it finds by soname: make sure one is
-    mapped (CuPy's, or the pip wheel's through cuda.pathfinder, as the H200 probe did)."""
-    cp = backend.cupy_module()
-    try:
-        cp.cuda.nvrtc.getVersion()  # maps CuPy's libnvrtc
-    except Exception:
-        pass
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        load_nvidia_dynamic_lib("nvrtc")
-    except Exception:
-        pass
-
-
-@functools.cache
-def _import_cudnn():
-    """(cudnn module or None, reason when None)."""
-    for preload in (_preload_libcudnn, _preload_nvrtc):
-        try:
-            preload()
-        except Exception:  # best effort only
-            pass
-    return optional_import("cudnn", "the cuDNN frontend", INSTALL_HINT)
-
-
 def unavailable_reason() -> str | None:
-    """None when the cuDNN path can run here; otherwise one line saying what is missing."""
-    return gpu_path_unavailable_reason(_import_cudnn)
+    """None when fused attention can run here (a GPU: our kernels need nothing else); else one line why not."""
+    return backend.gpu_unavailable_reason()
 
 
 def available() -> bool:
     return unavailable_reason() is None
 
 
-def _cudnn():
-    return require_module(_import_cudnn, CudnnUnavailableError)
+_BACKWARD_RAN: set = set()  # implementations whose backward has run: "ours", "cudnn"
+
+
+def backward_is_deterministic() -> bool | None:
+    """Whether every backward run so far was bitwise repeatable (ours always is; cuDNN's when its deterministic
+    algorithm was built); None when no backward has run."""
+    if not _BACKWARD_RAN:
+        return None
+    return "cudnn" not in _BACKWARD_RAN or bool(cudnn_attention.backward_is_deterministic())
+
+
+def graph_count() -> int:
+    """Number of cached cuDNN attention graphs."""
+    return cudnn_attention.graph_count()
 
 
 # --------------------------------------------------------------------------- strided views
@@ -165,11 +120,6 @@ def heads_view(x, n_head: int):
     return x.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
 
 
-def _elem_strides(a):
-    it = a.dtype.itemsize
-    return tuple(int(s) // it for s in a.strides)
-
-
 def _check_bhtd(name, a, shape=None, dtype=None):
     """A [B, H, T, D] array, possibly a strided view: positive strides, unit stride along D."""
     if a.ndim != 4:
@@ -197,215 +147,185 @@ def _out(name, arr, shape, dtype, xp):
     return _check_bhtd(name, arr, shape=shape, dtype=dtype)
 
 
-# --------------------------------------------------------------------------- NumPy reference
-
-
-def _ref_scores(q, k, scale, causal, ct):
-    s = np.matmul(q.astype(ct), np.swapaxes(k.astype(ct), -1, -2)) * ct(scale)
-    if causal:
-        T = s.shape[-1]
-        s[..., np.triu(np.ones((T, T), dtype=bool), 1)] = -np.inf
-    return s
-
-
-def _forward_numpy(q, k, v, scale, causal, o, lse):
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    s = _ref_scores(q, k, scale, causal, ct)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
-    den = p.sum(axis=-1, keepdims=True)
-    o[...] = np.matmul(p / den, v.astype(ct)).astype(o.dtype)
-    lse[...] = (m + np.log(den))[..., 0].astype(lse.dtype)
-
-
-def _backward_numpy(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    p = np.exp(_ref_scores(q, k, scale, causal, ct) - lse.astype(ct)[..., None])  # recomputed, masked → 0
-    dof = do.astype(ct)
-    dv[...] = np.matmul(np.swapaxes(p, -1, -2), dof).astype(dv.dtype)
-    dp = np.matmul(dof, np.swapaxes(v.astype(ct), -1, -2))
-    d_row = (dof * o.astype(ct)).sum(axis=-1, keepdims=True)  # D_i = dO_i · O_i = Σ_j P_ij dP_ij
-    ds = p * (dp - d_row) * ct(scale)
-    dq[...] = np.matmul(ds, k.astype(ct)).astype(dq.dtype)
-    dk[...] = np.matmul(np.swapaxes(ds, -1, -2), q.astype(ct)).astype(dk.dtype)
-
-
-# --------------------------------------------------------------------------- cuDNN graphs
-
-
-class _Device:
-    def __init__(self, cudnn, device_id):
-        self.handle = cudnn.create_handle()
-        self.device_id = device_id
-
-
-_DEVICES: dict = {}
-_GRAPHS: dict = {}  # key -> _Entry
-
-
-def _device(cudnn, cp):
-    dev = cp.cuda.Device().id
-    d = _DEVICES.get(dev)
-    if d is None:
-        d = _DEVICES[dev] = _Device(cudnn, dev)
-    return d
-
-
-class _Entry:
-    __slots__ = ("graph", "ws", "ws_ptr", "form", "describe", "deterministic")
-
-
-# The backward graph asks cuDNN for its deterministic algorithm (``use_deterministic_algorithm``): the
-# default one accumulates dQ with atomics, so two runs from the same inputs differ in the last bits
-# (seen on the H200: every weight gradient of the blocks below the first attention then differs), and
-# a resumed training run could not reproduce the uninterrupted one bit for bit. A frontend without the
-# option builds the default graph; ``backward_is_deterministic()`` says which one ran.
-DETERMINISTIC_BACKWARD = True
-
-
-def _mask_variants(cudnn, causal):
-    if not causal:
-        return [("none", {})]
-    return [("band", {"diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}),
-            ("causal", {"use_causal_mask": True})]  # the older spelling, still accepted by 1.32
-
-
-def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, describe, deterministic=False):
-    """Build (validate, plan, compile) one forward or backward SDPA graph with fixed uids."""
-    io = cudnn.data_type.BFLOAT16 if io_name == "bf16" else cudnn.data_type.HALF
-    f32 = cudnn.data_type.FLOAT
-    B, H, T, _ = dims
-    sdims, sstr = [B, H, T, 1], [H * T, T, 1, 1]
-    errors = []
-    for label, mask in _mask_variants(cudnn, causal):
-        try:
-            g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-            t = {n: g.tensor(name=n, dim=list(dims), stride=list(strides[n]), data_type=io, uid=_UID[n])
-                 for n in ("q", "k", "v")}
-            if which == "fwd":
-                o, stats = g.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True, attn_scale=scale,
-                                  **mask)
-                o.set_output(True).set_dim(list(dims)).set_stride(list(strides["o"])).set_data_type(io).set_uid(
-                    _UID["o"])
-                stats.set_output(True).set_dim(sdims).set_stride(sstr).set_data_type(f32).set_uid(_UID["stats"])
-            else:
-                t["o"] = g.tensor(name="o", dim=list(dims), stride=list(strides["o"]), data_type=io, uid=_UID["o"])
-                t["dO"] = g.tensor(name="dO", dim=list(dims), stride=list(strides["dO"]), data_type=io,
-                                   uid=_UID["dO"])
-                t["stats"] = g.tensor(name="stats", dim=sdims, stride=sstr, data_type=f32, uid=_UID["stats"])
-                kw = dict(name="sdpa_bwd", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
-                          attn_scale=scale, **mask)
-                try:
-                    grads = g.sdpa_backward(**kw, use_deterministic_algorithm=True) if deterministic else \
-                        g.sdpa_backward(**kw)
-                except TypeError:  # a frontend without the option
-                    deterministic = False
-                    grads = g.sdpa_backward(**kw)
-                for tensor, n in zip(grads, ("dQ", "dK", "dV")):
-                    tensor.set_output(True).set_dim(list(dims)).set_stride(list(strides[n])).set_data_type(
-                        io).set_uid(_UID[n])
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            g.check_support()
-            g.build_plans()
-        except Exception as e:
-            errors.append(f"mask {label}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}")
-            continue
-        e = _Entry()
-        e.graph = g
-        size = int(g.get_workspace_size())
-        e.ws = cp.empty(max(size, 1), dtype=cp.uint8)
-        e.ws_ptr = int(e.ws.data.ptr)
-        e.form = None  # which variant-pack form execute() took: decided on the first call
-        e.describe = describe
-        e.deterministic = which == "fwd" or deterministic
-        return e
-    raise RuntimeError(f"cuDNN could not build the {which} attention graph for {describe}: " + " | ".join(errors))
-
-
-def _execute(cudnn, dev, entry, arrays: dict):
-    """Run a built graph on CuPy's current stream. Variant pack {uid: device pointer} (the form the probe
-    used); if the first call rejects it, {uid: cupy array} is tried and remembered."""
-    cp = backend.cupy_module()
-    cudnn.set_stream(dev.handle, cp.cuda.get_current_stream().ptr)  # cached by the handle when unchanged
-    first = None
-    if entry.form != "arrays":
-        pack = {_UID[n]: int(a.data.ptr) for n, a in arrays.items()}
-        try:
-            entry.graph.execute(pack, entry.ws_ptr, handle=dev.handle)
-            entry.form = "ptr"
-            return
-        except Exception as e:
-            if entry.form == "ptr":
-                raise RuntimeError(f"cuDNN attention failed for {entry.describe}: {type(e).__name__}: {e}") from e
-            first = e
-    try:
-        entry.graph.execute({_UID[n]: a for n, a in arrays.items()}, entry.ws, handle=dev.handle)
-    except Exception as e:
-        extra = f" (with device pointers: {type(first).__name__}: {first})" if first is not None else ""
-        raise RuntimeError(f"cuDNN attention failed for {entry.describe}: {type(e).__name__}: {e}{extra}") from e
-    entry.form = "arrays"
-
-
-def _entry(cudnn, cp, dev, which, arrays, dtype, scale, causal):
-    dims = tuple(int(s) for s in arrays["q"].shape)
-    strides = {n: _elem_strides(a) for n, a in arrays.items() if n != "stats"}
-    io_name = backend.dtype_name(dtype)
-    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())),
-           which == "bwd" and DETERMINISTIC_BACKWARD)
-    e = _GRAPHS.get(key)
-    if e is None:
-        describe = (f"B,H,T,D={list(dims)} {io_name} causal={causal} scale={scale:.6g} strides "
-                    + ", ".join(f"{n}{list(s)}" for n, s in strides.items()))
-        det = which == "bwd" and DETERMINISTIC_BACKWARD
-        try:
-            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, det)
-        except RuntimeError:
-            if not det:
-                raise
-            # no deterministic engine for this shape: the default one, and backward_is_deterministic() says so
-            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, False)
-        _GRAPHS[key] = e
-    return e
-
-
-def backward_is_deterministic() -> bool | None:
-    """Whether every backward graph built so far runs cuDNN's deterministic algorithm (None: none built)."""
-    entries = [e for k, e in _GRAPHS.items() if k[1] == "bwd"]
-    return all(e.deterministic for e in entries) if entries else None
-
-
-def graph_count() -> int:
-    """Number of cached cuDNN attention graphs."""
-    return len(_GRAPHS)
-
-
-# --------------------------------------------------------------------------- public API
-
-
 def _check_inputs(q, k, v):
     xp = array_module(q=q, k=k, v=v)
     _check_bhtd("q", q)
     _check_bhtd("k", k, shape=q.shape, dtype=q.dtype)
     _check_bhtd("v", v, shape=q.shape, dtype=q.dtype)
     if xp is not np:
-        check_gpu_dtype("q", q, FLASH_DTYPES, hint="cuDNN flash attention; fp32 runs on llmgpu.ops.attention")
-        if q.shape[-1] % 8:
-            raise ValueError(f"cuDNN flash attention needs a head dimension D divisible by 8, got {q.shape[-1]}")
-        for n, a in (("q", q), ("k", k), ("v", v)):
-            if a.data.ptr % 16:
-                raise ValueError(f"{n} must start on a 16-byte boundary")
+        check_gpu_dtype("q", q, FLASH_DTYPES, hint="fused attention; fp32 runs on llmgpu.ops.attention")
     return xp
 
 
-def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None):
+def _check_gpu_layout(**arrays):
+    for n, a in arrays.items():
+        if a.data.ptr % 16:
+            raise ValueError(f"{n} must start on a 16-byte boundary")
+
+
+def ours_unsupported(q, *arrays) -> str | None:
+    """Why our kernels cannot take these [B, H, T, D] CuPy arrays (None when they can)."""
+    B, H, T, D = q.shape
+    if D not in HEAD_DIMS:
+        return f"our flash attention kernels take head dims {HEAD_DIMS}, got D={D} (kernel='cudnn' takes D % 8 == 0)"
+    for a in (q, *arrays):
+        st = [s // a.dtype.itemsize for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1]
+        if any(s % 8 for s in st):
+            return (f"our flash attention kernels need element strides that are multiples of 8 (16-byte rows), got "
+                    f"{[s // a.dtype.itemsize for s in a.strides]}: pass a contiguous copy")
+    if B * H >= 2**31 or -(-T // 16) > 65535:
+        return f"our flash attention kernels take B·H < 2**31 and T ≤ {65535 * 16}, got B·H={B * H}, T={T}"
+    return None
+
+
+def _require_ours(q, *arrays):
+    why = ours_unsupported(q, *arrays)
+    if why:
+        raise ValueError(why)
+
+
+# --------------------------------------------------------------------------- our kernels
+
+
+def _strides(a):
+    it = a.dtype.itemsize
+    return [np.int64(s // it) for s in a.strides[:3]]
+
+
+_OPTED_IN: set = set()
+
+
+def _kernel(function, dtype, D, smem):
+    kern = get_kernel("flash_attention", function, dtype, D)
+    if smem > SMEM_WITHOUT_OPT_IN:
+        key = (function, np.dtype(dtype).str, D, backend.cupy_module().cuda.Device().id)
+        if key not in _OPTED_IN:
+            if not opt_in_shared_memory(kern, smem):
+                raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
+                                   "does not allow that much")
+            _OPTED_IN.add(key)
+    return kern
+
+
+def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
+    """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory)."""
+    row = (D + PAD) * itemsize
+    bwd_tile = 32 if D == 128 else 64  # fa_bwd_tile in the .cu
+    return {"flash_fwd": (64 + 2 * 64) * row,
+            "flash_bwd_dkdv": (2 * 64 + 2 * bwd_tile) * row + 2 * bwd_tile * 4,
+            "flash_bwd_dq": (2 * 64 + 2 * bwd_tile) * row}.get(function, 0)
+
+
+def _ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
+    B, H, T, D = q.shape
+    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
+    if scalar:
+        rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
+        get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
+        return
+    smem = smem_bytes("flash_fwd", D)
+    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // 64)), (THREADS,), args, shared_mem=smem)
+
+
+_DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
+
+
+def _delta_buffer(cp, B, H, T):
+    key = (cp.cuda.Device().id, B, H, T)
+    d = _DELTA.get(key)
+    if d is None:
+        d = _DELTA[key] = cp.empty((B, H, T), dtype=np.float32)
+    return d
+
+
+def _ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
+    cp = backend.cupy_module()
+    B, H, T, D = q.shape
+    delta = _delta_buffer(cp, B, H, T)
+    rows = B * H * T
+    get_kernel("flash_attention", "flash_bwd_dot", q.dtype)(
+        (-(-rows // 8),), (256,), (do, o, delta, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
+                                   *_strides(do), *_strides(o)))
+    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    smem = smem_bytes("flash_bwd_dkdv", D)
+    _kernel("flash_bwd_dkdv", q.dtype, D, smem)(
+        (B * H, -(-T // 64)), (THREADS,), (q, k, v, do, lse, delta, dk, dv, *head, *ins, *_strides(dk),
+                                           *_strides(dv)), shared_mem=smem)
+    smem = smem_bytes("flash_bwd_dq", D)
+    _kernel("flash_bwd_dq", q.dtype, D, smem)(
+        (B * H, -(-T // 64)), (THREADS,), (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq)), shared_mem=smem)
+
+
+# --------------------------------------------------------------------------- choosing ("auto")
+
+_AUTO: dict = {}  # (device, direction, B, H, T, D, dtype, causal) -> "ours" | "cudnn"
+
+
+def auto_choices() -> dict:
+    """What ``kernel="auto"`` picked so far, per (device, direction, B, H, T, D, dtype, causal)."""
+    return dict(_AUTO)
+
+
+def _capturing(cp) -> bool:
+    try:
+        return bool(cp.cuda.get_current_stream().is_capturing())
+    except Exception:
+        return False
+
+
+def _time_ms(cp, fn) -> float:
+    fn()  # warm-up: compiles the kernels / builds the cuDNN graph
+    stream = cp.cuda.get_current_stream()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(AUTO_REPS):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / AUTO_REPS
+
+
+def _resolve(kernel, direction, q, arrays, causal, run):
+    """The implementation to run: ``kernel`` itself, or for "auto" the remembered / freshly timed faster one.
+    ``run(name)`` launches implementation ``name`` on the caller's buffers (timing writes them too)."""
+    check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", "ours", "cudnn"))
+    if kernel != "auto":
+        return kernel
+    cp = backend.cupy_module()
+    key = (cp.cuda.Device().id, direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
+    if key in _AUTO:
+        return _AUTO[key]
+    cands = [n for n, ok in (("ours", ours_unsupported(q, *arrays) is None),
+                             ("cudnn", cudnn_attention.available() and q.shape[-1] % 8 == 0)) if ok]
+    if not cands:
+        _require_ours(q, *arrays)  # raises with ours' reason
+    if len(cands) == 1 or _capturing(cp):
+        return cands[0]
+    times = {}
+    for name in cands:
+        try:
+            times[name] = _time_ms(cp, lambda: run(name))
+        except Exception:  # e.g. cuDNN without an engine for this shape
+            continue
+    if not times:
+        return cands[0]
+    _AUTO[key] = min(times, key=times.get)
+    return _AUTO[key]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None, kernel=None):
     """``O = softmax(scale · q kᵀ, causal) v`` without materialising the scores; returns ``(o, stats)``.
 
     q, k, v ``[B, H, T, D]`` (strided views allowed, unit stride along D). ``stats`` is an
     ``AttentionStats`` with ``lse`` (fp32 ``[B, H, T]``): what ``flash_attention_backward`` needs.
     ``out`` ([B, H, T, D], may be a view such as ``heads_view(y, H)``) and ``lse`` (contiguous fp32
     [B, H, T]) are written when given (static buffers for CUDA graphs), else allocated.
+    ``kernel``: "auto" (default: ``DEFAULT_KERNEL``), "ours", "scalar" or "cudnn" (GPU only; see the module).
     """
     xp = _check_inputs(q, k, v)
     B, H, T, D = q.shape
@@ -418,23 +338,33 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
         if backend.get_array_module(lse) is not xp:
             raise TypeError("lse must live on the same device as q")
         check_array("lse", lse, shape=(B, H, T), dtype=lse_dtype)
+    kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
-        _forward_numpy(q, k, v, scale, causal, o, lse)
-    else:
-        cudnn = _cudnn()
-        dev = _device(cudnn, xp)
-        arrays = {"q": q, "k": k, "v": v, "o": o, "stats": lse}
-        e = _entry(cudnn, xp, dev, "fwd", arrays, q.dtype, scale, causal)
-        _execute(cudnn, dev, e, arrays)
+        check_choice("kernel", kernel, KERNELS)
+        ref_o, ref_lse = flash_reference.tiled_forward(q, k, v, scale, causal)
+        o[...] = ref_o.astype(o.dtype)
+        lse[...] = ref_lse.astype(lse.dtype)
+        return o, AttentionStats(lse=lse, scale=scale, causal=causal)
+    _check_gpu_layout(q=q, k=k, v=v, out=o)
+
+    def run(name):
+        if name == "cudnn":
+            cudnn_attention.check_layout(q, k, v)
+            cudnn_attention.forward(q, k, v, o, lse, scale, causal)
+        else:
+            _require_ours(q, k, v, o)
+            _ours_forward(q, k, v, o, lse, scale, causal, scalar=name == "scalar")
+
+    run(_resolve(kernel, "fwd", q, (k, v, o), causal, run))
     return o, AttentionStats(lse=lse, scale=scale, causal=causal)
 
 
-def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None):
+def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
     All of do, q, k, v, o are ``[B, H, T, D]`` (strided views allowed); ``dq``/``dk``/``dv`` are written
     when given (e.g. ``split_qkv(dqkv, H)``, so the gradient lands in the [B, T, 3C] layout the QKV
-    projection's backward reads), else allocated contiguous.
+    projection's backward reads), else allocated contiguous. ``kernel``: "auto" (default), "ours" or "cudnn".
     """
     xp = _check_inputs(q, k, v)
     array_module(q=q, do=do, o=o)
@@ -455,25 +385,24 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     dq = _out("dq", dq, q.shape, q.dtype, xp)
     dk = _out("dk", dk, q.shape, q.dtype, xp)
     dv = _out("dv", dv, q.shape, q.dtype, xp)
+    kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
-        _backward_numpy(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
+        check_choice("kernel", kernel, ("auto", "ours", "cudnn"))
+        for g, r in zip((dq, dk, dv), flash_reference.tiled_backward(do, q, k, v, o, lse, stats.scale, causal)):
+            g[...] = r.astype(g.dtype)
         return dq, dk, dv
-    for n, a in (("do", do), ("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
-        if a.data.ptr % 16:
-            raise ValueError(f"{n} must start on a 16-byte boundary")
-    if T == 1:
-        # One position: softmax over a single score is 1, so o = v and the scores get no gradient
-        # (dS = P ⊙ (dP − Σ P⊙dP) = 0): dq = dk = 0, dv = dO. cuDNN (frontend 1.32, seen on the H200)
-        # builds no backward graph for T = 1, so this exact special case stands in for it.
-        dq[...] = 0
-        dk[...] = 0
-        dv[...] = do
-        return dq, dk, dv
-    cudnn = _cudnn()
-    dev = _device(cudnn, xp)
-    arrays = {"q": q, "k": k, "v": v, "o": o, "dO": do, "stats": lse, "dQ": dq, "dK": dk, "dV": dv}
-    e = _entry(cudnn, xp, dev, "bwd", arrays, q.dtype, stats.scale, causal)
-    _execute(cudnn, dev, e, arrays)
+    _check_gpu_layout(q=q, k=k, v=v, do=do, o=o, dq=dq, dk=dk, dv=dv)
+
+    def run(name):
+        if name == "cudnn":
+            cudnn_attention.check_layout(q, k, v)
+            cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
+        else:
+            _require_ours(q, k, v, do, o, dq, dk, dv)
+            _ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
+        _BACKWARD_RAN.add(name)
+
+    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run))
     return dq, dk, dv
 
 
@@ -492,8 +421,7 @@ def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
     return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
 
 
-__all__ = ["CudnnUnavailableError", "DETERMINISTIC_BACKWARD", "INSTALL_HINT", "available",
-           "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
-           "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "split_qkv",
-           "unavailable_reason"]
-
+__all__ = ["CudnnUnavailableError", "DEFAULT_KERNEL", "HEAD_DIMS", "INSTALL_HINT", "KERNELS", "auto_choices",
+           "available", "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
+           "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "ours_unsupported",
+           "smem_bytes", "split_qkv", "unavailable_reason"]

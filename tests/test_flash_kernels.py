@@ -1,0 +1,305 @@
+"""Our flash attention (``kernels/flash_attention.cu`` through ``llmgpu.ops.flash_attention``, chapter 2b).
+
+CPU: the NumPy reference of the algorithm (online softmax identity, tiled == naive in float64, backward against
+finite differences) and the argument checks that need no GPU. GPU: the tensor-core and scalar forward and the
+deterministic backward against the float64 reference on fresh random inputs (odd T, small and large B·H, fp16 and
+bf16, causal or not, D = 64 and 128), strided QKV views, poisoned outputs, NaN propagation, bitwise
+repeatability, CUDA-graph capture, agreement with cuDNN and PyTorch SDPA where they are installed.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from llmgpu import backend
+from llmgpu.kernels.launch import SMEM_WITHOUT_OPT_IN, SMLimits
+from llmgpu.ops import flash_attention as fa
+from llmgpu.ops import flash_reference as ref
+from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
+
+pytestmark = pytest.mark.ch2
+
+# relative error ‖out − ref‖ / ‖ref‖ against float64, for 16-bit inputs and outputs (the output rounding alone
+# is ~2⁻⁹ for bf16, ~2⁻¹² for fp16; P and dS are rounded to 16 bits once more inside the kernels)
+RTOL = {"bf16": 2e-2, "fp16": 5e-3}
+
+
+# =========================================================================== NumPy reference (CPU)
+
+
+def test_online_softmax_identity(rng):
+    """Softmax statistics of two halves merge exactly: m = max(m1, m2), l = l1 e^(m1−m) + l2 e^(m2−m)."""
+    x = rng.standard_normal(1000) * 4
+    a, b = x[:377], x[377:]
+    m1, m2 = a.max(), b.max()
+    l1, l2 = np.exp(a - m1).sum(), np.exp(b - m2).sum()
+    m = max(m1, m2)
+    l = l1 * np.exp(m1 - m) + l2 * np.exp(m2 - m)
+    assert np.isclose(m + np.log(l), np.log(np.exp(x).sum()), rtol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,tile", [(1, 64), (7, 4), (63, 16), (65, 64), (130, 32)])
+def test_tiled_equals_naive_float64(rng, causal, T, tile):
+    q, k, v, do = (rng.standard_normal((2, 3, T, 8)) for _ in range(4))
+    o, lse = ref.tiled_forward(q, k, v, 0.4, causal, tile=tile)
+    o2, lse2 = ref.naive_forward(q, k, v, 0.4, causal)
+    np.testing.assert_allclose(o, o2, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, lse2, rtol=1e-12, atol=1e-13)
+    got = ref.tiled_backward(do, q, k, v, o, lse, 0.4, causal, tile=tile)
+    want = ref.naive_backward(do, q, k, v, o2, lse2, 0.4, causal)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_backward_matches_finite_differences(rng, causal):
+    shape = (1, 2, 9, 4)
+    q, k, v, r = (rng.standard_normal(shape) for _ in range(4))
+
+    def f():
+        return float((ref.tiled_forward(q, k, v, 0.5, causal, tile=4)[0] * r).sum())
+
+    o, lse = ref.tiled_forward(q, k, v, 0.5, causal, tile=4)
+    dq, dk, dv = ref.tiled_backward(r, q, k, v, o, lse, 0.5, causal, tile=4)
+    for name, x, g in (("dq", q, dq), ("dk", k, dk), ("dv", v, dv)):
+        check_gradient(f, x, g, name=name)
+
+
+def test_numpy_path_runs_the_tiled_reference(rng):
+    q, k, v = (random_array(rng, (2, 2, 70, 16), "fp64") for _ in range(3))
+    o, st = fa.flash_attention_forward(q, k, v, kernel="ours")
+    o2, lse2 = ref.naive_forward(q, k, v, 0.25, True)
+    np.testing.assert_allclose(o, o2, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(st.lse, lse2, rtol=1e-12)
+
+
+def test_bad_kernel_name_and_what_ours_cannot_take(rng):
+    q = random_array(rng, (1, 2, 5, 64))
+    with pytest.raises(ValueError, match="kernel"):
+        fa.flash_attention_forward(q, q, q, kernel="fastest")
+    o, st = fa.flash_attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="kernel"):
+        fa.flash_attention_backward(q, q, q, q, o, st, kernel="scalar")  # forward only
+    assert fa.ours_unsupported(q) is None
+    assert "head dims" in fa.ours_unsupported(random_array(rng, (1, 2, 5, 80)))
+    x = random_array(rng, (1, 5, 3 * 2 * 64 + 4))[..., :3 * 2 * 64]  # rows of 388 elements: not 8-aligned
+    assert "multiples of 8" in fa.ours_unsupported(x.reshape(1, 5, 6, 64).transpose(0, 2, 1, 3)[:, :2])
+
+
+def test_shared_memory_fits_an_sm90_block():
+    lim = SMLimits()
+    for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
+        assert fa.smem_bytes(f, 64) <= SMEM_WITHOUT_OPT_IN  # D = 64 runs anywhere without opting in
+        assert SMEM_WITHOUT_OPT_IN < fa.smem_bytes(f, 128) <= lim.smem_per_block_optin
+
+
+# =========================================================================== GPU
+
+
+def _dev(cp, rng, shape, dtype, scale=1.0):
+    return cp.asarray(random_array(rng, shape, dtype, scale=scale))
+
+
+def _ref64(cp, q, k, v, do, causal):
+    """float64 (o, lse, dq, dk, dv) on the host from the device inputs."""
+    f = [cp.asnumpy(a).astype(np.float64) for a in (q, k, v, do)]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, lse = ref.naive_forward(*f[:3], scale, causal)
+    return (o, lse, *ref.naive_backward(f[3], *f[:3], o, lse, scale, causal))
+
+
+CASES = [((1, 1, 1, 64), True), ((1, 2, 7, 64), True), ((2, 3, 63, 64), False), ((2, 3, 65, 128), True),
+         ((1, 2, 1000, 64), True), ((1, 2, 1024, 128), False), ((8, 24, 65, 64), True), ((1, 1, 130, 128), True),
+         ((2, 2, 1000, 128), True), ((1, 1, 1024, 64), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape,causal", CASES)
+def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal):
+    q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
+    o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp),
+                                       lse=poisoned(shape[:3], "fp32", cp), kernel="ours")
+    dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=poisoned(shape, dtype, cp),
+                                             dk=poisoned(shape, dtype, cp), dv=poisoned(shape, dtype, cp),
+                                             kernel="ours")
+    r_o, r_lse, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, do, causal)
+    assert_close(o, r_o, rtol=RTOL[dtype], name="o")
+    assert_close(st.lse, r_lse, rtol=1e-4, name="lse")
+    if shape[2] == 1:  # one key: P = 1, dv = dO exactly; dq = dk = 0 up to rounding (dP and D are summed in
+        # different orders, so dS = dP − D is ~1e-7, not exactly 0)
+        assert float(cp.abs(dq.astype(np.float32)).max()) < 1e-3 and float(cp.abs(dk.astype(np.float32)).max()) < 1e-3
+        assert cp.array_equal(dv, do)
+        return
+    for g, r, n in ((dq, r_dq, "dq"), (dk, r_dk, "dk"), (dv, r_dv, "dv")):
+        assert_close(g, r, rtol=2 * RTOL[dtype], name=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape,causal", [((1, 1, 1, 64), True), ((2, 3, 63, 64), False), ((2, 3, 65, 128), True),
+                                          ((1, 2, 1000, 128), True), ((4, 6, 257, 64), True)])
+def test_gpu_scalar_forward_matches_float64(cp, rng, dtype, shape, causal):
+    q, k, v = (_dev(cp, rng, shape, dtype) for _ in range(3))
+    o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp),
+                                       lse=poisoned(shape[:3], "fp32", cp), kernel="scalar")
+    r_o, r_lse, *_ = _ref64(cp, q, k, v, q, causal)
+    assert_close(o, r_o, rtol=RTOL[dtype] / 2, name="o")
+    assert_close(st.lse, r_lse, rtol=1e-5, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_qkv_views(cp, rng, D):
+    """q, k, v as strided views of one [B, T, 3C] buffer, o into [B, T, C], dq/dk/dv into [B, T, 3C]."""
+    B, T, H = 2, 77, 3
+    C = H * D
+    qkv = _dev(cp, rng, (B, T, 3 * C), "bf16")
+    q, k, v = fa.split_qkv(qkv, H)
+    y = poisoned((B, T, C), "bf16", cp)
+    o, st = fa.flash_attention_forward(q, k, v, out=fa.heads_view(y, H), kernel="ours")
+    dout = _dev(cp, rng, (B, T, C), "bf16")
+    dqkv = poisoned((B, T, 3 * C), "bf16", cp)
+    dq, dk, dv = fa.split_qkv(dqkv, H)
+    fa.flash_attention_backward(fa.heads_view(dout, H), q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours")
+    assert not cp.isnan(y.astype(np.float32)).any() and not cp.isnan(dqkv.astype(np.float32)).any()
+    oc, stc = fa.flash_attention_forward(*(cp.ascontiguousarray(a) for a in (q, k, v)), kernel="ours")
+    assert cp.array_equal(fa.heads_view(y, H), oc)  # the same arithmetic whatever the strides
+    want = fa.flash_attention_backward(cp.ascontiguousarray(fa.heads_view(dout, H)),
+                                       *(cp.ascontiguousarray(a) for a in (q, k, v)), oc, stc, kernel="ours")
+    for g, w in zip((dq, dk, dv), want):
+        assert cp.array_equal(g, w)
+    r_o, _, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, fa.heads_view(dout, H), True)
+    assert_close(fa.heads_view(y, H), r_o, rtol=RTOL["bf16"], name="o")
+    for g, r, n in ((dq, r_dq, "dq"), (dk, r_dk, "dk"), (dv, r_dv, "dv")):
+        assert_close(g, r, rtol=2 * RTOL["bf16"], name=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["ours", "scalar"])
+def test_gpu_nan_in_nan_out(cp, rng, kernel):
+    shape = (1, 2, 100, 64)
+    q, k, v = (_dev(cp, rng, shape, "bf16") for _ in range(3))
+    q[0, 1, 40, 3] = np.nan
+    o, st = fa.flash_attention_forward(q, k, v, kernel=kernel)
+    bad = cp.isnan(o.astype(np.float32)).any(axis=-1)
+    assert bool(bad[0, 1, 40]) and int(bad.sum()) == 1  # that row only
+    assert bool(cp.isnan(st.lse[0, 1, 40]))
+    k[0, 0, 10, 0] = np.nan  # a key: every row that sees it (causal: rows 10..99 of head 0)
+    o, _ = fa.flash_attention_forward(q, k, v, kernel=kernel)
+    bad = cp.isnan(o.astype(np.float32)).any(axis=-1)
+    assert bool(bad[0, 0, 10:].all()) and not bool(bad[0, 0, :10].any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_backward_is_bitwise_repeatable(cp, rng, D):
+    shape = (2, 4, 333, D)
+    q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
+    o, st = fa.flash_attention_forward(q, k, v, kernel="ours")
+    first = [g.copy() for g in fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours")]
+    for _ in range(3):
+        again = fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours")
+        for a, b in zip(first, again):
+            assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+    assert fa.backward_is_deterministic() in (True, False)  # cuDNN may have run in another test
+
+
+@pytest.mark.gpu
+def test_gpu_captured_in_graph(cp, rng):
+    from llmgpu.perf.graphs import capture
+
+    shape = (2, 4, 200, 64)
+    q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
+    o, lse = cp.empty(shape, backend.bfloat16), cp.empty(shape[:3], np.float32)
+    dq, dk, dv = (cp.empty(shape, backend.bfloat16) for _ in range(3))
+
+    def step():
+        _, st = fa.flash_attention_forward(q, k, v, out=o, lse=lse, kernel="ours")
+        fa.flash_attention_backward(do, q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours")
+
+    g = capture(step)
+    cp.cuda.Device().synchronize()
+    eager = [a.copy() for a in (o, lse, dq, dk, dv)]
+    for a in (o, lse, dq, dk, dv):
+        a.fill(np.nan)
+    g.replay()
+    cp.cuda.Device().synchronize()
+    for a, e in zip((o, lse, dq, dk, dv), eager):
+        assert cp.array_equal(a, e)  # deterministic: replay is bit-identical to eager
+
+
+@pytest.mark.gpu
+def test_gpu_auto_decides_once_per_shape(cp, rng):
+    shape = (2, 3, 128, 64)
+    q, k, v = (_dev(cp, rng, shape, "fp16") for _ in range(3))
+    o, _ = fa.flash_attention_forward(q, k, v)
+    choice = [c for key, c in fa.auto_choices().items() if key[1:] == ("fwd", *shape, "fp16", True)]
+    assert choice and choice[0] in ("ours", "cudnn")
+    if fa.cudnn_attention.unavailable_reason() is not None:
+        assert choice[0] == "ours"  # the fast path needs no cuDNN
+    o2, _ = fa.flash_attention_forward(q, k, v, kernel=choice[0])
+    assert cp.array_equal(o, o2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape,causal", [((2, 3, 257, 64), True), ((1, 2, 1024, 128), False)])
+def test_gpu_agrees_with_cudnn(cp, rng, dtype, shape, causal):
+    why = fa.cudnn_attention.unavailable_reason()
+    if why is not None:
+        pytest.skip(f"cuDNN flash attention not available: {why}")
+    q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
+    res = {}
+    for kern in ("ours", "cudnn"):
+        o, st = fa.flash_attention_forward(q, k, v, causal, kernel=kern)
+        res[kern] = (o, st.lse, *fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel=kern))
+    for n, a, b in zip(("o", "lse", "dq", "dk", "dv"), res["ours"], res["cudnn"]):
+        assert_close(a, b, rtol=1e-4 if n == "lse" else 2 * RTOL[dtype], name=n)
+    o, st = fa.flash_attention_forward(q, k, v, causal, kernel="cudnn")  # either backward takes either's lse
+    assert_close(fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")[0], res["cudnn"][2],
+                 rtol=2 * RTOL[dtype], name="dq from cuDNN's lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_agrees_with_torch_sdpa(cp, rng, causal):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    shape = (2, 4, 300, 64)
+    q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
+    o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
+    dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")
+    cp.cuda.Device().synchronize()
+    tq, tk, tv = (torch.from_dlpack(a).detach().requires_grad_(True) for a in (q, k, v))
+    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    to.backward(torch.from_dlpack(do))
+    torch.cuda.synchronize()
+    for n, a, t in (("o", o, to), ("dq", dq, tq.grad), ("dk", dk, tk.grad), ("dv", dv, tv.grad)):
+        assert_close(a, cp.from_dlpack(t.detach().contiguous()), rtol=2 * RTOL["bf16"], name=n)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs(cp, rng):
+    q = _dev(cp, rng, (1, 2, 16, 64), "fp32")
+    with pytest.raises(TypeError, match="supports fp16, bf16"):
+        fa.flash_attention_forward(q, q, q, kernel="ours")
+    qb = q.astype(backend.bfloat16)
+    with pytest.raises(TypeError, match="k=ndarray"):
+        fa.flash_attention_forward(qb, cp.asnumpy(qb), qb, kernel="ours")
+    odd = _dev(cp, rng, (1, 2, 16, 96), "bf16")
+    with pytest.raises(ValueError, match="head dims"):
+        fa.flash_attention_forward(odd, odd, odd, kernel="ours")
+    with pytest.raises(ValueError, match="head dims"):
+        fa.flash_attention_forward(odd, odd, odd, kernel="scalar")
+    wide = _dev(cp, rng, (1, 2, 16, 72), "bf16")[..., :64]  # rows of 72 elements: fine (a multiple of 8)
+    fa.flash_attention_forward(wide, wide, wide, kernel="ours")
+    ragged = _dev(cp, rng, (1, 2, 16, 68), "bf16")[..., :64]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        fa.flash_attention_forward(ragged, ragged, ragged, kernel="ours")
+    shifted = _dev(cp, rng, (1 * 2 * 16 * 64 + 4,), "bf16")[4:].reshape(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        fa.flash_attention_forward(shifted, shifted, shifted, kernel="ours")
