@@ -197,8 +197,8 @@ def test_gpu_fast_model_matches_numpy_reference(cp, rng, dtype, tol):
 
 
 def _gpu_cfg(**kw):
-    return dict(preset="tiny", device="gpu", dtype="bf16", batch=4, seq=64, lr=3e-3, warmup=2, eval_every=0,
-                log_every=4, progress=False, sample_tokens=0, plot=False, **kw)
+    return {**dict(preset="tiny", device="gpu", dtype="bf16", batch=4, seq=64, lr=3e-3, warmup=2, eval_every=0,
+                   log_every=4, progress=False, sample_tokens=0, plot=False), **kw}
 
 
 def _losses(out):
