@@ -421,3 +421,19 @@ def test_gpu_fast_fp16_graph_step_skips_an_overflow(cp, tmp_path):
     assert np.isfinite(s["train_loss"]) and s["skipped_steps"] >= 0
     recs = [r for r in read_log(tmp_path / "f") if r["type"] == "train"]
     assert len(recs) == 8 and all("skipped" in r for r in recs)
+
+
+def test_precision_benchmark_script_runs_on_the_cpu(capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        mod = runpy.run_path(str(Path(bench_dir) / "bench_ch8_precision.py"), run_name="bench")
+        assert mod["main"](["--quick", "--steps", "1"]) == 0
+    finally:
+        sys.path.remove(bench_dir)
+    out = capsys.readouterr().out
+    assert "fp16:" in out and "fp16 / fp32 tokens/s" in out and "smoke test" in out

@@ -63,6 +63,7 @@ def main(argv=None) -> int:
         s = summarize(recs, a.window)
         if recs is not first:
             s["max_gap_to_first"] = max_gap(first, recs, a.window)
+        s["curve"] = [[r["step"], r["loss"]] for r in recs if r.get("type") == "train"]  # (step, loss): to plot
         out[name] = s
         print(f"{name}: {s['dtype']}, {s['steps']} steps, {s['skipped_steps']} skipped, loss {s['first_loss']:.4f} "
               f"-> {s['last_loss']:.4f} (mean of {a.window})"
