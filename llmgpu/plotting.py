@@ -10,6 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def _saved(ax, png_path, own: bool):
+    """``png_path`` after writing the figure there (closed when this function made it), else ``ax``."""
+    if png_path is None:
+        return ax
+    ax.figure.tight_layout()
+    ax.figure.savefig(png_path, dpi=120)
+    if own:
+        _plt().close(ax.figure)
+    return png_path
+
+
 def _plt():
     import matplotlib
 
@@ -207,13 +218,7 @@ def plot_losses(records, png_path=None, ax=None):
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    if png_path is not None:
-        ax.figure.tight_layout()
-        ax.figure.savefig(png_path, dpi=120)
-        if own:
-            plt.close(ax.figure)
-        return png_path
-    return ax
+    return _saved(ax, png_path, own)
 
 
 def plot_loss_comparison(runs: dict, png_path=None, ax=None, *, smooth: int = 20):
@@ -239,13 +244,7 @@ def plot_loss_comparison(runs: dict, png_path=None, ax=None, *, smooth: int = 20
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    if png_path is not None:
-        ax.figure.tight_layout()
-        ax.figure.savefig(png_path, dpi=120)
-        if own:
-            plt.close(ax.figure)
-        return png_path
-    return ax
+    return _saved(ax, png_path, own)
 
 
 def plot_scale_table(table, png_path=None, *, title=None):

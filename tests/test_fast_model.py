@@ -382,7 +382,8 @@ def test_gpu_fast_checkpointed_step_captures_and_trains_like_the_plain_one(cp, t
     assert fast_path_available(cp, "bf16", checkpoint_every=2)[0]
 
 
-def test_checkpointing_benchmark_script_runs_on_the_cpu(capsys):
+def _run_benchmark(script: str, argv) -> int:
+    """``benchmarks/<script>``'s ``main(argv)``, with the folder on the path for its ``_common``."""
     import runpy
     import sys
     from pathlib import Path
@@ -390,10 +391,13 @@ def test_checkpointing_benchmark_script_runs_on_the_cpu(capsys):
     bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
     sys.path.insert(0, bench_dir)
     try:
-        mod = runpy.run_path(str(Path(bench_dir) / "bench_ch8_checkpointing.py"), run_name="bench")
-        assert mod["main"](["--quick", "--steps", "1"]) == 0
+        return runpy.run_path(str(Path(bench_dir) / script), run_name="bench")["main"](argv)
     finally:
         sys.path.remove(bench_dir)
+
+
+def test_checkpointing_benchmark_script_runs_on_the_cpu(capsys):
+    assert _run_benchmark("bench_ch8_checkpointing.py", ["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "every 1" in out and "checkpointing every block" in out and "smoke test" in out
 
@@ -424,16 +428,6 @@ def test_gpu_fast_fp16_graph_step_skips_an_overflow(cp, tmp_path):
 
 
 def test_precision_benchmark_script_runs_on_the_cpu(capsys):
-    import runpy
-    import sys
-    from pathlib import Path
-
-    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    sys.path.insert(0, bench_dir)
-    try:
-        mod = runpy.run_path(str(Path(bench_dir) / "bench_ch8_precision.py"), run_name="bench")
-        assert mod["main"](["--quick", "--steps", "1"]) == 0
-    finally:
-        sys.path.remove(bench_dir)
+    assert _run_benchmark("bench_ch8_precision.py", ["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "fp16:" in out and "fp16 / fp32 tokens/s" in out and "smoke test" in out
