@@ -63,6 +63,26 @@ def test_fast_model_forward_and_gradient_accumulation(rng):
     assert fast.generate([1, 2], 3, temperature=0, seed=0) == book.generate([1, 2], 3, temperature=0, seed=0)
 
 
+@pytest.mark.parametrize("dtype,tol", [("fp64", 1e-12), ("fp32", 2e-6)])
+def test_lm_head_in_chunks_of_rows_gives_the_whole_batchs_loss_and_gradients(rng, dtype, tol):
+    """forward_backward makes the logits lm_head_rows rows at a time: the loss is the mean over the whole
+    batch and every gradient is the unchunked one (chunks of 1, 5, 7 rows; 21 rows in all: a partial chunk)."""
+    idx, tgt = _batch(rng, CFG, B=3, T=7)
+    whole = FastGPT(CFG, dtype=dtype, xp=np, seed=5)
+    lw = whole.forward_backward(idx, tgt, dloss=0.5)
+    for rows in (1, 5, 7, 20):
+        m = FastGPT(CFG, dtype=dtype, xp=np, seed=5)
+        m.lm_head_rows = rows
+        lc = m.forward_backward(idx, tgt, dloss=0.5)
+        assert abs(float(lc) - float(lw)) <= tol * abs(float(lw)), rows
+        for name in m.params.names:
+            assert _rel(m.params.grad_of(name), whole.params.grad_of(name)) <= tol, (rows, name)
+    m = FastGPT(CFG, dtype=dtype, xp=np, seed=5)
+    m.lm_head_rows = 21  # one chunk: the unchunked code path, bit for bit
+    assert float(m.forward_backward(idx, tgt, dloss=0.5)) == float(lw)
+    assert np.array_equal(m.params.grad, whole.params.grad)
+
+
 def test_fast_model_pads_an_unaligned_vocabulary_and_computes_the_same_function(rng):
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=37, block_size=8)  # no padding asked for
     fast, book = FastGPT(cfg, dtype="fp64", xp=np, init=False), GPT(cfg, dtype="fp64", xp=np, seed=3)
@@ -203,6 +223,21 @@ def _gpu_cfg(**kw):
 
 def _losses(out):
     return [r["loss"] for r in read_log(out) if r["type"] == "train"]
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_chunks_match_the_whole_head(cp, rng):
+    """bf16 on the GPU: the chunked LM head (chunks of 96 rows of 4 x 50 tokens) against one chunk."""
+    _need_fast(cp)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=4, T=50))
+    res = {}
+    for rows in (96, 200):
+        m = FastGPT(cfg, dtype="bf16", xp=cp, seed=3)
+        m.lm_head_rows = rows
+        res[rows] = (float(m.forward_backward(idx, tgt)), m.params.grad.copy())
+    assert abs(res[96][0] - res[200][0]) <= 1e-5 * abs(res[200][0])
+    assert _rel(cp.asnumpy(res[96][1]), cp.asnumpy(res[200][1])) < 1e-5  # fp32 sums of the chunks' wgrads
 
 
 @pytest.mark.gpu
@@ -431,3 +466,12 @@ def test_precision_benchmark_script_runs_on_the_cpu(capsys):
     assert _run_benchmark("bench_ch8_precision.py", ["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "fp16:" in out and "fp16 / fp32 tokens/s" in out and "smoke test" in out
+
+
+def test_lm_head_benchmark_script_runs_on_the_cpu(capsys):
+    from llmgpu.model.fast import LM_HEAD_ROWS, FastGPT
+
+    assert _run_benchmark("bench_ch8_lm_head.py", ["--quick", "--steps", "1"]) == 0
+    assert FastGPT.lm_head_rows == LM_HEAD_ROWS  # put back
+    out = capsys.readouterr().out
+    assert "all 256 rows at once" in out and "chunked / whole" in out and "smoke test" in out

@@ -22,6 +22,11 @@ and why (chapter 8 measures each item):
   ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
   precision on the GPU (cuDNN's flash attention takes fp16/bf16) the chapter 2 kernels run instead.
 
+**The LM head in chunks of rows** (``LM_HEAD_ROWS``): in ``forward_backward`` the logits are made, turned
+into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
+``LM_HEAD_ROWS`` rows at a time, so the ``[N, Vp]`` logits — 6.6 GB at GPT-2's B = 64, T = 1024, more than
+any other activation — never exist whole. The loss is the chunks' sums over the batch's target count.
+
 **Vocabulary padding.** An unpadded vocabulary (50257) gives the LM head's GEMMs row strides that are not
 multiples of 16 bytes, and cuBLASLt then falls back to much slower kernels (on the H200 the GPT-2 step at
 B = 64 took 205 ms unpadded). ``FastGPT`` therefore pads the vocabulary to a multiple of ``VOCAB_ALIGN``
@@ -71,6 +76,10 @@ VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config 
 EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
 LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
 CROSS_ENTROPY_METHOD = "fast"
+IGNORE_INDEX = -100  # cross-entropy's default: a target that takes no part in the loss
+# rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
+# against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
+LM_HEAD_ROWS = 8192
 
 
 class FastGPT(GPTBase):
@@ -79,6 +88,7 @@ class FastGPT(GPTBase):
     block's input state, recompute the rest in backward; module docstring)."""
 
     keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
+    lm_head_rows = LM_HEAD_ROWS  # rows of logits made at a time in forward_backward (tests set it small)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN):
@@ -135,13 +145,13 @@ class FastGPT(GPTBase):
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
                 bias_grad(dy, out=G(b_name), accumulate=True)
 
-    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None):
+    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None):
         w = self.weight(w_name)
         n = dy.shape[0]
         m, k = w.shape
         nbytes = (n * m + m * k + n * k * (2 if aux is not None else 1)) * dy.dtype.itemsize
         with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
-            return lt_gemm(dy, w, epilogue=epilogue, aux=aux)
+            return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out)
 
     def _add_ln(self, x, a, ln, *, name):
         """(x + a written over a, LN(x + a), mean, rstd)."""
@@ -295,6 +305,47 @@ class FastGPT(GPTBase):
 
     # ------------------------------------------------------------------ forward + backward
 
+    def _head_forward_backward(self, hf, targets, dloss):
+        """LM head, cross-entropy and their backward, ``lm_head_rows`` rows at a time: ``(mean loss, dhf)``.
+
+        The logits (``[N, Vp]``, the largest activation of the step) exist for one chunk of rows at a time:
+        each chunk's logits are made, turned into their gradient in place, and used up by the chunk's dgrad
+        and its weight gradient (accumulated over the chunks in fp32) before the next chunk's are made. The
+        gradient of every row is divided by the number of targets of the whole batch, counted first."""
+        N, C = hf.shape
+        Vp = self.config.padded_vocab_size
+        G, it, xp = self.params.grad_of, self.dtype.itemsize, self.xp
+        R = min(N, max(1, int(self.lm_head_rows)))
+        if R < N:
+            n_total = (targets != IGNORE_INDEX).sum(dtype=np.int32)
+            dhf = xp.empty((N, C), dtype=hf.dtype)
+        loss = None
+        for r0 in range(0, N, R):
+            h, t = hf[r0:r0 + R], targets[r0:r0 + R]
+            n = h.shape[0]
+            logits = self._logits(h)
+            with region("cross_entropy fwd", bytes=logits.nbytes + 8 * n, flops=4.0 * logits.size):
+                loss_c, ce = cross_entropy_forward(logits, t, ignore_index=IGNORE_INDEX, method=CROSS_ENTROPY_METHOD)
+            del logits
+            if R < N:  # the chunk's mean, weighted back to a sum; its gradient scaled by the whole batch
+                part = loss_c * ce.n_valid.astype(loss_c.dtype)
+                loss = part if loss is None else loss + part
+                ce = replace(ce, n_valid=n_total)
+            else:
+                loss = loss_c
+            with region("cross_entropy bwd", bytes=2 * n * Vp * it + 8 * n, flops=4.0 * n * Vp):
+                dlogits = cross_entropy_backward(ce, dloss, out=ce.logits)  # in place over the logits
+            del ce
+            d = self._dgrad(dlogits, WTE, name="lm_head", out=None if R == N else dhf[r0:r0 + R])
+            if R == N:
+                dhf = d
+            with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
+                wgrad_gemm(dlogits, h, out=G(WTE), beta=1.0, gemm=lt_gemm)
+            del dlogits, d
+        if R < N:
+            loss = loss / n_total.astype(loss.dtype)
+        return loss, dhf
+
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
         """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
         contract as ``GPT.forward_backward`` (``grads_ready``: ``model/base.py``)."""
@@ -309,17 +360,8 @@ class FastGPT(GPTBase):
 
         xL, hf, meanf, rstdf, caches, inputs = self._forward_trunk(idx, store=True)
         stored = nbytes_of(caches) + nbytes_of(inputs)
-        logits = self._logits(hf)
-        with region("cross_entropy fwd", bytes=logits.nbytes + 8 * N, flops=4.0 * logits.size):
-            loss, ce = cross_entropy_forward(logits, targets.reshape(-1), method=CROSS_ENTROPY_METHOD)
-        del logits
-        with region("cross_entropy bwd", bytes=2 * N * Vp * it + 8 * N, flops=4.0 * N * Vp):
-            dlogits = cross_entropy_backward(ce, dloss, out=ce.logits)  # in place over the logits
-        del ce
-        dhf = self._dgrad(dlogits, WTE, name="lm_head")
-        with region("lm_head wgrad", flops=2.0 * N * Vp * C, bytes=(N * Vp + N * C) * it + 8 * Vp * C):
-            wgrad_gemm(dlogits, hf, out=G(WTE), beta=1.0, gemm=lt_gemm)
-        del dlogits, hf
+        loss, dhf = self._head_forward_backward(hf, targets.reshape(-1), dloss)
+        del hf
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
         dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
         ready([LNF_W, LNF_B])
