@@ -393,7 +393,8 @@ def _resolve(kernel, direction, q, arrays, causal, run):
                              ("cudnn", cudnn_attention.available() and q.shape[-1] % 8 == 0)) if ok]
     if not cands:
         _require_ours(q, *arrays)  # raises with ours' reason
-    if len(cands) == 1:
+    if len(cands) == 1:  # nothing to compare: the same choice in every process
+        _AUTO[key] = cands[0]
         return cands[0]
     disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal)
     cached = read_auto_cache().get(disk_key)
