@@ -47,9 +47,6 @@ after a warm-up they are capturable in a CUDA graph.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +58,7 @@ from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
 from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
+from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_auto_cache, write_auto_choice
 
 KERNELS = ("auto", "ours", "scalar", "cudnn")
 DEFAULT_KERNEL = "auto"
@@ -80,10 +78,6 @@ def _dkdv_bm(D):
 def _dq_bn(D):
     return 32 if D == 128 else 64  # fa_cfg<HD>::DQ_BN
 AUTO_REPS = 3  # timed calls per candidate when "auto" decides
-# "auto" picks ours only when it is at least 3 % faster than cuDNN: closer than that, three timed calls cannot tell
-# them apart, and a fixed preference keeps the choice the same on machines and runs that time them a little
-# differently (cuDNN, NVIDIA's, is the one to prefer on a tie).
-AUTO_MARGIN = 0.03
 
 
 # --------------------------------------------------------------------------- availability
@@ -292,52 +286,6 @@ _AUTO: dict = {}  # (device, direction, B, H, T, D, dtype, causal) -> "ours" | "
 def auto_choices() -> dict:
     """What ``kernel="auto"`` picked so far, per (device, direction, B, H, T, D, dtype, causal)."""
     return dict(_AUTO)
-
-
-def auto_cache_path() -> Path:
-    """The JSON file where "auto" keeps its choices: ``$LLMGPU_CACHE_DIR/flash_auto.json``, else
-    ``~/.cache/llmgpu/flash_auto.json``."""
-    root = os.environ.get("LLMGPU_CACHE_DIR") or Path.home() / ".cache" / "llmgpu"
-    return Path(root) / "flash_auto.json"
-
-
-def read_auto_cache(path: Path | None = None) -> dict:
-    """The cached choices ({key: "ours" | "cudnn"}); {} when the file is missing, unreadable or damaged."""
-    try:
-        data = json.loads((path or auto_cache_path()).read_text())
-    except Exception:
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: c for k, c in data.items() if isinstance(k, str) and c in ("ours", "cudnn")}
-
-
-def write_auto_choice(key: str, choice: str, path: Path | None = None) -> bool:
-    """Add one choice to the cache file, atomically (a temporary file in the same folder, then os.replace, so a
-    reader never sees half a file); a damaged file is replaced. False when it cannot be written (read-only)."""
-    path = path or auto_cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = read_auto_cache(path)
-        data[key] = choice
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except Exception:
-        return False
-    return True
-
-
-def pick_faster(times: dict) -> str:
-    """The choice from {name: ms}: cuDNN unless ours is at least AUTO_MARGIN faster."""
-    if "ours" in times and "cudnn" in times:
-        return "ours" if times["ours"] * (1.0 + AUTO_MARGIN) <= times["cudnn"] else "cudnn"
-    return min(times, key=times.get)
 
 
 def _machine_key(cp, direction, shape, dtype_name, causal) -> str:
