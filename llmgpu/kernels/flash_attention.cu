@@ -29,8 +29,9 @@
 //   C: c0, c1 = C[g][c], C[g][c+1];  c2, c3 = C[g+8][c], C[g+8][c+1]
 // So the C fragments of two neighbouring 8-column score tiles are exactly the A fragment of a 16-column
 // probability tile: P never leaves registers between the two GEMMs (rounded to 16 bits for the second).
-// Fragments are read from shared memory with plain 32-bit (or paired 16-bit) loads; rows are padded by 8
-// elements so that the 32 lanes of a warp hit 32 different banks.
+// Fragments are read from shared memory with ldmatrix (.trans where a register's two elements come from two rows),
+// rows padded by 8 elements (16 bytes) so that no ldmatrix has a bank conflict; the inner tiles arrive by cp.async,
+// double-buffered, so the next tile's copy overlaps this tile's MMAs.
 //
 // Determinism: no atomics anywhere. The backward runs one kernel over key tiles (dK, dV, looping over query
 // tiles) and one over query tiles (dQ, looping over key tiles): each output element is written by exactly one
@@ -45,7 +46,7 @@
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
-#define FA_THREADS 128  // 4 warps in every kernel but flash_bwd_dot
+#define FA_THREADS 128  // the scalar forward (the tensor-core kernels: fa_cfg)
 #define FA_PAD 8        // elements of padding per shared-memory row (16 bytes)
 
 extern __shared__ __align__(16) unsigned char fa_smem[];
