@@ -91,8 +91,31 @@ def test_bad_kernel_name_and_what_ours_cannot_take(rng):
 def test_shared_memory_fits_an_sm90_block():
     lim = SMLimits()
     for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
-        assert fa.smem_bytes(f, 64) <= SMEM_WITHOUT_OPT_IN  # D = 64 runs anywhere without opting in
-        assert SMEM_WITHOUT_OPT_IN < fa.smem_bytes(f, 128) <= lim.smem_per_block_optin
+        for D in (64, 128):  # double-buffered tiles: above the 48 KiB default, the host opts in
+            assert SMEM_WITHOUT_OPT_IN < fa.smem_bytes(f, D) <= lim.smem_per_block_optin
+
+
+def test_auto_cache_file_round_trip_and_damage(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMGPU_CACHE_DIR", str(tmp_path / "c"))
+    path = fa.auto_cache_path()
+    assert path.parent == tmp_path / "c" and fa.read_auto_cache() == {}  # missing: empty, no crash
+    assert fa.write_auto_choice("gpu|fwd|a", "ours") and fa.write_auto_choice("gpu|bwd|a", "cudnn")
+    assert fa.read_auto_cache() == {"gpu|fwd|a": "ours", "gpu|bwd|a": "cudnn"}
+    assert not list(path.parent.glob("*.tmp"))  # the temporary file was renamed over the cache
+    for damaged in ("{not json", "[1, 2]", '{"k": "torch", "j": 3}', ""):
+        path.write_text(damaged)
+        assert fa.read_auto_cache() == {}  # ignored ...
+        assert fa.write_auto_choice("k", "cudnn") and fa.read_auto_cache() == {"k": "cudnn"}  # ... and rewritten
+    ro = tmp_path / "ro"
+    ro.write_text("a file, not a folder")
+    assert not fa.write_auto_choice("k", "ours", ro / "x" / "flash_auto.json")  # cannot write: False, no crash
+
+
+def test_auto_prefers_cudnn_within_the_margin():
+    assert fa.pick_faster({"ours": 1.0, "cudnn": 1.02}) == "cudnn"  # 2 % faster: inside the margin
+    assert fa.pick_faster({"ours": 1.0, "cudnn": 1.0 + fa.AUTO_MARGIN}) == "ours"
+    assert fa.pick_faster({"ours": 2.0, "cudnn": 1.0}) == "cudnn"
+    assert fa.pick_faster({"ours": 1.0}) == "ours"
 
 
 # =========================================================================== GPU
@@ -303,3 +326,25 @@ def test_gpu_bad_inputs(cp, rng):
     shifted = _dev(cp, rng, (1 * 2 * 16 * 64 + 4,), "bf16")[4:].reshape(1, 2, 16, 64)
     with pytest.raises(ValueError, match="16-byte boundary"):
         fa.flash_attention_forward(shifted, shifted, shifted, kernel="ours")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_choice_survives_a_new_process(cp, rng, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMGPU_CACHE_DIR", str(tmp_path))
+    shape = (1, 2, 192, 64)
+    q, k, v = (_dev(cp, rng, shape, "bf16") for _ in range(3))
+    fa.flash_attention_forward(q, k, v)
+    key = next(key for key in fa.auto_choices() if key[1:] == ("fwd", *shape, "bf16", True))
+    choice = fa.auto_choices()[key]
+    cached = fa.read_auto_cache()
+    if fa.cudnn_attention.unavailable_reason() is not None:
+        assert cached == {}  # one candidate: nothing to remember
+        return
+    (disk_key,) = [dk for dk in cached if "|fwd|" in dk and "T=192" in dk]
+    assert cached[disk_key] == choice
+    other = "cudnn" if choice == "ours" else "ours"
+    fa.write_auto_choice(disk_key, other)  # as if another process had decided the other way
+    monkeypatch.setattr(fa, "_AUTO", {})  # a new process: nothing in memory
+    monkeypatch.setattr(fa, "_time_ms", lambda *a: pytest.fail("the cached choice must be used, not re-timed"))
+    fa.flash_attention_forward(q, k, v)
+    assert fa.auto_choices()[key] == other

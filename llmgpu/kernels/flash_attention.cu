@@ -29,8 +29,9 @@
 //   C: c0, c1 = C[g][c], C[g][c+1];  c2, c3 = C[g+8][c], C[g+8][c+1]
 // So the C fragments of two neighbouring 8-column score tiles are exactly the A fragment of a 16-column
 // probability tile: P never leaves registers between the two GEMMs (rounded to 16 bits for the second).
-// Fragments are read from shared memory with plain 32-bit (or paired 16-bit) loads; rows are padded by 8
-// elements so that the 32 lanes of a warp hit 32 different banks.
+// Fragments are read from shared memory with ldmatrix (.trans where a register's two elements come from two rows),
+// rows padded by 8 elements (16 bytes) so that no ldmatrix has a bank conflict; the inner tiles arrive by cp.async,
+// double-buffered, so the next tile's copy overlaps this tile's MMAs.
 //
 // Determinism: no atomics anywhere. The backward runs one kernel over key tiles (dK, dV, looping over query
 // tiles) and one over query tiles (dQ, looping over key tiles): each output element is written by exactly one
@@ -45,7 +46,7 @@
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
-#define FA_THREADS 128  // 4 warps in every kernel but flash_bwd_dot
+#define FA_THREADS 128  // the scalar forward (the tensor-core kernels: fa_cfg)
 #define FA_PAD 8        // elements of padding per shared-memory row (16 bytes)
 
 extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -55,52 +56,91 @@ template <> struct fa_is_half<__half> { static constexpr bool value = true; };
 
 // --------------------------------------------------------------------------- shared helpers
 
-// rows [row0, row0 + ROWS) of a [T, HD] view (row stride st elements) into shared memory (row stride HD + FA_PAD),
-// 16 bytes per access; rows at or beyond T are zero-filled.
-template <typename T, int ROWS, int HD>
+// Tile shapes of the tensor-core kernels (the host mirrors them: THREADS_FWD, ... in ops/flash_attention.py).
+// Every warp owns 16 rows of its kernel's outer tile (queries in flash_fwd and flash_bwd_dq, keys in
+// flash_bwd_dkdv); the inner tile is what the loop walks over, double-buffered in shared memory.
+template <int HD> struct fa_cfg {
+    static constexpr int FWD_WARPS = 8;                 // flash_fwd: 128 query rows per block
+    static constexpr int FWD_BN = 64;                   //   keys per inner tile
+    static constexpr int FWD_MIN_BLOCKS = HD == 64 ? 2 : 1;  // resident blocks (caps registers at 128 for HD 64)
+    static constexpr int DKDV_WARPS = 4;                // flash_bwd_dkdv: 64 keys per block
+    static constexpr int DKDV_BM = HD == 128 ? 16 : 64;  //   queries per inner tile (registers: HD = 128's dK, dV
+                                                        //   accumulators already take 128 per thread)
+    static constexpr int DKDV_MIN_BLOCKS = HD == 64 ? 2 : 1;
+    static constexpr int DQ_WARPS = 4;                  // flash_bwd_dq: 64 query rows per block
+    static constexpr int DQ_BN = HD == 128 ? 32 : 64;   //   keys per inner tile
+    static constexpr int DQ_MIN_BLOCKS = 2;
+};
+
+__device__ __forceinline__ unsigned fa_saddr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// cp.async (sm_80+): copy 16 (or 4) bytes global -> shared without passing through registers, so a tile's
+// load runs while the warps compute on the other buffer. With `in` false nothing is read and the destination is
+// zero-filled (the source-size operand is 0; g must still be a valid address).
+__device__ __forceinline__ void fa_cp16(void* s, const void* g, bool in) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 16 : 0));
+}
+__device__ __forceinline__ void fa_cp4(void* s, const void* g, bool in) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 4 : 0));
+}
+// Close the group of copies issued so far; wait until at most N groups are still in flight (this thread's).
+__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fa_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Rows [row0, row0 + ROWS) of a [T, HD] view (row stride st elements) into shared memory (row stride HD + FA_PAD),
+// 16 bytes per cp.async by NT threads; rows at or beyond T are zero-filled.
+template <typename T, int ROWS, int HD, int NT>
 __device__ __forceinline__ void fa_load_tile(T* s, const T* __restrict__ g, long long st, int row0, int T_len) {
     constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
-    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += FA_THREADS) {
-        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (row0 + r < T_len) v = *reinterpret_cast<const uint4*>(g + (long long)(row0 + r) * st + c);
-        *reinterpret_cast<uint4*>(s + r * (HD + FA_PAD) + c) = v;
+    static_assert(ROWS * CHUNKS % NT == 0, "every thread copies the same number of chunks");
+#pragma unroll
+    for (int it = 0; it < ROWS * CHUNKS / NT; ++it) {
+        const int i = threadIdx.x + it * NT, r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        const bool in = row0 + r < T_len;
+        fa_cp16(s + r * (HD + FA_PAD) + c, g + (long long)(in ? row0 + r : 0) * st + c, in);
     }
 }
 
-__device__ __forceinline__ unsigned fa_lds32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
-
-// Two 16-bit elements as one register: `lo` in the low half (the lower k index, as the MMA expects).
-__device__ __forceinline__ unsigned fa_pair(const void* lo, const void* hi) {
-    return (unsigned)*reinterpret_cast<const unsigned short*>(lo) |
-           ((unsigned)*reinterpret_cast<const unsigned short*>(hi) << 16);
+// ldmatrix (sm_75+): each lane gives the address of one 16-byte row of four 8 × 8 16-bit matrices (lanes 8i..8i+7
+// the rows of matrix i) and receives, in register i, its two elements of matrix i in the MMA fragment layout
+// (lane l: row l / 4, elements 2 (l % 4), +1). With .trans it receives them from the transposed matrix, which
+// turns a k-major tile into the k-pairs a B fragment needs. Rows are padded by FA_PAD elements (16 bytes), so the
+// 8 rows of a matrix fall in 8 different 16-byte bank groups: conflict-free.
+__device__ __forceinline__ void fa_ldsm(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fa_saddr(p)));
+}
+__device__ __forceinline__ void fa_ldsm_t(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fa_saddr(p)));
 }
 
-// A fragment of the 16 × 16 block at s (row-major, leading dimension ld).
+// A fragment of the 16 × 16 block at s (row-major, leading dimension ld): matrices (rows 0-7, cols 0-7),
+// (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are a0..a3, so lane l points at row l % 16, column 8 · (l / 16).
 template <typename T>
 __device__ __forceinline__ void fa_frag_a(unsigned (&a)[4], const T* s, int ld, int lane) {
-    const int g = lane >> 2, c = (lane & 3) * 2;
-    a[0] = fa_lds32(s + g * ld + c);
-    a[1] = fa_lds32(s + (g + 8) * ld + c);
-    a[2] = fa_lds32(s + g * ld + c + 8);
-    a[3] = fa_lds32(s + (g + 8) * ld + c + 8);
+    fa_ldsm(a, s + (lane & 15) * ld + (lane >> 4) * 8);
 }
 
-// B fragment (16 k × 8 n) of a matrix stored n-major, s[n][k] with k contiguous: K[key][d] for S = Q Kᵀ (k = d).
+// B fragments of two neighbouring 8-column tiles (16 k × 16 n) of a matrix stored n-major, s[n][k] with k
+// contiguous: K[key][d] for S = Q Kᵀ (k = d). b[0], b[1] are n-tile 0's b0, b1; b[2], b[3] n-tile 1's.
+// Lane l points at row n = l % 8 + 8 · (l / 16), column k = 8 · ((l / 8) % 2).
 template <typename T>
-__device__ __forceinline__ void fa_frag_b_nk(unsigned& b0, unsigned& b1, const T* s, int ld, int lane) {
-    const int g = lane >> 2, c = (lane & 3) * 2;
-    b0 = fa_lds32(s + g * ld + c);
-    b1 = fa_lds32(s + g * ld + c + 8);
+__device__ __forceinline__ void fa_frag_b_nk(unsigned (&b)[4], const T* s, int ld, int lane) {
+    fa_ldsm(b, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
 }
 
-// B fragment (16 k × 8 n) of a matrix stored k-major, s[k][n] with n contiguous: V[key][d] for O = P V (k = key).
-// The two elements of a register come from two rows, so they are read as 16-bit values and paired.
+// The same from a matrix stored k-major, s[k][n] with n contiguous: V[key][d] for O = P V (k = key). ldmatrix
+// .trans pairs two k rows in one register. Lane l points at row k = l % 8 + 8 · ((l / 8) % 2), column 8 · (l / 16).
 template <typename T>
-__device__ __forceinline__ void fa_frag_b_kn(unsigned& b0, unsigned& b1, const T* s, int ld, int lane) {
-    const int g = lane >> 2, c = (lane & 3) * 2;
-    b0 = fa_pair(s + c * ld + g, s + (c + 1) * ld + g);
-    b1 = fa_pair(s + (c + 8) * ld + g, s + (c + 9) * ld + g);
+__device__ __forceinline__ void fa_frag_b_kn(unsigned (&b)[4], const T* s, int ld, int lane) {
+    fa_ldsm_t(b, s + ((lane & 7) + (((lane >> 3) & 1) << 3)) * ld + (lane >> 4) * 8);
 }
 
 // The A fragment of a 16 × 16 probability block from the fp32 C fragments of its two 8-column halves.
@@ -125,6 +165,21 @@ __device__ __forceinline__ void fa_mma(float (&c)[4], const unsigned (&a)[4], un
             "{%0,%1,%2,%3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// C (16 × 16·N2) += A (16 × 16 in a[]) · B, B's 16·N2 columns read two 8-column tiles per ldmatrix from s: N2
+// ldmatrix.x4 and 2·N2 MMAs. KN: B stored k-major (fa_frag_b_kn, s advances 16 columns per step), else n-major
+// (fa_frag_b_nk, s advances 16 rows).
+template <typename T, int N2, bool KN>
+__device__ __forceinline__ void fa_mma_row(float (*c)[4], const unsigned (&a)[4], const T* s, int ld, int lane) {
+#pragma unroll
+    for (int n = 0; n < N2; ++n) {
+        unsigned b[4];
+        if constexpr (KN) fa_frag_b_kn(b, s + n * 16, ld, lane);
+        else fa_frag_b_nk(b, s + n * 16 * ld, ld, lane);
+        fa_mma<T>(c[2 * n], a, b[0], b[1]);
+        fa_mma<T>(c[2 * n + 1], a, b[2], b[3]);
     }
 }
 
@@ -214,99 +269,120 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
 // --------------------------------------------------------------------------- 2. tensor-core forward
 
-// A block of 4 warps owns 64 query rows (16 per warp) and walks the keys in tiles of 64. Per tile each warp
-// computes its 16 × 64 scores with HD/16 × 8 MMAs (Q from shared memory, K read n-major), applies the mask and
-// the online softmax in registers (a row's 64 scores are spread over the 4 lanes of a quad: two shuffles per
-// reduction), then adds P V with 4 × HD/8 MMAs (P from registers, V read k-major). Shared memory:
-// (64 + 2 · 64) rows × (HD + 8) × 2 bytes = 27 KiB (HD = 64) or 51 KiB (HD = 128, above the 48 KiB default:
-// the host raises the kernel's limit).
+// A block of FWD_WARPS = 8 warps owns 128 query rows (16 per warp) and walks the keys in tiles of 64, so every K, V
+// tile brought into shared memory feeds 8 warps' MMAs. The tiles are double-buffered: while the warps compute on
+// tile j, cp.async brings tile j + 1 into the other buffer. Per tile each warp computes its 16 × 64 scores with HD/16 × 8 MMAs (K read n-major with
+// ldmatrix), applies the mask only where the tile needs one (the causal diagonal, the last tile past T), runs the
+// online softmax in registers (a row's 64 scores are spread over the 4 lanes of a quad: two shuffles per
+// reduction), then adds P V with 4 × HD/8 MMAs (P from registers, V read k-major with ldmatrix.trans). Causal:
+// a warp skips the tiles that lie wholly above its diagonal, and the block stops at its last row.
+// Shared memory: (128 + 2 · 2 · 64) rows × (HD + 8) × 2 bytes = 54 KiB (HD = 64) or 102 KiB (HD = 128); both
+// above the 48 KiB default: the host raises the kernel's limit.
 template <typename T, int HD>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
           float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
           long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
-    constexpr int BM = 64, BN = 64, LD = HD + FA_PAD;
+    constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * 16, BN = fa_cfg<HD>::FWD_BN;
+    constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
-    T* sK = sQ + BM * LD;
-    T* sV = sK + BN * LD;
+    T* sK = sQ + BM * LD;      // two buffers of BN rows
+    T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
-    const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};  // this lane's two query rows
+    const int w0 = q0 + warp * 16;                // this warp's first row
+    const int rows[2] = {w0 + g, w0 + g + 8};  // this lane's two query rows
     const T* kb = k + b * k_sb + h * k_sh;
     const T* vb = v + b * v_sb + h * v_sh;
     const float c2 = scale * FA_LOG2E;
+    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
+    const int n_tiles = (kv_end + BN - 1) / BN;
 
-    fa_load_tile<T, BM, HD>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
+    fa_load_tile<T, BM, HD, NT>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
+    fa_cp_commit();
+
     float acc[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float m[2] = {-LLMGPU_INF, -LLMGPU_INF}, l[2] = {0.0f, 0.0f};  // l: this lane's part of the row sum
 
-    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
-    for (int k0 = 0; k0 < kv_end; k0 += BN) {
-        __syncthreads();  // every warp is done reading the previous K, V tile (and sQ is visible after the next)
-        fa_load_tile<T, BN, HD>(sK, kb, k_st, k0, T_len);
-        fa_load_tile<T, BN, HD>(sV, vb, v_st, k0, T_len);
-        __syncthreads();
-
-        float s[BN / 8][4];  // S = Q Kᵀ, this warp's 16 rows × 64 keys
+    for (int j = 0; j < n_tiles; ++j) {
+        const int k0 = j * BN;
+        const T* cK = sK + (j & 1) * BN * LD;
+        const T* cV = sV + (j & 1) * BN * LD;
+        if (j + 1 < n_tiles) {  // prefetch tile j + 1 into the other buffer (free since the end of tile j − 1)
+            fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+            fa_cp_commit();
+            fa_cp_wait<1>();  // tile j (and Q) landed; tile j + 1 may still be in flight
+        } else {
+            fa_cp_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of tile j are visible to every warp
+        // a warp whose rows are all past T, or (causal) whose rows all lie before the tile's first key, skips it
+        if (w0 < T_len && (!causal || k0 <= w0 + 15)) {
+            float s[BN / 8][4];  // S = Q Kᵀ, this warp's 16 rows × 64 keys
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            unsigned a[4];
-            fa_frag_a(a, sQ + warp * 16 * LD + kk * 16, LD, lane);
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[4];
+                fa_frag_a(a, sQ + warp * 16 * LD + kk * 16, LD, lane);
+                fa_mma_row<T, BN / 16, false>(s, a, cK + kk * 16, LD, lane);
+            }
+            float mx[2] = {m[0], m[1]};
+            if ((causal && k0 + BN - 1 > w0) || k0 + BN > T_len) {  // the diagonal or the ragged last tile
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_nk(b0, b1, sK + n * 8 * LD + kk * 16, LD, lane);
-                fa_mma<T>(s[n], a, b0, b1);
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + n * 8 + c + (e & 1);
+                        s[n][e] = fa_visible(rows[e >> 1], key, T_len, causal) ? s[n][e] * c2 : -LLMGPU_INF;
+                    }
+            } else {
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] *= c2;
+            }
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            float ref[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // the quad holds the whole row
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                ref[r] = fa_ref(mx[r]);
+                const float alpha = fast_exp2(m[r] - ref[r]);  // rescale what was summed against the old max
+                m[r] = mx[r];
+                l[r] *= alpha;
+#pragma unroll
+                for (int n = 0; n < HD / 8; ++n) {
+                    acc[n][2 * r] *= alpha;
+                    acc[n][2 * r + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] = fast_exp2(s[n][e] - ref[e >> 1]);
+                    l[e >> 1] += s[n][e];
+                }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {  // O += P V, 16 keys at a time
+                unsigned a[4];
+                fa_c_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+                fa_mma_row<T, HD / 16, true>(acc, a, cV + kk * 16 * LD, LD, lane);
             }
         }
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + c + (e & 1);
-                s[n][e] = fa_visible(rows[e >> 1], key, T_len, causal) ? s[n][e] * c2 : -LLMGPU_INF;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            }
-        float ref[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // the quad holds the whole row
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            ref[r] = fa_ref(mx[r]);
-            const float alpha = exp2f(m[r] - ref[r]);
-            m[r] = mx[r];
-            l[r] *= alpha;
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                acc[n][2 * r] *= alpha;
-                acc[n][2 * r + 1] *= alpha;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - ref[e >> 1]);
-                l[e >> 1] += s[n][e];
-            }
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {  // O += P V, 16 keys at a time
-            unsigned a[4];
-            fa_c_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_kn(b0, b1, sV + kk * 16 * LD + n * 8, LD, lane);
-                fa_mma<T>(acc[n], a, b0, b1);
-            }
-        }
+        __syncthreads();  // every warp is done with tile j's buffer before tile j + 2 is copied into it
     }
     T* ob = o + b * o_sb + h * o_sh;
 #pragma unroll
@@ -342,119 +418,125 @@ __global__ void flash_bwd_dot(const T* __restrict__ dout, const T* __restrict__ 
     if (lane == 0) delta[r] = s;
 }
 
-// Query rows per tile of the backward kernels' inner loops: 64, or 32 for HD = 128 (registers: the dK and dV
-// accumulators of HD = 128 already take 128 per thread).
-template <int HD> struct fa_bwd_tile { static constexpr int value = HD == 128 ? 32 : 64; };
-
-// dK and dV for 64 keys (16 per warp), looping over the query tiles that see them (causal: from the diagonal
-// on). Per query tile, in each warp's registers: Sᵀ = K Qᵀ, Pᵀ = exp(c Sᵀ − lse), dV += Pᵀ dO, dPᵀ = V dOᵀ,
-// dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q. Shared memory: K, V (64 rows), Q, dO (BM rows), lse·log2 e and D (BM each).
+// dK and dV for 16 · DKDV_WARPS keys (16 per warp), looping over the query tiles of BM = DKDV_BM rows that see them
+// (causal: from the diagonal on). The Q, dO, lse, D tiles are double-buffered (cp.async brings tile i + 1 while
+// the warps compute on tile i). Per query tile, in each warp's registers: Sᵀ = K Qᵀ, Pᵀ = exp(c Sᵀ − lse),
+// dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q; the dK, dV accumulators stay in registers for the
+// whole loop. Masks only on the diagonal and ragged tiles. Shared memory: K, V (BN rows), two buffers of Q, dO
+// (BM rows each), of lse · log2 e and of D (BM floats each).
 template <typename T, int HD>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, fa_cfg<HD>::DKDV_MIN_BLOCKS)
 flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
                T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
                long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
                long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh,
                long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
-    constexpr int BN = 64, BM = fa_bwd_tile<HD>::value, LD = HD + FA_PAD;
+    constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * 16, BM = fa_cfg<HD>::DKDV_BM;
+    constexpr int LD = HD + FA_PAD;
     T* sK = reinterpret_cast<T*>(fa_smem);
     T* sV = sK + BN * LD;
-    T* sQ = sV + BN * LD;
-    T* sdO = sQ + BM * LD;
-    float* sL = reinterpret_cast<float*>(sdO + BM * LD);  // lse · log2 e of the tile's rows
-    float* sD = sL + BM;
+    T* sQ = sV + BN * LD;      // two buffers of BM rows
+    T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LD);  // two buffers: lse of the tile's rows
+    float* sD = sL + 2 * BM;                                  // two buffers: D
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
-    const int keys[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};  // this lane's two rows of Sᵀ
+    const int w0 = k0 + warp * 16;                 // this warp's first key
+    const int keys[2] = {w0 + g, w0 + g + 8};  // this lane's two rows of Sᵀ
     const T* qb = q + b * q_sb + h * q_sh;
     const T* dob = dout + b * do_sb + h * do_sh;
     const float* lseb = lse + (long long)bh * T_len;
     const float* deltab = delta + (long long)bh * T_len;
     const float c2 = scale * FA_LOG2E;
 
-    fa_load_tile<T, BN, HD>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
-    fa_load_tile<T, BN, HD>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
+    // the query tiles [q_first, T): causal ones before the block's first key see none of its keys
+    const int q_first = causal ? (k0 / BM) * BM : 0;
+    const int n_tiles = (T_len - q_first + BM - 1) / BM;
+    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % 2
+        const int q0 = q_first + i * BM, buf = i & 1;
+        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
+        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
+        for (int r = threadIdx.x; r < 2 * BM; r += NT) {  // lse and D: BM floats each, 4 bytes per copy
+            const int row = q0 + r % BM;
+            const bool in = row < T_len, is_l = r < BM;
+            fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, (is_l ? lseb : deltab) + (in ? row : 0), in);
+        }
+    };
+    fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
+    load_q_tile(0);
+    fa_cp_commit();
+
     float adk[HD / 8][4], adv[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) adk[n][e] = adv[n][e] = 0.0f;
 
-    for (int q0 = causal ? (k0 / BM) * BM : 0; q0 < T_len; q0 += BM) {
-        __syncthreads();  // every warp is done with the previous Q, dO tile
-        fa_load_tile<T, BM, HD>(sQ, qb, q_st, q0, T_len);
-        fa_load_tile<T, BM, HD>(sdO, dob, do_st, q0, T_len);
-        for (int i = threadIdx.x; i < BM; i += FA_THREADS) {
-            const bool in = q0 + i < T_len;
-            sL[i] = in ? lseb[q0 + i] * FA_LOG2E : 0.0f;
-            sD[i] = in ? deltab[q0 + i] : 0.0f;
+    for (int i = 0; i < n_tiles; ++i) {
+        const int q0 = q_first + i * BM;
+        const T* cQ = sQ + (i & 1) * BM * LD;
+        const T* cdO = sdO + (i & 1) * BM * LD;
+        const float* cL = sL + (i & 1) * BM;
+        const float* cD = sD + (i & 1) * BM;
+        if (i + 1 < n_tiles) {
+            load_q_tile(i + 1);
+            fa_cp_commit();
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
         }
         __syncthreads();
-
-        float p[BM / 8][4];  // Sᵀ, then Pᵀ, then dSᵀ: this warp's 16 keys × BM queries
+        // skip: keys all past T, or (causal) every query of the tile before this warp's first key
+        if (w0 < T_len && (!causal || q0 + BM - 1 >= w0)) {
+            const bool edge = (causal && q0 < w0 + 15) || q0 + BM > T_len || w0 + 16 > T_len;
+            float p[BM / 8][4];  // Sᵀ, then Pᵀ, then dSᵀ: this warp's 16 keys × BM queries
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n) p[n][0] = p[n][1] = p[n][2] = p[n][3] = 0.0f;
+            for (int n = 0; n < BM / 8; ++n) p[n][0] = p[n][1] = p[n][2] = p[n][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            unsigned a[4];
-            fa_frag_a(a, sK + warp * 16 * LD + kk * 16, LD, lane);
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[4];
+                fa_frag_a(a, sK + warp * 16 * LD + kk * 16, LD, lane);
+                fa_mma_row<T, BM / 16, false>(p, a, cQ + kk * 16, LD, lane);
+            }
 #pragma unroll
-            for (int n = 0; n < BM / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_nk(b0, b1, sQ + n * 8 * LD + kk * 16, LD, lane);
-                fa_mma<T>(p[n], a, b0, b1);
+            for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + c + (e & 1);
+                    const float pe = fast_exp2(p[n][e] * c2 - cL[col] * FA_LOG2E);
+                    p[n][e] = !edge || (fa_visible(q0 + col, keys[e >> 1], T_len, causal) && q0 + col < T_len)
+                                  ? pe : 0.0f;
+                }
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {  // dV += Pᵀ dO
+                unsigned a[4];
+                fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+                fa_mma_row<T, HD / 16, true>(adv, a, cdO + kk * 16 * LD, LD, lane);
+            }
+            float dp[BM / 8][4];  // dPᵀ = V dOᵀ
+#pragma unroll
+            for (int n = 0; n < BM / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[4];
+                fa_frag_a(a, sV + warp * 16 * LD + kk * 16, LD, lane);
+                fa_mma_row<T, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
+            }
+#pragma unroll
+            for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p[n][e] *= dp[n][e] - cD[n * 8 + c + (e & 1)];  // dSᵀ (without c)
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {  // dK += dSᵀ Q
+                unsigned a[4];
+                fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+                fa_mma_row<T, HD / 16, true>(adk, a, cQ + kk * 16 * LD, LD, lane);
             }
         }
-#pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + c + (e & 1);
-                p[n][e] = fa_visible(q0 + col, keys[e >> 1], T_len, causal) && q0 + col < T_len
-                              ? exp2f(p[n][e] * c2 - sL[col]) : 0.0f;
-            }
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {  // dV += Pᵀ dO
-            unsigned a[4];
-            fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_kn(b0, b1, sdO + kk * 16 * LD + n * 8, LD, lane);
-                fa_mma<T>(adv[n], a, b0, b1);
-            }
-        }
-        float dp[BM / 8][4];  // dPᵀ = V dOᵀ
-#pragma unroll
-        for (int n = 0; n < BM / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            unsigned a[4];
-            fa_frag_a(a, sV + warp * 16 * LD + kk * 16, LD, lane);
-#pragma unroll
-            for (int n = 0; n < BM / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_nk(b0, b1, sdO + n * 8 * LD + kk * 16, LD, lane);
-                fa_mma<T>(dp[n], a, b0, b1);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[n][e] *= dp[n][e] - sD[n * 8 + c + (e & 1)];  // dSᵀ (without c)
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {  // dK += dSᵀ Q
-            unsigned a[4];
-            fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_kn(b0, b1, sQ + kk * 16 * LD + n * 8, LD, lane);
-                fa_mma<T>(adk[n], a, b0, b1);
-            }
-        }
+        __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 is copied into it
     }
     T* dkb = dk + b * dk_sb + h * dk_sh;
     T* dvb = dv + b * dv_sb + h * dv_sh;
@@ -472,25 +554,28 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     }
 }
 
-// dQ for 64 query rows (16 per warp), looping over key tiles (causal: up to the diagonal). Per key tile:
-// S = Q Kᵀ, P = exp(c S − lse), dP = dO Vᵀ, dS = P ⊙ (dP − D), dQ += dS K. Shared memory: Q, dO (64 rows),
-// K, V (BN rows); each lane keeps lse and D of its two rows in registers.
+// dQ for 16 · DQ_WARPS query rows (16 per warp), looping over key tiles of BN = DQ_BN (causal: up to the
+// diagonal), double-buffered with cp.async. Per key tile: S = Q Kᵀ, P = exp(c S − lse), dP = dO Vᵀ,
+// dS = P ⊙ (dP − D), dQ += dS K. Shared memory: Q, dO (BM rows), two buffers of K, V (BN rows each); each lane
+// keeps lse and D of its two rows in registers.
 template <typename T, int HD>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::DQ_MIN_BLOCKS)
 flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
              const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int H, int T_len,
              float scale, int causal, long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,
              long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
              long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
-    constexpr int BM = 64, BN = fa_bwd_tile<HD>::value, LD = HD + FA_PAD;
+    constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * 16, BN = fa_cfg<HD>::DQ_BN;
+    constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
     T* sdO = sQ + BM * LD;
-    T* sK = sdO + BM * LD;
-    T* sV = sK + BN * LD;
+    T* sK = sdO + BM * LD;     // two buffers of BN rows
+    T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
-    const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const int w0 = q0 + warp * 16;
+    const int rows[2] = {w0 + g, w0 + g + 8};
     const T* kb = k + b * k_sb + h * k_sh;
     const T* vb = v + b * v_sb + h * v_sh;
     const float c2 = scale * FA_LOG2E;
@@ -501,56 +586,62 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         rl[r] = in ? lse[(long long)bh * T_len + rows[r]] * FA_LOG2E : 0.0f;
         rd[r] = in ? delta[(long long)bh * T_len + rows[r]] : 0.0f;
     }
-    fa_load_tile<T, BM, HD>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
-    fa_load_tile<T, BM, HD>(sdO, dout + b * do_sb + h * do_sh, do_st, q0, T_len);
+    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
+    const int n_tiles = (kv_end + BN - 1) / BN;
+    fa_load_tile<T, BM, HD, NT>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
+    fa_load_tile<T, BM, HD, NT>(sdO, dout + b * do_sb + h * do_sh, do_st, q0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
+    fa_cp_commit();
     float adq[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) adq[n][0] = adq[n][1] = adq[n][2] = adq[n][3] = 0.0f;
 
-    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
-    for (int k0 = 0; k0 < kv_end; k0 += BN) {
+    for (int j = 0; j < n_tiles; ++j) {
+        const int k0 = j * BN;
+        const T* cK = sK + (j & 1) * BN * LD;
+        const T* cV = sV + (j & 1) * BN * LD;
+        if (j + 1 < n_tiles) {
+            fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+            fa_cp_commit();
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
+        }
         __syncthreads();
-        fa_load_tile<T, BN, HD>(sK, kb, k_st, k0, T_len);
-        fa_load_tile<T, BN, HD>(sV, vb, v_st, k0, T_len);
-        __syncthreads();
-        float p[BN / 8][4], dp[BN / 8][4];
+        if (w0 < T_len && (!causal || k0 <= w0 + 15)) {
+            float p[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+            for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.0f;
+                for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            unsigned a[4], a2[4];
-            fa_frag_a(a, sQ + warp * 16 * LD + kk * 16, LD, lane);
-            fa_frag_a(a2, sdO + warp * 16 * LD + kk * 16, LD, lane);
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[4];
+                fa_frag_a(a, sQ + warp * 16 * LD + kk * 16, LD, lane);
+                fa_mma_row<T, BN / 16, false>(p, a, cK + kk * 16, LD, lane);   // S = Q Kᵀ
+                fa_frag_a(a, sdO + warp * 16 * LD + kk * 16, LD, lane);
+                fa_mma_row<T, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
+            }
+            const bool edge = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_nk(b0, b1, sK + n * 8 * LD + kk * 16, LD, lane);
-                fa_mma<T>(p[n], a, b0, b1);    // S = Q Kᵀ
-                fa_frag_b_nk(b0, b1, sV + n * 8 * LD + kk * 16, LD, lane);
-                fa_mma<T>(dp[n], a2, b0, b1);  // dP = dO Vᵀ
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1, key = k0 + n * 8 + c + (e & 1);
+                    float pe = fast_exp2(p[n][e] * c2 - rl[r]);
+                    if (edge && !fa_visible(rows[r], key, T_len, causal)) pe = 0.0f;
+                    p[n][e] = pe * (dp[n][e] - rd[r]);  // dS (without c)
+                }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {  // dQ += dS K
+                unsigned a[4];
+                fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+                fa_mma_row<T, HD / 16, true>(adq, a, cK + kk * 16 * LD, LD, lane);
             }
         }
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1, key = k0 + n * 8 + c + (e & 1);
-                const float pe = fa_visible(rows[r], key, T_len, causal) ? exp2f(p[n][e] * c2 - rl[r]) : 0.0f;
-                p[n][e] = pe * (dp[n][e] - rd[r]);  // dS (without c)
-            }
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {  // dQ += dS K
-            unsigned a[4];
-            fa_c_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                unsigned b0, b1;
-                fa_frag_b_kn(b0, b1, sK + kk * 16 * LD + n * 8, LD, lane);
-                fa_mma<T>(adq[n], a, b0, b1);
-            }
-        }
+        __syncthreads();
     }
     T* dqb = dq + b * dq_sb + h * dq_sh;
 #pragma unroll

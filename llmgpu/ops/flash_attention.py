@@ -23,7 +23,9 @@ Implementations (``kernel=``), on CuPy arrays:
 * ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
   extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
 * ``"auto"``   (default, ``DEFAULT_KERNEL``) whichever of ours and cuDNN is faster here, timed once per shape (B, H,
-  T, D, dtype, causal, direction) on the first call and remembered in the process; ours where cuDNN is not
+  T, D, dtype, causal, direction) on the first call and remembered in the process and on disk (``auto_cache_path``,
+  keyed by GPU name, CUDA and cuDNN versions and our kernel source), so a run resumed in a new process picks the
+  same kernel and stays bit-exact; cuDNN unless ours is at least ``AUTO_MARGIN`` faster; ours where cuDNN is not
   installed or cannot take the shape, cuDNN for head dims ours lacks. The first call of a shape syncs the device
   (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without a decision, ours runs).
 
@@ -44,6 +46,9 @@ after a warm-up they are capturable in a CUDA graph.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 
 from .. import backend
@@ -53,13 +58,25 @@ from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
 from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
+from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_auto_cache, write_auto_choice
 
 KERNELS = ("auto", "ours", "scalar", "cudnn")
 DEFAULT_KERNEL = "auto"
 HEAD_DIMS = (64, 128)  # what our kernels are instantiated for
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
-THREADS = 128  # FA_THREADS in flash_attention.cu
+THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
 PAD = 8  # FA_PAD
+# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile) and inner tiles
+FWD_WARPS, FWD_BN = 8, 64
+DKDV_WARPS, DQ_WARPS = 4, 4
+
+
+def _dkdv_bm(D):
+    return 16 if D == 128 else 64  # fa_cfg<HD>::DKDV_BM
+
+
+def _dq_bn(D):
+    return 32 if D == 128 else 64  # fa_cfg<HD>::DQ_BN
 AUTO_REPS = 3  # timed calls per candidate when "auto" decides
 
 
@@ -208,12 +225,13 @@ def _kernel(function, dtype, D, smem):
 
 
 def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
-    """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory)."""
+    """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory).
+    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV)."""
     row = (D + PAD) * itemsize
-    bwd_tile = 32 if D == 128 else 64  # fa_bwd_tile in the .cu
-    return {"flash_fwd": (64 + 2 * 64) * row,
-            "flash_bwd_dkdv": (2 * 64 + 2 * bwd_tile) * row + 2 * bwd_tile * 4,
-            "flash_bwd_dq": (2 * 64 + 2 * bwd_tile) * row}.get(function, 0)
+    bm, bn = _dkdv_bm(D), _dq_bn(D)
+    return {"flash_fwd": (16 * FWD_WARPS + 2 * 2 * FWD_BN) * row,
+            "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
+            "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row}.get(function, 0)
 
 
 def _ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
@@ -225,7 +243,8 @@ def _ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
         get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
         return
     smem = smem_bytes("flash_fwd", D)
-    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // 64)), (THREADS,), args, shared_mem=smem)
+    bm = 16 * FWD_WARPS
+    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
 
 
 _DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
@@ -251,11 +270,12 @@ def _ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     smem = smem_bytes("flash_bwd_dkdv", D)
     _kernel("flash_bwd_dkdv", q.dtype, D, smem)(
-        (B * H, -(-T // 64)), (THREADS,), (q, k, v, do, lse, delta, dk, dv, *head, *ins, *_strides(dk),
-                                           *_strides(dv)), shared_mem=smem)
+        (B * H, -(-T // (16 * DKDV_WARPS))), (32 * DKDV_WARPS,),
+        (q, k, v, do, lse, delta, dk, dv, *head, *ins, *_strides(dk), *_strides(dv)), shared_mem=smem)
     smem = smem_bytes("flash_bwd_dq", D)
     _kernel("flash_bwd_dq", q.dtype, D, smem)(
-        (B * H, -(-T // 64)), (THREADS,), (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq)), shared_mem=smem)
+        (B * H, -(-T // (16 * DQ_WARPS))), (32 * DQ_WARPS,), (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq)),
+        shared_mem=smem)
 
 
 # --------------------------------------------------------------------------- choosing ("auto")
@@ -266,6 +286,26 @@ _AUTO: dict = {}  # (device, direction, B, H, T, D, dtype, causal) -> "ours" | "
 def auto_choices() -> dict:
     """What ``kernel="auto"`` picked so far, per (device, direction, B, H, T, D, dtype, causal)."""
     return dict(_AUTO)
+
+
+def _machine_key(cp, direction, shape, dtype_name, causal) -> str:
+    """The disk-cache key: what the timing depends on (GPU, CUDA, cuDNN, our kernels' source) and the call."""
+    try:
+        gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+        gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
+    except Exception:
+        gpu = "unknown-gpu"
+    try:
+        cudnn = int(cudnn_attention._cudnn().backend_version())
+    except Exception:
+        cudnn = None
+    src = Path(__file__).resolve().parent.parent / "kernels" / "flash_attention.cu"
+    try:
+        ours = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
+    except OSError:
+        ours = "?"
+    return (f"{gpu}|cuda {cp.cuda.runtime.runtimeGetVersion()}|cudnn {cudnn}|ours {ours}|{direction}|{dtype_name}|"
+            f"B={shape[0]} H={shape[1]} T={shape[2]} D={shape[3]}|causal={bool(causal)}")
 
 
 def _capturing(cp) -> bool:
@@ -301,7 +341,15 @@ def _resolve(kernel, direction, q, arrays, causal, run):
                              ("cudnn", cudnn_attention.available() and q.shape[-1] % 8 == 0)) if ok]
     if not cands:
         _require_ours(q, *arrays)  # raises with ours' reason
-    if len(cands) == 1 or _capturing(cp):
+    if len(cands) == 1:  # nothing to compare: the same choice in every process
+        _AUTO[key] = cands[0]
+        return cands[0]
+    disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal)
+    cached = read_auto_cache().get(disk_key)
+    if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
+        _AUTO[key] = cached
+        return cached
+    if _capturing(cp):
         return cands[0]
     times = {}
     for name in cands:
@@ -311,7 +359,9 @@ def _resolve(kernel, direction, q, arrays, causal, run):
             continue
     if not times:
         return cands[0]
-    _AUTO[key] = min(times, key=times.get)
+    _AUTO[key] = pick_faster(times)
+    if len(times) == len(cands):  # a real comparison: worth remembering across processes
+        write_auto_choice(disk_key, _AUTO[key])
     return _AUTO[key]
 
 
@@ -421,7 +471,8 @@ def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
     return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
 
 
-__all__ = ["CudnnUnavailableError", "DEFAULT_KERNEL", "HEAD_DIMS", "INSTALL_HINT", "KERNELS", "auto_choices",
+__all__ = ["AUTO_MARGIN", "CudnnUnavailableError", "DEFAULT_KERNEL", "HEAD_DIMS", "INSTALL_HINT", "KERNELS",
+           "auto_cache_path", "auto_choices", "pick_faster", "read_auto_cache", "write_auto_choice",
            "available", "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
            "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "ours_unsupported",
            "smem_bytes", "split_qkv", "unavailable_reason"]
