@@ -465,7 +465,7 @@ def test_gpu_fast_fp16_graph_step_skips_an_overflow(cp, tmp_path):
 def test_precision_benchmark_script_runs_on_the_cpu(capsys):
     assert _run_benchmark("bench_ch8_precision.py", ["--quick", "--steps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "fp16:" in out and "fp16 / fp32 tokens/s" in out and "smoke test" in out
+    assert "fp16:" in out and "fp16 / " in out and "smoke test" in out  # against fp32 on NumPy, bf16 on a GPU
 
 
 def test_lm_head_benchmark_script_runs_on_the_cpu(capsys):
