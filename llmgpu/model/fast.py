@@ -18,9 +18,10 @@ and why (chapter 8 measures each item):
   ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
   added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
   the fp32 gradient buffer (``accumulate_params=True``).
-* **Flash attention** (cuDNN, ``llmgpu.ops.flash_attention``) on strided views of the QKV buffer: no
+* **Flash attention** (``llmgpu.ops.flash_attention``: our kernel of chapter 2b or cuDNN's, whichever is
+  faster on the machine, chosen once per shape and remembered) on strided views of the QKV buffer: no
   ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
-  precision on the GPU (cuDNN's flash attention takes fp16/bf16) the chapter 2 kernels run instead.
+  precision on the GPU (both take fp16/bf16) the chapter 2 kernels run instead.
 
 **The LM head in chunks of rows** (``LM_HEAD_ROWS``): in ``forward_backward`` the logits are made, turned
 into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
@@ -97,7 +98,7 @@ class FastGPT(GPTBase):
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
         on_np = self.xp is np
-        # cuDNN's flash attention takes fp16/bf16; the NumPy reference runs any float type
+        # flash attention (ours or cuDNN's) takes fp16/bf16; the NumPy reference runs any float type
         self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
         self.attention = "flash" if self.flash else "math-copy"
 
@@ -106,7 +107,7 @@ class FastGPT(GPTBase):
         falls back to chapter 2's kernels, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
-        return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (cuDNN's flash attention "
+        return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash attention "
                 "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
                 "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
 
