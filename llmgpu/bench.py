@@ -238,6 +238,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def run_options(args, xp) -> tuple:
+    """(checkpoint_every, torch.compile mode, seed, the CPU note or None) of a bench run, after printing the
+    note and the device line every result starts from."""
+    gpu = xp is not np
+    note = None if gpu else cpu_note(getattr(args, "device", "auto"))
+    if note:
+        print(note)
+    print(f"device: {backend.device_info(xp).summary()}")
+    return (int(getattr(args, "checkpoint_every", 0) or 0), getattr(args, "compile_mode", "default") or "default",
+            int(getattr(args, "seed", 0) or 0), note)
+
+
 def cpu_note(device: str = "auto") -> str:
     """The line a CPU run starts with: its figures say nothing about the GPU the benchmark is for."""
     why = "--device cpu" if device == "cpu" else (backend.gpu_unavailable_reason() or "LLMGPU_DEVICE=cpu")
@@ -292,13 +304,7 @@ def bench_main(args) -> int:
         overrides["vocab_size"] = int(args.vocab_size)
     cfg = GPTConfig.preset(o["preset"], **overrides)
     cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
-    ckpt = int(getattr(args, "checkpoint_every", 0) or 0)
-    compile_mode = getattr(args, "compile_mode", "default") or "default"
-    seed = int(getattr(args, "seed", 0) or 0)
-    note = None if gpu else cpu_note(getattr(args, "device", "auto"))
-    if note:
-        print(note)
-    print(f"device: {backend.device_info(xp).summary()}")
+    ckpt, compile_mode, seed, note = run_options(args, xp)
     print(f"model: {o['preset']} (L={cfg.n_layer}, H={cfg.n_head}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
           f"B={o['batch']} T={o['seq']} {o['dtype']}; {o['steps']} timed steps after {o['warmup']} warm-up")

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend
-from .bench import BENCH_DEFAULTS, cpu_note, optimizer_settings, release_memory, run_llmgpu, torch_sdpa
+from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
 from .model import GPTConfig
 from .model.config import activation_bytes
 from .perf import timing
@@ -107,14 +106,8 @@ def scale_main(args, xp) -> int:
     steps = int(getattr(args, "steps", None) or (10 if gpu else 1))
     warmup = int(getattr(args, "warmup", None) if getattr(args, "warmup", None) is not None else (3 if gpu else 0))
     dtype = getattr(args, "dtype", None) or d["dtype"]
-    ckpt = int(getattr(args, "checkpoint_every", 0) or 0)
     min_batch = int(getattr(args, "min_batch", 8) or 1)
-    compile_mode = getattr(args, "compile_mode", "default") or "default"
-    seed = int(getattr(args, "seed", 0) or 0)
-    note = None if gpu else cpu_note(getattr(args, "device", "auto"))
-    if note:
-        print(note)
-    print(f"device: {backend.device_info(xp).summary()}")
+    ckpt, compile_mode, seed, note = run_options(args, xp)
     ceiling, ceiling_src = mfu_ceiling(xp, dtype)
     print(f"GEMM ceiling ({ceiling_src}): {ceiling:.3g} TFLOP/s; {MFU_DEFINITION}")
     try:
