@@ -6,10 +6,11 @@
 # 2b. compute-sanitizer memcheck and racecheck over tools/sanitize_kernels.py: each of our kernels once at
 #     small sizes plus a tiny GPT / FastGPT step without cuDNN; only our kernels are checked (library
 #     GEMMs excluded); a missing compute-sanitizer is a failure (SANITIZE_TIMEOUT: seconds per tool, 150)
-# 3. nbval over every notebook (each runs top to bottom on the GPU backend)
-# 4. the notebooks executed in place, so their committed outputs come from this GPU
-# 3b. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook)
-# 5. the benchmarks (each writes benchmarks/results/*.json) and the LayerNorm backward probe
+# 3. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook), its
+#    scale table, the step and cuBLASLt probes, the 300-step bf16/fp16 comparison (tools/fp16_vs_bf16.sh)
+# 4. the benchmarks (each writes benchmarks/results/*.json) and the LayerNorm backward probe
+# 5. nbval over every notebook (each runs top to bottom on the GPU backend)
+# 6. the notebooks executed in place, so their committed outputs come from this GPU (and read step 3-4's results)
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
 # STEPS="tests sanitize llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
@@ -61,16 +62,25 @@ if has llmbench; then
   run llmgpu_bench python3 -m llmgpu bench --pad-vocab 0 --json benchmarks/results/ch8_bench.json  # unpadded torch (the pair of the padded run below)
   run llmgpu_bench_padded python3 -m llmgpu bench --pad-vocab 64 --modes llmgpu-fast-graph,torch-compile \
     --json benchmarks/results/ch8_bench_padded.json
+  # chapter 8: the fair comparison (both padded, PyTorch's faster SDPA backend) and its unpadded pair
+  run llmgpu_bench_fair python3 -m llmgpu bench --modes llmgpu-fast-graph,torch-compile,torch-compile-unpadded \
+    --json benchmarks/results/ch8_bench_fair.json
+  run llmgpu_bench_fair_chunked python3 -m llmgpu bench --modes llmgpu-fast-graph,torch-compile \
+    --json benchmarks/results/ch8_bench_fair_chunked.json
+  run llmgpu_bench_scale python3 -m llmgpu bench --preset gpt2,d24,d36,d48 --steps 5 --warmup 2
   run probe_fast_step python3 tools/probe_fast_step.py --json benchmarks/results/ch8_probe_step.json
+  run probe_lt_algos python3 tools/probe_lt_algos.py --json benchmarks/results/lt_algo_probe.json
+  run fp16_vs_bf16 bash tools/fp16_vs_bf16.sh
 fi
-has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
-has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
+# the benchmarks before the notebooks, which read their results
 if has bench; then
   for b in benchmarks/bench_*.py; do
     run "bench_$(basename "$b" .py)" python3 "$b"
   done
   run probe_layernorm_backward python3 tools/probe_layernorm_backward.py --json benchmarks/results/probe_layernorm_backward.json
 fi
+has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
+has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
 tar czf "$OUT/gpu_results.tar.gz" "$OUT/logs" book/*.ipynb benchmarks/results 2>/dev/null
 echo "packed $OUT/gpu_results.tar.gz; status $status"
 [ -f "$OUT/logs/FAILED" ] && { echo "failed steps:"; cat "$OUT/logs/FAILED"; }
