@@ -220,7 +220,10 @@ def main(argv=None):
     if main_rank and _common.save(out, payload, xp):
         from llmgpu.plotting import plot_allreduce
 
-        ax = plot_allreduce(rows, title=f"all-reduce on {N} rank(s), {backend.device_info(xp).name}")
+        # one rank has no link (no bus bandwidth): its plot is the reduction kernel's algorithm bandwidth
+        ax = plot_allreduce(rows, y="busbw_GBps" if N > 1 else "algbw_GBps",
+                            title=f"all-reduce on {N} rank(s), {backend.device_info(xp).name}"
+                            + ("" if N > 1 else ": the ring's reduction kernel"))
         png = out.with_suffix(".png")
         ax.figure.savefig(png, dpi=120)
         print(f"wrote {png}")
