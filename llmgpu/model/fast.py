@@ -63,7 +63,7 @@ from ..gemm.cublaslt import lt_gemm
 from ..gemm.ksplit import wgrad_gemm
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
-from ..ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from ..ops.cross_entropy import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
 from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
 from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
@@ -77,7 +77,6 @@ VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config 
 EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
 LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
 CROSS_ENTROPY_METHOD = "fast"
-IGNORE_INDEX = -100  # cross-entropy's default: a target that takes no part in the loss
 # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
 # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
 LM_HEAD_ROWS = 8192
@@ -319,7 +318,7 @@ class FastGPT(GPTBase):
         R = min(N, max(1, int(self.lm_head_rows)))
         if R < N:
             n_total = (targets != IGNORE_INDEX).sum(dtype=np.int32)
-            dhf = xp.empty((N, C), dtype=hf.dtype)
+        dhf = xp.empty((N, C), dtype=hf.dtype)
         loss = None
         for r0 in range(0, N, R):
             h, t = hf[r0:r0 + R], targets[r0:r0 + R]
@@ -337,12 +336,10 @@ class FastGPT(GPTBase):
             with region("cross_entropy bwd", bytes=2 * n * Vp * it + 8 * n, flops=4.0 * n * Vp):
                 dlogits = cross_entropy_backward(ce, dloss, out=ce.logits)  # in place over the logits
             del ce
-            d = self._dgrad(dlogits, WTE, name="lm_head", out=None if R == N else dhf[r0:r0 + R])
-            if R == N:
-                dhf = d
+            self._dgrad(dlogits, WTE, name="lm_head", out=dhf[r0:r0 + R])
             with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
                 wgrad_gemm(dlogits, h, out=G(WTE), beta=1.0, gemm=lt_gemm)
-            del dlogits, d
+            del dlogits
         if R < N:
             loss = loss / n_total.astype(loss.dtype)
         return loss, dhf

@@ -51,6 +51,7 @@ from ..kernels import get_kernel
 from ..kernels.launch import stride_grid
 
 METHODS = ("naive", "optimized", "fast")
+IGNORE_INDEX = -100  # the default target that takes no part in the loss (PyTorch's)
 FUSED_METHODS = ("optimized", "fast")  # keep lse, share cross_entropy_backward_fused
 TARGET_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -114,7 +115,7 @@ def cross_entropy_backward_reference(logits2, targets1, lse, n_valid, ignore_ind
 # --------------------------------------------------------------------------- public API
 
 
-def cross_entropy_forward(logits, targets, ignore_index=-100, *, method="fast"):
+def cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX, *, method="fast"):
     """Mean cross-entropy of ``logits [..., V]`` against integer ``targets [...]``: ``(loss, cache)``."""
     check_method("cross_entropy_forward", method, METHODS)
     xp = array_module(logits=logits, targets=targets)
