@@ -18,7 +18,6 @@ memory, nothing written unless ``--out`` is given.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import _common
@@ -81,9 +80,7 @@ def main(argv=None):
                else "counted activation bytes", "targets": {"memory_vs_off": TARGET_MEMORY,
                                                            "time_vs_off": TARGET_TIME},
                "targets_met": ok, "rows": rows}
-    out = a.out or (RESULTS if on_gpu and not quick else None)
-    if out:
-        _common.save(os.path.relpath(out), payload, xp)
+    _common.save(a.out or (RESULTS if on_gpu and not quick else None), payload, xp)
     return 0 if ok or quick else 1
 
 

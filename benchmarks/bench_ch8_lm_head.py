@@ -14,7 +14,6 @@ against 0.8 GB of one chunk), and +0.5 % step time (each chunk's weight gradient
 
 from __future__ import annotations
 
-import os
 import sys
 
 import _common
@@ -65,9 +64,7 @@ def main(argv=None):
              if on_gpu else "") + ("" if on_gpu and not quick else " (smoke test)"))
     payload = {"benchmark": "ch8_lm_head", "preset": preset, "batch": batch, "seq": seq, "dtype": dtype,
                "graph": on_gpu, "summary": summary, "rows": rows}
-    out = a.out or (RESULTS if on_gpu and not quick else None)
-    if out:
-        _common.save(os.path.relpath(out), payload, xp)
+    _common.save(a.out or (RESULTS if on_gpu and not quick else None), payload, xp)
     return 0
 
 

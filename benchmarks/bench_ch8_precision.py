@@ -13,7 +13,6 @@ within 3 % of bf16's throughput. The loss curves of the two (300 steps of real t
 
 from __future__ import annotations
 
-import os
 import sys
 
 import _common
@@ -47,9 +46,7 @@ def main(argv=None):
           + ("" if on_gpu and not quick else " (smoke test)"))
     payload = {"benchmark": "ch8_precision", "preset": preset, "batch": batch, "seq": seq, "graph": on_gpu,
                "fp16_over_bf16": ratio, "target": TARGET, "target_met": ok, "rows": rows}
-    out = a.out or (RESULTS if on_gpu and not quick else None)
-    if out:
-        _common.save(os.path.relpath(out), payload, xp)
+    _common.save(a.out or (RESULTS if on_gpu and not quick else None), payload, xp)
     return 0 if ok or quick else 1
 
 
