@@ -230,7 +230,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="activation checkpointing, both frameworks (0 = off; scale table: where needed)")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
-                        "llmgpu-fast instead of llmgpu-fast-graph on the CPU)")
+                        "llmgpu-fast instead of llmgpu-fast-graph on the CPU; scale table: llmgpu* and/or torch* pick "
+                        "the frameworks, default both)")
     p.add_argument("--json", metavar="PATH", help="write the results here (default on GPU: bench.json)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the GEMM ceiling measurement (no MFU)")
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")

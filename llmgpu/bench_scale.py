@@ -22,6 +22,7 @@ draws MFU and peak memory against model size.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,12 +96,39 @@ def _measure(label, run, start, min_batch, ckpt, log):
     return r
 
 
+def _sides(args) -> tuple[str, ...]:
+    """Which frameworks ``--modes`` asks for: any ``llmgpu*`` mode measures llmgpu, any ``torch*`` PyTorch
+    (default both). One side per process keeps one framework's leftovers from squeezing the other."""
+    modes = [m.strip() for m in str(getattr(args, "modes", None) or "").split(",") if m.strip()]
+    if not modes:
+        return ("llmgpu", "torch")
+    sides = tuple(s for s in ("llmgpu", "torch") if any(m.startswith(s) for m in modes))
+    if not sides:
+        raise ValueError(f"--modes {','.join(modes)}: the scale table measures llmgpu* and/or torch* modes")
+    return sides
+
+
+def _merge_row(old: dict | None, new: dict) -> dict:
+    """A preset's row after measuring some of its sides: the sides measured now replace the old ones, the
+    others are kept (a table measured one framework per command), and the ratio is taken again."""
+    row = {**(old or {}), **{k: v for k, v in new.items() if k not in ("llmgpu", "torch")}}
+    for side in ("llmgpu", "torch"):
+        if side in new:
+            row[side] = new[side]
+        row.setdefault(side, {"framework": side, "skipped": "not measured"})
+    a, b = row["llmgpu"].get("tokens_per_s"), row["torch"].get("tokens_per_s")
+    row["llmgpu_over_torch"] = a / b if a and b else None
+    return row
+
+
 def scale_main(args, xp) -> int:
-    """The scale table for ``args.preset`` (comma-separated), printed and merged into the JSON file."""
+    """The scale table for ``args.preset`` (comma-separated), printed and merged into the JSON file after
+    every measurement (a run cut short keeps what it measured)."""
     gpu = xp is not np
     presets = list(dict.fromkeys(p.strip() for p in str(args.preset or "").split(",") if p.strip()))
     for p in presets:
         GPTConfig.preset(p)  # a ValueError naming the presets
+    sides = _sides(args)
     d = BENCH_DEFAULTS["gpu" if gpu else "cpu"]
     seq = int(getattr(args, "seq", None) or d["seq"])
     steps = int(getattr(args, "steps", None) or (10 if gpu else 1))
@@ -110,19 +138,27 @@ def scale_main(args, xp) -> int:
     ckpt, compile_mode, seed, note = run_options(args, xp)
     ceiling, ceiling_src = mfu_ceiling(xp, dtype)
     print(f"GEMM ceiling ({ceiling_src}): {ceiling:.3g} TFLOP/s; {MFU_DEFINITION}")
-    try:
-        torch = import_torch()
-        torch_reason = "PyTorch has no CUDA device here" if gpu and not torch.cuda.is_available() else None
-    except ImportError as e:
-        torch, torch_reason = None, str(e)
+    torch, torch_reason = None, None
+    if "torch" in sides:
+        try:
+            torch = import_torch()
+            torch_reason = "PyTorch has no CUDA device here" if gpu and not torch.cuda.is_available() else None
+        except ImportError as e:
+            torch_reason = str(e)
     tmode = "eager" if compile_mode == "none" else "compile"
-    log = print
+    t0 = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
+
+    out = getattr(args, "json", None) or (str(Path("benchmarks/results/scale_table.json"))
+                                          if Path("benchmarks/results").is_dir() and gpu else None)
     table = {}
     for name in presets:
         cfg = GPTConfig.preset(name)
         cfg = replace(cfg, block_size=max(cfg.block_size, seq), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
         fpt = cfg.flops_per_token(seq)
-        print(f"\n{name}: L={cfg.n_layer} C={cfg.n_embd}, {cfg.num_parameters() / 1e6:.0f}M parameters, T={seq}")
+        log(f"{name}: L={cfg.n_layer} C={cfg.n_embd}, {cfg.num_parameters() / 1e6:.0f}M parameters, T={seq}")
         if getattr(args, "batch", None):
             start = int(args.batch)
         elif gpu:
@@ -137,52 +173,63 @@ def scale_main(args, xp) -> int:
 
         row = {"preset": name, "parameters": cfg.num_parameters(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                "seq": seq, "flops_per_token": fpt}
-        row["llmgpu"] = _measure("llmgpu-fast" + ("-graph" if gpu else ""), ours, start, min_batch, ckpt, log)
-        release_memory()
-        b0 = row["llmgpu"].get("batch") or start
-        if torch_reason:
-            row["torch"] = {"framework": "pytorch", "skipped": torch_reason}
-        else:
-            sdpa, pick = torch_sdpa(args, cfg, b0, seq, dtype, gpu)
 
-            def theirs(b, k, cfg=cfg, sdpa=sdpa):
-                return run_torch(cfg, b, seq, steps, tmode, dtype=dtype, settings=optimizer_settings(xp),
-                                 warmup=warmup + (3 if tmode == "compile" else 0), device="cuda" if gpu else "cpu",
-                                 seed=seed, compile_mode="default" if tmode == "eager" else compile_mode, sdpa=sdpa,
-                                 checkpoint_every=k)
-
-            row["torch"] = _measure(f"torch-{tmode}", theirs, b0, min_batch, ckpt, log)
-            row["torch"]["sdpa_pick"] = pick
-            release_memory()
-        for side in ("llmgpu", "torch"):
-            r = row[side]
+        def done(side, r, row=row, name=name, fpt=fpt):
             if r.get("tokens_per_s"):
                 r["mfu"] = mfu(fpt, r["tokens_per_s"], ceiling)
-                print(f"  {side:>6}: batch {r['batch']}, checkpoint_every {r.get('checkpoint_every', 0)}, "
-                      f"{r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, peak "
-                      + ("-" if r.get("peak_memory_bytes") is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"))
-        a, b = row["llmgpu"].get("tokens_per_s"), row["torch"].get("tokens_per_s")
-        row["llmgpu_over_torch"] = a / b if a and b else None
-        table[name] = row
+                log(f"  {side}: batch {r['batch']}, checkpoint_every {r.get('checkpoint_every', 0)}, "
+                    f"{r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, peak "
+                    + ("-" if r.get("peak_memory_bytes") is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"))
+            else:
+                log(f"  {side}: {r.get('skipped') or r.get('error')}")
+            row[side] = r
+            table[name] = _merge_row(_saved(out).get(name), row)
+            if out:
+                _save(out, table, xp, note=note, dtype=dtype, seq=seq, steps=steps, compile_mode=compile_mode,
+                      gemm_ceiling_tflops=ceiling, gemm_ceiling=ceiling_src,
+                      torch=getattr(torch, "__version__", None) if torch else None)
+
+        if "llmgpu" in sides:
+            done("llmgpu", _measure("llmgpu-fast" + ("-graph" if gpu else ""), ours, start, min_batch, ckpt, log))
+            release_memory()
+        if "torch" in sides:
+            b0 = row.get("llmgpu", {}).get("batch") or start
+            if torch_reason:
+                done("torch", {"framework": "pytorch", "skipped": torch_reason})
+            else:
+                sdpa, pick = torch_sdpa(args, cfg, b0, seq, dtype, gpu)
+
+                def theirs(b, k, cfg=cfg, sdpa=sdpa):
+                    return run_torch(cfg, b, seq, steps, tmode, dtype=dtype, settings=optimizer_settings(xp),
+                                     warmup=warmup + (3 if tmode == "compile" else 0), device="cuda" if gpu else "cpu",
+                                     seed=seed, compile_mode="default" if tmode == "eager" else compile_mode,
+                                     sdpa=sdpa, checkpoint_every=k)
+
+                r = _measure(f"torch-{tmode}", theirs, b0, min_batch, ckpt, log)
+                r["sdpa_pick"] = pick
+                done("torch", r)
+                release_memory()
     print()
     print(format_scale_table(list(table.values())))
-    out = getattr(args, "json", None) or (str(Path("benchmarks/results/scale_table.json"))
-                                          if Path("benchmarks/results").is_dir() and gpu else None)
     if out:
-        old = {}
-        if Path(out).exists():
-            try:
-                old = json.loads(Path(out).read_text()).get("presets", {})
-            except (ValueError, OSError):
-                old = {}
-        payload = {"benchmark": "llmgpu bench scale table", "gpu": gpu, "note": note, "dtype": dtype, "seq": seq,
-                   "steps": steps, "compile_mode": compile_mode, "gemm_ceiling_tflops": ceiling,
-                   "gemm_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
-                   "torch": getattr(torch, "__version__", None) if torch else None,
-                   "presets": {**old, **table}}
-        timing.save_results(out, payload, xp=xp)
         print(f"wrote {out}")
-    return 0 if all(r["llmgpu"].get("tokens_per_s") for r in table.values()) else 1
+    return 0 if all(table[n][s].get("tokens_per_s") for n in table for s in sides) else 1
+
+
+def _saved(out) -> dict:
+    """The presets already in the JSON file ``out`` (none if it is missing or unreadable)."""
+    if not out or not Path(out).exists():
+        return {}
+    try:
+        return json.loads(Path(out).read_text()).get("presets", {})
+    except (ValueError, OSError):
+        return {}
+
+
+def _save(out, table, xp, **fields):
+    payload = {"benchmark": "llmgpu bench scale table", "gpu": xp is not np, **fields,
+               "mfu_definition": MFU_DEFINITION, "presets": {**_saved(out), **table}}
+    timing.save_results(out, payload, xp=xp)
 
 
 def format_scale_table(rows) -> str:

@@ -253,6 +253,28 @@ def test_scale_table_on_the_cpu_with_checkpointing_where_needed(tmp_path, monkey
     assert png.stat().st_size > 1000
 
 
+def test_scale_table_one_framework_per_command_merges_into_one_row(tmp_path, capsys):
+    """`--modes llmgpu-fast` then `--modes torch-eager`: each command saves its side as soon as it is measured,
+    the second keeps the first's side, and the ratio is taken from both."""
+    from llmgpu import bench_scale, cli
+
+    out = tmp_path / "scale.json"
+    common = ["bench", "--device", "cpu", "--preset", "tiny", "--scale-table", "--seq", "16", "--batch", "2",
+              "--steps", "1", "--warmup", "0", "--compile-mode", "none", "--json", str(out)]
+    assert cli.main(common + ["--modes", "llmgpu-fast"]) == 0
+    row = json.loads(out.read_text())["presets"]["tiny"]
+    assert row["llmgpu"]["tokens_per_s"] > 0 and row["torch"]["skipped"] == "not measured"
+    assert row["llmgpu_over_torch"] is None
+    assert cli.main(common + ["--modes", "torch-eager"]) == 0
+    row = json.loads(out.read_text())["presets"]["tiny"]
+    if row["torch"].get("tokens_per_s"):  # PyTorch installed
+        assert row["llmgpu_over_torch"] == row["llmgpu"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
+    assert row["llmgpu"]["tokens_per_s"] > 0  # kept from the first command
+    assert "] tiny: L=" in capsys.readouterr().out  # progress lines carry the elapsed time
+    with pytest.raises(ValueError, match="llmgpu"):
+        bench_scale._sides(_args(modes="bogus"))
+
+
 def test_bench_pads_both_frameworks_alike_by_default_and_takes_the_torch_options():
     a = _args()
     assert a.pad_vocab == 64 and a.compile_mode == "default" and a.sdpa == "auto"
