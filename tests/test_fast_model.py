@@ -567,3 +567,13 @@ def test_lm_head_benchmark_script_runs_on_the_cpu(capsys):
     assert FastGPT.lm_head_rows == LM_HEAD_ROWS  # put back
     out = capsys.readouterr().out
     assert "all 256 rows at once" in out and "chunked / whole" in out and "smoke test" in out
+
+
+def test_head_items_benchmark_script_runs_on_the_cpu(capsys):
+    from llmgpu.model import fast
+
+    before = (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32)
+    assert _run_benchmark("bench_ch8_head_items.py", ["--quick", "--steps", "1"]) == 0
+    assert (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32) == before == (True, True)  # put back
+    out = capsys.readouterr().out
+    assert "fused CE on  / emb->fp32 on" in out and "both on / both off" in out and "smoke test" in out
