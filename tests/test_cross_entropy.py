@@ -11,6 +11,7 @@ from llmgpu.ops.cross_entropy import (
     CrossEntropyCache,
     cross_entropy_backward,
     cross_entropy_forward,
+    cross_entropy_forward_backward,
 )
 from llmgpu.ops.softmax import softmax_forward
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array, rel_error
@@ -299,3 +300,227 @@ def test_gpu_fp16_realistic_size(cp, rng, method):
     assert np.isfinite(float(loss))
     assert_close(loss, ref_loss, rtol=1e-5)
     assert np.isfinite(backend.to_numpy(cross_entropy_backward(cache)).astype(np.float32)).all()
+
+
+# --------------------------------------------------------------------------- fused forward + backward
+# cross_entropy_forward_backward: the loss as a sum over the counted rows (added into loss_sum= when
+# given), the gradient divided by n_total (the whole batch's count when the rows are one chunk of it).
+
+
+def _separate(logits, t, dloss, n_total=None, ignore_index=-100):
+    """What the fused op must give, from the separate forward and backward: (loss sum, dlogits)."""
+    loss, cache = cross_entropy_forward(logits, t, ignore_index=ignore_index)
+    n = int(cache.n_valid)
+    if n_total is not None:
+        cache.n_valid = np.asarray(n_total, dtype=np.int32)
+    return float(loss) * n, cross_entropy_backward(cache, dloss)
+
+
+@pytest.mark.parametrize("shape", [(6, 9), (2, 3, 5)])
+def test_forward_backward_matches_finite_differences_and_the_separate_ops(rng, shape):
+    logits = rng.standard_normal(shape) * 3.0
+    t = _targets(rng, int(np.prod(shape[:-1])), shape[-1], ignore_every=2).reshape(shape[:-1])
+    n_valid = int((t != -100).sum())
+    for n_total in (None, n_valid + 4, np.asarray(n_valid + 4, np.int64)):
+        count = n_valid if n_total is None else int(n_total)
+        loss_sum, g = cross_entropy_forward_backward(logits, t, 0.7, n_total)
+        assert loss_sum.shape == () and loss_sum.dtype == np.float64 and g.shape == logits.shape
+        want_sum, want_g = _separate(logits, t, 0.7, count)
+        assert abs(float(loss_sum) - want_sum) <= 1e-12 * abs(want_sum)
+        np.testing.assert_array_equal(g, want_g)  # the same reference backward, the same bits
+        # the gradient of dloss * loss_sum / n_total, in float64 finite differences
+        check_gradient(lambda: 0.7 * float(cross_entropy_forward_backward(logits, t, 1.0, n_total)[0]) / count,
+                       logits, g, name="dlogits")
+        np.testing.assert_array_equal(g.reshape(-1, shape[-1])[t.reshape(-1) == -100], 0.0)
+
+
+def test_forward_backward_accumulates_chunks_and_writes_in_place(rng):
+    n, v = 13, 11
+    logits = random_array(rng, (n, v), "fp32", scale=3.0)
+    t = _targets(rng, n, v, np.int32)
+    n_total = int((t != -100).sum())
+    whole, g_whole = cross_entropy_forward_backward(logits, t, 2.0)
+    work = logits.copy()
+    acc = None
+    for r0 in range(0, n, 5):  # chunks of 5, 5, 3 rows, the gradient over the whole batch's count
+        part = work[r0:r0 + 5]
+        res, g = cross_entropy_forward_backward(part, t[r0:r0 + 5], 2.0, n_total, out=part, loss_sum=acc)
+        assert g is part and (acc is None or res is acc)
+        acc = res
+    assert abs(float(acc) - float(whole)) <= 1e-6 * abs(float(whole))
+    np.testing.assert_array_equal(work, g_whole)  # each row's gradient is its own: bit for bit
+    # all rows ignored: loss 0, zero gradient (n_total 0 divides by 1)
+    ls, g0 = cross_entropy_forward_backward(logits, np.full(n, -100), 1.0, 0)
+    assert float(ls) == 0.0 and not g0.any()
+    ls, _ = cross_entropy_forward_backward(logits, np.arange(n) % v, 1.0, ignore_index=3)
+    assert abs(float(ls) / int((np.arange(n) % v != 3).sum()) - _loss64(logits, np.arange(n) % v, 3)) < 1e-5
+
+
+def test_forward_backward_bad_inputs(rng):
+    logits = random_array(rng, (4, 6), "fp32")
+    t = _targets(rng, 4, 6)
+    with pytest.raises(ValueError, match="targets must lie"):
+        cross_entropy_forward_backward(logits, np.array([0, 6, 1, 2]))
+    with pytest.raises(TypeError, match="n_total"):
+        cross_entropy_forward_backward(logits, t, 1.0, 3.0)
+    with pytest.raises(TypeError, match="n_total"):
+        cross_entropy_forward_backward(logits, t, 1.0, np.asarray(3.0))
+    with pytest.raises(ValueError, match="dloss"):
+        cross_entropy_forward_backward(logits, t, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="out must have shape"):
+        cross_entropy_forward_backward(logits, t, out=np.empty((4, 7), np.float32))
+    with pytest.raises(TypeError, match="loss_sum"):
+        cross_entropy_forward_backward(logits, t, loss_sum=np.zeros((), np.float64))
+
+
+def _fb_gpu(cp, logits, t, dloss=0.5, n_total=None, **kw):
+    return cross_entropy_forward_backward(cp.asarray(logits), cp.asarray(t), dloss, n_total, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+@pytest.mark.parametrize("v", [7, 1003, 50257, 50304])
+def test_gpu_forward_backward_matches_reference(cp, rng, dtype, n, v):
+    """Odd V (rows start anywhere: head and tail elements), GPT-2's V padded and not, fp32 (whose long rows
+    are not staged in shared memory) and the 16-bit types (staged), ignored rows, poisoned outputs, the
+    count and dloss as device scalars."""
+    logits = random_array(rng, (n, v), dtype, scale=2.0)
+    t = _targets(rng, n, v, ignore_every=3 if n > 1 else 0)
+    n_total = int((t != -100).sum()) + 5  # as for one chunk of a larger batch
+    want_sum, want_g = _separate(logits, t, 0.5, n_total)
+    loss_sum, g = _fb_gpu(cp, logits, t, cp.asarray(0.5, cp.float32), cp.asarray(n_total, cp.int32),
+                          out=poisoned((n, v), dtype, cp))
+    assert backend.is_gpu_array(loss_sum) and loss_sum.shape == () and loss_sum.dtype == np.float32
+    assert abs(float(loss_sum) - want_sum) <= 1e-5 * max(abs(want_sum), 1.0)
+    assert_close(g, want_g, dtype, name="dlogits")
+    ld = cp.asarray(logits)
+    ls2, g2 = cross_entropy_forward_backward(ld, cp.asarray(t), 0.5, n_total, out=ld)  # in place, host scalars
+    assert g2 is ld and float(ls2) == float(loss_sum)
+    np.testing.assert_array_equal(backend.to_numpy(g2).view(np.uint8), backend.to_numpy(g).view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("tdtype", [np.int32, np.int64])
+def test_gpu_forward_backward_leading_axes_misaligned_out_and_unstaged(cp, rng, monkeypatch, dtype, tdtype):
+    """[B, T, V] logits; an out whose 16-byte phase differs from the logits' (the scalar kernel); and the
+    kernel that reads each row twice from global memory instead of staging it (forced): the same bits."""
+    from llmgpu.kernels.launch import SMLimits
+    from llmgpu.ops import cross_entropy as ce
+
+    b, t_len, v = 2, 5, 50257
+    logits = random_array(rng, (b, t_len, v), dtype)
+    t = _targets(rng, b * t_len, v, tdtype).reshape(b, t_len)
+    _, want_g = _separate(logits, t, 1.0)
+    ls, g = _fb_gpu(cp, logits, t, 1.0)
+    assert g.shape == (b, t_len, v)
+    assert_close(g, want_g.reshape(b, t_len, v), dtype)
+    buf = cp.full(logits.size + 1, np.nan, dtype=g.dtype)
+    out = buf[1:].reshape(b, t_len, v)
+    ls_s, g_s = _fb_gpu(cp, logits, t, 1.0, out=out)
+    assert g_s is out and abs(float(ls_s) - float(ls)) <= 1e-6 * abs(float(ls))
+    assert_close(g_s, want_g.reshape(b, t_len, v), dtype)
+    monkeypatch.setattr(ce, "device_limits", lambda xp=None: SMLimits(smem_per_sm=1024))  # nothing fits
+    ls_u, g_u = _fb_gpu(cp, logits, t, 1.0)
+    assert float(ls_u) == float(ls)
+    np.testing.assert_array_equal(backend.to_numpy(g_u).view(np.uint8), backend.to_numpy(g).view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_forward_backward_bad_targets_ignored_chunks_and_nonfinite_logits(cp, rng, dtype):
+    """Out-of-range targets: NaN loss and NaN gradient row (no out-of-bounds read); an all-ignored chunk:
+    loss 0, zero gradient; NaN or +inf in a counted row: that row's loss and gradient NaN, the others
+    finite; -inf and padded (-1e4) logits: gradient exactly 0 there."""
+    n, v = 6, 50304
+    logits = random_array(rng, (n, v), dtype, scale=2.0)
+    t = np.array([1, 2, v, 3, -7, 4], dtype=np.int64)
+    ls, g = _fb_gpu(cp, logits, t, 1.0, out=poisoned((n, v), dtype, cp))
+    g = backend.to_numpy(g).astype(np.float32)
+    assert np.isnan(float(ls)) and np.isnan(g[[2, 4]]).all() and np.isfinite(g[[0, 1, 3, 5]]).all()
+    ls, g = _fb_gpu(cp, logits, np.full(n, -100), 1.0, cp.asarray(17, cp.int32), out=poisoned((n, v), dtype, cp))
+    assert float(ls) == 0.0 and not cp.any(g)
+    ls, g = _fb_gpu(cp, logits, np.full(n, -100), 1.0, 0)
+    assert float(ls) == 0.0 and not cp.any(g)
+    bad = logits.copy()
+    bad[1, 777] = np.nan
+    bad[3, 5] = np.inf
+    bad[4, 50257:] = -1e4  # FastGPT's PAD_LOGIT
+    bad[5, :100] = -np.inf
+    t = np.array([0, 1, 2, 3, 4, 200], dtype=np.int64)
+    ls, g = _fb_gpu(cp, bad, t, 1.0)
+    g = backend.to_numpy(g).astype(np.float32)
+    assert np.isnan(float(ls))
+    assert np.isnan(g[1]).all() and np.isnan(g[3]).all() and np.isfinite(g[[0, 2, 4, 5]]).all()
+    assert (g[4, 50257:] == 0).all() and (g[5, :100] == 0).all()
+    keep = [0, 2, 4, 5]
+    want_sum, want_g = _separate(bad[keep], t[keep], 1.0, n)
+    ls_k, g_k = _fb_gpu(cp, bad[keep], t[keep], 1.0, n)
+    assert abs(float(ls_k) - want_sum) <= 1e-5 * abs(want_sum)
+    assert_close(g_k, want_g, dtype)
+    np.testing.assert_array_equal(g[keep], backend.to_numpy(g_k).astype(np.float32))  # rows are independent
+
+
+@pytest.mark.gpu
+def test_gpu_forward_backward_chunks_accumulate_deterministic_and_capturable(cp, rng):
+    """Chunks of one batch: the loss sums add up to the whole batch's (device scalar), every gradient row
+    bit for bit the unchunked one; three runs give the same bits; one CUDA graph of the chunked head
+    replays with new logits and targets."""
+    from llmgpu.perf.graphs import capture
+
+    n, v, r = 1000, 50304, 384
+    logits = random_array(rng, (n, v), "bf16", scale=2.0)
+    t = _targets(rng, n, v)
+    whole, g_whole = _fb_gpu(cp, logits, t, 1.0)
+    g_whole = backend.to_numpy(g_whole)
+    runs = []
+    for _ in range(3):
+        ld, td = cp.asarray(logits), cp.asarray(t)
+        n_total = (td != -100).sum(dtype=np.int32)
+        acc = None
+        for r0 in range(0, n, r):
+            acc, _ = cross_entropy_forward_backward(ld[r0:r0 + r], td[r0:r0 + r], 1.0, n_total,
+                                                    out=ld[r0:r0 + r], loss_sum=acc)
+        runs.append((backend.to_numpy(acc).tobytes(), backend.to_numpy(ld).tobytes()))
+    assert runs[0] == runs[1] == runs[2]
+    assert abs(float(np.frombuffer(runs[0][0], np.float32)[0]) - float(whole)) <= 1e-5 * abs(float(whole))
+    assert runs[0][1] == g_whole.tobytes()
+
+    ld, td = cp.asarray(logits), cp.asarray(t)
+    dloss = cp.asarray(0.25, cp.float32)
+
+    def head():
+        n_total = (td != -100).sum(dtype=np.int32)
+        acc = None
+        for r0 in range(0, n, r):
+            acc, _ = cross_entropy_forward_backward(ld[r0:r0 + r], td[r0:r0 + r], dloss, n_total,
+                                                    out=ld[r0:r0 + r], loss_sum=acc)
+        return acc
+
+    g = capture(head)
+    for k in range(2):
+        x = random_array(rng, (n, v), "bf16", scale=2.0)
+        tt = _targets(rng, n, v, ignore_every=3 + k)
+        ld[...] = cp.asarray(x)
+        td[...] = cp.asarray(tt)
+        g.replay()
+        cp.cuda.get_current_stream().synchronize()
+        want_sum, want_g = _separate(x, tt, 0.25)
+        assert abs(float(g.outputs) - want_sum) <= 1e-5 * abs(want_sum)
+        assert_close(ld, want_g, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gpu_forward_backward_matches_the_fast_forward_and_backward(cp, rng, dtype):
+    """Against the kernels it replaces (method "fast" forward, fused backward) at GPT-2's chunk shape."""
+    n, v = 2048, 50304
+    logits = random_array(rng, (n, v), dtype, scale=2.0)
+    t = _targets(rng, n, v, ignore_every=7)
+    ld = cp.asarray(logits)
+    loss, cache = cross_entropy_forward(ld, cp.asarray(t), method="fast")
+    g_old = cross_entropy_backward(cache, 1.0)
+    ls, g_new = _fb_gpu(cp, logits, t, 1.0)
+    assert abs(float(ls) / int(cache.n_valid) - float(loss)) <= 1e-5 * float(loss)
+    assert_close(g_new, g_old, dtype)

@@ -307,7 +307,7 @@ def test_counting_constants_match_kernel_source():
                         ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH), ("EMB_PIECE", em.PIECE)):
         m = re.search(rf"^#define {name} (\d+)", src, re.MULTILINE)
         assert m and int(m.group(1)) == value, name
-    kps = re.search(r"embedding_backward_wte_pos<[^>]*\{([\d,]+)\}>", src).group(1)
+    kps = re.search(r"embedding_backward_wte_pos<[^>]*\{([\d,]+)\}, \{0,1\}>", src).group(1)  # then ACC
     assert kps == ",".join(str(k) for k in range(1, em.MAX_PACKS_PER_LANE + 1))
 
 
@@ -650,3 +650,137 @@ def test_gpu_counting_replays_in_a_cuda_graph_with_new_ids(cp, rng):
         ref = embedding_backward(dxd, idd, v, t, method="optimized")
         _assert_counting_bits(dwte, dx, idx, v, ref[0], msg=kind)
         np.testing.assert_array_equal(_bits(dwpe), _bits(ref[1]), err_msg=kind)
+
+
+# --------------------------------------------------------------------------- accumulate=True: fp32 gradients
+
+
+def test_accumulate_adds_the_row_sums_into_the_touched_rows(rng):
+    """NumPy: dwte_out[v] += the sum of token v's positions, for tokens in idx only; dwpe_out[:T] += the
+    batch sum; the same as the reference added afterwards (fp64: bit for bit)."""
+    b, t, c, v, max_t = 3, 5, 4, 9, 7
+    idx = rng.integers(0, 4, (b, t))  # tokens 4..8 never occur
+    dx = random_array(rng, (b, t, c), "fp64")
+    g_te, g_pe = random_array(rng, (v, c), "fp64"), random_array(rng, (max_t, c), "fp64")
+    want_te, want_pe = embedding_backward(dx, idx, v, max_t)
+    out = embedding_backward(dx, idx, v, max_t, dwte_out=g_te.copy(), dwpe_out=g_pe.copy(), accumulate=True)
+    np.testing.assert_array_equal(out[0], g_te + want_te)
+    np.testing.assert_array_equal(out[1], g_pe + want_pe)
+    np.testing.assert_array_equal(out[0][4:], g_te[4:])  # untouched
+    # bf16 dx into fp32 gradients: the fp32 sums, not rounded to bf16 first
+    d16 = dx.astype(backend.bfloat16)
+    o32 = np.zeros((v, c), np.float32), np.zeros((max_t, c), np.float32)
+    embedding_backward(d16, idx, v, max_t, dwte_out=o32[0], dwpe_out=o32[1], accumulate=True)
+    ref32 = embedding_backward(d16.astype(np.float32), idx, v, max_t)
+    np.testing.assert_array_equal(o32[0], ref32[0])
+    np.testing.assert_array_equal(o32[1], ref32[1])
+    with pytest.raises(ValueError, match="give both"):
+        embedding_backward(dx, idx, v, max_t, dwte_out=g_te, accumulate=True)
+    with pytest.raises(ValueError, match="dwpe_out must have shape"):
+        embedding_backward(dx, idx, v, max_t, dwte_out=g_te, dwpe_out=g_pe[:3].copy(), accumulate=True)
+
+
+def _accumulate_want(dx, idx, v, g_te, g_pe):
+    """The exact fp32 result of accumulate=True on the GPU: the counting order's fp32 row sums added once
+    into the rows of the tokens that occur (in range), and the batch sums (b = 0, 1, ... from 0) into rows t < T."""
+    d = np.asarray(dx, np.float32)
+    b, t, c = d.shape
+    ids = np.asarray(idx).reshape(-1)
+    s = _counting_order_reference(d.reshape(-1, c), ids, v)
+    rows = np.unique(ids[(ids >= 0) & (ids < v)])
+    want_te = g_te.copy()
+    want_te[rows] = g_te[rows] + s[rows]
+    pe = np.zeros((t, c), np.float32)
+    for k in range(b):
+        pe = pe + d[k]
+    want_pe = g_pe.copy()
+    want_pe[:t] = g_pe[:t] + pe
+    return want_te, want_pe
+
+
+_ACCUMULATE_CASES = [  # (B, T, C, V, ids)
+    (1, 1, 1, 1, "uniform"),
+    (4, 7, 770, 7, "uniform"),  # C not a multiple of the pack: the scalar path
+    (17, 181, 768, 50257, "uniform"),
+    (3, 1000, 770, 1000, "zipf"),
+    (4, 1000, 768, 5003, "hot20"),
+    (4, 1000, 768, 1000, "borders"),
+    (5, 333, 768, 13, "bad"),
+    (4, 1024, 2304, 2000, "hot20"),
+    (16, 1024, 768, 50304, "hot20"),  # GPT-2 sized
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", _ACCUMULATE_CASES, ids=lambda k: "x".join(map(str, k)))
+def test_gpu_counting_accumulates_into_fp32_bitwise(cp, rng, dtype, case):
+    b, t, c, v, kind = case
+    idx_dtype = np.int64 if (b + t) % 2 else np.int32
+    idx = _ids(rng, kind, b * t, v).reshape(b, t)
+    idx = np.where(idx >= 2**31, v, idx).astype(idx_dtype)
+    dx = random_array(rng, (b, t, c), dtype)
+    g_te, g_pe = random_array(rng, (v, c), "fp32"), random_array(rng, (t + 2, c), "fp32")
+    want_te, want_pe = _accumulate_want(dx, idx, v, g_te, g_pe)
+    dxd, idd = cp.asarray(dx), cp.asarray(idx)
+    o_te, o_pe = cp.asarray(g_te), cp.asarray(g_pe)
+    res = embedding_backward(dxd, idd, v, t + 2, method="counting", dwte_out=o_te, dwpe_out=o_pe, accumulate=True)
+    assert res[0] is o_te and res[1] is o_pe
+    np.testing.assert_array_equal(_bits(o_te), want_te.view(np.uint8), err_msg="dwte bits")
+    np.testing.assert_array_equal(_bits(o_pe), want_pe.view(np.uint8), err_msg="dwpe bits")
+    # close to the float64 sums, and run to run the same bits
+    ok = (idx >= 0) & (idx < v)
+    ref64 = np.zeros((v, c))
+    np.add.at(ref64, idx[ok], dx[ok].astype(np.float64))
+    assert_close(o_te - cp.asarray(g_te), ref64, "fp32" if dtype == "fp32" else "fp16", name="dwte")
+    o2 = cp.asarray(g_te), cp.asarray(g_pe)
+    embedding_backward(dxd, idd, v, t + 2, method="counting", dwte_out=o2[0], dwpe_out=o2[1], accumulate=True)
+    np.testing.assert_array_equal(_bits(o2[0]), _bits(o_te))
+    np.testing.assert_array_equal(_bits(o2[1]), _bits(o_pe))
+
+
+@pytest.mark.gpu
+def test_gpu_counting_accumulate_misaligned_gradient_and_bad_arguments(cp, rng):
+    b, t, c, v = 3, 50, 64, 20
+    idx = rng.integers(0, v, (b, t))
+    dx = random_array(rng, (b, t, c), "bf16")
+    g_te, g_pe = random_array(rng, (v, c), "fp32"), random_array(rng, (t, c), "fp32")
+    want_te, want_pe = _accumulate_want(dx, idx, v, g_te, g_pe)
+    buf = cp.empty(v * c + 1, np.float32)
+    o_te = buf[1:].reshape(v, c)  # 4 bytes off the 16-byte grid: the scalar path
+    o_te[...] = cp.asarray(g_te)
+    o_pe = cp.asarray(g_pe)
+    dxd, idd = cp.asarray(dx), cp.asarray(idx)
+    embedding_backward(dxd, idd, v, t, method="counting", dwte_out=o_te, dwpe_out=o_pe, accumulate=True)
+    np.testing.assert_array_equal(_bits(o_te), want_te.view(np.uint8))
+    np.testing.assert_array_equal(_bits(o_pe), want_pe.view(np.uint8))
+    with pytest.raises(ValueError, match="method='counting'"):
+        embedding_backward(dxd, idd, v, t, method="optimized", dwte_out=o_te, dwpe_out=o_pe, accumulate=True)
+    with pytest.raises(TypeError, match="dwte_out"):
+        embedding_backward(dxd, idd, v, t, method="counting", dwte_out=cp.zeros((v, c), dxd.dtype),
+                           dwpe_out=o_pe, accumulate=True)
+
+
+@pytest.mark.gpu
+def test_gpu_counting_accumulate_replays_in_a_cuda_graph(cp, rng):
+    from llmgpu.perf.graphs import capture
+
+    b, t, c, v = 4, 700, 768, 1000
+    idd = cp.asarray(rng.integers(0, v, (b, t)))
+    dxd = cp.asarray(random_array(rng, (b, t, c), "bf16"))
+    o_te, o_pe = cp.zeros((v, c), np.float32), cp.zeros((t, c), np.float32)
+    g = capture(lambda: embedding_backward(dxd, idd, v, t, method="counting", dwte_out=o_te, dwpe_out=o_pe,
+                                           accumulate=True))
+    for kind in ("zipf", "same", "hot20", "borders", "uniform"):
+        idx = _ids(rng, kind, b * t, v).reshape(b, t)
+        dx = random_array(rng, (b, t, c), "bf16")
+        g_te, g_pe = random_array(rng, (v, c), "fp32"), random_array(rng, (t, c), "fp32")
+        idd[...] = cp.asarray(idx)
+        dxd[...] = cp.asarray(dx)
+        o_te[...] = cp.asarray(g_te)
+        o_pe[...] = cp.asarray(g_pe)
+        g.replay()
+        cp.cuda.get_current_stream().synchronize()
+        want_te, want_pe = _accumulate_want(dx, idx, v, g_te, g_pe)
+        np.testing.assert_array_equal(_bits(o_te), want_te.view(np.uint8), err_msg=kind)
+        np.testing.assert_array_equal(_bits(o_pe), want_pe.view(np.uint8), err_msg=kind)

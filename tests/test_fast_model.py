@@ -83,6 +83,73 @@ def test_lm_head_in_chunks_of_rows_gives_the_whole_batchs_loss_and_gradients(rng
     assert np.array_equal(m.params.grad, whole.params.grad)
 
 
+def _head_variants(monkeypatch, rng, dtype, rows, *, xp=np, cfg=CFG, B=3, T=7, combos=((False, False), (True, False))):
+    """{(FUSED_CROSS_ENTROPY, EMBEDDING_GRAD_INTO_FP32): (loss, flat gradient)} for one batch with ignored targets."""
+    from llmgpu.model import fast
+    from llmgpu.ops.cross_entropy import IGNORE_INDEX
+
+    idx, tgt = _batch(rng, cfg, B=B, T=T)
+    tgt[0, :3] = IGNORE_INDEX
+    tgt[-1, -2] = IGNORE_INDEX
+    idx, tgt = backend.to_device(idx, xp), backend.to_device(tgt, xp)
+    res = {}
+    for fused, emb in combos:
+        monkeypatch.setattr(fast, "FUSED_CROSS_ENTROPY", fused)
+        monkeypatch.setattr(fast, "EMBEDDING_GRAD_INTO_FP32", emb)
+        m = FastGPT(cfg, dtype=dtype, xp=xp, seed=5)
+        if rows:
+            m.lm_head_rows = rows
+        res[fused, emb] = (float(m.forward_backward(idx, tgt, dloss=0.5)), backend.to_numpy(m.params.grad).copy(),
+                           m.params)  # (loss, gradient copy, the params: grad_of by name)
+    return res
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp64", 1e-12), ("fp32", 2e-6)])
+@pytest.mark.parametrize("rows", [None, 1, 5, 7])
+def test_fused_cross_entropy_head_matches_the_unfused_one(monkeypatch, rng, dtype, tol, rows):
+    """FUSED_CROSS_ENTROPY on NumPy: the same loss (one chunk: bit for bit; several: the chunks' sums added
+    instead of their means weighted back) and bit for bit the same gradients (the same reference backward,
+    divided by the whole batch's count), with ignored targets."""
+    res = _head_variants(monkeypatch, rng, dtype, rows)
+    (l0, g0, _), (l1, g1, _) = res[False, False], res[True, False]
+    if rows is None:
+        assert l1 == l0
+    assert abs(l1 - l0) <= tol * abs(l0)
+    assert np.array_equal(g1, g0)
+
+
+def test_fused_cross_entropy_head_all_targets_ignored_gives_zero(monkeypatch):
+    from llmgpu.model import fast
+
+    monkeypatch.setattr(fast, "FUSED_CROSS_ENTROPY", True)
+    idx = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 8)).astype(np.int32)
+    for rows in (None, 5):
+        m = FastGPT(CFG, dtype="fp32", xp=np, seed=1)
+        if rows:
+            m.lm_head_rows = rows
+        loss = m.forward_backward(idx, np.full((2, 8), -100, np.int32))
+        assert float(loss) == 0.0 and np.isfinite(m.params.grad).all()
+        assert not m.params.grad_of("transformer.ln_f.weight").any()  # no gradient reaches the trunk
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16"])
+def test_embedding_grads_into_fp32_match_the_cast_and_add(monkeypatch, rng, dtype):
+    """EMBEDDING_GRAD_INTO_FP32 on NumPy: fp64/fp32 bit for bit the gradients of the cast-and-add path (the
+    same sums added once per row); bf16: close (the sum is no longer rounded to bf16 before the add)."""
+    res = _head_variants(monkeypatch, rng, dtype, None, combos=((True, False), (True, True)))
+    (l0, g0, p0), (l1, g1, p1) = res[True, False], res[True, True]
+    assert l1 == l0
+    if dtype != "bf16":
+        assert np.array_equal(g1, g0)
+        return
+    for name in p0.names:  # the embedding backward runs last: only its two gradients can differ
+        a, b = p1.grad_of(name), p0.grad_of(name)
+        if name in ("transformer.wte.weight", "transformer.wpe.weight"):
+            assert 0 < _rel(a, b) < 1e-2, name
+        else:
+            assert np.array_equal(a, b), name
+
+
 def test_fast_model_pads_an_unaligned_vocabulary_and_computes_the_same_function(rng):
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=37, block_size=8)  # no padding asked for
     fast, book = FastGPT(cfg, dtype="fp64", xp=np, init=False), GPT(cfg, dtype="fp64", xp=np, seed=3)
@@ -238,6 +305,31 @@ def test_gpu_lm_head_chunks_match_the_whole_head(cp, rng):
         res[rows] = (float(m.forward_backward(idx, tgt)), m.params.grad.copy())
     assert abs(res[96][0] - res[200][0]) <= 1e-5 * abs(res[200][0])
     assert _rel(cp.asnumpy(res[96][1]), cp.asnumpy(res[200][1])) < 1e-5  # fp32 sums of the chunks' wgrads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [96, 200])
+def test_gpu_fused_head_and_embedding_grads_match_the_step_before(cp, rng, monkeypatch, rows):
+    """bf16 on the GPU, 4 x 50 tokens with ignored targets, chunks of 96 rows (three, the last partial) or one:
+    the four settings of FUSED_CROSS_ENTROPY x EMBEDDING_GRAD_INTO_FP32 against both off. The forward is
+    the same kernels, so the loss differs only in the order of its sum; the gradients by bf16 roundings of
+    dlogits (exp2 instead of expf) and of the embedding sums (no longer rounded before the fp32 add)."""
+    _need_fast(cp)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64)
+    combos = ((False, False), (True, False), (False, True), (True, True))
+    res = _head_variants(monkeypatch, rng, "bf16", rows, xp=cp, cfg=cfg, B=4, T=50, combos=combos)
+    l0, g0, p0 = res[False, False]
+    for key in combos[1:]:
+        l1, g1, p1 = res[key]
+        assert abs(l1 - l0) <= 1e-5 * abs(l0), key
+        assert _rel(g1, g0) < 1e-2, key
+        for name in p0.names:
+            err = _rel(cp.asnumpy(p1.grad_of(name)), cp.asnumpy(p0.grad_of(name)))
+            assert err < 5e-2, f"{key} {name}: {err:.2e}"
+        if not key[0]:  # the embedding switch alone changes only the embedding gradients
+            for name in p0.names:
+                if name not in ("transformer.wte.weight", "transformer.wpe.weight"):
+                    assert bool(cp.all(p1.grad_of(name) == p0.grad_of(name))), name
 
 
 @pytest.mark.gpu
@@ -475,3 +567,13 @@ def test_lm_head_benchmark_script_runs_on_the_cpu(capsys):
     assert FastGPT.lm_head_rows == LM_HEAD_ROWS  # put back
     out = capsys.readouterr().out
     assert "all 256 rows at once" in out and "chunked / whole" in out and "smoke test" in out
+
+
+def test_head_items_benchmark_script_runs_on_the_cpu(capsys):
+    from llmgpu.model import fast
+
+    before = (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32)
+    assert _run_benchmark("bench_ch8_head_items.py", ["--quick", "--steps", "1"]) == 0
+    assert (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32) == before == (True, True)  # put back
+    out = capsys.readouterr().out
+    assert "fused CE on  / emb->fp32 on" in out and "both on / both off" in out and "smoke test" in out

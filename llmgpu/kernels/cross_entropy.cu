@@ -26,6 +26,12 @@
 // then cross_entropy_loss_fast for the target lookups and the mean); the backward is
 // cross_entropy_backward_fused, from the same lse.
 //
+// Fused forward + backward (cross_entropy_forward_backward in ops/cross_entropy.py; the chunked LM head
+// of model/fast.py): one block per row computes lse, the row's loss and dlogits in one kernel, reading
+// the logits from DRAM once (staged in shared memory between the two sweeps), instead of a forward that
+// reads them and a backward that reads them again. The gradient's divisor (the batch's target count) is
+// a device scalar, so the kernel serves every chunk of rows of one batch.
+//
 // Targets (int or long long): t == ignore_index -> loss 0 and a zero gradient row, and the row does
 // not count in n_valid. t outside [0, V) otherwise -> the kernel does not read out of bounds; the
 // row's loss is NaN (so the mean loss is NaN) and its gradient row is NaN: loud, never silently
@@ -37,6 +43,8 @@
 // llmgpu:kernel cross_entropy_mean<{int,long long}>
 // llmgpu:kernel cross_entropy_forward_fast<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel cross_entropy_loss_fast<{float,__half,__nv_bfloat16}, {int,long long}>
+// llmgpu:kernel cross_entropy_forward_backward_fast<{float,__half,__nv_bfloat16}, {int,long long}, {0,1}, {0,1}>
+// llmgpu:kernel cross_entropy_loss_sum
 // llmgpu:kernel cross_entropy_softmax_naive<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel cross_entropy_nll_naive<{float,__half,__nv_bfloat16}, {int,long long}>
 // llmgpu:kernel cross_entropy_backward_naive<{float,__half,__nv_bfloat16}, {int,long long}>
@@ -415,6 +423,163 @@ __global__ void __launch_bounds__(1024) cross_entropy_loss_fast(const T* __restr
         }
     }
     block_mean_store(s, c, loss, n_valid);
+}
+
+// ------------------------------------------------------------------------------------- fused fwd + bwd
+//
+// cross_entropy_forward_backward_fast: the forward (lse, the row's loss) and the backward (dlogits) of
+// one row in one block, so that the logits are read once. A block of CE_FB_THREADS threads per row:
+//  1. sweep 1 reads the row's 16-byte packs (CE_FB_UNROLL in flight per thread), keeps the online
+//     (max, sum) pair as cross_entropy_forward_fast does (one rescale per group, the "safe" shift, head
+//     and tail elements held by threads < W), and, with STAGE = 1, stores each raw pack in shared
+//     memory (a GPT-2 row: 50304 bf16 = 100.6 KB; two such blocks fit on an SM of 228 KB, so one
+//     block's sweeps overlap the other's barrier);
+//  2. block_logsumexp merges the pairs: lse;
+//  3. sweep 2 takes each pack back (from shared memory, or with STAGE = 0, rows too long to stage, from
+//     global memory again: L2 if it still holds the row, else DRAM) and writes
+//     dlogits = (exp(x - lse) - [v == t]) * dloss / max(n_total, 1); the thread that meets the target
+//     writes loss_rows[row] = lse - x_t. Every element is read (sweep 1) before it is written (sweep 2)
+//     by the same thread, so dlogits may be the logits buffer itself (in place).
+// Bytes per row with STAGE = 1: V*sizeof(T) read + V*sizeof(T) written + a few; the unfused forward +
+// backward read the row twice. Ignored rows (loss 0, zero gradient) and out-of-range targets (loss NaN,
+// NaN gradient row) are decided before the row is read: a fill, no read. NaN or +inf in a counted row
+// makes lse, the loss and the gradient row NaN, as in the unfused kernels.
+// n_total: n_dev[0] when use_n_dev, else n_host; dloss likewise (a loss scale stays on the device).
+// VEC = 1 needs dlogits and logits to share their offset modulo 16 bytes (the host checks); VEC = 0 is
+// the scalar path (W = 1, no head or tail). STAGE = 1 needs (V - head) / W * 16 bytes of dynamic shared
+// memory (W * sizeof(T) = 16 with VEC = 1).
+
+#define CE_FB_THREADS 512
+#define CE_FB_UNROLL 4
+
+template <typename T, typename TI, int VEC, int STAGE>
+__global__ void __launch_bounds__(CE_FB_THREADS, 2) cross_entropy_forward_backward_fast(
+    const T* logits, const TI* __restrict__ targets, float* __restrict__ loss_rows, const int* __restrict__ n_dev,
+    int use_n_dev, int n_host, const float* __restrict__ dloss_dev, int use_dloss_dev, float dloss_host, T* dlogits,
+    int V, long long ignore_index) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    constexpr int U = CE_FB_UNROLL;
+    constexpr int NT = CE_FB_THREADS;
+    using P = Packed<T, W>;
+    extern __shared__ __align__(16) unsigned char ce_fb_smem[];
+    P* const stage = reinterpret_cast<P*>(ce_fb_smem);
+    const long long row = blockIdx.x;
+    const T* xr = logits + row * V;
+    T* gr = dlogits + row * V;
+    const int tid = threadIdx.x;
+    const long long t = (long long)targets[row];  // the same for the whole block: uniform branches below
+    const int head = VEC ? head_elements(xr, V) : 0;  // < W
+    const int nvec = (V - head) / W;
+    const int tail0 = head + nvec * W;  // V - tail0 < W
+    const P* body = reinterpret_cast<const P*>(xr + head);
+    P* gbody = reinterpret_cast<P*>(gr + head);
+
+    if (t == ignore_index || t < 0 || t >= V) {  // ignored: zeros, loss 0; out of range: NaN. No read.
+        const float fill = t == ignore_index ? 0.0f : CE_NAN;
+        P fp;
+#pragma unroll
+        for (int k = 0; k < W; ++k) fp.v[k] = from_float<T>(fill);
+        for (int j = tid; j < nvec; j += NT) gbody[j] = fp;
+        if (tid < head) gr[tid] = fp.v[0];
+        if (tail0 + tid < V) gr[tail0 + tid] = fp.v[0];
+        if (tid == 0) loss_rows[row] = fill;
+        return;
+    }
+
+    // ---- sweep 1: (max, sum), staging the raw packs
+    T a_raw = from_float<T>(-LLMGPU_INF), b_raw = from_float<T>(-LLMGPU_INF);  // head / tail element tid
+    if (tid < head) a_raw = xr[tid];
+    if (tail0 + tid < V) b_raw = xr[tail0 + tid];
+    float m = -LLMGPU_INF, s = 0.0f;
+    int j = tid;
+    for (; j + (U - 1) * NT < nvec; j += U * NT) {
+        P raw[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) raw[k] = body[j + k * NT];
+        if (STAGE) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) stage[j + k * NT] = raw[k];
+        }
+        float gm = m;
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) gm = fmaxf(gm, pack_elem<T, W>(raw[k], i));  // skips NaN; the sum catches it
+        }
+        const float c = ce_shift(gm);
+        float acc[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            acc[k] = fast_exp2((pack_elem<T, W>(raw[k], 0) - c) * CE_LOG2E);
+#pragma unroll
+            for (int i = 1; i < W; ++i) acc[k] += fast_exp2((pack_elem<T, W>(raw[k], i) - c) * CE_LOG2E);
+        }
+        float group = acc[0];
+#pragma unroll
+        for (int k = 1; k < U; ++k) group += acc[k];
+        s = s * ce_rescale(m, c) + group;
+        m = gm;
+    }
+    for (; j < nvec; j += NT) {
+        const P raw = body[j];
+        if (STAGE) stage[j] = raw;
+        float gm = m;
+#pragma unroll
+        for (int i = 0; i < W; ++i) gm = fmaxf(gm, pack_elem<T, W>(raw, i));
+        const float c = ce_shift(gm);
+        float acc = fast_exp2((pack_elem<T, W>(raw, 0) - c) * CE_LOG2E);
+#pragma unroll
+        for (int i = 1; i < W; ++i) acc += fast_exp2((pack_elem<T, W>(raw, i) - c) * CE_LOG2E);
+        s = s * ce_rescale(m, c) + acc;
+        m = gm;
+    }
+    const float xa = to_float(a_raw), xb = to_float(b_raw);
+    {
+        const float gm = fmaxf(m, fmaxf(xa, xb));
+        const float c = ce_shift(gm);
+        s = s * ce_rescale(m, c) + (fast_exp2((xa - c) * CE_LOG2E) + fast_exp2((xb - c) * CE_LOG2E));
+        m = gm;
+    }
+    const float L = block_logsumexp(m, s);  // its barriers also order the staging before sweep 2
+
+    // ---- sweep 2: dlogits, and the target's loss
+    const int nt = use_n_dev ? n_dev[0] : n_host;
+    const float dloss = use_dloss_dev ? dloss_dev[0] : dloss_host;
+    const float scale = dloss / (float)max(nt, 1);
+    for (int jj = tid; jj < nvec; jj += NT) {
+        const P raw = STAGE ? stage[jj] : body[jj];
+        const long long d = t - (head + (long long)jj * W);  // the target's place in this pack
+        float g[W];
+        float xt = 0.0f;
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const float x = pack_elem<T, W>(raw, k);
+            g[k] = (fast_exp2((x - L) * CE_LOG2E) - (d == k ? 1.0f : 0.0f)) * scale;
+            if (d == k) xt = x;
+        }
+        store_pack16<T, W>(gr + head + (long long)jj * W, g);
+        if (d >= 0 && d < W) loss_rows[row] = L - xt;
+    }
+    if (tid < head) {
+        gr[tid] = from_float<T>((fast_exp2((xa - L) * CE_LOG2E) - (tid == t ? 1.0f : 0.0f)) * scale);
+        if (tid == t) loss_rows[row] = L - xa;
+    }
+    if (tail0 + tid < V) {
+        const int i = tail0 + tid;
+        gr[i] = from_float<T>((fast_exp2((xb - L) * CE_LOG2E) - (i == t ? 1.0f : 0.0f)) * scale);
+        if (i == t) loss_rows[row] = L - xb;
+    }
+}
+
+// One block (1024 threads): *loss_sum = sum of loss_rows[0..N) (accumulate: added to *loss_sum).
+// Thread i takes rows i, i + 1024, ... in order, then block_sum's fixed tree: the same bits every run.
+__global__ void __launch_bounds__(1024) cross_entropy_loss_sum(const float* __restrict__ loss_rows, int N,
+                                                               float* __restrict__ loss_sum, int accumulate) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) s += loss_rows[i];
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) *loss_sum = accumulate ? *loss_sum + s : s;
 }
 
 // ------------------------------------------------------------------------------------- unfused

@@ -28,6 +28,14 @@
 // a token at 20% of the positions costs ~1/100 of the chain, still bitwise reproducible, but no
 // longer the same bits as "optimized" for that row.
 //
+// Accumulating into fp32 gradients (ACC = 1, embedding_backward(..., accumulate=True)): the training
+// step wants dwte and dwpe added into its fp32 gradient buffers. Instead of writing a [V, C] row per
+// token in dx's dtype (zeros for the tokens that do not occur) and adding that whole array into the
+// fp32 gradient afterwards (a cast and an add over V*C elements), the row walk and the hot-row pieces
+// of embedding_backward_wte_pos add each fp32 row sum straight into the fp32 row, and only for the
+// tokens that occur; embedding_backward_wpe adds the rows t < T. The sums are the same fp32 sums in
+// the same order, added once per row: deterministic, and one bf16 rounding fewer.
+//
 // NVIDIA-only: the counting path groups a warp's equal tokens with __match_any_sync, and reads with
 // __ldcg; HIP 5.2 has neither, so this file does not compile for an AMD GPU (tools/hip_compile_check.py).
 //
@@ -42,14 +50,40 @@
 // llmgpu:kernel embedding_make_keys<{int,long long}>
 // llmgpu:kernel embedding_segment_starts
 // llmgpu:kernel embedding_backward_wte<{float,__half,__nv_bfloat16}, {0,1}>
-// llmgpu:kernel embedding_backward_wpe<{float,__half,__nv_bfloat16}, {0,1}>
+// llmgpu:kernel embedding_backward_wpe<{float,__half,__nv_bfloat16}, {0,1}, {0,1}>
 // llmgpu:kernel embedding_count_histogram<{int,long long}>
 // llmgpu:kernel embedding_count_prefix
 // llmgpu:kernel embedding_count_scan_blocks
 // llmgpu:kernel embedding_count_scatter<{int,long long}>
-// llmgpu:kernel embedding_backward_wte_pos<{float,__half,__nv_bfloat16}, {0,1}, {1,2,3}>
+// llmgpu:kernel embedding_backward_wte_pos<{float,__half,__nv_bfloat16}, {0,1}, {1,2,3}, {0,1}>
 
 #define EMB_NAN __int_as_float(0x7fffffff)
+
+// Output of the backward kernels: dx's type T (written), or fp32 with ACC = 1 (added into).
+template <typename T, int ACC> struct EmbOut { using type = T; };
+template <typename T> struct EmbOut<T, 1> { using type = float; };
+
+// p[0..W) = a (ACC = 0, converted to T) or p[0..W) += a (ACC = 1, fp32; 16-byte vectors when W is a
+// multiple of 4, which needs p 16-byte aligned: the host checks the base, C % W == 0 the rest).
+template <typename T, int W, int ACC>
+__device__ __forceinline__ void emb_put(typename EmbOut<T, ACC>::type* __restrict__ p, const float (&a)[W]) {
+    if constexpr (ACC == 0) {
+        store_pack<T, W>(p, a);
+    } else if constexpr (W % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < W; e += 4) {
+            float4 o = *reinterpret_cast<const float4*>(p + e);
+            o.x += a[e];
+            o.y += a[e + 1];
+            o.z += a[e + 2];
+            o.w += a[e + 3];
+            *reinterpret_cast<float4*>(p + e) = o;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) p[e] += a[e];
+    }
+}
 
 // ------------------------------------------------------------------------------------ forward
 
@@ -178,9 +212,11 @@ __global__ void __launch_bounds__(256) embedding_backward_wte(const T* __restric
 }
 
 // Grid (maxT, ceil(nvec / blockDim.x)): dwpe[t] = sum_b dx[b, t] in order b = 0..B-1; rows
-// t >= T (positions this batch did not use) are written as zeros.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restrict__ dx, T* __restrict__ dwpe,
+// t >= T (positions this batch did not use) are written as zeros. ACC = 1: grid (T, ...), the sums
+// are added into the fp32 dwpe (rows t >= T untouched).
+template <typename T, int VEC, int ACC>
+__global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restrict__ dx,
+                                                              typename EmbOut<T, ACC>::type* __restrict__ dwpe,
                                                               int B, int Tlen, int C) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     const int nvec = C / W;
@@ -199,7 +235,7 @@ __global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restric
             for (int k = 0; k < W; ++k) acc[k] += d[k];
         }
     }
-    store_pack<T, W>(dwpe + (long long)t * C + (long long)j * W, acc);
+    emb_put<T, W, ACC>(dwpe + (long long)t * C + (long long)j * W, acc);
 }
 
 // ------------------------------------------------------------------ backward: counting sort
@@ -465,10 +501,11 @@ __device__ __forceinline__ void emb_load_f32_cg(const float* __restrict__ p, flo
 // it to k1 - k0 + 1 adds all the parts in piece order and writes dwte[v]. *Which* block adds varies
 // from run to run, the order of the additions does not: the bits are fixed by idx and dx (the
 // last-block pattern of the CUDA threadFenceReduction sample: __threadfence before the count).
-template <typename T, int VEC, int KP>
+template <typename T, int VEC, int KP, int ACC>
 __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const void* __restrict__ idx, int idx64,
                                               const int* __restrict__ pos, const int* __restrict__ local,
-                                              const int* __restrict__ blockoff, T* __restrict__ dwte,
+                                              const int* __restrict__ blockoff,
+                                              typename EmbOut<T, ACC>::type* __restrict__ dwte,
                                               float* __restrict__ carry, int* __restrict__ counters,
                                               const int* __restrict__ any_hot, int C, int V, int piece) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
@@ -531,7 +568,7 @@ __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const vo
             __threadfence();
             // thread = CW consecutive columns of the tile (CW = 4: 16-byte loads of the carry)
             constexpr int CW = W % 4 == 0 ? 4 : 1;
-            T* const out = dwte + (long long)v * C;
+            typename EmbOut<T, ACC>::type* const out = dwte + (long long)v * C;
             const int col_end = min(C, (tile0 + NP) * W);
             for (int col = tile0 * W + threadIdx.x * CW; col < col_end; col += blockDim.x * CW) {
                 float sum[CW];
@@ -554,7 +591,7 @@ __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const vo
 #pragma unroll
                             for (int e = 0; e < CW; ++e) sum[e] += x[u][e];
                 }
-                store_pack<T, CW>(out + col, sum);
+                emb_put<T, CW, ACC>(out + col, sum);
             }
         }
         __syncthreads();  // s_last is reused for the second row
@@ -570,23 +607,25 @@ __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const vo
 // positions -- a batch may span several rows, so rows with one or two positions (most of the
 // vocabulary) do not each wait a full memory latency -- holding the positions 32 at a time in a
 // register per lane (shuffled out). Each row is summed from 0.0f in ascending position order,
-// exactly as embedding_backward_wte does, and written once (zeros for tokens that do not occur).
+// exactly as embedding_backward_wte does, and written once (zeros for tokens that do not occur; ACC = 1:
+// added into the fp32 row, and only for tokens that occur).
 // Hot rows (more than EMB_PIECE positions) are jumped over: their pieces write them. The walk is
 // therefore at most ~EMB_PIECE / EMB_BATCH latencies per row. VEC = 1 needs C % W == 0 and 16-byte
 // aligned dx and dwte (the host checks). idx64: idx is int64 (else int32); carry: fp32
 // [2 * npieces, C]; counters: [npieces * ntiles] ints, zero on entry.
-template <typename T, int VEC, int KP>
+template <typename T, int VEC, int KP, int ACC>
 __global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __restrict__ dx,
                                                                   const void* __restrict__ idx, int idx64,
                                                                   const int* __restrict__ pos,
                                                                   const int* __restrict__ local,
                                                                   const int* __restrict__ blockoff,
-                                                                  T* __restrict__ dwte, float* __restrict__ carry,
+                                                                  typename EmbOut<T, ACC>::type* __restrict__ dwte,
+                                                                  float* __restrict__ carry,
                                                                   int* __restrict__ counters,
                                                                   const int* __restrict__ any_hot, int C, int V,
                                                                   int npieces) {
     if ((int)blockIdx.x < npieces) {
-        emb_hot_piece<T, VEC, KP>(dx, idx, idx64, pos, local, blockoff, dwte, carry, counters, any_hot, C, V,
+        emb_hot_piece<T, VEC, KP, ACC>(dx, idx, idx64, pos, local, blockoff, dwte, carry, counters, any_hot, C, V,
                                   (int)blockIdx.x);
         return;
     }
@@ -614,12 +653,14 @@ __global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __
 #pragma unroll
         for (int e = 0; e < W; ++e) acc[k][e] = 0.0f;
 
-    auto flush_row = [&]() {  // write row r, start the next one from zero
-        T* out = dwte + (v0 + r) * (long long)C;
+    auto flush_row = [&]() {  // write row r (ACC: add it, if it has positions), start the next one from zero
+        typename EmbOut<T, ACC>::type* out = dwte + (v0 + r) * (long long)C;
+        // warp-uniform: every caller runs in warp-uniform control flow, and r is the same in all lanes
+        const bool put = ACC == 0 || __shfl_sync(full, my_start, r + 1) > __shfl_sync(full, my_start, r);
 #pragma unroll
         for (int k = 0; k < KP; ++k) {
             const int j = j0 + 32 * k;
-            if (j < nvec) store_pack<T, W>(out + (long long)j * W, acc[k]);
+            if (put && j < nvec) emb_put<T, W, ACC>(out + (long long)j * W, acc[k]);
 #pragma unroll
             for (int e = 0; e < W; ++e) acc[k][e] = 0.0f;
         }

@@ -27,6 +27,12 @@ and why (chapter 8 measures each item):
 into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
 ``LM_HEAD_ROWS`` rows at a time, so the ``[N, Vp]`` logits — 6.6 GB at GPT-2's B = 64, T = 1024, more than
 any other activation — never exist whole. The loss is the chunks' sums over the batch's target count.
+With ``FUSED_CROSS_ENTROPY`` (default) a chunk's cross-entropy forward and backward are one kernel
+(``cross_entropy_forward_backward``): it reads each row of logits once, writes the row's gradient over it
+(divided by the batch's target count, a device scalar) and adds the chunk's loss sum into one device scalar.
+With ``EMBEDDING_GRAD_INTO_FP32`` (default) the embedding backward adds its fp32 row sums straight into the
+fp32 gradients of ``wte`` (only the rows of tokens in the batch) and ``wpe``, instead of writing a bf16
+``[Vp, C]`` array (zeros included) that is then cast and added.
 
 **Vocabulary padding.** An unpadded vocabulary (50257) gives the LM head's GEMMs row strides that are not
 multiples of 16 bytes, and cuBLASLt then falls back to much slower kernels (on the H200 the GPT-2 step at
@@ -63,7 +69,12 @@ from ..gemm.cublaslt import lt_gemm
 from ..gemm.ksplit import wgrad_gemm
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
-from ..ops.cross_entropy import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
+from ..ops.cross_entropy import (
+    IGNORE_INDEX,
+    cross_entropy_backward,
+    cross_entropy_forward,
+    cross_entropy_forward_backward,
+)
 from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
 from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
@@ -77,6 +88,10 @@ VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config 
 EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
 LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
 CROSS_ENTROPY_METHOD = "fast"
+# issue 19, both on by default; False gives the step before (a benchmark can A/B them in one process,
+# capturing one graph per setting: the switches are read when the step runs, i.e. when it is captured)
+FUSED_CROSS_ENTROPY = True  # the LM head's cross-entropy forward + backward as one pass over each chunk's logits
+EMBEDDING_GRAD_INTO_FP32 = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
 # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
 # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
 LM_HEAD_ROWS = 8192
@@ -314,9 +329,10 @@ class FastGPT(GPTBase):
         gradient of every row is divided by the number of targets of the whole batch, counted first."""
         N, C = hf.shape
         Vp = self.config.padded_vocab_size
-        G, it, xp = self.params.grad_of, self.dtype.itemsize, self.xp
+        it, xp = self.dtype.itemsize, self.xp
         R = min(N, max(1, int(self.lm_head_rows)))
-        if R < N:
+        fused = FUSED_CROSS_ENTROPY
+        if R < N or fused:
             n_total = (targets != IGNORE_INDEX).sum(dtype=np.int32)
         dhf = xp.empty((N, C), dtype=hf.dtype)
         loss = None
@@ -324,6 +340,14 @@ class FastGPT(GPTBase):
             h, t = hf[r0:r0 + R], targets[r0:r0 + R]
             n = h.shape[0]
             logits = self._logits(h)
+            if fused:  # one pass: the chunk's loss sum (added into loss) and dlogits in place over the logits
+                with region("cross_entropy fwd+bwd", bytes=logits.nbytes * 2 + 8 * n, flops=6.0 * logits.size):
+                    loss, dlogits = cross_entropy_forward_backward(logits, t, dloss, n_total, ignore_index=IGNORE_INDEX,
+                                                                   out=logits, loss_sum=loss)
+                del logits
+                self._head_grads(dlogits, h, dhf[r0:r0 + R])
+                del dlogits
+                continue
             with region("cross_entropy fwd", bytes=logits.nbytes + 8 * n, flops=4.0 * logits.size):
                 loss_c, ce = cross_entropy_forward(logits, t, ignore_index=IGNORE_INDEX, method=CROSS_ENTROPY_METHOD)
             del logits
@@ -336,13 +360,21 @@ class FastGPT(GPTBase):
             with region("cross_entropy bwd", bytes=2 * n * Vp * it + 8 * n, flops=4.0 * n * Vp):
                 dlogits = cross_entropy_backward(ce, dloss, out=ce.logits)  # in place over the logits
             del ce
-            self._dgrad(dlogits, WTE, name="lm_head", out=dhf[r0:r0 + R])
-            with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
-                wgrad_gemm(dlogits, h, out=G(WTE), beta=1.0, gemm=lt_gemm)
+            self._head_grads(dlogits, h, dhf[r0:r0 + R])
             del dlogits
-        if R < N:
+        if fused:  # the sum over the chunks, over the batch's count (an all-ignored batch: 0)
+            loss = loss / xp.maximum(n_total, 1).astype(loss.dtype)
+        elif R < N:
             loss = loss / n_total.astype(loss.dtype)
         return loss, dhf
+
+    def _head_grads(self, dlogits, h, dh):
+        """The LM head's backward for one chunk: ``dh = dlogits W`` and ``dW += dlogitsᵀ h`` (fp32)."""
+        n, Vp = dlogits.shape
+        C, it = h.shape[1], self.dtype.itemsize
+        self._dgrad(dlogits, WTE, name="lm_head", out=dh)
+        with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
+            wgrad_gemm(dlogits, h, out=self.params.grad_of(WTE), beta=1.0, gemm=lt_gemm)
 
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
         """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
@@ -386,12 +418,17 @@ class FastGPT(GPTBase):
                     ready(list(block_param_names(j).values()))
                 inputs[s] = None
 
-        with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
-                    flops=float(N * C)):
-            dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size,
-                                            method=EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized")
-            accumulate_grad(G(WTE), dwte)
-            accumulate_grad(G(WPE), dwpe)
+        method = EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized"
+        if EMBEDDING_GRAD_INTO_FP32:  # fp32 row sums added into the fp32 gradients, touched rows only
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
+                embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
+                                   dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
+        else:
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
+                        flops=float(N * C)):
+                dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method)
+                accumulate_grad(G(WTE), dwte)
+                accumulate_grad(G(WPE), dwpe)
         ready([WTE, WPE])
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss

@@ -187,7 +187,8 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
     return out
 
 
-def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_out=None, dwpe_out=None):
+def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_out=None, dwpe_out=None,
+                       accumulate=False):
     """``(dwte [V, C], dwpe [maxT, C])`` from ``dx [B, T, C]`` and the forward's ``idx [B, T]``.
 
     ``max_t`` is wpe's number of rows (an int, or wpe's shape). Gradients have dx's dtype, summed in
@@ -195,6 +196,13 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     reproducible). The two give the same bits except in rows of tokens with more than ``PIECE``
     positions, which ``"counting"`` sums in pieces (module docstring). ``"counting"`` neither
     synchronizes nor sizes anything by the data: it can be captured in a CUDA graph.
+
+    ``accumulate=True`` (the training step's gradients): ``dwte_out`` and ``dwpe_out`` are required,
+    fp32 (on NumPy any float dtype), and the fp32 row sums are **added** into them: ``dwte_out[v] +=``
+    the sum of token v's positions, for the tokens in ``idx`` only (the other rows are not touched),
+    ``dwpe_out[t] +=`` the sum over the batch, for ``t < T`` only. No sum is rounded to dx's dtype
+    first. On the GPU it takes ``method="counting"`` (the same sums in the same order, bitwise
+    repeatable and capturable); it returns ``(dwte_out, dwpe_out)``.
     """
     check_method("embedding_backward", method, METHODS)
     xp = array_module(dx=dx, idx=idx, dwte_out=dwte_out, dwpe_out=dwpe_out)
@@ -211,9 +219,20 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     v, max_t = int(vocab_size), int(max_t)
     if t > max_t:
         raise ValueError(f"dx has T={t} positions but max_t is {max_t}")
+    if accumulate:
+        if dwte_out is None or dwpe_out is None:
+            raise ValueError("accumulate=True adds into dwte_out and dwpe_out: give both (fp32 gradient buffers)")
+        if xp is not np and method != "counting":
+            raise ValueError(f"accumulate=True runs on the GPU with method='counting', got method={method!r}")
+        for name, o, shape in (("dwte_out", dwte_out, (v, c)), ("dwpe_out", dwpe_out, (max_t, c))):
+            want = o.dtype if (xp is np and o.dtype.kind == "f") else np.float32
+            check_out(o, shape, want, xp, name=name)
 
     if xp is np:
         _check_ids_numpy(idx, v)
+        if accumulate:
+            _accumulate_reference(dx, idx, dwte_out, dwpe_out)
+            return dwte_out, dwpe_out
         dwte, dwpe = embedding_backward_reference(dx, idx, v, max_t)
         res = []
         for name, val, o in (("dwte_out", dwte, dwte_out), ("dwpe_out", dwpe, dwpe_out)):
@@ -227,9 +246,11 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     bt = b * t
     if bt >= 2**31 or v >= 2**31:
         raise ValueError("B*T and V must be below 2**31")
-    dwte = check_out(dwte_out, (v, c), dx.dtype, xp, name="dwte_out")
-    dwpe = check_out(dwpe_out, (max_t, c), dx.dtype, xp, name="dwpe_out")
+    out_dtype = np.float32 if accumulate else dx.dtype
+    dwte = check_out(dwte_out, (v, c), out_dtype, xp, name="dwte_out")
+    dwpe = check_out(dwpe_out, (max_t, c), out_dtype, xp, name="dwpe_out")
     ti = _C_INDEX[idx.dtype]
+    acc = int(bool(accumulate))
 
     if method == "naive":
         dwte32 = xp.zeros((v, c), dtype=np.float32)
@@ -243,10 +264,10 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
         return dwte, dwpe
 
     if method == "counting":
-        _backward_counting(xp, dx, idx, dwte, v, ti)
+        _backward_counting(xp, dx, idx, dwte, v, ti, acc)
         vec, grid, block = _pack_grid(v, c, dx.dtype, (dx, dwte, dwpe))
-        get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec))(
-            (max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
+        get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec), acc)(
+            (t if acc else max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
         )
         return dwte, dwpe
 
@@ -263,18 +284,32 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     get_kernel("embedding", "embedding_backward_wte", dx.dtype, int(vec))(
         grid, block, (dx, keys, starts, dwte, np.int32(c), np.int64(bt))
     )
-    get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec))(
+    get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec), 0)(
         (max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
     )
     return dwte, dwpe
 
 
-def _backward_counting(xp, dx, idx, dwte, v, ti):
+def _accumulate_reference(dx, idx, dwte_out, dwpe_out):
+    """accumulate=True on NumPy: the reference's row sums in the compute dtype, added once per row into
+    the rows that have positions (dwte) and the rows t < T (dwpe)."""
+    ct = _compute_dtype(dx.dtype)
+    b, t, c = dx.shape
+    d = dx.astype(ct).reshape(b * t, c)
+    ids = idx.reshape(-1)
+    rows = np.unique(ids)
+    sums = np.zeros((dwte_out.shape[0], c), dtype=ct)
+    np.add.at(sums, ids, d)  # positions in order, as embedding_backward_reference
+    dwte_out[rows] += sums[rows].astype(dwte_out.dtype)
+    dwpe_out[:t] += d.reshape(b, t, c).sum(axis=0).astype(dwpe_out.dtype)
+
+
+def _backward_counting(xp, dx, idx, dwte, v, ti, acc=0):
     """dwte through the counting sort (module docstring, steps a-d, then the row sums)."""
     b, t, c = dx.shape
     bt = b * t
     # Row sums (below): a warp per ROWS_PER_WARP rows and per column tile of 32*kp packs (kp <= 3).
-    width = vector_width(dx.dtype, c, dx, dwte)
+    width = vector_width(dx.dtype, c, dx, dwte)  # dwte fp32 (acc): 16-byte aligned, and C % width == 0
     vec, nvec = width > 1, c // width
     ntiles = -(-nvec // (32 * MAX_PACKS_PER_LANE))
     kp = -(-nvec // (32 * ntiles))
@@ -310,7 +345,7 @@ def _backward_counting(xp, dx, idx, dwte, v, ti):
 
     # Row sums: blocks [0, npieces) sum the pieces of the hot rows, the others walk the rows.
     ngroups = -(-v // ROWS_PER_WARP)
-    get_kernel("embedding", "embedding_backward_wte_pos", dx.dtype, int(vec), kp)(
+    get_kernel("embedding", "embedding_backward_wte_pos", dx.dtype, int(vec), kp, acc)(
         (npieces + -(-ngroups // WARPS_PER_BLOCK), ntiles), (32 * WARPS_PER_BLOCK,),
         (dx, idx, np.int32(idx.dtype.itemsize == 8), pos, local, blockoff, dwte, carry, counters, any_hot,
          np.int32(c), v32, np.int32(npieces)),
