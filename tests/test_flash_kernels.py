@@ -118,6 +118,24 @@ def test_every_variant_launches_declared_kernels():
         assert any(n in ("flash_bwd_dot", "flash_bwd_dq_wide") for n in names[:first_dkdv])
 
 
+def test_backward_variants_benchmark_runs_on_the_cpu(capsys):
+    """The script imports and says why it times nothing (on a GPU it is the benchmark itself: run it there)."""
+    if backend.default_xp() is not np:
+        pytest.skip("a GPU is usable: run benchmarks/bench_flash_backward_variants.py itself")
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        main = runpy.run_path(str(Path(bench_dir) / "bench_flash_backward_variants.py"), run_name="bench")["main"]
+        assert main(["--quick"]) == {}
+    finally:
+        sys.path.remove(bench_dir)
+    assert "need a GPU" in capsys.readouterr().out
+
+
 def test_shared_memory_fits_an_sm90_block():
     lim = SMLimits()
     for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_wide", "flash_bwd_dq_wide"):
