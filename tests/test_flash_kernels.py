@@ -4,7 +4,8 @@ CPU: the NumPy reference of the algorithm (online softmax identity, tiled == nai
 finite differences) and the argument checks that need no GPU. GPU: the tensor-core and scalar forward and the
 deterministic backward against the float64 reference on fresh random inputs (odd T, small and large B·H, fp16 and
 bf16, causal or not, D = 64 and 128), strided QKV views, poisoned outputs, NaN propagation, bitwise
-repeatability, CUDA-graph capture, agreement with cuDNN and PyTorch SDPA where they are installed.
+repeatability, CUDA-graph capture, agreement with cuDNN and PyTorch SDPA where they are installed. Every backward
+variant (``fa.BWD_VARIANTS``) runs every backward test, and each agrees with the current default.
 """
 
 import math
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
+from llmgpu.kernels import loader
 from llmgpu.kernels.launch import SMEM_WITHOUT_OPT_IN, SMLimits
 from llmgpu.ops import flash_attention as fa
+from llmgpu.ops import flash_launch as fl
 from llmgpu.ops import flash_reference as ref
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
 
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.ch2
 # relative error ‖out − ref‖ / ‖ref‖ against float64, for 16-bit inputs and outputs (the output rounding alone
 # is ~2⁻⁹ for bf16, ~2⁻¹² for fp16; P and dS are rounded to 16 bits once more inside the kernels)
 RTOL = {"bf16": 2e-2, "fp16": 5e-3}
+VARIANTS = fa.BWD_VARIANTS  # our backward kernels, each run by every backward test below
 
 
 # =========================================================================== NumPy reference (CPU)
@@ -88,9 +92,53 @@ def test_bad_kernel_name_and_what_ours_cannot_take(rng):
     assert "multiples of 8" in fa.ours_unsupported(x.reshape(1, 5, 6, 64).transpose(0, 2, 1, 3)[:, :2])
 
 
+def test_backward_variant_argument(rng):
+    q = random_array(rng, (1, 2, 5, 64))
+    o, st = fa.flash_attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="variant"):
+        fa.flash_attention_backward(q, q, q, q, o, st, kernel="ours", variant="fastest")
+    with pytest.raises(ValueError, match="kernel='ours'"):
+        fa.flash_attention_backward(q, q, q, q, o, st, variant="wide")  # auto (or cuDNN) has no variants
+    want = fa.flash_attention_backward(q, q, q, q, o, st, kernel="ours")
+    for variant in VARIANTS:  # NumPy: the reference, whatever the variant
+        for g, w in zip(fa.flash_attention_backward(q, q, q, q, o, st, kernel="ours", variant=variant), want):
+            np.testing.assert_array_equal(g, w)
+    assert fa.DEFAULT_BWD_VARIANT in VARIANTS
+
+
+def test_every_variant_launches_declared_kernels():
+    declared = {e.split("<")[0] for e in loader.name_expressions("flash_attention")}
+    for variant in VARIANTS:
+        names = fl.backward_kernels(variant)
+        assert set(names) <= declared
+        assert names[-1] != "flash_bwd_dot" and sum("dkdv" in n for n in names) == 1
+        assert sum(n.startswith("flash_bwd_dq") for n in names) == 1
+        # D (rowsum dO ⊙ O) is written before dK, dV read it: by flash_bwd_dot or by the wide dQ kernel
+        first_dkdv = next(i for i, n in enumerate(names) if "dkdv" in n)
+        assert any(n in ("flash_bwd_dot", "flash_bwd_dq_wide") for n in names[:first_dkdv])
+
+
+def test_backward_variants_benchmark_runs_on_the_cpu(capsys):
+    """The script imports and says why it times nothing (on a GPU it is the benchmark itself: run it there)."""
+    if backend.default_xp() is not np:
+        pytest.skip("a GPU is usable: run benchmarks/bench_flash_backward_variants.py itself")
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        main = runpy.run_path(str(Path(bench_dir) / "bench_flash_backward_variants.py"), run_name="bench")["main"]
+        assert main(["--quick"]) == {}
+    finally:
+        sys.path.remove(bench_dir)
+    assert "need a GPU" in capsys.readouterr().out
+
+
 def test_shared_memory_fits_an_sm90_block():
     lim = SMLimits()
-    for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
+    for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_wide", "flash_bwd_dq_wide"):
         for D in (64, 128):  # double-buffered tiles: above the 48 KiB default, the host opts in
             assert SMEM_WITHOUT_OPT_IN < fa.smem_bytes(f, D) <= lim.smem_per_block_optin
 
@@ -138,16 +186,23 @@ CASES = [((1, 1, 1, 64), True), ((1, 2, 7, 64), True), ((2, 3, 63, 64), False), 
          ((2, 2, 1000, 128), True), ((1, 1, 1024, 64), False)]
 
 
+def _poison_delta(cp, shape):
+    """NaN in the cached D buffer, so a variant that fails to write D (or reads it before it is written) shows."""
+    fl._delta_buffer(cp, *shape[:3]).fill(np.nan)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape,causal", CASES)
-def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal):
+def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal, variant):
     q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
     o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp),
                                        lse=poisoned(shape[:3], "fp32", cp), kernel="ours")
+    _poison_delta(cp, shape)
     dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=poisoned(shape, dtype, cp),
                                              dk=poisoned(shape, dtype, cp), dv=poisoned(shape, dtype, cp),
-                                             kernel="ours")
+                                             kernel="ours", variant=variant)
     r_o, r_lse, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, do, causal)
     assert_close(o, r_o, rtol=RTOL[dtype], name="o")
     assert_close(st.lse, r_lse, rtol=1e-4, name="lse")
@@ -174,8 +229,9 @@ def test_gpu_scalar_forward_matches_float64(cp, rng, dtype, shape, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_qkv_views(cp, rng, D):
+def test_gpu_qkv_views(cp, rng, D, variant):
     """q, k, v as strided views of one [B, T, 3C] buffer, o into [B, T, C], dq/dk/dv into [B, T, 3C]."""
     B, T, H = 2, 77, 3
     C = H * D
@@ -186,12 +242,14 @@ def test_gpu_qkv_views(cp, rng, D):
     dout = _dev(cp, rng, (B, T, C), "bf16")
     dqkv = poisoned((B, T, 3 * C), "bf16", cp)
     dq, dk, dv = fa.split_qkv(dqkv, H)
-    fa.flash_attention_backward(fa.heads_view(dout, H), q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours")
+    fa.flash_attention_backward(fa.heads_view(dout, H), q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours",
+                                variant=variant)
     assert not cp.isnan(y.astype(np.float32)).any() and not cp.isnan(dqkv.astype(np.float32)).any()
     oc, stc = fa.flash_attention_forward(*(cp.ascontiguousarray(a) for a in (q, k, v)), kernel="ours")
     assert cp.array_equal(fa.heads_view(y, H), oc)  # the same arithmetic whatever the strides
     want = fa.flash_attention_backward(cp.ascontiguousarray(fa.heads_view(dout, H)),
-                                       *(cp.ascontiguousarray(a) for a in (q, k, v)), oc, stc, kernel="ours")
+                                       *(cp.ascontiguousarray(a) for a in (q, k, v)), oc, stc, kernel="ours",
+                                       variant=variant)
     for g, w in zip((dq, dk, dv), want):
         assert cp.array_equal(g, w)
     r_o, _, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, fa.heads_view(dout, H), True)
@@ -217,21 +275,64 @@ def test_gpu_nan_in_nan_out(cp, rng, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_backward_is_bitwise_repeatable(cp, rng, D):
+def test_gpu_backward_is_bitwise_repeatable(cp, rng, D, variant):
     shape = (2, 4, 333, D)
     q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
     o, st = fa.flash_attention_forward(q, k, v, kernel="ours")
-    first = [g.copy() for g in fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours")]
+    first = [g.copy() for g in fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours", variant=variant)]
     for _ in range(3):
-        again = fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours")
+        again = fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours", variant=variant)
         for a, b in zip(first, again):
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
     assert fa.backward_is_deterministic() in (True, False)  # cuDNN may have run in another test
 
 
 @pytest.mark.gpu
-def test_gpu_captured_in_graph(cp, rng):
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != fa.DEFAULT_BWD_VARIANT])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape,causal", [((1, 2, 1, 64), True), ((2, 3, 97, 64), True), ((2, 3, 97, 64), False),
+                                          ((1, 2, 300, 128), True), ((1, 2, 161, 128), False),
+                                          ((2, 2, 1024, 64), True), ((1, 1, 4 * 128 + 31, 64), True)])
+def test_gpu_variant_agrees_with_the_default(cp, rng, dtype, shape, causal, variant):
+    """Each candidate against the default kernels on the same inputs: to rounding (the wide kernels round P to
+    16 bits before dS, and the wide dQ kernel sums D in another order), much tighter than against float64."""
+    q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
+    o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
+    want = [g.copy() for g in fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")]
+    delta = fl._delta_buffer(cp, *shape[:3]).copy()
+    _poison_delta(cp, shape)
+    got = fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours", variant=variant)
+    for g, w, n in zip(got, want, ("dq", "dk", "dv")):
+        assert not bool(cp.isnan(g.astype(np.float32)).any()), n
+        if shape[2] == 1:  # one key: dv = dO exactly, dq and dk are rounding noise around 0 (as against float64)
+            assert cp.array_equal(g, w) if n == "dv" else float(cp.abs(g.astype(np.float32)).max()) < 1e-3
+            continue
+        assert_close(g, w, rtol=RTOL[dtype] / 2, name=n)
+    assert_close(fl._delta_buffer(cp, *shape[:3]), delta, rtol=1e-5, name="D")  # every row's D was written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_backward_nan_stays_in_its_rows(cp, rng, variant):
+    """A NaN in one row of dO: dq of that row only, dk and dv of every key it sees, nothing in another head. (Keys
+    after it in the same tiles may turn NaN too: 0 · NaN in the MMAs, as in the float64 reference, where every
+    key of the head does; so those are not asserted.)"""
+    shape, t = (1, 2, 200, 64), 150
+    q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
+    o, st = fa.flash_attention_forward(q, k, v, kernel="ours")
+    do[0, 1, t, 5] = np.nan
+    dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, kernel="ours", variant=variant)
+    bad = {n: cp.asnumpy(cp.isnan(g.astype(np.float32)).any(axis=-1)) for n, g in (("dq", dq), ("dk", dk), ("dv", dv))}
+    assert bad["dq"][0, 1, t] and int(bad["dq"].sum()) == 1
+    for n in ("dk", "dv"):  # causal: keys 0..t see query t
+        assert bad[n][0, 1, : t + 1].all() and not bad[n][0, 0].any(), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_captured_in_graph(cp, rng, variant):
     from llmgpu.perf.graphs import capture
 
     shape = (2, 4, 200, 64)
@@ -241,7 +342,7 @@ def test_gpu_captured_in_graph(cp, rng):
 
     def step():
         _, st = fa.flash_attention_forward(q, k, v, out=o, lse=lse, kernel="ours")
-        fa.flash_attention_backward(do, q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours")
+        fa.flash_attention_backward(do, q, k, v, o, st, dq=dq, dk=dk, dv=dv, kernel="ours", variant=variant)
 
     g = capture(step)
     cp.cuda.Device().synchronize()
@@ -268,9 +369,10 @@ def test_gpu_auto_decides_once_per_shape(cp, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape,causal", [((2, 3, 257, 64), True), ((1, 2, 1024, 128), False)])
-def test_gpu_agrees_with_cudnn(cp, rng, dtype, shape, causal):
+def test_gpu_agrees_with_cudnn(cp, rng, dtype, shape, causal, variant):
     why = fa.cudnn_attention.unavailable_reason()
     if why is not None:
         pytest.skip(f"cuDNN flash attention not available: {why}")
@@ -278,24 +380,26 @@ def test_gpu_agrees_with_cudnn(cp, rng, dtype, shape, causal):
     res = {}
     for kern in ("ours", "cudnn"):
         o, st = fa.flash_attention_forward(q, k, v, causal, kernel=kern)
-        res[kern] = (o, st.lse, *fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel=kern))
+        var = {"variant": variant} if kern == "ours" else {}
+        res[kern] = (o, st.lse, *fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel=kern, **var))
     for n, a, b in zip(("o", "lse", "dq", "dk", "dv"), res["ours"], res["cudnn"]):
         assert_close(a, b, rtol=1e-4 if n == "lse" else 2 * RTOL[dtype], name=n)
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="cudnn")  # either backward takes either's lse
-    assert_close(fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")[0], res["cudnn"][2],
-                 rtol=2 * RTOL[dtype], name="dq from cuDNN's lse")
+    assert_close(fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours", variant=variant)[0],
+                 res["cudnn"][2], rtol=2 * RTOL[dtype], name="dq from cuDNN's lse")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_agrees_with_torch_sdpa(cp, rng, causal):
+def test_gpu_agrees_with_torch_sdpa(cp, rng, causal, variant):
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch sees no CUDA device")
     shape = (2, 4, 300, 64)
     q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
-    dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")
+    dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours", variant=variant)
     cp.cuda.Device().synchronize()
     tq, tk, tv = (torch.from_dlpack(a).detach().requires_grad_(True) for a in (q, k, v))
     to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)

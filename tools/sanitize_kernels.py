@@ -13,8 +13,8 @@ Every kernel of ``llmgpu/kernels/*.cu`` runs through its ops module, each method
 that hit the vector and the scalar (tail) paths: vector_add, the chapter-0 matmuls, bias add and
 gradient (linear forward / backward), softmax forward / backward (naive, warp, block; causal; odd
 and aligned row lengths; fp32 scores with 16-bit probabilities), chapter 2's attention (not cuDNN), our flash
-attention (tensor-core forward and deterministic backward, the scalar forward; bf16 / fp16, D = 64 and 128, T = 1,
-65, 130, causal or not, on strided views of one QKV buffer),
+attention (tensor-core forward and every variant of the deterministic backward, the scalar forward; bf16 / fp16,
+D = 64 and 128, T = 1, 65, 130, causal or not, on strided views of one QKV buffer),
 layernorm (naive / optimized / fast, register and shared accumulators, residual, fused add+LN), GELU,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
 optimized / counting), cast, AdamW (flat, per tensor, with working copy, skipped step), the fused
@@ -272,8 +272,9 @@ def _flash(fa, d, qkv, h, causal):
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
     dqkv = d.xp.empty_like(qkv)
     dq, dk, dv = fa.split_qkv(dqkv, h)
-    fa.flash_attention_backward(d.arr(q.shape, backend.dtype_name(q.dtype)), q, k, v, o, st, causal, dq=dq, dk=dk,
-                                dv=dv, kernel="ours")
+    do = d.arr(q.shape, backend.dtype_name(q.dtype))
+    for variant in fa.BWD_VARIANTS:  # every candidate backward (flash_launch), the default first
+        fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=dq, dk=dk, dv=dv, kernel="ours", variant=variant)
     fa.flash_attention_forward(q, k, v, causal, kernel="scalar")
 
 

@@ -2,7 +2,8 @@
 // backward, without ever writing the T × T scores to memory (chapter 2b).
 //
 // defines: flash_fwd_scalar (fp32 math, no tensor cores: the teaching step), flash_fwd (tensor cores),
-//          flash_bwd_dot (D_i = dO_i · O_i), flash_bwd_dkdv and flash_bwd_dq (tensor cores, deterministic)
+//          flash_bwd_dot (D_i = dO_i · O_i), flash_bwd_dkdv and flash_bwd_dq (tensor cores, deterministic),
+//          flash_bwd_dkdv_wide and flash_bwd_dq_wide (candidates: two 16-row tiles per warp; the dQ one computes D)
 //
 // Per (batch, head), q, k, v are [T, D], c = scale (1/√D by default), and every softmax is taken in base 2:
 //
@@ -43,6 +44,8 @@
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -70,6 +73,10 @@ template <int HD> struct fa_cfg {
     static constexpr int DQ_WARPS = 4;                  // flash_bwd_dq: 64 query rows per block
     static constexpr int DQ_BN = HD == 128 ? 32 : 64;   //   keys per inner tile
     static constexpr int DQ_MIN_BLOCKS = 2;
+    // the wide backward candidates (flash_bwd_dkdv_wide, flash_bwd_dq_wide): WIDE_MT 16-row tiles per warp
+    static constexpr int WIDE_MT = HD == 64 ? 2 : 1;    //   (HD = 128: one, its accumulators fill the registers)
+    static constexpr int WIDE_KV_BM = 32;               //   queries per inner tile of dK, dV
+    static constexpr int WIDE_DQ_BN = 32;               //   keys per inner tile of dQ
 };
 
 __device__ __forceinline__ unsigned fa_saddr(const void* p) {
@@ -180,6 +187,24 @@ __device__ __forceinline__ void fa_mma_row(float (*c)[4], const unsigned (&a)[4]
         else fa_frag_b_nk(b, s + n * 16 * ld, ld, lane);
         fa_mma<T>(c[2 * n], a, b[0], b[1]);
         fa_mma<T>(c[2 * n + 1], a, b[2], b[3]);
+    }
+}
+
+// The same for MT row tiles at once, c[m] += a[m] B: every B fragment read from shared memory feeds MT MMA pairs,
+// so a warp that owns 32 rows reads half the bytes per MMA of one that owns 16.
+template <typename T, int MT, int N2, bool KN>
+__device__ __forceinline__ void fa_mma_rows(float (&c)[MT][2 * N2][4], const unsigned (&a)[MT][4], const T* s, int ld,
+                                            int lane) {
+#pragma unroll
+    for (int n = 0; n < N2; ++n) {
+        unsigned b[4];
+        if constexpr (KN) fa_frag_b_kn(b, s + n * 16, ld, lane);
+        else fa_frag_b_nk(b, s + n * 16 * ld, ld, lane);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            fa_mma<T>(c[m][2 * n], a[m], b[0], b[1]);
+            fa_mma<T>(c[m][2 * n + 1], a[m], b[2], b[3]);
+        }
     }
 }
 
@@ -652,4 +677,310 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         for (int n = 0; n < HD / 8; ++n)
             *reinterpret_cast<unsigned*>(qrow + n * 8 + c) = pack2<T>(adq[n][2 * r] * scale, adq[n][2 * r + 1] * scale);
     }
+}
+
+// --------------------------------------------------------------------------- 4. backward candidates ("wide")
+
+// Where flash_bwd_dkdv spends its time (a model, not a profile): each warp owns 16 keys, so every Q and dO fragment
+// it reads from shared memory with ldmatrix feeds only two MMAs: per 64-query tile a warp issues 128 MMAs and 72
+// ldmatrix.x4 (512 bytes each), ~0.56 per MMA. At 128 bytes per clock of shared memory per SM that is ~2.3 clocks
+// per MMA against ~1.5 for the tensor cores (mma.sync on sm_90): the kernel waits on shared memory. A warp that owns
+// 32 keys (two 16-row tiles, as FlashAttention-2's backward gives each warp more rows; Dao 2023, section 3) reads
+// each fragment once for four MMAs; the price is registers (dK, dV for 32 keys × 64 dims are 128 per thread), so
+// the inner query tile shrinks to 32 (Sᵀ and dPᵀ 32 more each): 48 ldmatrix.x4 per 128 MMAs, ~0.38. HD = 128
+// keeps 16 keys per warp (WIDE_MT = 1) and gains only the longer query tile (0.75 -> 0.63 per MMA).
+
+// flash_bwd_dkdv with WIDE_MT 16-key tiles per warp: 16 · WIDE_MT · DKDV_WARPS keys per block (128 for HD = 64),
+// query tiles of WIDE_KV_BM rows, double-buffered by cp.async as there. Registers (ptxas, sm_80/sm_90): with Pᵀ
+// kept in fp32 until dSᵀ and the d loops of Sᵀ and dPᵀ fully unrolled it spills (255 + 8-32 bytes), because the
+// scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as the 16-bit A fragments dV needs (dSᵀ = Pᵀ ⊙
+// (dPᵀ − D) takes the rounded Pᵀ: one rounding more than flash_bwd_dkdv, so the two agree to rounding, not to the
+// bit), and those d loops unroll by 2: ~242 registers, no spill, 2 blocks (8 warps) per SM as flash_bwd_dkdv.
+template <typename T, int HD>
+__global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
+flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    T* __restrict__ dk, T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb,
+                    long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                    long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
+                    long long dk_sb, long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh,
+                    long long dv_st) {
+    constexpr int MT = fa_cfg<HD>::WIDE_MT, WK = 16 * MT;  // 16-key tiles and keys per warp
+    constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * WK, BM = fa_cfg<HD>::WIDE_KV_BM;
+    constexpr int LD = HD + FA_PAD;
+    T* sK = reinterpret_cast<T*>(fa_smem);
+    T* sV = sK + BN * LD;
+    T* sQ = sV + BN * LD;       // two buffers of BM rows
+    T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LD);  // two buffers: lse of the tile's rows
+    float* sD = sL + 2 * BM;                                  // two buffers: D
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
+    const int w0 = k0 + warp * WK;  // this warp's first key; lane rows w0 + 16 m + g (+ 8)
+    const T* qb = q + b * q_sb + h * q_sh;
+    const T* dob = dout + b * do_sb + h * do_sh;
+    const float* lseb = lse + (long long)bh * T_len;
+    const float* deltab = delta + (long long)bh * T_len;
+    const float c2 = scale * FA_LOG2E;
+
+    const int q_first = causal ? (k0 / BM) * BM : 0;
+    const int n_tiles = (T_len - q_first + BM - 1) / BM;
+    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % 2
+        const int q0 = q_first + i * BM, buf = i & 1;
+        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
+        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
+        for (int r = threadIdx.x; r < 2 * BM; r += NT) {
+            const int row = q0 + r % BM;
+            const bool in = row < T_len, is_l = r < BM;
+            fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, (is_l ? lseb : deltab) + (in ? row : 0), in);
+        }
+    };
+    fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
+    load_q_tile(0);
+    fa_cp_commit();
+
+    float adk[MT][HD / 8][4], adv[MT][HD / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) adk[m][n][e] = adv[m][n][e] = 0.0f;
+
+    for (int i = 0; i < n_tiles; ++i) {
+        const int q0 = q_first + i * BM;
+        const T* cQ = sQ + (i & 1) * BM * LD;
+        const T* cdO = sdO + (i & 1) * BM * LD;
+        const float* cL = sL + (i & 1) * BM;
+        const float* cD = sD + (i & 1) * BM;
+        if (i + 1 < n_tiles) {
+            load_q_tile(i + 1);
+            fa_cp_commit();
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
+        }
+        __syncthreads();
+        if (w0 < T_len && (!causal || q0 + BM - 1 >= w0)) {
+            const bool edge = (causal && q0 < w0 + WK - 1) || q0 + BM > T_len || w0 + WK > T_len;
+            float p[MT][BM / 8][4];  // Sᵀ, then Pᵀ, then dSᵀ: this warp's WK keys × BM queries
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BM / 8; ++n) p[m][n][0] = p[m][n][1] = p[m][n][2] = p[m][n][3] = 0.0f;
+#pragma unroll 2  // not 4: see above
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sK + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BM / 16, false>(p, a, cQ + kk * 16, LD, lane);
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n * 8 + c + (e & 1), key = w0 + m * 16 + g + 8 * (e >> 1);
+                        const float pe = fast_exp2(p[m][n][e] * c2 - cL[col] * FA_LOG2E);
+                        p[m][n][e] = !edge || (fa_visible(q0 + col, key, T_len, causal) && q0 + col < T_len)
+                                         ? pe : 0.0f;
+                    }
+            unsigned pa[BM / 16][MT][4];  // Pᵀ in 16 bits, as A fragments: half the registers of p, which dies here
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {  // dV += Pᵀ dO
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_c_to_a<T>(pa[kk][m], p[m][2 * kk], p[m][2 * kk + 1]);
+                fa_mma_rows<T, MT, HD / 16, true>(adv, pa[kk], cdO + kk * 16 * LD, LD, lane);
+            }
+            float dp[MT][BM / 8][4];  // dPᵀ = V dOᵀ, then dSᵀ
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
+#pragma unroll 2
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sV + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
+            }
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h2 = 0; h2 < 4; ++h2) {  // A register h2 holds (n, e) = (2 kk + h2 / 2, 2 (h2 % 2), +1)
+                        const int n = 2 * kk + (h2 >> 1), e = 2 * (h2 & 1), col = n * 8 + c;
+                        float p0, p1;  // dSᵀ / c = Pᵀ ⊙ (dPᵀ − D), with Pᵀ as rounded for dV
+                        unpack2<T>(pa[kk][m][h2], p0, p1);
+                        dp[m][n][e] = p0 * (dp[m][n][e] - cD[col]);
+                        dp[m][n][e + 1] = p1 * (dp[m][n][e + 1] - cD[col + 1]);
+                    }
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {  // dK += dSᵀ Q
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_c_to_a<T>(a[m], dp[m][2 * kk], dp[m][2 * kk + 1]);
+                fa_mma_rows<T, MT, HD / 16, true>(adk, a, cQ + kk * 16 * LD, LD, lane);
+            }
+        }
+        __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 is copied into it
+    }
+    T* dkb = dk + b * dk_sb + h * dk_sh;
+    T* dvb = dv + b * dv_sb + h * dv_sh;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = w0 + m * 16 + g + 8 * r;
+            if (key >= T_len) continue;
+            T* krow = dkb + (long long)key * dk_st;
+            T* vrow = dvb + (long long)key * dv_st;
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                *reinterpret_cast<unsigned*>(krow + n * 8 + c) =
+                    pack2<T>(adk[m][n][2 * r] * scale, adk[m][n][2 * r + 1] * scale);
+                *reinterpret_cast<unsigned*>(vrow + n * 8 + c) = pack2<T>(adv[m][n][2 * r], adv[m][n][2 * r + 1]);
+            }
+        }
+}
+
+// flash_bwd_dq with WIDE_MT 16-row tiles per warp (16 · WIDE_MT · DQ_WARPS query rows per block: 128 for HD = 64)
+// and key tiles of WIDE_DQ_BN, which also computes D = rowsum(dO ⊙ O) for its rows and writes it to `delta`
+// (flash_bwd_dot's job, fused: dO is read here anyway), so it runs before flash_bwd_dkdv_wide, which reads D. Per
+// lane: the four lanes of a quad own the same rows; each sums 16-byte chunks (lane % 4) + 4 j of dO and O (global
+// loads, coalesced per quad), two shuffles join the quad. Same arithmetic per element as flash_bwd_dq (D summed in
+// another order than flash_bwd_dot's, so dS and everything after it agree to rounding, not to the bit).
+template <typename T, int HD>
+__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, 2)
+flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
+                  float* __restrict__ delta, T* __restrict__ dq, int H, int T_len, float scale, int causal,
+                  long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st,
+                  long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
+                  long long o_sb, long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
+    constexpr int MT = fa_cfg<HD>::WIDE_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
+    constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * WQ, BN = fa_cfg<HD>::WIDE_DQ_BN;
+    constexpr int LD = HD + FA_PAD;
+    T* sQ = reinterpret_cast<T*>(fa_smem);
+    T* sdO = sQ + BM * LD;
+    T* sK = sdO + BM * LD;     // two buffers of BN rows
+    T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
+    const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 m + g (+ 8)
+    const T* kb = k + b * k_sb + h * k_sh;
+    const T* vb = v + b * v_sb + h * v_sh;
+    const T* dob = dout + b * do_sb + h * do_sh;
+    const float c2 = scale * FA_LOG2E;
+    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
+    const int n_tiles = (kv_end + BN - 1) / BN;
+    fa_load_tile<T, BM, HD, NT>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
+    fa_load_tile<T, BM, HD, NT>(sdO, dob, do_st, q0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
+    fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
+    fa_cp_commit();
+
+    float rl[MT][2], rd[MT][2];  // lse · log2 e and D of this lane's rows
+    const T* ob = o + b * o_sb + h * o_sh;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + m * 16 + g + 8 * r;
+            const bool in = row < T_len;
+            float s = 0.0f;
+            if (in) {
+#pragma unroll
+                for (int j = 0; j < HD / 32; ++j) {  // the quad's lanes read chunks (lane % 4) + 4 j: 64 bytes
+                    const int d = ((lane & 3) + 4 * j) * 8;
+                    float x[8], y[8];
+                    load_pack16<T, 8>(dob + (long long)row * do_st + d, x);
+                    load_pack16<T, 8>(ob + (long long)row * o_st + d, y);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s += x[e] * y[e];
+                }
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            rd[m][r] = s;
+            rl[m][r] = in ? lse[(long long)bh * T_len + row] * FA_LOG2E : 0.0f;
+            if (in && (lane & 3) == 0) delta[(long long)bh * T_len + row] = s;
+        }
+    float adq[MT][HD / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) adq[m][n][0] = adq[m][n][1] = adq[m][n][2] = adq[m][n][3] = 0.0f;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int k0 = j * BN;
+        const T* cK = sK + (j & 1) * BN * LD;
+        const T* cV = sV + (j & 1) * BN * LD;
+        if (j + 1 < n_tiles) {
+            fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+            fa_cp_commit();
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
+        }
+        __syncthreads();
+        if (w0 < T_len && (!causal || k0 <= w0 + WQ - 1)) {
+            float p[MT][BN / 8][4], dp[MT][BN / 8][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) p[m][n][e] = dp[m][n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sQ + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BN / 16, false>(p, a, cK + kk * 16, LD, lane);   // S = Q Kᵀ
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sdO + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
+            }
+            const bool edge = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e >> 1, key = k0 + n * 8 + c + (e & 1);
+                        float pe = fast_exp2(p[m][n][e] * c2 - rl[m][r]);
+                        if (edge && !fa_visible(w0 + m * 16 + g + 8 * r, key, T_len, causal)) pe = 0.0f;
+                        p[m][n][e] = pe * (dp[m][n][e] - rd[m][r]);  // dS (without c)
+                    }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {  // dQ += dS K
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_c_to_a<T>(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
+                fa_mma_rows<T, MT, HD / 16, true>(adq, a, cK + kk * 16 * LD, LD, lane);
+            }
+        }
+        __syncthreads();
+    }
+    T* dqb = dq + b * dq_sb + h * dq_sh;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + m * 16 + g + 8 * r;
+            if (row >= T_len) continue;
+            T* qrow = dqb + (long long)row * dq_st;
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n)
+                *reinterpret_cast<unsigned*>(qrow + n * 8 + c) =
+                    pack2<T>(adq[m][n][2 * r] * scale, adq[m][n][2 * r + 1] * scale);
+        }
 }

@@ -19,6 +19,7 @@ Implementations (``kernel=``), on CuPy arrays:
 * ``"ours"``   ``kernels/flash_attention.cu``: tensor-core MMAs (inline PTX ``mma.sync``, NVIDIA sm_80+), fp16 or
   bf16 in, fp32 accumulation, head dims 64 and 128, any T, causal or not. The backward is deterministic (no
   atomics: one kernel over key tiles for dK, dV and one over query tiles for dQ), so it is bitwise repeatable.
+  The backward's ``variant=`` picks among candidate tilings of those kernels (``BWD_VARIANTS``, ``flash_launch``).
 * ``"scalar"`` forward only: the same tiling in plain fp32 arithmetic (no tensor cores), the teaching step.
 * ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
   extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
@@ -53,30 +54,16 @@ import numpy as np
 
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_gpu_dtype
-from ..kernels import get_kernel
-from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
 from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
 from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_auto_cache, write_auto_choice
+from .flash_launch import BWD_VARIANTS, DEFAULT_BWD_VARIANT, ours_backward, ours_forward, smem_bytes
 
 KERNELS = ("auto", "ours", "scalar", "cudnn")
 DEFAULT_KERNEL = "auto"
 HEAD_DIMS = (64, 128)  # what our kernels are instantiated for
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
-THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
-PAD = 8  # FA_PAD
-# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile) and inner tiles
-FWD_WARPS, FWD_BN = 8, 64
-DKDV_WARPS, DQ_WARPS = 4, 4
-
-
-def _dkdv_bm(D):
-    return 16 if D == 128 else 64  # fa_cfg<HD>::DKDV_BM
-
-
-def _dq_bn(D):
-    return 32 if D == 128 else 64  # fa_cfg<HD>::DQ_BN
 AUTO_REPS = 3  # timed calls per candidate when "auto" decides
 
 
@@ -201,81 +188,7 @@ def _require_ours(q, *arrays):
         raise ValueError(why)
 
 
-# --------------------------------------------------------------------------- our kernels
-
-
-def _strides(a):
-    it = a.dtype.itemsize
-    return [np.int64(s // it) for s in a.strides[:3]]
-
-
-_OPTED_IN: set = set()
-
-
-def _kernel(function, dtype, D, smem):
-    kern = get_kernel("flash_attention", function, dtype, D)
-    if smem > SMEM_WITHOUT_OPT_IN:
-        key = (function, np.dtype(dtype).str, D, backend.cupy_module().cuda.Device().id)
-        if key not in _OPTED_IN:
-            if not opt_in_shared_memory(kern, smem):
-                raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
-                                   "does not allow that much")
-            _OPTED_IN.add(key)
-    return kern
-
-
-def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
-    """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory).
-    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV)."""
-    row = (D + PAD) * itemsize
-    bm, bn = _dkdv_bm(D), _dq_bn(D)
-    return {"flash_fwd": (16 * FWD_WARPS + 2 * 2 * FWD_BN) * row,
-            "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
-            "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row}.get(function, 0)
-
-
-def _ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
-    B, H, T, D = q.shape
-    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
-    args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
-    if scalar:
-        rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
-        get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
-        return
-    smem = smem_bytes("flash_fwd", D)
-    bm = 16 * FWD_WARPS
-    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
-
-
-_DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
-
-
-def _delta_buffer(cp, B, H, T):
-    key = (cp.cuda.Device().id, B, H, T)
-    d = _DELTA.get(key)
-    if d is None:
-        d = _DELTA[key] = cp.empty((B, H, T), dtype=np.float32)
-    return d
-
-
-def _ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
-    cp = backend.cupy_module()
-    B, H, T, D = q.shape
-    delta = _delta_buffer(cp, B, H, T)
-    rows = B * H * T
-    get_kernel("flash_attention", "flash_bwd_dot", q.dtype)(
-        (-(-rows // 8),), (256,), (do, o, delta, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
-                                   *_strides(do), *_strides(o)))
-    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
-    ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    smem = smem_bytes("flash_bwd_dkdv", D)
-    _kernel("flash_bwd_dkdv", q.dtype, D, smem)(
-        (B * H, -(-T // (16 * DKDV_WARPS))), (32 * DKDV_WARPS,),
-        (q, k, v, do, lse, delta, dk, dv, *head, *ins, *_strides(dk), *_strides(dv)), shared_mem=smem)
-    smem = smem_bytes("flash_bwd_dq", D)
-    _kernel("flash_bwd_dq", q.dtype, D, smem)(
-        (B * H, -(-T // (16 * DQ_WARPS))), (32 * DQ_WARPS,), (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq)),
-        shared_mem=smem)
+# our kernels' launches (tile shapes, shared memory, the backward variants): flash_launch.py
 
 
 # --------------------------------------------------------------------------- choosing ("auto")
@@ -403,19 +316,26 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
             cudnn_attention.forward(q, k, v, o, lse, scale, causal)
         else:
             _require_ours(q, k, v, o)
-            _ours_forward(q, k, v, o, lse, scale, causal, scalar=name == "scalar")
+            ours_forward(q, k, v, o, lse, scale, causal, scalar=name == "scalar")
 
     run(_resolve(kernel, "fwd", q, (k, v, o), causal, run))
     return o, AttentionStats(lse=lse, scale=scale, causal=causal)
 
 
-def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None):
+def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None,
+                             variant=None):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
     All of do, q, k, v, o are ``[B, H, T, D]`` (strided views allowed); ``dq``/``dk``/``dv`` are written
     when given (e.g. ``split_qkv(dqkv, H)``, so the gradient lands in the [B, T, 3C] layout the QKV
     projection's backward reads), else allocated contiguous. ``kernel``: "auto" (default), "ours" or "cudnn".
+    ``variant``: which of our backward kernels (``BWD_VARIANTS``, see ``flash_launch``; default
+    ``DEFAULT_BWD_VARIANT``), only with ``kernel="ours"``.
     """
+    if variant is not None:
+        check_choice("variant", variant, BWD_VARIANTS)
+        if kernel != "ours":
+            raise ValueError(f"variant= picks among our backward kernels: pass kernel='ours' (got kernel={kernel!r})")
     xp = _check_inputs(q, k, v)
     array_module(q=q, do=do, o=o)
     _check_bhtd("do", do, shape=q.shape, dtype=q.dtype)
@@ -449,7 +369,7 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
             cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
         else:
             _require_ours(q, k, v, do, o, dq, dk, dv)
-            _ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
+            ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, variant or DEFAULT_BWD_VARIANT)
         _BACKWARD_RAN.add(name)
 
     run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run))
@@ -471,7 +391,8 @@ def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
     return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
 
 
-__all__ = ["AUTO_MARGIN", "CudnnUnavailableError", "DEFAULT_KERNEL", "HEAD_DIMS", "INSTALL_HINT", "KERNELS",
+__all__ = ["AUTO_MARGIN", "BWD_VARIANTS", "CudnnUnavailableError", "DEFAULT_BWD_VARIANT", "DEFAULT_KERNEL",
+           "HEAD_DIMS", "INSTALL_HINT", "KERNELS",
            "auto_cache_path", "auto_choices", "pick_faster", "read_auto_cache", "write_auto_choice",
            "available", "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
            "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "ours_unsupported",

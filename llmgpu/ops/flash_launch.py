@@ -1,0 +1,138 @@
+"""How our flash attention kernels are launched (``kernels/flash_attention.cu``; the API is ``ops.flash_attention``).
+
+Tile shapes mirror ``fa_cfg<HD>`` in the .cu, shared memory is computed from them, and the backward comes in
+variants (``BWD_VARIANTS``), so that one process can time them side by side before one becomes the default:
+
+* ``"base"``    (``DEFAULT_BWD_VARIANT``) ``flash_bwd_dot`` (D = rowsum(dO ⊙ O)), ``flash_bwd_dkdv`` (16 keys per
+  warp, 64 per block) and ``flash_bwd_dq`` (16 query rows per warp, 64 per block).
+* ``"wide_kv"`` ``flash_bwd_dot``, ``flash_bwd_dkdv_wide`` (32 keys per warp, 128 per block, query tiles of 32;
+  head dim 128: 16 keys per warp, query tiles of 32 instead of 16) and ``flash_bwd_dq``.
+* ``"wide"``    ``flash_bwd_dq_wide`` (32 query rows per warp, 128 per block, key tiles of 32; it also computes D,
+  so no ``flash_bwd_dot``), then ``flash_bwd_dkdv_wide``.
+
+Every variant is deterministic (no atomics) and capturable in a CUDA graph; they agree with each other to rounding
+(the wide kernels round P to 16 bits before dS, and the wide dQ kernel sums D in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..kernels import get_kernel
+from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
+
+THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
+PAD = 8  # FA_PAD
+# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile) and inner tiles
+FWD_WARPS, FWD_BN = 8, 64
+DKDV_WARPS, DQ_WARPS = 4, 4
+WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
+
+BWD_VARIANTS = ("base", "wide_kv", "wide")
+DEFAULT_BWD_VARIANT = "base"
+
+
+def _dkdv_bm(D):
+    return 16 if D == 128 else 64  # fa_cfg<HD>::DKDV_BM
+
+
+def _dq_bn(D):
+    return 32 if D == 128 else 64  # fa_cfg<HD>::DQ_BN
+
+
+def _wide_mt(D):
+    return 1 if D == 128 else 2  # fa_cfg<HD>::WIDE_MT: 16-row tiles per warp in the wide kernels
+
+
+def _strides(a):
+    it = a.dtype.itemsize
+    return [np.int64(s // it) for s in a.strides[:3]]
+
+
+_OPTED_IN: set = set()
+
+
+def _kernel(function, dtype, D, smem):
+    kern = get_kernel("flash_attention", function, dtype, D)
+    if smem > SMEM_WITHOUT_OPT_IN:
+        key = (function, np.dtype(dtype).str, D, backend.cupy_module().cuda.Device().id)
+        if key not in _OPTED_IN:
+            if not opt_in_shared_memory(kern, smem):
+                raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
+                                   "does not allow that much")
+            _OPTED_IN.add(key)
+    return kern
+
+
+def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
+    """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory).
+    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV)."""
+    row = (D + PAD) * itemsize
+    bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
+    return {"flash_fwd": (16 * FWD_WARPS + 2 * 2 * FWD_BN) * row,
+            "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
+            "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
+            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + 2 * 2 * WIDE_KV_BM) * row + 2 * 2 * WIDE_KV_BM * 4,
+            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + 2 * 2 * WIDE_DQ_BN) * row}.get(function, 0)
+
+
+def backward_kernels(variant: str) -> tuple[str, ...]:
+    """The kernels one backward of ``variant`` launches, in order."""
+    return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
+            "wide_kv": ("flash_bwd_dot", "flash_bwd_dkdv_wide", "flash_bwd_dq"),
+            "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
+
+
+def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
+    B, H, T, D = q.shape
+    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
+    if scalar:
+        rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
+        get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
+        return
+    smem = smem_bytes("flash_fwd", D)
+    bm = 16 * FWD_WARPS
+    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
+
+
+_DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
+
+
+def _delta_buffer(cp, B, H, T):
+    key = (cp.cuda.Device().id, B, H, T)
+    d = _DELTA.get(key)
+    if d is None:
+        d = _DELTA[key] = cp.empty((B, H, T), dtype=np.float32)
+    return d
+
+
+def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAULT_BWD_VARIANT, only=None):
+    """dq, dk, dv by the kernels of ``variant``. ``only`` (benchmarks: one kernel's time) launches just the kernel
+    of that name from the variant's list; the others' outputs are then left as they were."""
+    cp = backend.cupy_module()
+    B, H, T, D = q.shape
+    delta = _delta_buffer(cp, B, H, T)
+    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    kv = (*ins, *_strides(dk), *_strides(dv))
+    rows = B * H * T
+    for name in backward_kernels(variant):
+        if only is not None and name != only:
+            continue
+        if name == "flash_bwd_dot":
+            get_kernel("flash_attention", name, q.dtype)(
+                (-(-rows // 8),), (256,), (do, o, delta, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
+                                           *_strides(do), *_strides(o)))
+            continue
+        smem = smem_bytes(name, D)
+        tile = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * (DKDV_WARPS if "dkdv" in name else DQ_WARPS)
+        grid, block = (B * H, -(-T // tile)), (32 * (DKDV_WARPS if "dkdv" in name else DQ_WARPS),)
+        if name.startswith("flash_bwd_dkdv"):
+            args = (q, k, v, do, lse, delta, dk, dv, *head, *kv)
+        elif name == "flash_bwd_dq":
+            args = (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq))
+        else:  # flash_bwd_dq_wide: also reads O and writes D
+            args = (q, k, v, do, o, lse, delta, dq, *head, *ins, *_strides(o), *_strides(dq))
+        _kernel(name, q.dtype, D, smem)(grid, block, args, shared_mem=smem)
