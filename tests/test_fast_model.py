@@ -469,18 +469,19 @@ def test_gpu_fast_checkpointing_is_bitwise_in_bf16(cp, rng):
 
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=211, block_size=256)
     idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=8, T=256))
-    pool = cp.get_default_memory_pool()
     grads, peaks = {}, {}
     for k in (0, 1, 2, 3, 4):
         m = FastGPT(cfg, dtype="bf16", xp=cp, seed=3, checkpoint_every=k)
         m.forward_backward(idx, tgt)  # warm-up: plans, cuDNN graphs
         m.zero_grad()
         cp.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        before = pool.total_bytes()
-        loss = m.forward_backward(idx, tgt, dloss=0.5)
-        cp.cuda.Device().synchronize()
-        peaks[k] = pool.total_bytes() - before
+        # the step's allocations from a pool of their own: its size is the step's high-water mark (the
+        # default pool can serve them from free parts of chunks it holds, and then does not grow)
+        pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(pool.malloc):
+            loss = m.forward_backward(idx, tgt, dloss=0.5)
+            cp.cuda.Device().synchronize()
+        peaks[k] = pool.total_bytes()
         grads[k] = (float(loss), m.params.grad.copy())
         del m
     assert flash_attention.backward_is_deterministic() is True
