@@ -230,6 +230,8 @@ def ops(d: Driver):
                     if method == "naive" and dt == "fp16":
                         continue  # refused by design (module docstring)
                     d.run(f"cross_entropy {method} {dt} V={v} {np.dtype(tdt).name}", _ce, ce, logits, tgt, method)
+                d.run(f"cross_entropy_forward_backward {dt} V={v} {np.dtype(tdt).name}",
+                      ce.cross_entropy_forward_backward, logits.copy(), tgt, 0.5)
 
     for dt in DTYPES:
         for v, c, b_, t in ((50, 32, 2, 8), (13, 100, 3, 5)):
@@ -238,6 +240,10 @@ def ops(d: Driver):
             wte, wpe = d.arr((v, c), dt), d.arr((t + 2, c), dt)
             for method in em.METHODS:
                 d.run(f"embedding {method} {dt} V={v} C={c}", _embedding, em, d, idx, wte, wpe, method)
+            x = d.arr((b_, t, c), dt)
+            d.run(f"embedding_backward accumulate {dt} V={v} C={c}", em.embedding_backward, x, idx, v, t + 2,
+                  method="counting", dwte_out=d.arr((v, c), "fp32"), dwpe_out=d.arr((t + 2, c), "fp32"),
+                  accumulate=True)
 
     for src in DTYPES:
         for dst in DTYPES:

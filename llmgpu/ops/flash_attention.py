@@ -217,6 +217,7 @@ def _machine_key(cp, direction, shape, dtype_name, causal) -> str:
         ours = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
     except OSError:
         ours = "?"
+    ours += f" {DEFAULT_BWD_VARIANT}" if direction == "bwd" else ""  # which of our backward kernels was timed
     return (f"{gpu}|cuda {cp.cuda.runtime.runtimeGetVersion()}|cudnn {cudnn}|ours {ours}|{direction}|{dtype_name}|"
             f"B={shape[0]} H={shape[1]} T={shape[2]} D={shape[3]}|causal={bool(causal)}")
 

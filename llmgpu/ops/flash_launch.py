@@ -3,12 +3,16 @@
 Tile shapes mirror ``fa_cfg<HD>`` in the .cu, shared memory is computed from them, and the backward comes in
 variants (``BWD_VARIANTS``), so that one process can time them side by side before one becomes the default:
 
-* ``"base"``    (``DEFAULT_BWD_VARIANT``) ``flash_bwd_dot`` (D = rowsum(dO ⊙ O)), ``flash_bwd_dkdv`` (16 keys per
-  warp, 64 per block) and ``flash_bwd_dq`` (16 query rows per warp, 64 per block).
-* ``"wide_kv"`` ``flash_bwd_dot``, ``flash_bwd_dkdv_wide`` (32 keys per warp, 128 per block, query tiles of 32;
-  head dim 128: 16 keys per warp, query tiles of 32 instead of 16) and ``flash_bwd_dq``.
-* ``"wide"``    ``flash_bwd_dq_wide`` (32 query rows per warp, 128 per block, key tiles of 32; it also computes D,
-  so no ``flash_bwd_dot``), then ``flash_bwd_dkdv_wide``.
+* ``"wide"``    (``DEFAULT_BWD_VARIANT``) ``flash_bwd_dq_wide`` (32 query rows per warp, 128 per block, key tiles
+  of 32; it also computes D = rowsum(dO ⊙ O), so no separate kernel for it), then ``flash_bwd_dkdv_wide`` (32 keys
+  per warp, 128 per block, query tiles of 32; head dim 128: 16 keys per warp, query tiles of 32).
+* ``"base"``    the first version, kept as the chapter's simpler kernels: ``flash_bwd_dot`` (D), ``flash_bwd_dkdv``
+  (16 keys per warp, 64 per block) and ``flash_bwd_dq`` (16 query rows per warp, 64 per block).
+
+A warp that owns 32 rows instead of 16 feeds twice the MMAs from each fragment it reads from shared memory, which
+is what limits these kernels (the FlashAttention-2 paper's work partitioning, Dao 2023, section 3). A third
+variant, the wide dK/dV kernel with the base dQ and D kernels, was measured between the two and dropped
+(benchmarks/results/flash_backward_variants.json).
 
 Every variant is deterministic (no atomics) and capturable in a CUDA graph; they agree with each other to rounding
 (the wide kernels round P to 16 bits before dS, and the wide dQ kernel sums D in another order).
@@ -29,8 +33,8 @@ FWD_WARPS, FWD_BN = 8, 64
 DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 
-BWD_VARIANTS = ("base", "wide_kv", "wide")
-DEFAULT_BWD_VARIANT = "base"
+BWD_VARIANTS = ("wide", "base")
+DEFAULT_BWD_VARIANT = "wide"
 
 
 def _dkdv_bm(D):
@@ -80,7 +84,6 @@ def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
     return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
-            "wide_kv": ("flash_bwd_dot", "flash_bwd_dkdv_wide", "flash_bwd_dq"),
             "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
 
 
