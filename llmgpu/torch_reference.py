@@ -24,6 +24,7 @@ from functools import partial
 import numpy as np
 
 from . import backend
+from .perf.timing import time_torch
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 
 
@@ -225,9 +226,9 @@ def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", devi
     """The fastest SDPA backend for this model's attention on this GPU, timed once per process.
 
     Each candidate runs causal ``scaled_dot_product_attention`` forward + backward on ``[B, H, T, D]``
-    inputs of the model's shape (CUDA events, median of ``reps``). Returns ``{"backend": name or None,
-    "ms": {name: ms or None}, "errors": {name: why}}``; ``backend`` is None on a CPU or when no candidate
-    runs (PyTorch then picks as usual)."""
+    inputs of the model's shape (``perf.timing.time_torch``: CUDA events, median of ``reps``). Returns
+    ``{"backend": name or None, "ms": {name: ms or None}, "errors": {name: why}}``; ``backend`` is None on a
+    CPU or when no candidate runs (PyTorch then picks as usual)."""
     torch = import_torch()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     B, H, D = batch, config.n_head, config.n_embd // config.n_head
@@ -251,18 +252,7 @@ def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", devi
                 def run():
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     o.backward(do)
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize(device)
-                times = []
-                for _ in range(reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    run()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-            ms[name] = statistics.median(times)
+                ms[name] = time_torch(torch, run, reps)
         except Exception as e:  # this backend does not take the shape/dtype here
             ms[name] = None
             errors[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
