@@ -264,13 +264,21 @@ def plot_scale_table(table, png_path=None, *, title=None):
         mem = [(x, r["peak_memory_bytes"] / 2**30) for x, r in pts if r.get("peak_memory_bytes")]
         if mem:
             a2.plot(*zip(*mem), "o-", color=color, label=label)
-        for x, r in pts:
+        for x, r in pts:  # each point labelled with its batch, on both panels (memory depends on it)
             k = r.get("checkpoint_every") or 0
-            a1.annotate(f"B={r['batch']}" + (f" c{k}" if k else ""), (x, 100 * (r.get("mfu") or 0)),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+            tag = f"B={r['batch']}" + (f" c{k}" if k else "")
+            a1.annotate(tag, (x, 100 * (r.get("mfu") or 0)), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=color)
+            if r.get("peak_memory_bytes"):
+                a2.annotate(tag, (x, r["peak_memory_bytes"] / 2**30), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7, color=color)
+    ticks = [r["parameters"] / 1e6 for r in rows]
+    names = [f"{r.get('preset', '')}\n{r['parameters'] / 1e6:,.0f}M" for r in rows]
     for ax, yl in ((a1, "MFU (%)"), (a2, "peak memory (GiB)")):
         ax.set_xscale("log")
-        ax.set_xlabel("parameters (M)")
+        ax.set_xticks(ticks, names, fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("parameters")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
