@@ -294,6 +294,28 @@ def plot_scale_table(table, png_path=None, *, title=None):
     return fig
 
 
+def grouped_bars(values: dict, groups, series, *, ylabel="", title=None, ax=None, group_label=str, legend=True):
+    """Vertical bars, one group per entry of ``groups`` (left to right), one bar per entry of ``series`` in each:
+    ``values[(series, group)]`` is the height (a missing pair draws nothing). ``group_label(group)`` is the tick
+    text. Chapter 2b's TFLOP/s per attention shape and implementation."""
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.6))
+    groups, series = list(groups), list(series)
+    w = 0.8 / max(1, len(series))
+    for j, name in enumerate(series):
+        xs = [i for i, g in enumerate(groups) if (name, g) in values]
+        ax.bar(np.array(xs) + (j - (len(series) - 1) / 2) * w, [values[name, groups[i]] for i in xs], w, label=name)
+    ax.set_xticks(np.arange(len(groups)), [group_label(g) for g in groups], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
 def grouped_bars_vs_ceiling(results: dict, keys, *, ceiling, title="", ceiling_label="copy ceiling",
                             xlabel="GB/s (minimum bytes / time)", ax=None, fontsize=12):
     """Horizontal bars, one group per key (e.g. ``("layernorm", "bwd")``, top to bottom), one bar per

@@ -321,3 +321,18 @@ def test_gpu_pick_sdpa_backend_times_flash_and_cudnn(cp):
     assert pick["backend"] in ("flash", "cudnn")
     assert pick["ms"][pick["backend"]] == min(t for t in pick["ms"].values() if t is not None)
     assert torch_reference.pick_sdpa_backend(cfg, 4, 1024) is pick  # measured once
+
+
+def test_grouped_bars_draws_one_bar_per_present_pair():
+    """Chapter 2b's TFLOP/s bars: one group per shape, one bar per implementation that has a value there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from llmgpu.plotting import grouped_bars
+
+    vals = {("ours", "a"): 1.0, ("cudnn", "a"): 2.0, ("cudnn", "b"): 3.0}  # no "ours" at "b"
+    ax = grouped_bars(vals, ["a", "b"], ["ours", "cudnn"], ylabel="TFLOP/s", group_label=str.upper)
+    heights = sorted(p.get_height() for p in ax.patches)
+    assert heights == [1.0, 2.0, 3.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["A", "B"] and ax.get_legend() is not None
+    assert grouped_bars(vals, ["a"], ["ours"], legend=False).get_legend() is None
