@@ -14,6 +14,11 @@ out-of-memory error caught and the memory released before the next try; then tok
 * ``--checkpoint-every K`` applies where it is needed: a framework whose largest batch without it is below
   ``--min-batch`` is searched again with checkpointing every K blocks (both frameworks can).
 
+On the H200, after one ``torch.compile`` try ran out of memory, the next tries in the same process ran out of
+memory too, at batches that fit in a fresh process: measure one framework per process (``--modes
+llmgpu-fast-graph`` / ``--modes torch-compile``, ``--batch`` to start from), as ``tools/gpu_check.sh`` does; each
+framework's row is saved as soon as it is measured and the rows of one preset merge.
+
 Results are merged by preset into ``--json`` (default ``benchmarks/results/scale_table.json`` when that
 folder exists), so the table can be measured one preset per command; ``llmgpu.plotting.plot_scale_table``
 draws MFU and peak memory against model size.

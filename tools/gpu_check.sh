@@ -67,7 +67,15 @@ if has llmbench; then
     --json benchmarks/results/ch8_bench_fair.json
   run llmgpu_bench_fair_chunked python3 -m llmgpu bench --modes llmgpu-fast-graph,torch-compile \
     --json benchmarks/results/ch8_bench_fair_chunked.json
-  run llmgpu_bench_scale python3 -m llmgpu bench --preset gpt2,d24,d36,d48 --steps 5 --warmup 2
+  # the scale table one framework per process (after an out-of-memory error torch.compile's later tries in the
+  # same process ran out of memory too); PyTorch from a batch that fits (2026-12-01, H200), each row saved at once
+  for p in gpt2 d24 d36 d48; do
+    run "scale_llmgpu_$p" python3 -m llmgpu bench --preset $p --scale-table --modes llmgpu-fast-graph --checkpoint-every 1
+  done
+  for pb in gpt2:256 d24:64 d36:32 d48:16; do
+    run "scale_torch_${pb%%:*}" python3 -m llmgpu bench --preset "${pb%%:*}" --scale-table --modes torch-compile \
+      --batch "${pb##*:}" --checkpoint-every 1
+  done
   run probe_fast_step python3 tools/probe_fast_step.py --json benchmarks/results/ch8_probe_step.json
   run probe_lt_algos python3 tools/probe_lt_algos.py --json benchmarks/results/lt_algo_probe.json
   run fp16_vs_bf16 bash tools/fp16_vs_bf16.sh
