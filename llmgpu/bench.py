@@ -213,6 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "power-of-two batch that fits (from --batch down), tokens/s, MFU, peak memory per framework")
     p.add_argument("--min-batch", type=int, default=8, help="scale table: below this batch use --checkpoint-every "
                    "(when given) instead (default 8)")
+    p.add_argument("--same-process", action="store_true", help="scale table on a GPU: every try in this process "
+                   "(default: each framework at each batch in a fresh process, so an out-of-memory try frees all)")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the PyTorch reference (none: no torch.compile rows)")
     p.add_argument("--sdpa", choices=("auto",) + SDPA_BACKENDS, default="auto",

@@ -15,9 +15,11 @@ out-of-memory error caught and the memory released before the next try; then tok
   ``--min-batch`` is searched again with checkpointing every K blocks (both frameworks can).
 
 On the H200, after one ``torch.compile`` try ran out of memory, the next tries in the same process ran out of
-memory too, at batches that fit in a fresh process: measure one framework per process (``--modes
-llmgpu-fast-graph`` / ``--modes torch-compile``, ``--batch`` to start from), as ``tools/gpu_check.sh`` does; each
-framework's row is saved as soon as it is measured and the rows of one preset merge.
+memory too, at batches that fit in a fresh process. So on a GPU every try (one framework, one batch) runs in a
+fresh Python process (``python -m llmgpu.bench_scale``, the result handed back as JSON; exit status 3 for out of
+memory), and this process only searches, prints and saves; ``--same-process`` runs the tries here instead.
+Each framework's row is saved as soon as it is measured and the rows of one preset merge, so the table can
+also be measured one framework per command (``--modes llmgpu-fast-graph`` / ``--modes torch-compile``).
 
 Results are merged by preset into ``--json`` (default ``benchmarks/results/scale_table.json`` when that
 folder exists), so the table can be measured one preset per command; ``llmgpu.plotting.plot_scale_table``
@@ -27,12 +29,16 @@ draws MFU and peak memory against model size.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
+from . import backend
 from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
 from .model import GPTConfig
 from .model.config import activation_bytes
@@ -83,6 +89,60 @@ def estimated_batch(cfg: GPTConfig, seq: int, free_bytes: int, checkpoint_every:
             break
         b = nb
     return b
+
+
+EXIT_OOM = 3  # a try's process: out of memory
+
+
+def run_isolated(kind: str, spec: dict) -> dict:
+    """One try in a fresh Python process: ``kind`` "llmgpu" (the fast step, a CUDA graph on a GPU) or "torch"
+    (``run_torch``), ``spec`` its arguments (``_one_try``). Returns its result; raises MemoryError when the process
+    ran out of memory and RuntimeError (with its last lines) when it failed otherwise."""
+    with tempfile.TemporaryDirectory() as d:
+        res = Path(d) / "result.json"
+        p = subprocess.run([sys.executable, "-m", "llmgpu.bench_scale", kind, json.dumps(spec), str(res)],
+                           capture_output=True, text=True)
+        if p.returncode == EXIT_OOM:
+            raise MemoryError(f"out of memory ({kind} at batch {spec['batch']}, in its own process)")
+        if p.returncode != 0 or not res.exists():
+            tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
+            raise RuntimeError(f"the {kind} try at batch {spec['batch']} failed in its process (exit {p.returncode}): "
+                               f"{tail}")
+        return json.loads(res.read_text())
+
+
+def _one_try(kind: str, spec: dict) -> dict:
+    xp = backend.select_xp(spec["device"])
+    gpu = xp is not np
+    cfg = GPTConfig(**spec["config"])
+    b, seq, steps, k = spec["batch"], spec["seq"], spec["steps"], spec["checkpoint_every"]
+    if kind == "llmgpu":
+        return run_llmgpu(cfg, b, seq, steps, warmup=spec["warmup"], dtype=spec["dtype"], xp=xp, checkpoint_every=k,
+                          seed=spec["seed"], fast=True, graph=gpu)
+    if kind == "torch":
+        return run_torch(cfg, b, seq, steps, spec["mode"], dtype=spec["dtype"], settings=optimizer_settings(xp),
+                         warmup=spec["warmup"], device="cuda" if gpu else "cpu", seed=spec["seed"],
+                         compile_mode=spec["compile_mode"], sdpa=spec["sdpa"], checkpoint_every=k)
+    raise ValueError(f"unknown kind of try {kind!r} (llmgpu or torch)")
+
+
+def _child_main(argv) -> int:
+    """``python -m llmgpu.bench_scale KIND SPEC_JSON RESULT_PATH``: one try, its result written to RESULT_PATH."""
+    kind, spec, out = argv[0], json.loads(argv[1]), Path(argv[2])
+    try:
+        r = _one_try(kind, spec)
+    except Exception as e:  # noqa: BLE001 - out of memory is an answer, anything else a failure
+        if is_oom(e):
+            print(f"out of memory: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_OOM
+        raise
+    out.write_text(json.dumps(r, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    return 0
+
+
+def _isolated(args, gpu: bool) -> bool:
+    """Whether each try runs in its own process: on a GPU, unless ``--same-process``."""
+    return gpu and not getattr(args, "same_process", False)
 
 
 def _measure(label, run, start, min_batch, ckpt, log):
@@ -151,6 +211,7 @@ def scale_main(args, xp) -> int:
         except ImportError as e:
             torch_reason = str(e)
     tmode = "eager" if compile_mode == "none" else "compile"
+    isolate = _isolated(args, gpu)
     t0 = time.perf_counter()
 
     def log(msg):
@@ -172,7 +233,12 @@ def scale_main(args, xp) -> int:
         else:
             start = d["batch"]
 
-        def ours(b, k, cfg=cfg):
+        base = {"device": "gpu" if gpu else "cpu", "config": asdict(cfg), "seq": seq, "steps": steps, "dtype": dtype,
+                "seed": seed}
+
+        def ours(b, k, cfg=cfg, base=base):
+            if isolate:
+                return run_isolated("llmgpu", {**base, "batch": b, "checkpoint_every": k, "warmup": warmup})
             return run_llmgpu(cfg, b, seq, steps, warmup=warmup, dtype=dtype, xp=xp, checkpoint_every=k, seed=seed,
                               fast=True, graph=gpu)
 
@@ -204,11 +270,14 @@ def scale_main(args, xp) -> int:
             else:
                 sdpa, pick = torch_sdpa(args, cfg, b0, seq, dtype, gpu)
 
-                def theirs(b, k, cfg=cfg, sdpa=sdpa):
+                def theirs(b, k, cfg=cfg, sdpa=sdpa, base=base):
+                    t = {"mode": tmode, "warmup": warmup + (3 if tmode == "compile" else 0), "sdpa": sdpa,
+                         "compile_mode": "default" if tmode == "eager" else compile_mode}
+                    if isolate:
+                        return run_isolated("torch", {**base, **t, "batch": b, "checkpoint_every": k})
                     return run_torch(cfg, b, seq, steps, tmode, dtype=dtype, settings=optimizer_settings(xp),
-                                     warmup=warmup + (3 if tmode == "compile" else 0), device="cuda" if gpu else "cpu",
-                                     seed=seed, compile_mode="default" if tmode == "eager" else compile_mode,
-                                     sdpa=sdpa, checkpoint_every=k)
+                                     warmup=t["warmup"], device="cuda" if gpu else "cpu", seed=seed,
+                                     compile_mode=t["compile_mode"], sdpa=sdpa, checkpoint_every=k)
 
                 r = _measure(f"torch-{tmode}", theirs, b0, min_batch, ckpt, log)
                 r["sdpa_pick"] = pick
@@ -265,3 +334,7 @@ def format_scale_table(rows) -> str:
 
 
 __all__ = ["estimated_batch", "format_scale_table", "is_oom", "largest_batch", "scale_main"]
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

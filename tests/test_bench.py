@@ -2,6 +2,7 @@
 PyTorch reference model (when PyTorch is installed), and a whole quick run writing JSON."""
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -336,3 +337,37 @@ def test_grouped_bars_draws_one_bar_per_present_pair():
     assert heights == [1.0, 2.0, 3.0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["A", "B"] and ax.get_legend() is not None
     assert grouped_bars(vals, ["a"], ["ours"], legend=False).get_legend() is None
+
+
+def test_scale_table_tries_in_their_own_processes(tmp_path, monkeypatch):
+    """On a GPU each try (framework, batch) runs in a fresh process (`python -m llmgpu.bench_scale`): here forced
+    on the CPU. The result comes back whole; an out-of-memory exit halves the batch; any other failure says why."""
+    import subprocess
+
+    from llmgpu import bench_scale, cli
+
+    cfg = GPTConfig.preset("tiny", block_size=16)
+    spec = {"device": "cpu", "config": dataclasses.asdict(cfg), "seq": 16, "steps": 1, "dtype": "fp32", "seed": 0,
+            "batch": 2, "checkpoint_every": 0, "warmup": 0}
+    r = bench_scale.run_isolated("llmgpu", spec)
+    assert r["batch"] == 2 and r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"])
+    with pytest.raises(RuntimeError, match="unknown kind"):
+        bench_scale.run_isolated("jax", spec)
+
+    real = subprocess.run
+    calls = []
+
+    def fake(cmd, **kw):  # the try at batch 4 'runs out of memory' in its process
+        calls.append(json.loads(cmd[4])["batch"])
+        if calls[-1] > 2:
+            return subprocess.CompletedProcess(cmd, bench_scale.EXIT_OOM, "", "out of memory: simulated")
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(bench_scale.subprocess, "run", fake)
+    monkeypatch.setattr(bench_scale, "_isolated", lambda args, gpu: True)
+    out = tmp_path / "scale.json"
+    rc = cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--scale-table", "--seq", "16", "--batch", "4",
+                   "--steps", "1", "--warmup", "0", "--compile-mode", "none", "--modes", "llmgpu-fast",
+                   "--json", str(out)])
+    row = json.loads(out.read_text())["presets"]["tiny"]["llmgpu"]
+    assert rc == 0 and calls == [4, 2] and row["batch"] == 2 and row["tried"] == [[4, "OOM"]]
