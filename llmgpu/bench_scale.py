@@ -10,7 +10,8 @@ out-of-memory error caught and the memory released before the next try; then tok
   state and the logits say fits in the free memory; the formula leaves out workspaces and the pool's
   slack, so it is optimistic: a first try may fail);
 * PyTorch starts at llmgpu's batch (each torch.compile try compiles anew: a minute or more), so the two
-  are usually compared at the same batch; on an OOM it halves too.
+  are usually compared at the same batch; on an OOM it halves too. Measured alone (``--modes torch-…``) it
+  starts where llmgpu would: ``--batch`` or the estimate.
 * ``--checkpoint-every K`` applies where it is needed: a framework whose largest batch without it is below
   ``--min-batch`` is searched again with checkpointing every K blocks (both frameworks can).
 
