@@ -371,3 +371,19 @@ def test_scale_table_tries_in_their_own_processes(tmp_path, monkeypatch):
                    "--json", str(out)])
     row = json.loads(out.read_text())["presets"]["tiny"]["llmgpu"]
     assert rc == 0 and calls == [4, 2] and row["batch"] == 2 and row["tried"] == [[4, "OOM"]]
+
+
+def test_profile_step_tool_prints_and_saves_the_per_op_table(tmp_path, capsys):
+    """tools/profile_step.py (chapter 8's per-op table for any preset; on the GPU for d36 beside gpt2), on NumPy."""
+    import runpy
+    from pathlib import Path
+
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"), run_name="tool")
+    js = tmp_path / "p.json"
+    assert tool["main"](["--preset", "tiny", "--batch", "2", "--seq", "16", "--reps", "1", "--top", "5",
+                         "--device", "cpu", "--json", str(js)]) == 0
+    text = capsys.readouterr().out
+    assert "tiny (1M) fast step, B=2 T=16 fp32" in text and "calls  total ms" in text
+    data = json.loads(js.read_text())
+    assert data["preset"] == "tiny" and data["step"] == "fast" and len(data["rows"]) > 5
+    assert abs(sum(r["pct_of_step"] for r in data["rows"] if r.get("depth", 0) == 0) - 100) < 25

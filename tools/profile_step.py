@@ -1,0 +1,63 @@
+"""Chapter 8's per-op table for any preset: where the time of one training step goes.
+
+    python tools/profile_step.py --preset d36 --batch 16            # the fast step on the GPU, bf16
+    python tools/profile_step.py --preset gpt2 --book --top 30        # the book step instead
+    python tools/profile_step.py --preset tiny --batch 2 --seq 32     # on NumPy where there is no GPU (fp32)
+
+One row per ``instrument.region`` of the step (``perf.profile.profile_step``): calls, ms per step, % of the
+step, GB/s and TFLOP/s against the copy and GEMM ceilings measured in the same run. The scale table of
+chapter 8 found llmgpu's MFU lower at 774M and 1.5B than at 124M and 350M; this table, at those sizes beside
+GPT-2 small's, is where to look for why. ``--json`` writes the rows with the run's configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from llmgpu import backend
+from llmgpu.bench import make_train_step
+from llmgpu.model import GPTConfig
+from llmgpu.perf import profile, timing
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2", help="model size (default gpt2; tiny, d6, d24, d36, d48, ...)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--book", action="store_true", help="the book step (GPT) instead of the fast one (FastGPT)")
+    ap.add_argument("--reps", type=int, default=3, help="profiled steps (default 3), after one warm-up step")
+    ap.add_argument("--top", type=int, default=24, help="rows printed (default 24; the JSON keeps all)")
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    xp = backend.select_xp(a.device)
+    gpu = xp is not np
+    dtype = "bf16" if gpu else "fp32"
+    cfg = GPTConfig.preset(a.preset, pad_vocab_to=64)
+    if a.seq > cfg.block_size:
+        cfg = GPTConfig.preset(a.preset, pad_vocab_to=64, block_size=a.seq)
+    print(backend.device_info(xp).summary(), flush=True)
+    copy = timing.copy_bandwidth(2**31 if gpu else 2**24, xp=xp)
+    gemm = timing.gemm_ceiling(8192 if gpu else 256, dtype, xp=xp)
+    step, _ = make_train_step(cfg, a.batch, a.seq, dtype=dtype, xp=xp, fast=not a.book)
+    rows = profile.profile_step(step, reps=a.reps, gbps_ceiling=copy, tflops_ceiling=gemm, xp=xp)
+    ms = rows[0]["step_ms"]
+    kind = "book" if a.book else "fast"
+    print(f"{a.preset} ({cfg.num_parameters() / 1e6:.0f}M) {kind} step, B={a.batch} T={a.seq} {dtype}: {ms:.2f} ms "
+          f"= {a.batch * a.seq / ms * 1e3:,.0f} tokens/s under the timer (copy {copy:,.0f} GB/s, GEMM {gemm:.3g} "
+          f"TFLOP/s)\n")
+    print(profile.format_table(rows[:a.top]))
+    if a.json:
+        payload = {"benchmark": "profile_step", "preset": a.preset, "step": kind, "batch": a.batch, "seq": a.seq,
+                   "dtype": dtype, "copy_gbps": copy, "gemm_tflops": gemm, "rows": rows}
+        timing.save_results(a.json, payload, xp=xp)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
