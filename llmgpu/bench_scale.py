@@ -113,6 +113,7 @@ def run_isolated(kind: str, spec: dict) -> dict:
 
 
 def _one_try(kind: str, spec: dict) -> dict:
+    """One try in this process (``run_isolated``'s child, or every try with ``--same-process``)."""
     xp = backend.select_xp(spec["device"])
     gpu = xp is not np
     cfg = GPTConfig(**spec["config"])
@@ -212,7 +213,7 @@ def scale_main(args, xp) -> int:
         except ImportError as e:
             torch_reason = str(e)
     tmode = "eager" if compile_mode == "none" else "compile"
-    isolate = _isolated(args, gpu)
+    try_one = run_isolated if _isolated(args, gpu) else _one_try
     t0 = time.perf_counter()
 
     def log(msg):
@@ -237,11 +238,8 @@ def scale_main(args, xp) -> int:
         base = {"device": "gpu" if gpu else "cpu", "config": asdict(cfg), "seq": seq, "steps": steps, "dtype": dtype,
                 "seed": seed}
 
-        def ours(b, k, cfg=cfg, base=base):
-            if isolate:
-                return run_isolated("llmgpu", {**base, "batch": b, "checkpoint_every": k, "warmup": warmup})
-            return run_llmgpu(cfg, b, seq, steps, warmup=warmup, dtype=dtype, xp=xp, checkpoint_every=k, seed=seed,
-                              fast=True, graph=gpu)
+        def ours(b, k, base=base):
+            return try_one("llmgpu", {**base, "batch": b, "checkpoint_every": k, "warmup": warmup})
 
         row = {"preset": name, "parameters": cfg.num_parameters(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                "seq": seq, "flops_per_token": fpt}
@@ -255,11 +253,15 @@ def scale_main(args, xp) -> int:
             else:
                 log(f"  {side}: {r.get('skipped') or r.get('error')}")
             row[side] = r
-            table[name] = _merge_row(_saved(out).get(name), row)
+            saved = _saved(out)
+            table[name] = _merge_row(saved.get(name), row)
             if out:
-                _save(out, table, xp, note=note, dtype=dtype, seq=seq, steps=steps, compile_mode=compile_mode,
-                      gemm_ceiling_tflops=ceiling, gemm_ceiling=ceiling_src,
-                      torch=getattr(torch, "__version__", None) if torch else None)
+                payload = {"benchmark": "llmgpu bench scale table", "gpu": gpu, "note": note, "dtype": dtype,
+                           "seq": seq, "steps": steps, "compile_mode": compile_mode, "gemm_ceiling_tflops": ceiling,
+                           "gemm_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
+                           "torch": getattr(torch, "__version__", None) if torch else None,
+                           "presets": {**saved, **table}}
+                timing.save_results(out, payload, xp=xp)
 
         if "llmgpu" in sides:
             done("llmgpu", _measure("llmgpu-fast" + ("-graph" if gpu else ""), ours, start, min_batch, ckpt, log))
@@ -271,14 +273,10 @@ def scale_main(args, xp) -> int:
             else:
                 sdpa, pick = torch_sdpa(args, cfg, b0, seq, dtype, gpu)
 
-                def theirs(b, k, cfg=cfg, sdpa=sdpa, base=base):
-                    t = {"mode": tmode, "warmup": warmup + (3 if tmode == "compile" else 0), "sdpa": sdpa,
-                         "compile_mode": "default" if tmode == "eager" else compile_mode}
-                    if isolate:
-                        return run_isolated("torch", {**base, **t, "batch": b, "checkpoint_every": k})
-                    return run_torch(cfg, b, seq, steps, tmode, dtype=dtype, settings=optimizer_settings(xp),
-                                     warmup=t["warmup"], device="cuda" if gpu else "cpu", seed=seed,
-                                     compile_mode=t["compile_mode"], sdpa=sdpa, checkpoint_every=k)
+                def theirs(b, k, sdpa=sdpa, base=base):
+                    return try_one("torch", {**base, "batch": b, "checkpoint_every": k, "mode": tmode, "sdpa": sdpa,
+                                             "warmup": warmup + (3 if tmode == "compile" else 0),
+                                             "compile_mode": "default" if tmode == "eager" else compile_mode})
 
                 r = _measure(f"torch-{tmode}", theirs, b0, min_batch, ckpt, log)
                 r["sdpa_pick"] = pick
@@ -302,12 +300,6 @@ def _saved(out) -> dict:
         return json.loads(Path(out).read_text()).get("presets", {})
     except (ValueError, OSError):
         return {}
-
-
-def _save(out, table, xp, **fields):
-    payload = {"benchmark": "llmgpu bench scale table", "gpu": xp is not np, **fields,
-               "mfu_definition": MFU_DEFINITION, "presets": {**_saved(out), **table}}
-    timing.save_results(out, payload, xp=xp)
 
 
 def format_scale_table(rows) -> str:
