@@ -139,6 +139,13 @@ def test_opt_in_shared_memory():
             raise RuntimeError("the driver said no")
 
     assert not opt_in_shared_memory(Refuses(), 100 * 1024, limits=H100)
+    # remembered per kernel: no more than the limit set costs no driver call, and the limit is never lowered
+    kern.max_dynamic_shared_size_bytes = -1  # a set below would show
+    assert opt_in_shared_memory(kern, 64 * 1024, limits=H100) and kern.max_dynamic_shared_size_bytes == -1
+    assert opt_in_shared_memory(kern, 120 * 1024, limits=H100) and kern.max_dynamic_shared_size_bytes == 120 * 1024
+    fresh = SimpleNamespace(max_dynamic_shared_size_bytes=0)  # up to 48 KiB nothing is needed
+    assert opt_in_shared_memory(fresh, launch.SMEM_WITHOUT_OPT_IN, limits=H100)
+    assert fresh.max_dynamic_shared_size_bytes == 0
 
 
 def test_device_limits_on_numpy_are_the_sm90_defaults():

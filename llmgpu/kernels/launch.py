@@ -162,9 +162,17 @@ def persistent_grid(kernel, n_rows: int, threads: int, smem_bytes: int = 0, xp=N
     return -(-n_rows // (warps * rows_per_warp))
 
 
+_OPTED_IN: dict = {}  # id(kernel) -> (kernel, the dynamic shared memory it was opted in to); the kernel is held so
+# that its id is not reused (get_kernel's kernels live for the process anyway)
+
+
 def opt_in_shared_memory(kernel, nbytes: int, xp=None, *, limits: SMLimits | None = None) -> bool:
-    """Raise the kernel's dynamic shared-memory limit to ``nbytes``; False when the device does not
-    allow that much per block (or refuses)."""
+    """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory; False when the device does not allow that
+    much per block (or refuses). Up to ``SMEM_WITHOUT_OPT_IN`` nothing is needed; above it the kernel's limit is
+    raised once and remembered: asking again for no more than that costs a dictionary lookup, and the limit is
+    never lowered (a smaller launch fits under it)."""
+    if nbytes <= max(SMEM_WITHOUT_OPT_IN, _OPTED_IN.get(id(kernel), (None, 0))[1]):
+        return True
     lim = limits or device_limits(xp)
     if nbytes > lim.smem_per_block_optin:
         return False
@@ -172,6 +180,7 @@ def opt_in_shared_memory(kernel, nbytes: int, xp=None, *, limits: SMLimits | Non
         kernel.max_dynamic_shared_size_bytes = nbytes
     except Exception:
         return False
+    _OPTED_IN[id(kernel)] = (kernel, nbytes)
     return True
 
 

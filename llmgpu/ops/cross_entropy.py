@@ -51,7 +51,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
 from ..kernels import get_kernel
-from ..kernels.launch import SMEM_WITHOUT_OPT_IN, device_limits, opt_in_shared_memory, stride_grid
+from ..kernels.launch import device_limits, opt_in_shared_memory, stride_grid
 
 METHODS = ("naive", "optimized", "fast")
 IGNORE_INDEX = -100  # the default target that takes no part in the loss (PyTorch's)
@@ -61,7 +61,6 @@ _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 FAST_THREADS = 256  # CE_FAST_THREADS in cross_entropy.cu: the fast forward assumes exactly this
 FB_THREADS = 512  # CE_FB_THREADS: the fused forward + backward kernel's block
 FB_STATIC_SMEM = 512  # its static shared memory (block_logsumexp's, 272 B) rounded up
-_OPTED_IN: dict = {}  # kernel id -> the dynamic shared memory it was opted in to (bytes)
 
 
 @dataclass
@@ -372,10 +371,7 @@ def _fb_kernel(dtype, ti, vec, smem):
     per_block = smem + FB_STATIC_SMEM + lim.reserved_smem_per_block
     if 2 * per_block <= lim.smem_per_sm:
         kern = get_kernel("cross_entropy", "cross_entropy_forward_backward_fast", dtype, ti, vec, 1)
-        if smem <= max(SMEM_WITHOUT_OPT_IN, _OPTED_IN.get(id(kern), 0)):
-            return kern, True
-        if opt_in_shared_memory(kern, smem):  # the limit only grows: a smaller row still fits
-            _OPTED_IN[id(kern)] = smem
+        if opt_in_shared_memory(kern, smem):
             return kern, True
     return get_kernel("cross_entropy", "cross_entropy_forward_backward_fast", dtype, ti, vec, 0), False
 

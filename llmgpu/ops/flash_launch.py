@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import backend
 from ..kernels import get_kernel
-from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory
+from ..kernels.launch import opt_in_shared_memory
 
 THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
 PAD = 8  # FA_PAD
@@ -54,18 +54,11 @@ def _strides(a):
     return [np.int64(s // it) for s in a.strides[:3]]
 
 
-_OPTED_IN: set = set()
-
-
 def _kernel(function, dtype, D, smem):
     kern = get_kernel("flash_attention", function, dtype, D)
-    if smem > SMEM_WITHOUT_OPT_IN:
-        key = (function, np.dtype(dtype).str, D, backend.cupy_module().cuda.Device().id)
-        if key not in _OPTED_IN:
-            if not opt_in_shared_memory(kern, smem):
-                raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
-                                   "does not allow that much")
-            _OPTED_IN.add(key)
+    if not opt_in_shared_memory(kern, smem):
+        raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
+                           "does not allow that much")
     return kern
 
 
