@@ -224,13 +224,12 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
             raise ValueError("accumulate=True adds into dwte_out and dwpe_out: give both (fp32 gradient buffers)")
         if xp is not np and method != "counting":
             raise ValueError(f"accumulate=True runs on the GPU with method='counting', got method={method!r}")
-        for name, o, shape in (("dwte_out", dwte_out, (v, c)), ("dwpe_out", dwpe_out, (max_t, c))):
-            want = o.dtype if (xp is np and o.dtype.kind == "f") else np.float32
-            check_out(o, shape, want, xp, name=name)
 
     if xp is np:
         _check_ids_numpy(idx, v)
-        if accumulate:
+        if accumulate:  # any float dtype here; the GPU path below checks for fp32
+            for name, o, shape in (("dwte_out", dwte_out, (v, c)), ("dwpe_out", dwpe_out, (max_t, c))):
+                check_out(o, shape, o.dtype if o.dtype.kind == "f" else np.float32, xp, name=name)
             _accumulate_reference(dx, idx, dwte_out, dwpe_out)
             return dwte_out, dwpe_out
         dwte, dwpe = embedding_backward_reference(dx, idx, v, max_t)
