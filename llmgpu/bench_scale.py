@@ -252,14 +252,18 @@ def scale_main(args, xp) -> int:
                     + ("-" if r.get("peak_memory_bytes") is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"))
             else:
                 log(f"  {side}: {r.get('skipped') or r.get('error')}")
+            # rows merged from several commands (or sessions) say when, and against which ceiling, each side ran
+            r["date"] = timing.results_header(xp)["date"]
+            r["gemm_ceiling_tflops"] = ceiling
             row[side] = r
-            saved = _saved(out)
+            old_file = _saved_file(out)
+            saved = old_file.get("presets", {})
             table[name] = _merge_row(saved.get(name), row)
             if out:
                 payload = {"benchmark": "llmgpu bench scale table", "gpu": gpu, "note": note, "dtype": dtype,
                            "seq": seq, "steps": steps, "compile_mode": compile_mode, "gemm_ceiling_tflops": ceiling,
                            "gemm_ceiling": ceiling_src, "mfu_definition": MFU_DEFINITION,
-                           "torch": getattr(torch, "__version__", None) if torch else None,
+                           "torch": getattr(torch, "__version__", None) if torch else old_file.get("torch"),
                            "presets": {**saved, **table}}
                 timing.save_results(out, payload, xp=xp)
 
@@ -292,14 +296,15 @@ def scale_main(args, xp) -> int:
         else 1
 
 
-def _saved(out) -> dict:
-    """The presets already in the JSON file ``out`` (none if it is missing or unreadable)."""
+def _saved_file(out) -> dict:
+    """What the JSON file ``out`` already holds (its ``presets`` and header; empty if missing or unreadable)."""
     if not out or not Path(out).exists():
         return {}
     try:
-        return json.loads(Path(out).read_text()).get("presets", {})
+        data = json.loads(Path(out).read_text())
     except (ValueError, OSError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def format_scale_table(rows) -> str:

@@ -266,11 +266,18 @@ def test_scale_table_one_framework_per_command_merges_into_one_row(tmp_path, cap
     row = json.loads(out.read_text())["presets"]["tiny"]
     assert row["llmgpu"]["tokens_per_s"] > 0 and row["torch"]["skipped"] == "not measured"
     assert row["llmgpu_over_torch"] is None
+    first = row["llmgpu"]
+    assert first["date"] and first["gemm_ceiling_tflops"] > 0  # each side says when and against what it ran
     assert cli.main(common + ["--modes", "torch-eager"]) == 0
-    row = json.loads(out.read_text())["presets"]["tiny"]
+    data = json.loads(out.read_text())
+    row = data["presets"]["tiny"]
     if row["torch"].get("tokens_per_s"):  # PyTorch installed
         assert row["llmgpu_over_torch"] == row["llmgpu"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
-    assert row["llmgpu"]["tokens_per_s"] > 0  # kept from the first command
+        assert row["torch"]["date"] and data["torch"]
+    assert row["llmgpu"] == first  # kept from the first command
+    torch_version = data["torch"]
+    assert cli.main(common + ["--modes", "llmgpu-fast"]) == 0  # measuring llmgpu again keeps the file's torch
+    assert json.loads(out.read_text())["torch"] == torch_version
     assert "] tiny: L=" in capsys.readouterr().out  # progress lines carry the elapsed time
     with pytest.raises(ValueError, match="llmgpu"):
         bench_scale._sides(_args(modes="bogus"))

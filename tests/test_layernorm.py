@@ -417,7 +417,7 @@ def test_gpu_bad_inputs(cp, rng):
 # --------------------------------------------------------------------------- GPU: "fast" and the fusions
 
 AWKWARD_N = [1, 7, 33, 1000]
-AWKWARD_C = [1, 7, 33, 768, 1000, 1600, 3072, 4100]
+AWKWARD_C = [1, 7, 33, 768, 1000, 1600, 2056, 3072, 4100]
 
 
 def _fast_expected(c, dtype):
@@ -473,10 +473,11 @@ def test_gpu_fast_backward_matches_reference(cp, rng, fast_spy, dtype, n, c):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("c", [8, 64, 256, 384, 512, 520, 740, 768, 1000, 1024])
+@pytest.mark.parametrize("c", [8, 64, 256, 384, 512, 520, 740, 768, 1000, 1024, 1032, 1280, 1536, 1600, 1800, 2048])
 def test_gpu_fast_every_instantiation(cp, rng, fast_spy, dtype, c):
-    """Packs per lane P = 1..4 (16-bit) and 1..6 (fp32), full and partly filled last packs, with and
-    without dresidual, overwriting and accumulating fp32 parameter buffers."""
+    """Packs per lane P = 1..8 (16-bit; GPT-2 medium to XL rows C = 1024, 1280, 1600 among them) and 1..6
+    (fp32), full and partly filled last packs, with and without dresidual, overwriting and accumulating
+    fp32 parameter buffers."""
     n = 37
     x, gamma, beta, dy = _inputs(rng, n, c, dtype)
     dres = random_array(rng, (n, c), dtype)
@@ -661,10 +662,11 @@ def test_gpu_fused_bad_inputs(cp, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("c", [64, 520, 768, 1024])
+@pytest.mark.parametrize("c", [64, 520, 768, 1024, 1280, 1600])
 def test_gpu_fast_backward_both_accumulator_variants(cp, rng, dtype, c):
     """The 16-bit fast backward with dgamma/dbeta accumulated in shared memory (default) and in
-    registers: both match the reference, with and without dresidual, over many rows per warp."""
+    registers (C <= 1024; longer rows run the shared-memory variant either way): both match the
+    reference, with and without dresidual, over many rows per warp."""
     n = 3000
     x, gamma, beta, dy = _inputs(rng, n, c, dtype)
     dres = random_array(rng, (n, c), dtype)
@@ -696,3 +698,7 @@ def test_gpu_accumulators_pick_the_kernel_variant(cp, rng, monkeypatch):
     assert warp[0] > 0 and warp[1] == 0  # packs per lane: registers by default, 0 = shared memory
     assert ln.backward_fast_plan(n, c, "bf16", xp=cp)[2] == 32 * ln._FAST_SACC_WARPS  # default: shared
     assert ln._fast_backward_plan(n, c, "bf16", False, "registers", cp)[2] == 32 * ln._FAST_WARPS
+    # rows above 1024 have the shared-memory variant only (its shared memory opted in above 48 KB)
+    for long_c in (1280, 1600, 2048):
+        kern, _, threads, smem = ln._fast_backward_plan(n, long_c, "bf16", True, "registers", cp)
+        assert threads == 32 * ln._FAST_SACC_WARPS and smem == 16 * 32 * (long_c // 256 + (long_c % 256 > 0)) * 2 * 9

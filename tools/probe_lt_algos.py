@@ -1,11 +1,11 @@
 """Probe: does a measured cuBLASLt algorithm beat the heuristic's first choice on the fast step's GEMMs?
 
-    python tools/probe_lt_algos.py [--batch 16] [--seq 1024] [--candidates 16] [--json out.json]
+    python tools/probe_lt_algos.py [--preset gpt2] [--batch 16] [--seq 1024] [--candidates 16] [--json out.json]
 
-Runs GPT-2 small's fast training step (bf16, vocabulary padded to 50304) once with every cuBLASLt plan
-holding the heuristic's first ``--candidates`` algorithms, records the operands of each distinct GEMM and how
-often a step calls it, then times every candidate on those operands (medians of CUDA-event timings) and
-reports, per GEMM, the heuristic's pick against the fastest candidate, the step time those savings predict,
+Runs a preset's fast training step (GPT-2 small by default; bf16, vocabulary padded to a multiple of 64) once
+with every cuBLASLt plan holding the heuristic's first ``--candidates`` algorithms, records the operands of each
+distinct GEMM and how often a step calls it, then times every candidate on those operands (medians of CUDA-event
+timings) and reports, per GEMM, the heuristic's pick against the fastest candidate, the step time those savings predict,
 and the step time measured with the fastest candidates switched in. Issue 19 names "heuristics vs a measured
 pick per shape" as a candidate for the step's lost time; this measures how much it is worth before anything
 in the package depends on it. The timings write into the step's own buffers (the step is discarded).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import Counter
 
@@ -27,6 +28,7 @@ from llmgpu.perf import timing
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2", help="model size (default gpt2; d24, d36, d48, ...)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--candidates", type=int, default=16)
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
         return out
 
     cublaslt._lt_cupy = recording
-    cfg = GPTConfig.preset("gpt2", pad_vocab_to=64)
+    cfg = GPTConfig.preset(a.preset, pad_vocab_to=64)
     step, model = make_train_step(cfg, a.batch, a.seq, dtype="bf16", xp=xp, fast=True)
     step()
     # one more step, counting launches per plan (a launch finds its plan by the plan key's ingredients)
@@ -81,16 +83,19 @@ def main(argv=None) -> int:
         p.use(best)
         n = calls[p]
         saved_ms += n * (times[0] - times[best])
+        m, n_, k, batch = args[12:16]
+        tflops = cublaslt.lt_flops(m, n_, k, math.prod(batch)) / 1e9 / times[0]
         rows.append({"gemm": p.describe, "calls_per_step": n, "candidates": p.n_algos, "heuristic_ms": times[0],
-                     "best_ms": times[best], "best_index": best, "speedup": times[0] / times[best]})
-        print(f"{n:3d} x {p.describe[:95]:<95} heuristic {times[0]:.4f} ms, best #{best} {times[best]:.4f} ms "
-              f"({times[0] / times[best]:.3f}x)", flush=True)
+                     "heuristic_tflops": tflops, "best_ms": times[best], "best_index": best,
+                     "speedup": times[0] / times[best]})
+        print(f"{n:3d} x {p.describe[:95]:<95} heuristic {times[0]:.4f} ms ({tflops:.0f} TFLOP/s), best #{best} "
+              f"{times[best]:.4f} ms ({times[0] / times[best]:.3f}x)", flush=True)
     if calls[None]:
         print(f"note: {calls[None]} launches per step matched no recorded plan (not counted)", flush=True)
     tuned_ms = timing.time_fn(step, xp=xp, warmup=2, reps=10, host_ahead=False).median_ms
     print(f"predicted step {base_ms - saved_ms:.2f} ms from the per-GEMM savings ({saved_ms:.2f} ms); "
           f"measured with the fastest candidates: {tuned_ms:.2f} ms ({base_ms / tuned_ms:.3f}x)", flush=True)
-    out = {"probe": "lt_algos", "batch": a.batch, "seq": a.seq, "candidates": a.candidates,
+    out = {"probe": "lt_algos", "preset": a.preset, "batch": a.batch, "seq": a.seq, "candidates": a.candidates,
            "device": backend.device_info(xp).summary(), "date": timing_date(),
            "step_ms_heuristic": base_ms, "step_ms_tuned": tuned_ms, "predicted_saving_ms": saved_ms, "gemms": rows}
     if a.json:

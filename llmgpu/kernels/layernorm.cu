@@ -58,6 +58,7 @@
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 0, 0>
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {5,6,7,8}, {0,1}, 1>
 // llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0>
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
@@ -467,8 +468,10 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 //    written, and the two pointers are not __restrict__.
 //
 // Restrictions (the host falls back to the "optimized" kernels otherwise): C a multiple of the pack
-// width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (1024 for
-// 16-bit, 768 for fp32: beyond that the accumulators alone would not fit in registers).
+// width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (2048 for
+// 16-bit, 768 for fp32). Register accumulators (SACC = 0) stop at P = 4 (1024 for 16-bit): beyond
+// that they alone would not fit in registers, so the 16-bit rows of GPT-2 medium to XL and beyond
+// (C = 1280, 1600, 2048: P = 5, 7, 8) accumulate in shared memory; fp32 has no SACC variant.
 //
 // What is left between this kernel and a copy of the same bytes is a fixed cost per call (the first
 // rows in and the last rows out of the persistent grid, the second stage), not too few bytes in
@@ -525,8 +528,13 @@ struct LnFastPlan {
     static constexpr int threads = SACC ? 128 : 256;
     // SACC: 6 blocks cap a thread at 80 registers, 5 at 96, 4 at 128 (what the estimate needs, rounded;
     // fp16's conversions need a few more registers than bf16's shift/mask, hence its lower count).
-    static constexpr int min_blocks = SACC ? (RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
-                                                  : (P <= 3 ? 6 : 5))
+    // Longer rows (P > 4): as many blocks as the estimate plus 16 registers of slack fit in the SM's
+    // 64 K registers (P = 5..8: 4, 3, 3, 2 blocks without dresidual; 3, 2, 2, 2 with it). Fewer warps,
+    // but each holds a longer row in flight: the bytes in flight per SM stay about the same.
+    static constexpr int long_blocks = 65536 / (threads * (regs + 16)) > 0 ? 65536 / (threads * (regs + 16)) : 1;
+    static constexpr int min_blocks = SACC ? (P > 4 ? long_blocks
+                                                    : RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
+                                                          : (P <= 3 ? 6 : 5))
                                            : (regs <= 128 ? 2 : 1);
 };
 

@@ -22,7 +22,7 @@ multiply away, instead of two fresh reductions per row::
   row's loads in flight while the current one is reduced (two rows per warp), gamma in shared
   memory, optional ``dresidual`` added into dx and ``accumulate_params`` added into fp32 gradient
   buffers in the same kernels; deterministic too. Rows it cannot take (C not a multiple of 8 for
-  fp16/bf16 or 4 for fp32, unaligned pointers, C above 1024 (16-bit) or 768 (fp32)) run the
+  fp16/bf16 or 4 for fp32, unaligned pointers, C above 2048 (16-bit) or 768 (fp32)) run the
   "optimized" kernels. Its forward is the "optimized" one.
 
 ``add_layernorm_forward(a, b, gamma, beta)`` fuses the residual add in front of the forward (the
@@ -67,12 +67,14 @@ _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
 # "fast" backward: packs per lane it is instantiated for, by element size (C <= 32 * W * P_max), and warps
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
-_FAST_PACKS = {2: (1, 2, 3, 4), 4: (1, 2, 3, 4, 6)}
+_FAST_PACKS = {2: (1, 2, 3, 4, 5, 6, 7, 8), 4: (1, 2, 3, 4, 6)}
 _FAST_WARPS = 8
 # 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory by default (SACC, blocks of 4 warps,
 # <= 80 registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM);
-# accumulators="registers" times the other variant. fp32 has the register variant only.
+# accumulators="registers" times the other variant where it exists (P <= 4: C <= 1024). fp32 has the
+# register variant only.
 _FAST_SACC_WARPS = 4
+_FAST_REGISTER_PACKS = 4
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
 _ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 
@@ -258,8 +260,9 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     the same dtype), so a model accumulates straight into its fp32 gradient buffers.
     ``accumulators`` ("registers" or "shared", for benchmarks comparing the variants): where the
     "optimized" and "fast" kernels sum dgamma/dbeta; None (default) takes each kernel's faster one.
-    A kernel without the variant asked for runs its only one (the naive kernels; "shared" on the fp32
-    "fast" kernel; "registers" for "optimized" rows too long to hold in registers).
+    A kernel without the variant asked for runs the one it has (the naive kernels; the fp32 "fast"
+    kernel: registers only; the 16-bit "fast" kernel for C above 1024 and "optimized" rows too long to
+    hold in registers: shared memory only).
     """
     check_method("layernorm_backward", method, METHODS)
     if accumulators is not None:
@@ -409,14 +412,16 @@ def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
     if packs is None:
         return None
     width = 16 // dtype.itemsize
-    sacc = int(dtype.itemsize == 2 and accumulators != "registers")
+    sacc = int(dtype.itemsize == 2 and (accumulators != "registers" or packs > _FAST_REGISTER_PACKS))
     kern = get_kernel("layernorm", "layernorm_backward_fast", dtype, packs, int(residual), sacc)
-    if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots
+    if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots (above 48 KB from P = 6)
         warps = _FAST_SACC_WARPS
         smem = 16 * 32 * packs * (width // 4) * (1 + 2 * warps)
     else:  # gamma (fp32), then the block's dgamma/dbeta slab
         warps = _FAST_WARPS
         smem = 4 * max(32 * packs * width, warps * c)
+    if not opt_in_shared_memory(kern, smem, xp):
+        return None
     # As many rows per warp as one wave of resident warps needs, then as few blocks as give every
     # warp that many: all warps finish together and there are fewer partial rows to add.
     blocks, threads, smem = _persistent_plan(("bwd", dtype, packs, residual, sacc, c), kern, 32 * warps, smem,
