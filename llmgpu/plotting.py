@@ -254,30 +254,33 @@ def plot_scale_table(table, png_path=None, *, title=None):
     plt = _plt()
     rows = sorted(table.values() if isinstance(table, dict) else table, key=lambda r: r["parameters"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for side, color in (("llmgpu", "#4c72b0"), ("torch", "#dd8452")):
-        pts = [(r["parameters"] / 1e6, r[side]) for r in rows if r.get(side, {}).get("tokens_per_s")]
+    sides = (("llmgpu", "#4c72b0"), ("torch", "#dd8452"))
+    mfu = lambda r: 100 * (r.get("mfu") or 0)  # noqa: E731
+    gib = lambda r: r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None  # noqa: E731
+    for side, color in sides:
+        pts = [(r["parameters"] / 1e6, r[side], r.get(other, {})) for r in rows if r.get(side, {}).get("tokens_per_s")
+               for other in [s for s, _ in sides if s != side]]
         if not pts:
             continue
         label = pts[0][1].get("mode", side)
-        xs = [p for p, _ in pts]
-        a1.plot(xs, [100 * (r.get("mfu") or 0) for _, r in pts], "o-", color=color, label=label)
-        mem = [(x, r["peak_memory_bytes"] / 2**30) for x, r in pts if r.get("peak_memory_bytes")]
+        a1.plot([x for x, _, _ in pts], [mfu(r) for _, r, _ in pts], "o-", color=color, label=label)
+        mem = [(x, gib(r)) for x, r, _ in pts if gib(r) is not None]
         if mem:
             a2.plot(*zip(*mem), "o-", color=color, label=label)
-        for x, r in pts:  # each point labelled with its batch, on both panels (memory depends on it)
-            k = r.get("checkpoint_every") or 0
+        for x, r, o in pts:  # each point labelled with its batch on both panels (memory depends on it): above
+            k = r.get("checkpoint_every") or 0  # the point where it is the higher of the two, else below
             tag = f"B={r['batch']}" + (f" c{k}" if k else "")
-            a1.annotate(tag, (x, 100 * (r.get("mfu") or 0)), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=color)
-            if r.get("peak_memory_bytes"):
-                a2.annotate(tag, (x, r["peak_memory_bytes"] / 2**30), textcoords="offset points", xytext=(4, 4),
-                            fontsize=7, color=color)
+            for ax, v, w in ((a1, mfu(r), mfu(o) if o.get("tokens_per_s") else None), (a2, gib(r), gib(o))):
+                if v is not None:
+                    dy = 4 if w is None or v >= w else -11
+                    ax.annotate(tag, (x, v), textcoords="offset points", xytext=(4, dy), fontsize=7, color=color)
     ticks = [r["parameters"] / 1e6 for r in rows]
     names = [f"{r.get('preset', '')}\n{r['parameters'] / 1e6:,.0f}M" for r in rows]
     for ax, yl in ((a1, "MFU (%)"), (a2, "peak memory (GiB)")):
         ax.set_xscale("log")
         ax.set_xticks(ticks, names, fontsize=8)
         ax.minorticks_off()
+        ax.margins(x=0.08)  # room for the last point's label
         ax.set_xlabel("parameters")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)

@@ -232,6 +232,16 @@ def test_traffic_bytes_fused():
             - ln.traffic_bytes(n, c, "fp32", backward=True)) == n * c * 4
 
 
+def test_fast_backward_takes_every_preset_width_in_16_bit():
+    """Every GPT preset's width runs the fast backward in bf16/fp16, not the fallback: C = 1280 and 1600 once
+    fell back to the "optimized" kernels plus separate residual and accumulation passes (8x slower on the H200)."""
+    from llmgpu.model.config import PRESETS
+
+    for name, cfg in PRESETS.items():
+        for dtype in ("bf16", "fp16"):
+            assert ln._fast_packs(cfg.n_embd, backend.resolve_dtype(dtype), ()) is not None, (name, cfg.n_embd)
+
+
 def test_accumulators_argument(rng):
     """accumulators= is checked on every path; the NumPy reference has no kernels, so it gives the same result."""
     x, gamma, beta, dy = _inputs(rng, 5, 8)
