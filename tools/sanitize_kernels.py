@@ -206,7 +206,7 @@ def ops(d: Driver):
                     d.run(f"flash_attention {dt} T={t} D={dd} causal={causal}", _flash, fa, d, qkv, h, causal)
 
     for dt in DTYPES:
-        for c in (32, 100, 768, 1000):
+        for c in (32, 100, 768, 1000, 1600, 2048):  # 1600, 2048: the fast backward's long rows (P = 7, 8)
             x, g, b = d.arr((5, c), dt), d.arr((c,), dt), d.arr((c,), dt)
             for method in ln.METHODS:
                 d.run(f"layernorm {method} {dt} C={c}", _layernorm, ln, d, x, g, b, method, None)
