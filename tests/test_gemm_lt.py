@@ -310,6 +310,27 @@ def test_gpu_less_aligned_views(cp, lt, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_plan_key_names_the_cached_plan(cp, lt, rng):
+    """``plan_key`` (what tools/probe_lt_algos.py finds plans by) is the cache's key: a repeated call reuses its
+    plan; a view aligned to 32 bytes instead of 256 gets a plan of its own, under a key that says so."""
+    x, w = _dev(cp, rng, (88, 56), "bf16"), _dev(cp, rng, (40, 56), "bf16")  # a shape no other test uses
+    dev, n0 = cp.cuda.Device().id, gemm_lt.plan_count()
+    out = cp.empty((88, 40), dtype=x.dtype)
+    key = gemm_lt.plan_key(dev, x, w, False, True, out, None, "none", None, 88, 40, 56, ())
+    assert key not in gemm_lt._PLANS
+    lt_gemm(x, w, trans_b=True, out=out)
+    assert key in gemm_lt._PLANS and gemm_lt.plan_count() == n0 + 1
+    lt_gemm(x, w, trans_b=True, out=out)
+    assert gemm_lt.plan_count() == n0 + 1
+    flat = _dev(cp, rng, (16 + 40 * 56,), "bf16")
+    w32 = flat[16:].reshape(40, 56)  # 32 bytes past a 256-byte boundary
+    lt_gemm(x, w32, trans_b=True, out=out)
+    key32 = gemm_lt.plan_key(dev, x, w32, False, True, out, None, "none", None, 88, 40, 56, ())
+    assert gemm_lt.plan_count() == n0 + 2 and key32 in gemm_lt._PLANS
+    assert key[-1] == (256, 256, 256) and key32[-1] == (256, 32, 256)
+
+
+@pytest.mark.gpu
 def test_gpu_mixed_numpy_cupy_refused(cp, lt, rng):
     a = _dev(cp, rng, (4, 8), "bf16")
     with pytest.raises(TypeError, match="b=ndarray"):

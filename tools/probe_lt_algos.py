@@ -113,12 +113,9 @@ def main(argv=None) -> int:
 
 
 def _signature(args) -> tuple:
-    """The ingredients of ``_lt_cupy``'s plan key: shapes, dtypes, flags and pointer alignment, not alpha/beta."""
-    _, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, _alpha, _beta, m, n, k, batch = args
-    bias_arr = bias if bias is not None else dbias
-    return (epilogue, str(a.dtype), str(out.dtype), None if bias_arr is None else str(bias_arr.dtype), trans_a,
-            trans_b, m, n, k, tuple(batch), b.ndim > 2,
-            tuple(cublaslt._alignment(int(x.data.ptr)) for x in (a, b, out)))
+    """The plan key of one ``_lt_cupy`` call (its arguments as recorded)."""
+    cp, a, b, trans_a, trans_b, out, bias, epilogue, _aux, dbias, _alpha, _beta, m, n, k, batch = args
+    return cublaslt.plan_key(cp.cuda.Device().id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch)
 
 
 def timing_date() -> str:

@@ -360,23 +360,31 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
 gemm = lt_gemm  # drop-in name: same arguments as llmgpu.gemm.gemm (plus the epilogue ones)
 
 
-def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch):
-    lt = _lt_module()
-    st = _device_state(lt, cp)
+def plan_key(device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch) -> tuple:
+    """The key of a call's cached plan: device, epilogue, dtypes, flags, the problem's sizes and the pointers'
+    alignment (not alpha, beta or the pointers themselves). ``tools/probe_lt_algos.py`` finds plans by it."""
     count = math.prod(batch) if batch else 1
-    b_batched = b.ndim > 2
-    it_in, it_out = a.dtype.itemsize, out.dtype.itemsize
+    b_stride = k * n if b.ndim > 2 else 0
     a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
-    b_stride = k * n if b_batched else 0
     if count > 1:
-        align = (_alignment(a_ptr, m * k * it_in), _alignment(b_ptr, b_stride * it_in),
-                 _alignment(o_ptr, m * n * it_out))
+        align = (_alignment(a_ptr, m * k * a.dtype.itemsize), _alignment(b_ptr, b_stride * a.dtype.itemsize),
+                 _alignment(o_ptr, m * n * out.dtype.itemsize))
     else:
         align = (_alignment(a_ptr), _alignment(b_ptr), _alignment(o_ptr))
     bias_arr = bias if bias is not None else dbias
     bias_code = CUDA_DATA_TYPES[bias_arr.dtype] if bias_arr is not None else None
-    key = (st.device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a),
-           bool(trans_b), m, n, k, count, b_batched, align)
+    return (device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a), bool(trans_b), m, n, k,
+            count, b.ndim > 2, align)
+
+
+def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch):
+    lt = _lt_module()
+    st = _device_state(lt, cp)
+    key = plan_key(st.device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch)
+    bias_code, (count, b_batched, align) = key[4], key[-3:]
+    b_stride = k * n if b_batched else 0
+    a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
+    bias_arr = bias if bias is not None else dbias
     plan = _PLANS.get(key)
     bias_ptr = int(bias_arr.data.ptr) if bias_arr is not None else 0
     aux_ptr = int(aux.data.ptr) if aux is not None else 0
@@ -452,5 +460,5 @@ def lt_flops(m: int, n: int, k: int, batch: int = 1) -> float:
 
 
 __all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "clear_plans",
-           "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm", "plan_count",
+           "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm", "plan_count", "plan_key",
            "unavailable_reason"]
