@@ -258,8 +258,8 @@ def plot_scale_table(table, png_path=None, *, title=None):
     mfu = lambda r: 100 * (r.get("mfu") or 0)  # noqa: E731
     gib = lambda r: r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None  # noqa: E731
     for side, color in sides:
-        pts = [(r["parameters"] / 1e6, r[side], r.get(other, {})) for r in rows if r.get(side, {}).get("tokens_per_s")
-               for other in [s for s, _ in sides if s != side]]
+        other = next(s for s, _ in sides if s != side)
+        pts = [(r["parameters"] / 1e6, r[side], r.get(other, {})) for r in rows if r.get(side, {}).get("tokens_per_s")]
         if not pts:
             continue
         label = pts[0][1].get("mode", side)
