@@ -44,8 +44,8 @@
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,3,7,11}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,3,7,11}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -681,6 +681,13 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
 // --------------------------------------------------------------------------- 4. backward candidates ("wide")
 
+// Experiments on the wide kernels (issue 16; dev/cuda/flash_backward_hypotheses.md), bits of their template
+// argument V, one flash_launch.BWD_VARIANTS entry per combination measured:
+#define FA_SPLIT_MASK 1  // H1: the masked exp loop only on tiles that need a mask, a plain one elsewhere
+#define FA_DP_FIRST 2    // H2 (dK, dV): dPᵀ = V dOᵀ before the exp, so the exp overlaps independent MMAs
+#define FA_DQ_3BLOCKS 4  // H4 (dQ, HD = 128): three resident blocks per SM instead of two
+#define FA_RING3 8       // H3: three buffers for the inner tiles, two in flight, one barrier per tile
+
 // Where flash_bwd_dkdv spends its time (a model, not a profile): each warp owns 16 keys, so every Q and dO fragment
 // it reads from shared memory with ldmatrix feeds only two MMAs: per 64-query tile a warp issues 128 MMAs and 72
 // ldmatrix.x4 (512 bytes each), ~0.56 per MMA. At 128 bytes per clock of shared memory per SM that is ~2.3 clocks
@@ -696,7 +703,7 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as the 16-bit A fragments dV needs (dSᵀ = Pᵀ ⊙
 // (dPᵀ − D) takes the rounded Pᵀ: one rounding more than flash_bwd_dkdv, so the two agree to rounding, not to the
 // bit), and those d loops unroll by 2: ~242 registers, no spill, 2 blocks (8 warps) per SM as flash_bwd_dkdv.
-template <typename T, int HD>
+template <typename T, int HD, int V>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -707,13 +714,13 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     long long dv_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WK = 16 * MT;  // 16-key tiles and keys per warp
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * WK, BM = fa_cfg<HD>::WIDE_KV_BM;
-    constexpr int LD = HD + FA_PAD;
+    constexpr int LD = HD + FA_PAD, NBUF = V & FA_RING3 ? 3 : 2;
     T* sK = reinterpret_cast<T*>(fa_smem);
     T* sV = sK + BN * LD;
-    T* sQ = sV + BN * LD;       // two buffers of BM rows
-    T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
-    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LD);  // two buffers: lse of the tile's rows
-    float* sD = sL + 2 * BM;                                  // two buffers: D
+    T* sQ = sV + BN * LD;          // NBUF buffers of BM rows
+    T* sdO = sQ + NBUF * BM * LD;  // NBUF buffers of BM rows
+    float* sL = reinterpret_cast<float*>(sdO + NBUF * BM * LD);  // NBUF buffers: lse of the tile's rows
+    float* sD = sL + NBUF * BM;                                  // NBUF buffers: D
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
@@ -726,8 +733,8 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
     const int q_first = causal ? (k0 / BM) * BM : 0;
     const int n_tiles = (T_len - q_first + BM - 1) / BM;
-    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % 2
-        const int q0 = q_first + i * BM, buf = i & 1;
+    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % NBUF
+        const int q0 = q_first + i * BM, buf = i % NBUF;
         fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
         fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
         for (int r = threadIdx.x; r < 2 * BM; r += NT) {
@@ -740,6 +747,10 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
     fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
     load_q_tile(0);
     fa_cp_commit();
+    if ((V & FA_RING3) && n_tiles > 1) {
+        load_q_tile(1);
+        fa_cp_commit();
+    }
 
     float adk[MT][HD / 8][4], adv[MT][HD / 8][4];
 #pragma unroll
@@ -750,19 +761,29 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int e = 0; e < 4; ++e) adk[m][n][e] = adv[m][n][e] = 0.0f;
 
     for (int i = 0; i < n_tiles; ++i) {
-        const int q0 = q_first + i * BM;
-        const T* cQ = sQ + (i & 1) * BM * LD;
-        const T* cdO = sdO + (i & 1) * BM * LD;
-        const float* cL = sL + (i & 1) * BM;
-        const float* cD = sD + (i & 1) * BM;
-        if (i + 1 < n_tiles) {
-            load_q_tile(i + 1);
-            fa_cp_commit();
-            fa_cp_wait<1>();
+        const int q0 = q_first + i * BM, buf = i % NBUF;
+        const T* cQ = sQ + buf * BM * LD;
+        const T* cdO = sdO + buf * BM * LD;
+        const float* cL = sL + buf * BM;
+        const float* cD = sD + buf * BM;
+        if constexpr (V & FA_RING3) {  // tiles i and i + 1 are in flight
+            if (i + 1 < n_tiles) fa_cp_wait<1>();
+            else fa_cp_wait<0>();
+            __syncthreads();  // tile i has landed, and every warp is done with tile i - 1, whose buffer i + 2 takes
+            if (i + 2 < n_tiles) {
+                load_q_tile(i + 2);
+                fa_cp_commit();
+            }
         } else {
-            fa_cp_wait<0>();
+            if (i + 1 < n_tiles) {
+                load_q_tile(i + 1);
+                fa_cp_commit();
+                fa_cp_wait<1>();
+            } else {
+                fa_cp_wait<0>();
+            }
+            __syncthreads();
         }
-        __syncthreads();
         if (w0 < T_len && (!causal || q0 + BM - 1 >= w0)) {
             const bool edge = (causal && q0 < w0 + WK - 1) || q0 + BM > T_len || w0 + WK > T_len;
             float p[MT][BM / 8][4];  // Sᵀ, then Pᵀ, then dSᵀ: this warp's WK keys × BM queries
@@ -777,6 +798,30 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sK + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
                 fa_mma_rows<T, MT, BM / 16, false>(p, a, cQ + kk * 16, LD, lane);
             }
+            float dp[MT][BM / 8][4];  // dPᵀ = V dOᵀ, then dSᵀ
+            auto dkdv_dp = [&]() {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
+#pragma unroll 2
+                for (int kk = 0; kk < HD / 16; ++kk) {
+                    unsigned a[MT][4];
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sV + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
+                    fa_mma_rows<T, MT, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
+                }
+            };
+            if constexpr (V & FA_DP_FIRST) dkdv_dp();
+            if ((V & FA_SPLIT_MASK) && !edge) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - cL[n * 8 + c + (e & 1)] * FA_LOG2E);
+            } else {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -788,6 +833,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                         p[m][n][e] = !edge || (fa_visible(q0 + col, key, T_len, causal) && q0 + col < T_len)
                                          ? pe : 0.0f;
                     }
+            }
             unsigned pa[BM / 16][MT][4];  // Pᵀ in 16 bits, as A fragments: half the registers of p, which dies here
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {  // dV += Pᵀ dO
@@ -795,18 +841,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int m = 0; m < MT; ++m) fa_c_to_a<T>(pa[kk][m], p[m][2 * kk], p[m][2 * kk + 1]);
                 fa_mma_rows<T, MT, HD / 16, true>(adv, pa[kk], cdO + kk * 16 * LD, LD, lane);
             }
-            float dp[MT][BM / 8][4];  // dPᵀ = V dOᵀ, then dSᵀ
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
-#pragma unroll 2
-            for (int kk = 0; kk < HD / 16; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sV + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
-                fa_mma_rows<T, MT, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
-            }
+            if constexpr (!(V & FA_DP_FIRST)) dkdv_dp();
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -827,7 +862,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 fa_mma_rows<T, MT, HD / 16, true>(adk, a, cQ + kk * 16 * LD, LD, lane);
             }
         }
-        __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 is copied into it
+        if constexpr (!(V & FA_RING3)) __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2
     }
     T* dkb = dk + b * dk_sb + h * dk_sh;
     T* dvb = dv + b * dv_sb + h * dv_sh;
@@ -854,8 +889,8 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // lane: the four lanes of a quad own the same rows; each sums 16-byte chunks (lane % 4) + 4 j of dO and O (global
 // loads, coalesced per quad), two shuffles join the quad. Same arithmetic per element as flash_bwd_dq (D summed in
 // another order than flash_bwd_dot's, so dS and everything after it agree to rounding, not to the bit).
-template <typename T, int HD>
-__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, 2)
+template <typename T, int HD, int V>
+__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, (V & FA_DQ_3BLOCKS) && HD == 128 ? 3 : 2)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
                   float* __restrict__ delta, T* __restrict__ dq, int H, int T_len, float scale, int causal,
@@ -864,11 +899,11 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                   long long o_sb, long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * WQ, BN = fa_cfg<HD>::WIDE_DQ_BN;
-    constexpr int LD = HD + FA_PAD;
+    constexpr int LD = HD + FA_PAD, NBUF = V & FA_RING3 ? 3 : 2;
     T* sQ = reinterpret_cast<T*>(fa_smem);
     T* sdO = sQ + BM * LD;
-    T* sK = sdO + BM * LD;     // two buffers of BN rows
-    T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
+    T* sK = sdO + BM * LD;        // NBUF buffers of BN rows
+    T* sV = sK + NBUF * BN * LD;  // NBUF buffers of BN rows
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
@@ -884,6 +919,11 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
     fa_cp_commit();
+    if ((V & FA_RING3) && n_tiles > 1) {
+        fa_load_tile<T, BN, HD, NT>(sK + BN * LD, kb, k_st, BN, T_len);
+        fa_load_tile<T, BN, HD, NT>(sV + BN * LD, vb, v_st, BN, T_len);
+        fa_cp_commit();
+    }
 
     float rl[MT][2], rd[MT][2];  // lse · log2 e and D of this lane's rows
     const T* ob = o + b * o_sb + h * o_sh;
@@ -919,17 +959,28 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BN;
-        const T* cK = sK + (j & 1) * BN * LD;
-        const T* cV = sV + (j & 1) * BN * LD;
-        if (j + 1 < n_tiles) {
-            fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
-            fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
-            fa_cp_commit();
-            fa_cp_wait<1>();
+        const T* cK = sK + (j % NBUF) * BN * LD;
+        const T* cV = sV + (j % NBUF) * BN * LD;
+        if constexpr (V & FA_RING3) {  // tiles j and j + 1 are in flight
+            if (j + 1 < n_tiles) fa_cp_wait<1>();
+            else fa_cp_wait<0>();
+            __syncthreads();  // tile j has landed, and every warp is done with tile j - 1, whose buffer j + 2 takes
+            if (j + 2 < n_tiles) {
+                fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % NBUF) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
+                fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % NBUF) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
+                fa_cp_commit();
+            }
         } else {
-            fa_cp_wait<0>();
+            if (j + 1 < n_tiles) {
+                fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
+                fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+                fa_cp_commit();
+                fa_cp_wait<1>();
+            } else {
+                fa_cp_wait<0>();
+            }
+            __syncthreads();
         }
-        __syncthreads();
         if (w0 < T_len && (!causal || k0 <= w0 + WQ - 1)) {
             float p[MT][BN / 8][4], dp[MT][BN / 8][4];
 #pragma unroll
@@ -949,6 +1000,15 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
             }
             const bool edge = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
+            if ((V & FA_SPLIT_MASK) && !edge) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - rl[m][e >> 1]) * (dp[m][n][e] - rd[m][e >> 1]);
+            } else {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -960,6 +1020,7 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                         if (edge && !fa_visible(w0 + m * 16 + g + 8 * r, key, T_len, causal)) pe = 0.0f;
                         p[m][n][e] = pe * (dp[m][n][e] - rd[m][r]);  // dS (without c)
                     }
+            }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {  // dQ += dS K
                 unsigned a[MT][4];
@@ -968,7 +1029,7 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 fa_mma_rows<T, MT, HD / 16, true>(adq, a, cK + kk * 16 * LD, LD, lane);
             }
         }
-        __syncthreads();
+        if constexpr (!(V & FA_RING3)) __syncthreads();
     }
     T* dqb = dq + b * dq_sb + h * dq_sh;
 #pragma unroll

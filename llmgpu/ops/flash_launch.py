@@ -33,7 +33,10 @@ FWD_WARPS, FWD_BN = 8, 64
 DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 
-BWD_VARIANTS = ("wide", "base")
+# The wide kernels' template flags (FA_SPLIT_MASK, ... in the .cu): one variant per combination being measured
+_WIDE_FLAGS = {"wide": 0, "split": 1, "split_dpfirst": 3, "split_dpfirst_dq3": 7, "split_dpfirst_ring3": 11}
+_RING3 = 8
+BWD_VARIANTS = (*_WIDE_FLAGS, "base")
 DEFAULT_BWD_VARIANT = "wide"
 
 
@@ -54,30 +57,40 @@ def _strides(a):
     return [np.int64(s // it) for s in a.strides[:3]]
 
 
-def _kernel(function, dtype, D, smem):
-    kern = get_kernel("flash_attention", function, dtype, D)
+def _kernel(function, dtype, D, smem, flags=None):
+    kern = get_kernel("flash_attention", function, dtype, D, *(() if flags is None else (flags,)))
     if not opt_in_shared_memory(kern, smem):
         raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
                            "does not allow that much")
     return kern
 
 
-def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
+def smem_bytes(function: str, D: int, itemsize: int = 2, flags: int = 0) -> int:
     """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory).
-    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV)."""
+    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV;
+    three in the wide kernels with the FA_RING3 flag)."""
     row = (D + PAD) * itemsize
     bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
+    nbuf = 3 if flags & _RING3 else 2
     return {"flash_fwd": (16 * FWD_WARPS + 2 * 2 * FWD_BN) * row,
             "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
             "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
-            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + 2 * 2 * WIDE_KV_BM) * row + 2 * 2 * WIDE_KV_BM * 4,
-            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + 2 * 2 * WIDE_DQ_BN) * row}.get(function, 0)
+            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + nbuf * 2 * WIDE_KV_BM) * row + nbuf * 2 * WIDE_KV_BM * 4,
+            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + nbuf * 2 * WIDE_DQ_BN) * row}.get(function, 0)
+
+
+def variant_flags(variant: str) -> int | None:
+    """The template flags of the wide kernels for ``variant`` (None: the base kernels, which take none)."""
+    return _WIDE_FLAGS.get(variant)
 
 
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
-    return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
-            "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
+    if variant == "base":
+        return ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq")
+    if variant not in _WIDE_FLAGS:
+        raise KeyError(variant)
+    return ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")
 
 
 def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
@@ -114,6 +127,7 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
     rows = B * H * T
+    flags = variant_flags(variant)
     for name in backward_kernels(variant):
         if only is not None and name != only:
             continue
@@ -122,7 +136,7 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
                 (-(-rows // 8),), (256,), (do, o, delta, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
                                            *_strides(do), *_strides(o)))
             continue
-        smem = smem_bytes(name, D)
+        smem = smem_bytes(name, D, flags=flags or 0)
         tile = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * (DKDV_WARPS if "dkdv" in name else DQ_WARPS)
         grid, block = (B * H, -(-T // tile)), (32 * (DKDV_WARPS if "dkdv" in name else DQ_WARPS),)
         if name.startswith("flash_bwd_dkdv"):
@@ -131,4 +145,5 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
             args = (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq))
         else:  # flash_bwd_dq_wide: also reads O and writes D
             args = (q, k, v, do, o, lse, delta, dq, *head, *ins, *_strides(o), *_strides(dq))
-        _kernel(name, q.dtype, D, smem)(grid, block, args, shared_mem=smem)
+        _kernel(name, q.dtype, D, smem, flags if name.endswith("_wide") else None)(grid, block, args,
+                                                                                   shared_mem=smem)
