@@ -40,12 +40,12 @@
 #include "common.cuh"
 
 // llmgpu:kernel flash_fwd_scalar<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_fwd<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_fwd<{__half,__nv_bfloat16}, {64,128}, {0,1,8,9}>
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,3,7,11}>
-// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,3,7,11}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -303,17 +303,18 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // a warp skips the tiles that lie wholly above its diagonal, and the block stops at its last row.
 // Shared memory: (128 + 2 · 2 · 64) rows × (HD + 8) × 2 bytes = 54 KiB (HD = 64) or 102 KiB (HD = 128); both
 // above the 48 KiB default: the host raises the kernel's limit.
-template <typename T, int HD>
+#define FA_FWD_FOLD 1  // experiment: unmasked tiles fold the scale c2 into the exp's FFMA (the max is taken unscaled)
+template <typename T, int HD, int V>
 __global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
           float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
           long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * 16, BN = fa_cfg<HD>::FWD_BN;
-    constexpr int LD = HD + FA_PAD;
+    constexpr int LD = HD + FA_PAD, NBUF = V & 8 ? 3 : 2;
     T* sQ = reinterpret_cast<T*>(fa_smem);
-    T* sK = sQ + BM * LD;      // two buffers of BN rows
-    T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
+    T* sK = sQ + BM * LD;         // NBUF buffers of BN rows
+    T* sV = sK + NBUF * BN * LD;  // NBUF buffers of BN rows
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
@@ -329,6 +330,11 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
     fa_cp_commit();
+    if ((V & 8) && n_tiles > 1) {
+        fa_load_tile<T, BN, HD, NT>(sK + BN * LD, kb, k_st, BN, T_len);
+        fa_load_tile<T, BN, HD, NT>(sV + BN * LD, vb, v_st, BN, T_len);
+        fa_cp_commit();
+    }
 
     float acc[HD / 8][4];
 #pragma unroll
@@ -337,8 +343,18 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BN;
-        const T* cK = sK + (j & 1) * BN * LD;
-        const T* cV = sV + (j & 1) * BN * LD;
+        const T* cK = sK + (j % NBUF) * BN * LD;
+        const T* cV = sV + (j % NBUF) * BN * LD;
+        if constexpr (V & 8) {
+            if (j + 1 < n_tiles) fa_cp_wait<1>();
+            else fa_cp_wait<0>();
+            __syncthreads();
+            if (j + 2 < n_tiles) {
+                fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % NBUF) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
+                fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % NBUF) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
+                fa_cp_commit();
+            }
+        } else {
         if (j + 1 < n_tiles) {  // prefetch tile j + 1 into the other buffer (free since the end of tile j − 1)
             fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
             fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
@@ -348,6 +364,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             fa_cp_wait<0>();
         }
         __syncthreads();  // every thread's copies of tile j are visible to every warp
+        }
         // a warp whose rows are all past T, or (causal) whose rows all lie before the tile's first key, skips it
         if (w0 < T_len && (!causal || k0 <= w0 + 15)) {
             float s[BN / 8][4];  // S = Q Kᵀ, this warp's 16 rows × 64 keys
@@ -360,7 +377,10 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                 fa_mma_row<T, BN / 16, false>(s, a, cK + kk * 16, LD, lane);
             }
             float mx[2] = {m[0], m[1]};
-            if ((causal && k0 + BN - 1 > w0) || k0 + BN > T_len) {  // the diagonal or the ragged last tile
+            const bool masked = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
+            const bool fold = (V & FA_FWD_FOLD) && !masked;
+            if (fold) mx[0] = mx[1] = -LLMGPU_INF;
+            if (masked) {  // the diagonal or the ragged last tile
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -368,7 +388,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                         const int key = k0 + n * 8 + c + (e & 1);
                         s[n][e] = fa_visible(rows[e >> 1], key, T_len, causal) ? s[n][e] * c2 : -LLMGPU_INF;
                     }
-            } else {
+            } else if (!(V & FA_FWD_FOLD)) {
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -378,6 +398,10 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            if (fold) {  // max(c2 s) = c2 max(s) for c2 > 0 (rounding is monotone)
+                mx[0] = fmaxf(m[0], mx[0] * c2);
+                mx[1] = fmaxf(m[1], mx[1] * c2);
+            }
             float ref[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -393,6 +417,15 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                     acc[n][2 * r + 1] *= alpha;
                 }
             }
+            if (fold) {
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] = fast_exp2(s[n][e] * c2 - ref[e >> 1]);
+                    l[e >> 1] += s[n][e];
+                }
+            } else {
 #pragma unroll
             for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -400,6 +433,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                     s[n][e] = fast_exp2(s[n][e] - ref[e >> 1]);
                     l[e >> 1] += s[n][e];
                 }
+            }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {  // O += P V, 16 keys at a time
                 unsigned a[4];
@@ -407,7 +441,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                 fa_mma_row<T, HD / 16, true>(acc, a, cV + kk * 16 * LD, LD, lane);
             }
         }
-        __syncthreads();  // every warp is done with tile j's buffer before tile j + 2 is copied into it
+        if constexpr (!(V & 8)) __syncthreads();  // every warp is done with tile j's buffer before tile j + 2 is copied
     }
     T* ob = o + b * o_sb + h * o_sh;
 #pragma unroll
@@ -687,6 +721,7 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #define FA_DP_FIRST 2    // H2 (dK, dV): dPᵀ = V dOᵀ before the exp, so the exp overlaps independent MMAs
 #define FA_DQ_3BLOCKS 4  // H4 (dQ, HD = 128): three resident blocks per SM instead of two
 #define FA_RING3 8       // H3: three buffers for the inner tiles, two in flight, one barrier per tile
+#define FA_DQ_3BLOCKS_64 16  // H4 at HD = 64 too (with FA_DQ_3BLOCKS)
 
 // Where flash_bwd_dkdv spends its time (a model, not a profile): each warp owns 16 keys, so every Q and dO fragment
 // it reads from shared memory with ldmatrix feeds only two MMAs: per 64-query tile a warp issues 128 MMAs and 72
@@ -890,7 +925,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // loads, coalesced per quad), two shuffles join the quad. Same arithmetic per element as flash_bwd_dq (D summed in
 // another order than flash_bwd_dot's, so dS and everything after it agree to rounding, not to the bit).
 template <typename T, int HD, int V>
-__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, (V & FA_DQ_3BLOCKS) && HD == 128 ? 3 : 2)
+__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, (V & FA_DQ_3BLOCKS) && (HD == 128 || (V & FA_DQ_3BLOCKS_64)) ? 3 : 2)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
                   float* __restrict__ delta, T* __restrict__ dq, int H, int T_len, float scale, int causal,

@@ -34,7 +34,8 @@ DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 
 # The wide kernels' template flags (FA_SPLIT_MASK, ... in the .cu): one variant per combination being measured
-_WIDE_FLAGS = {"wide": 0, "split": 1, "split_dpfirst": 3, "split_dpfirst_dq3": 7, "split_dpfirst_ring3": 11}
+_WIDE_FLAGS = {"wide": 0, "split": 1, "split_dq3": 5, "split_ring3": 9, "split_ring3_dq3": 13,
+               "split_ring3_dq3all": 29}
 _RING3 = 8
 BWD_VARIANTS = (*_WIDE_FLAGS, "base")
 DEFAULT_BWD_VARIANT = "wide"
@@ -72,7 +73,7 @@ def smem_bytes(function: str, D: int, itemsize: int = 2, flags: int = 0) -> int:
     row = (D + PAD) * itemsize
     bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
     nbuf = 3 if flags & _RING3 else 2
-    return {"flash_fwd": (16 * FWD_WARPS + 2 * 2 * FWD_BN) * row,
+    return {"flash_fwd": (16 * FWD_WARPS + nbuf * 2 * FWD_BN) * row,
             "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
             "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
             "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + nbuf * 2 * WIDE_KV_BM) * row + nbuf * 2 * WIDE_KV_BM * 4,
@@ -93,7 +94,7 @@ def backward_kernels(variant: str) -> tuple[str, ...]:
     return ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")
 
 
-def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
+def ours_forward(q, k, v, o, lse, scale, causal, scalar=False, flags=0):
     B, H, T, D = q.shape
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
@@ -101,9 +102,9 @@ def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
         rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
         get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
         return
-    smem = smem_bytes("flash_fwd", D)
+    smem = smem_bytes("flash_fwd", D, flags=flags)
     bm = 16 * FWD_WARPS
-    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
+    _kernel("flash_fwd", q.dtype, D, smem, flags)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
 
 
 _DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
