@@ -44,8 +44,8 @@
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29}>
-// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29,73,85,93,129,221}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29,73,85,93,129,221}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -89,6 +89,9 @@ __device__ __forceinline__ unsigned fa_saddr(const void* p) {
 __device__ __forceinline__ void fa_cp16(void* s, const void* g, bool in) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 16 : 0));
 }
+__device__ __forceinline__ void fa_cp8(void* s, const void* g, bool in) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 8 : 0));
+}
 __device__ __forceinline__ void fa_cp4(void* s, const void* g, bool in) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 4 : 0));
 }
@@ -107,8 +110,8 @@ __device__ __forceinline__ void fa_load_tile(T* s, const T* __restrict__ g, long
 #pragma unroll
     for (int it = 0; it < ROWS * CHUNKS / NT; ++it) {
         const int i = threadIdx.x + it * NT, r = i / CHUNKS, c = (i % CHUNKS) * 8;
-        const bool in = row0 + r < T_len;
-        fa_cp16(s + r * (HD + FA_PAD) + c, g + (long long)(in ? row0 + r : 0) * st + c, in);
+        const bool in = row0 + r < T_len;  // 32-bit row offsets (fewer registers): the host checks T · st < 2^31
+        fa_cp16(s + r * (HD + FA_PAD) + c, g + ((in ? row0 + r : 0) * static_cast<int>(st) + c), in);
     }
 }
 
@@ -722,6 +725,8 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #define FA_DQ_3BLOCKS 4  // H4 (dQ, HD = 128): three resident blocks per SM instead of two
 #define FA_RING3 8       // H3: three buffers for the inner tiles, two in flight, one barrier per tile
 #define FA_DQ_3BLOCKS_64 16  // H4 at HD = 64 too (with FA_DQ_3BLOCKS)
+#define FA_DQ_UNROLL2 64  // dQ: the S, dP loop over d unrolled by 2, not 4 (registers: no spill at three blocks)
+#define FA_PACKED_STATS 128  // H5: dQ writes (lse · log2 e, D) as a float2 per row; dK, dV load it with one cp.async
 
 // Where flash_bwd_dkdv spends its time (a model, not a profile): each warp owns 16 keys, so every Q and dO fragment
 // it reads from shared memory with ldmatrix feeds only two MMAs: per 64-query tile a warp issues 128 MMAs and 72
@@ -763,7 +768,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const T* qb = q + b * q_sb + h * q_sh;
     const T* dob = dout + b * do_sb + h * do_sh;
     const float* lseb = lse + (long long)bh * T_len;
-    const float* deltab = delta + (long long)bh * T_len;
+    const float* deltab = delta + (long long)bh * T_len * (V & FA_PACKED_STATS ? 2 : 1);
     const float c2 = scale * FA_LOG2E;
 
     const int q_first = causal ? (k0 / BM) * BM : 0;
@@ -772,10 +777,19 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const int q0 = q_first + i * BM, buf = i % NBUF;
         fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
         fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
+        if constexpr (V & FA_PACKED_STATS) {  // (lse · log2 e, D) of row q0 + r: 8 bytes, one thread per row
+            static_assert(BM <= NT, "one thread per row");
+            if (threadIdx.x < BM) {
+                const int row = q0 + threadIdx.x;
+                const bool in = row < T_len;
+                fa_cp8(sL + 2 * (buf * BM + threadIdx.x), deltab + 2 * (long long)(in ? row : 0), in);
+            }
+        } else {
         for (int r = threadIdx.x; r < 2 * BM; r += NT) {
             const int row = q0 + r % BM;
             const bool in = row < T_len, is_l = r < BM;
             fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, (is_l ? lseb : deltab) + (in ? row : 0), in);
+        }
         }
     };
     fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
@@ -801,6 +815,15 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const T* cdO = sdO + buf * BM * LD;
         const float* cL = sL + buf * BM;
         const float* cD = sD + buf * BM;
+        const float2* cLD = reinterpret_cast<const float2*>(sL) + buf * BM;  // FA_PACKED_STATS
+        auto row_l = [&](int col) {  // lse · log2 e of query col (the same bits either way)
+            if constexpr (V & FA_PACKED_STATS) return cLD[col].x;
+            else return cL[col] * FA_LOG2E;
+        };
+        auto row_d = [&](int col) {
+            if constexpr (V & FA_PACKED_STATS) return cLD[col].y;
+            else return cD[col];
+        };
         if constexpr (V & FA_RING3) {  // tiles i and i + 1 are in flight
             if (i + 1 < n_tiles) fa_cp_wait<1>();
             else fa_cp_wait<0>();
@@ -855,7 +878,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - cL[n * 8 + c + (e & 1)] * FA_LOG2E);
+                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - row_l(n * 8 + c + (e & 1)));
             } else {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
@@ -864,7 +887,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int col = n * 8 + c + (e & 1), key = w0 + m * 16 + g + 8 * (e >> 1);
-                        const float pe = fast_exp2(p[m][n][e] * c2 - cL[col] * FA_LOG2E);
+                        const float pe = fast_exp2(p[m][n][e] * c2 - row_l(col));
                         p[m][n][e] = !edge || (fa_visible(q0 + col, key, T_len, causal) && q0 + col < T_len)
                                          ? pe : 0.0f;
                     }
@@ -886,8 +909,8 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                         const int n = 2 * kk + (h2 >> 1), e = 2 * (h2 & 1), col = n * 8 + c;
                         float p0, p1;  // dSᵀ / c = Pᵀ ⊙ (dPᵀ − D), with Pᵀ as rounded for dV
                         unpack2<T>(pa[kk][m][h2], p0, p1);
-                        dp[m][n][e] = p0 * (dp[m][n][e] - cD[col]);
-                        dp[m][n][e + 1] = p1 * (dp[m][n][e + 1] - cD[col + 1]);
+                        dp[m][n][e] = p0 * (dp[m][n][e] - row_d(col));
+                        dp[m][n][e + 1] = p1 * (dp[m][n][e + 1] - row_d(col + 1));
                     }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {  // dK += dSᵀ Q
@@ -984,7 +1007,11 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
             s += __shfl_xor_sync(0xffffffffu, s, 2);
             rd[m][r] = s;
             rl[m][r] = in ? lse[(long long)bh * T_len + row] * FA_LOG2E : 0.0f;
-            if (in && (lane & 3) == 0) delta[(long long)bh * T_len + row] = s;
+            if (in && (lane & 3) == 0) {
+                if constexpr (V & FA_PACKED_STATS)
+                    reinterpret_cast<float2*>(delta)[(long long)bh * T_len + row] = make_float2(rl[m][r], s);
+                else delta[(long long)bh * T_len + row] = s;
+            }
         }
     float adq[MT][HD / 8][4];
 #pragma unroll
@@ -1024,6 +1051,18 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) p[m][n][e] = dp[m][n][e] = 0.0f;
+            if constexpr (V & FA_DQ_UNROLL2) {
+#pragma unroll 2
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sQ + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BN / 16, false>(p, a, cK + kk * 16, LD, lane);   // S = Q Kᵀ
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sdO + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
+            }
+            } else {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 unsigned a[MT][4];
@@ -1033,6 +1072,7 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 #pragma unroll
                 for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sdO + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
                 fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
+            }
             }
             const bool edge = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
             if ((V & FA_SPLIT_MASK) && !edge) {

@@ -35,7 +35,9 @@ WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 
 # The wide kernels' template flags (FA_SPLIT_MASK, ... in the .cu): one variant per combination being measured
 _WIDE_FLAGS = {"wide": 0, "split": 1, "split_dq3": 5, "split_ring3": 9, "split_ring3_dq3": 13,
-               "split_ring3_dq3all": 29}
+               "split_ring3_dq3all": 29, "split_dq3all_u2": 85, "split_ring3_u2": 73, "split_ring3_dq3all_u2": 93,
+               "split_packed": 129, "split_ring3_dq3all_u2_packed": 221}
+_PACKED = 128
 _RING3 = 8
 BWD_VARIANTS = (*_WIDE_FLAGS, "base")
 DEFAULT_BWD_VARIANT = "wide"
@@ -110,11 +112,11 @@ def ours_forward(q, k, v, o, lse, scale, causal, scalar=False, flags=0):
 _DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
 
 
-def _delta_buffer(cp, B, H, T):
-    key = (cp.cuda.Device().id, B, H, T)
+def _delta_buffer(cp, B, H, T, packed=False):
+    key = (cp.cuda.Device().id, B, H, T, packed)
     d = _DELTA.get(key)
     if d is None:
-        d = _DELTA[key] = cp.empty((B, H, T), dtype=np.float32)
+        d = _DELTA[key] = cp.empty((B, H, T, 2) if packed else (B, H, T), dtype=np.float32)
     return d
 
 
@@ -123,12 +125,12 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     of that name from the variant's list; the others' outputs are then left as they were."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
-    delta = _delta_buffer(cp, B, H, T)
+    flags = variant_flags(variant)
+    delta = _delta_buffer(cp, B, H, T, bool((flags or 0) & _PACKED))
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
     rows = B * H * T
-    flags = variant_flags(variant)
     for name in backward_kernels(variant):
         if only is not None and name != only:
             continue
