@@ -60,17 +60,16 @@ def check_float64(xp, rng, failures):
             errs = {n: float(rel_error(g, w)) for n, g, w in zip(("dq", "dk", "dv"), got, want)}
             ok = all(e <= TOL_VS_FLOAT64 for e in errs.values())
             rows.append({"variant": variant, "shape": f"B={B} H={H} T={T} D={D}", "vs": "float64", **errs, "ok": ok})
-            print(f"  {variant:<20} vs float64 B={B} H={H} T={T} D={D}: " +
+            print(f"  {variant:<8} vs float64 B={B} H={H} T={T} D={D}: " +
                   " ".join(f"{n} {e:.2e}" for n, e in errs.items()) + ("" if ok else "  FAILED"))
             if not ok:
                 failures.append(f"{variant} vs float64 at T={T} D={D}")
     return rows
 
 
-def _regs(name, dtype, D, variant):
+def _regs(name, dtype, D):
     try:
-        flags = fl.variant_flags(variant) if name.endswith("_wide") else None
-        targs = (dtype,) if name == "flash_bwd_dot" else (dtype, D, *(() if flags is None else (flags,)))
+        targs = (dtype,) if name == "flash_bwd_dot" else (dtype, D)
         return int(get_kernel("flash_attention", name, *targs).num_regs)
     except Exception:
         return None
@@ -93,7 +92,7 @@ def bench_shape(xp, rng, B, H, T, D, causal, reps, table, checks, failures):
         bitwise = all(bool((g.view(xp.uint16) == w.view(xp.uint16)).all()) for g, w in zip(grads[var], base))
         checks.append({"variant": var, "shape": label, "vs": fa.DEFAULT_BWD_VARIANT, **errs, "bitwise": bitwise,
                        "ok": ok})
-        print(f"  {var:<20} vs {fa.DEFAULT_BWD_VARIANT}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()) +
+        print(f"  {var:<8} vs {fa.DEFAULT_BWD_VARIANT}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()) +
               (" (bitwise equal)" if bitwise else "") + ("" if ok else "  FAILED"))
         if not ok:
             failures.append(f"{var} vs {fa.DEFAULT_BWD_VARIANT} at {label}")
@@ -117,12 +116,12 @@ def bench_shape(xp, rng, B, H, T, D, causal, reps, table, checks, failures):
             parts[name] = time_fn(lambda: fl.ours_backward(do, q, k, v, o, st.lse, st.scale, causal, dq, dk, dv,
                                                            var, only=name), xp=xp, reps=reps).median_ms
         row = {"impl": f"ours {var}", "variant": var, "shape": label, "ms": ms, "tflops": flops / ms / 1e9,
-               "kernels_ms": parts, "registers": {n: _regs(n, q.dtype, D, var) for n in parts}}
+               "kernels_ms": parts, "registers": {n: _regs(n, q.dtype, D) for n in parts}}
         if cudnn_ms:
             row["vs_cudnn"] = cudnn_ms / ms
         table.append(row)
         vs = f" {cudnn_ms / ms:5.2f}x cuDNN{'' if cudnn_ms / ms >= FLOOR else ' (below the floor)'}" if cudnn_ms else ""
-        print(f"  {var:<20} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TF/s{vs}   " +
+        print(f"  {var:<8} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TF/s{vs}   " +
               "  ".join(f"{n.replace('flash_bwd_', '')} {t:.3f} ms ({row['registers'][n]} regs)"
                         for n, t in parts.items()))
 

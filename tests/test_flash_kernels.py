@@ -90,6 +90,10 @@ def test_bad_kernel_name_and_what_ours_cannot_take(rng):
     assert "head dims" in fa.ours_unsupported(random_array(rng, (1, 2, 5, 80)))
     x = random_array(rng, (1, 5, 3 * 2 * 64 + 4))[..., :3 * 2 * 64]  # rows of 388 elements: not 8-aligned
     assert "multiples of 8" in fa.ours_unsupported(x.reshape(1, 5, 6, 64).transpose(0, 2, 1, 3)[:, :2])
+    # rows 2**22 elements apart: T · stride reaches 2**31 at T = 512, past the kernels' 32-bit row offsets
+    wide = np.lib.stride_tricks.as_strided(q, shape=(1, 2, 512, 64), strides=(0, 256, 2**22 * 4, 4))  # fp32, never read
+    assert "2**31" in fa.ours_unsupported(wide)
+    assert fa.ours_unsupported(wide[:, :, :511]) is None
 
 
 def test_backward_variant_argument(rng):
@@ -186,9 +190,14 @@ CASES = [((1, 1, 1, 64), True), ((1, 2, 7, 64), True), ((2, 3, 63, 64), False), 
          ((2, 2, 1000, 128), True), ((1, 1, 1024, 64), False)]
 
 
-def _poison_delta(cp, shape):
-    """NaN in the cached D buffer, so a variant that fails to write D (or reads it before it is written) shows."""
-    fl._delta_buffer(cp, *shape[:3]).fill(np.nan)
+def _f64(a):
+    return a.astype(np.float32).astype(np.float64)
+
+
+def _poison_stats(cp, shape, variant):
+    """NaN in the cached row-stats buffer, so a variant that fails to write D (or reads it before it is written)
+    shows."""
+    fl.row_stats_buffer(cp, *shape[:3], variant).fill(np.nan)
 
 
 @pytest.mark.gpu
@@ -199,13 +208,17 @@ def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal, variant):
     q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
     o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp),
                                        lse=poisoned(shape[:3], "fp32", cp), kernel="ours")
-    _poison_delta(cp, shape)
+    _poison_stats(cp, shape, variant)
     dq, dk, dv = fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=poisoned(shape, dtype, cp),
                                              dk=poisoned(shape, dtype, cp), dv=poisoned(shape, dtype, cp),
                                              kernel="ours", variant=variant)
     r_o, r_lse, r_dq, r_dk, r_dv = _ref64(cp, q, k, v, do, causal)
     assert_close(o, r_o, rtol=RTOL[dtype], name="o")
     assert_close(st.lse, r_lse, rtol=1e-4, name="lse")
+    stats = fl.row_stats_buffer(cp, *shape[:3], variant)  # D = rowsum(dO ⊙ O) of the o it was given, every row
+    assert_close(stats[..., -1], (_f64(do) * _f64(o)).sum(-1), rtol=1e-5, name="D")
+    if stats.shape[-1] == 2:  # and lse · log2 e, as the dK, dV kernel uses it
+        assert_close(stats[..., 0], st.lse.astype(np.float64) * np.log2(np.e), rtol=1e-6, name="lse·log2e")
     if shape[2] == 1:  # one key: P = 1, dv = dO exactly; dq = dk = 0 up to rounding (dP and D are summed in
         # different orders, so dS = dP − D is ~1e-7, not exactly 0)
         assert float(cp.abs(dq.astype(np.float32)).max()) < 1e-3 and float(cp.abs(dk.astype(np.float32)).max()) < 1e-3
@@ -301,8 +314,8 @@ def test_gpu_variant_agrees_with_the_default(cp, rng, dtype, shape, causal, vari
     q, k, v, do = (_dev(cp, rng, shape, dtype) for _ in range(4))
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
     want = [g.copy() for g in fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours")]
-    delta = fl._delta_buffer(cp, *shape[:3]).copy()
-    _poison_delta(cp, shape)
+    delta = fl.row_stats_buffer(cp, *shape[:3])[..., -1].copy()
+    _poison_stats(cp, shape, variant)
     got = fa.flash_attention_backward(do, q, k, v, o, st, causal, kernel="ours", variant=variant)
     for g, w, n in zip(got, want, ("dq", "dk", "dv")):
         assert not bool(cp.isnan(g.astype(np.float32)).any()), n
@@ -310,7 +323,7 @@ def test_gpu_variant_agrees_with_the_default(cp, rng, dtype, shape, causal, vari
             assert cp.array_equal(g, w) if n == "dv" else float(cp.abs(g.astype(np.float32)).max()) < 1e-3
             continue
         assert_close(g, w, rtol=RTOL[dtype] / 2, name=n)
-    assert_close(fl._delta_buffer(cp, *shape[:3]), delta, rtol=1e-5, name="D")  # every row's D was written
+    assert_close(fl.row_stats_buffer(cp, *shape[:3], variant)[..., -1], delta, rtol=1e-5, name="D")  # every row
 
 
 @pytest.mark.gpu

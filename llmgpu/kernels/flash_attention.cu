@@ -3,7 +3,7 @@
 //
 // defines: flash_fwd_scalar (fp32 math, no tensor cores: the teaching step), flash_fwd (tensor cores),
 //          flash_bwd_dot (D_i = dO_i · O_i), flash_bwd_dkdv and flash_bwd_dq (tensor cores, deterministic),
-//          flash_bwd_dkdv_wide and flash_bwd_dq_wide (candidates: two 16-row tiles per warp; the dQ one computes D)
+//          flash_bwd_dkdv_wide and flash_bwd_dq_wide (the default: two 16-row tiles per warp; the dQ one computes D)
 //
 // Per (batch, head), q, k, v are [T, D], c = scale (1/√D by default), and every softmax is taken in base 2:
 //
@@ -32,7 +32,7 @@
 // probability tile: P never leaves registers between the two GEMMs (rounded to 16 bits for the second).
 // Fragments are read from shared memory with ldmatrix (.trans where a register's two elements come from two rows),
 // rows padded by 8 elements (16 bytes) so that no ldmatrix has a bank conflict; the inner tiles arrive by cp.async,
-// double-buffered, so the next tile's copy overlaps this tile's MMAs.
+// double-buffered (or in a ring of three), so the next tile's copy overlaps this tile's MMAs.
 //
 // Determinism: no atomics anywhere. The backward runs one kernel over key tiles (dK, dV, looping over query
 // tiles) and one over query tiles (dQ, looping over key tiles): each output element is written by exactly one
@@ -40,12 +40,12 @@
 #include "common.cuh"
 
 // llmgpu:kernel flash_fwd_scalar<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_fwd<{__half,__nv_bfloat16}, {64,128}, {0,1,8,9}>
+// llmgpu:kernel flash_fwd<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29,73,85,93,129,221}>
-// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1,5,9,13,29,73,85,93,129,221}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -73,10 +73,12 @@ template <int HD> struct fa_cfg {
     static constexpr int DQ_WARPS = 4;                  // flash_bwd_dq: 64 query rows per block
     static constexpr int DQ_BN = HD == 128 ? 32 : 64;   //   keys per inner tile
     static constexpr int DQ_MIN_BLOCKS = 2;
-    // the wide backward candidates (flash_bwd_dkdv_wide, flash_bwd_dq_wide): WIDE_MT 16-row tiles per warp
+    // the wide backward (flash_bwd_dkdv_wide, flash_bwd_dq_wide): WIDE_MT 16-row tiles per warp
     static constexpr int WIDE_MT = HD == 64 ? 2 : 1;    //   (HD = 128: one, its accumulators fill the registers)
     static constexpr int WIDE_KV_BM = 32;               //   queries per inner tile of dK, dV
     static constexpr int WIDE_DQ_BN = 32;               //   keys per inner tile of dQ
+    static constexpr int WIDE_DQ_BUFS = HD == 64 ? 3 : 2;  //   buffers of its ring (3 × HD 128's would not fit 3 blocks)
+    static constexpr int WIDE_DQ_MIN_BLOCKS = 3;        //   resident blocks of dQ (caps registers at 168)
 };
 
 __device__ __forceinline__ unsigned fa_saddr(const void* p) {
@@ -298,26 +300,26 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // --------------------------------------------------------------------------- 2. tensor-core forward
 
 // A block of FWD_WARPS = 8 warps owns 128 query rows (16 per warp) and walks the keys in tiles of 64, so every K, V
-// tile brought into shared memory feeds 8 warps' MMAs. The tiles are double-buffered: while the warps compute on
-// tile j, cp.async brings tile j + 1 into the other buffer. Per tile each warp computes its 16 × 64 scores with HD/16 × 8 MMAs (K read n-major with
-// ldmatrix), applies the mask only where the tile needs one (the causal diagonal, the last tile past T), runs the
+// tile brought into shared memory feeds 8 warps' MMAs. The tiles come through a ring of three buffers: while the
+// warps compute on tile j, cp.async brings tiles j + 1 and j + 2, and one barrier per tile suffices (the one at the
+// top of tile j proves every warp has left tile j − 1, whose buffer tile j + 2 takes). Per tile each warp computes
+// its 16 × 64 scores with HD/16 × 8 MMAs (K read n-major with ldmatrix), applies the mask only where the tile needs one (the causal diagonal, the last tile past T), runs the
 // online softmax in registers (a row's 64 scores are spread over the 4 lanes of a quad: two shuffles per
 // reduction), then adds P V with 4 × HD/8 MMAs (P from registers, V read k-major with ldmatrix.trans). Causal:
 // a warp skips the tiles that lie wholly above its diagonal, and the block stops at its last row.
-// Shared memory: (128 + 2 · 2 · 64) rows × (HD + 8) × 2 bytes = 54 KiB (HD = 64) or 102 KiB (HD = 128); both
-// above the 48 KiB default: the host raises the kernel's limit.
-#define FA_FWD_FOLD 1  // experiment: unmasked tiles fold the scale c2 into the exp's FFMA (the max is taken unscaled)
-template <typename T, int HD, int V>
+// Shared memory: (128 + 3 · 2 · 64) rows × (HD + 8) × 2 bytes = 72 KiB (HD = 64, two blocks per SM) or 136 KiB
+// (HD = 128, one); both above the 48 KiB default: the host raises the kernel's limit.
+template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
           float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
           long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * 16, BN = fa_cfg<HD>::FWD_BN;
-    constexpr int LD = HD + FA_PAD, NBUF = V & 8 ? 3 : 2;
+    constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
-    T* sK = sQ + BM * LD;         // NBUF buffers of BN rows
-    T* sV = sK + NBUF * BN * LD;  // NBUF buffers of BN rows
+    T* sK = sQ + BM * LD;      // a ring of three buffers of BN rows
+    T* sV = sK + 3 * BN * LD;  // a ring of three buffers of BN rows
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
@@ -333,7 +335,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
     fa_cp_commit();
-    if ((V & 8) && n_tiles > 1) {
+    if (n_tiles > 1) {  // two tiles in flight from the start
         fa_load_tile<T, BN, HD, NT>(sK + BN * LD, kb, k_st, BN, T_len);
         fa_load_tile<T, BN, HD, NT>(sV + BN * LD, vb, v_st, BN, T_len);
         fa_cp_commit();
@@ -346,27 +348,15 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BN;
-        const T* cK = sK + (j % NBUF) * BN * LD;
-        const T* cV = sV + (j % NBUF) * BN * LD;
-        if constexpr (V & 8) {
-            if (j + 1 < n_tiles) fa_cp_wait<1>();
-            else fa_cp_wait<0>();
-            __syncthreads();
-            if (j + 2 < n_tiles) {
-                fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % NBUF) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
-                fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % NBUF) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
-                fa_cp_commit();
-            }
-        } else {
-        if (j + 1 < n_tiles) {  // prefetch tile j + 1 into the other buffer (free since the end of tile j − 1)
-            fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
-            fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+        const T* cK = sK + (j % 3) * BN * LD;
+        const T* cV = sV + (j % 3) * BN * LD;
+        if (j + 1 < n_tiles) fa_cp_wait<1>();  // tile j (and Q) landed; tile j + 1 may still be in flight
+        else fa_cp_wait<0>();
+        __syncthreads();  // tile j is visible to every warp, and every warp is done with tile j − 1
+        if (j + 2 < n_tiles) {  // so tile j + 2 can take tile j − 1's buffer
+            fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % 3) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % 3) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
             fa_cp_commit();
-            fa_cp_wait<1>();  // tile j (and Q) landed; tile j + 1 may still be in flight
-        } else {
-            fa_cp_wait<0>();
-        }
-        __syncthreads();  // every thread's copies of tile j are visible to every warp
         }
         // a warp whose rows are all past T, or (causal) whose rows all lie before the tile's first key, skips it
         if (w0 < T_len && (!causal || k0 <= w0 + 15)) {
@@ -380,10 +370,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                 fa_mma_row<T, BN / 16, false>(s, a, cK + kk * 16, LD, lane);
             }
             float mx[2] = {m[0], m[1]};
-            const bool masked = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
-            const bool fold = (V & FA_FWD_FOLD) && !masked;
-            if (fold) mx[0] = mx[1] = -LLMGPU_INF;
-            if (masked) {  // the diagonal or the ragged last tile
+            if ((causal && k0 + BN - 1 > w0) || k0 + BN > T_len) {  // the diagonal or the ragged last tile
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -391,7 +378,7 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                         const int key = k0 + n * 8 + c + (e & 1);
                         s[n][e] = fa_visible(rows[e >> 1], key, T_len, causal) ? s[n][e] * c2 : -LLMGPU_INF;
                     }
-            } else if (!(V & FA_FWD_FOLD)) {
+            } else {
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -401,10 +388,6 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            if (fold) {  // max(c2 s) = c2 max(s) for c2 > 0 (rounding is monotone)
-                mx[0] = fmaxf(m[0], mx[0] * c2);
-                mx[1] = fmaxf(m[1], mx[1] * c2);
-            }
             float ref[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -420,15 +403,6 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                     acc[n][2 * r + 1] *= alpha;
                 }
             }
-            if (fold) {
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = fast_exp2(s[n][e] * c2 - ref[e >> 1]);
-                    l[e >> 1] += s[n][e];
-                }
-            } else {
 #pragma unroll
             for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -436,7 +410,6 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                     s[n][e] = fast_exp2(s[n][e] - ref[e >> 1]);
                     l[e >> 1] += s[n][e];
                 }
-            }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {  // O += P V, 16 keys at a time
                 unsigned a[4];
@@ -444,7 +417,6 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                 fa_mma_row<T, HD / 16, true>(acc, a, cV + kk * 16 * LD, LD, lane);
             }
         }
-        if constexpr (!(V & 8)) __syncthreads();  // every warp is done with tile j's buffer before tile j + 2 is copied
     }
     T* ob = o + b * o_sb + h * o_sh;
 #pragma unroll
@@ -716,17 +688,7 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
 }
 
-// --------------------------------------------------------------------------- 4. backward candidates ("wide")
-
-// Experiments on the wide kernels (issue 16; dev/cuda/flash_backward_hypotheses.md), bits of their template
-// argument V, one flash_launch.BWD_VARIANTS entry per combination measured:
-#define FA_SPLIT_MASK 1  // H1: the masked exp loop only on tiles that need a mask, a plain one elsewhere
-#define FA_DP_FIRST 2    // H2 (dK, dV): dPᵀ = V dOᵀ before the exp, so the exp overlaps independent MMAs
-#define FA_DQ_3BLOCKS 4  // H4 (dQ, HD = 128): three resident blocks per SM instead of two
-#define FA_RING3 8       // H3: three buffers for the inner tiles, two in flight, one barrier per tile
-#define FA_DQ_3BLOCKS_64 16  // H4 at HD = 64 too (with FA_DQ_3BLOCKS)
-#define FA_DQ_UNROLL2 64  // dQ: the S, dP loop over d unrolled by 2, not 4 (registers: no spill at three blocks)
-#define FA_PACKED_STATS 128  // H5: dQ writes (lse · log2 e, D) as a float2 per row; dK, dV load it with one cp.async
+// --------------------------------------------------------------------------- 4. the wide backward (the default)
 
 // Where flash_bwd_dkdv spends its time (a model, not a profile): each warp owns 16 keys, so every Q and dO fragment
 // it reads from shared memory with ldmatrix feeds only two MMAs: per 64-query tile a warp issues 128 MMAs and 72
@@ -736,6 +698,18 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // each fragment once for four MMAs; the price is registers (dK, dV for 32 keys × 64 dims are 128 per thread), so
 // the inner query tile shrinks to 32 (Sᵀ and dPᵀ 32 more each): 48 ldmatrix.x4 per 128 MMAs, ~0.38. HD = 128
 // keeps 16 keys per warp (WIDE_MT = 1) and gains only the longer query tile (0.75 -> 0.63 per MMA).
+//
+// Two things every tile pays for unless written with care (dev/cuda/flash_backward_hypotheses.md has the measured
+// list): the causal mask, and the per-row statistics. Only the tiles on a warp's diagonal (or past T) need a mask;
+// written as one select per element on every tile, ptxas builds all 32 predicates and packs them into registers on
+// every tile, so both kernels branch to a plain exp loop on the others. The statistics lse · log2 e and D arrive
+// as one float2 per row, written by flash_bwd_dq_wide (which computes both anyway) and read here with one 8-byte
+// cp.async per row.
+
+// One row's statistics for the backward: lse · log2 e (the exponent's offset in base 2) and D = rowsum(dO ⊙ O).
+struct fa_row_stats {
+    float l2, d;
+};
 
 // flash_bwd_dkdv with WIDE_MT 16-key tiles per warp: 16 · WIDE_MT · DKDV_WARPS keys per block (128 for HD = 64),
 // query tiles of WIDE_KV_BM rows, double-buffered by cp.async as there. Registers (ptxas, sm_80/sm_90): with Pᵀ
@@ -743,63 +717,48 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as the 16-bit A fragments dV needs (dSᵀ = Pᵀ ⊙
 // (dPᵀ − D) takes the rounded Pᵀ: one rounding more than flash_bwd_dkdv, so the two agree to rounding, not to the
 // bit), and those d loops unroll by 2: ~242 registers, no spill, 2 blocks (8 warps) per SM as flash_bwd_dkdv.
-template <typename T, int HD, int V>
+template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                    T* __restrict__ dk, T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb,
-                    long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
-                    long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
-                    long long dk_sb, long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh,
-                    long long dv_st) {
+                    const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
+                    T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+                    long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
+                    long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
+                    long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WK = 16 * MT;  // 16-key tiles and keys per warp
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * WK, BM = fa_cfg<HD>::WIDE_KV_BM;
-    constexpr int LD = HD + FA_PAD, NBUF = V & FA_RING3 ? 3 : 2;
+    constexpr int LD = HD + FA_PAD;
+    static_assert(BM <= NT, "one thread per query row loads its statistics");
     T* sK = reinterpret_cast<T*>(fa_smem);
     T* sV = sK + BN * LD;
-    T* sQ = sV + BN * LD;          // NBUF buffers of BM rows
-    T* sdO = sQ + NBUF * BM * LD;  // NBUF buffers of BM rows
-    float* sL = reinterpret_cast<float*>(sdO + NBUF * BM * LD);  // NBUF buffers: lse of the tile's rows
-    float* sD = sL + NBUF * BM;                                  // NBUF buffers: D
+    T* sQ = sV + BN * LD;       // two buffers of BM rows
+    T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
+    fa_row_stats* sS = reinterpret_cast<fa_row_stats*>(sdO + 2 * BM * LD);  // two buffers: the tile's row stats
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = k0 + warp * WK;  // this warp's first key; lane rows w0 + 16 m + g (+ 8)
     const T* qb = q + b * q_sb + h * q_sh;
     const T* dob = dout + b * do_sb + h * do_sh;
-    const float* lseb = lse + (long long)bh * T_len;
-    const float* deltab = delta + (long long)bh * T_len * (V & FA_PACKED_STATS ? 2 : 1);
+    const fa_row_stats* statsb = stats + (long long)bh * T_len;
     const float c2 = scale * FA_LOG2E;
 
     const int q_first = causal ? (k0 / BM) * BM : 0;
     const int n_tiles = (T_len - q_first + BM - 1) / BM;
-    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % NBUF
-        const int q0 = q_first + i * BM, buf = i % NBUF;
+    auto load_q_tile = [&](int i) {  // Q, dO and the row stats of query tile i into buffer i % 2
+        const int q0 = q_first + i * BM, buf = i & 1;
         fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
         fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
-        if constexpr (V & FA_PACKED_STATS) {  // (lse · log2 e, D) of row q0 + r: 8 bytes, one thread per row
-            static_assert(BM <= NT, "one thread per row");
-            if (threadIdx.x < BM) {
-                const int row = q0 + threadIdx.x;
-                const bool in = row < T_len;
-                fa_cp8(sL + 2 * (buf * BM + threadIdx.x), deltab + 2 * (long long)(in ? row : 0), in);
-            }
-        } else {
-        for (int r = threadIdx.x; r < 2 * BM; r += NT) {
-            const int row = q0 + r % BM;
-            const bool in = row < T_len, is_l = r < BM;
-            fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, (is_l ? lseb : deltab) + (in ? row : 0), in);
-        }
+        if (threadIdx.x < BM) {
+            const int row = q0 + threadIdx.x;
+            const bool in = row < T_len;
+            fa_cp8(sS + buf * BM + threadIdx.x, statsb + (in ? row : 0), in);
         }
     };
     fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
     load_q_tile(0);
     fa_cp_commit();
-    if ((V & FA_RING3) && n_tiles > 1) {
-        load_q_tile(1);
-        fa_cp_commit();
-    }
 
     float adk[MT][HD / 8][4], adv[MT][HD / 8][4];
 #pragma unroll
@@ -810,38 +769,18 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int e = 0; e < 4; ++e) adk[m][n][e] = adv[m][n][e] = 0.0f;
 
     for (int i = 0; i < n_tiles; ++i) {
-        const int q0 = q_first + i * BM, buf = i % NBUF;
-        const T* cQ = sQ + buf * BM * LD;
-        const T* cdO = sdO + buf * BM * LD;
-        const float* cL = sL + buf * BM;
-        const float* cD = sD + buf * BM;
-        const float2* cLD = reinterpret_cast<const float2*>(sL) + buf * BM;  // FA_PACKED_STATS
-        auto row_l = [&](int col) {  // lse · log2 e of query col (the same bits either way)
-            if constexpr (V & FA_PACKED_STATS) return cLD[col].x;
-            else return cL[col] * FA_LOG2E;
-        };
-        auto row_d = [&](int col) {
-            if constexpr (V & FA_PACKED_STATS) return cLD[col].y;
-            else return cD[col];
-        };
-        if constexpr (V & FA_RING3) {  // tiles i and i + 1 are in flight
-            if (i + 1 < n_tiles) fa_cp_wait<1>();
-            else fa_cp_wait<0>();
-            __syncthreads();  // tile i has landed, and every warp is done with tile i - 1, whose buffer i + 2 takes
-            if (i + 2 < n_tiles) {
-                load_q_tile(i + 2);
-                fa_cp_commit();
-            }
+        const int q0 = q_first + i * BM;
+        const T* cQ = sQ + (i & 1) * BM * LD;
+        const T* cdO = sdO + (i & 1) * BM * LD;
+        const fa_row_stats* cS = sS + (i & 1) * BM;
+        if (i + 1 < n_tiles) {
+            load_q_tile(i + 1);
+            fa_cp_commit();
+            fa_cp_wait<1>();
         } else {
-            if (i + 1 < n_tiles) {
-                load_q_tile(i + 1);
-                fa_cp_commit();
-                fa_cp_wait<1>();
-            } else {
-                fa_cp_wait<0>();
-            }
-            __syncthreads();
+            fa_cp_wait<0>();
         }
+        __syncthreads();
         if (w0 < T_len && (!causal || q0 + BM - 1 >= w0)) {
             const bool edge = (causal && q0 < w0 + WK - 1) || q0 + BM > T_len || w0 + WK > T_len;
             float p[MT][BM / 8][4];  // Sᵀ, then Pᵀ, then dSᵀ: this warp's WK keys × BM queries
@@ -856,41 +795,25 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sK + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
                 fa_mma_rows<T, MT, BM / 16, false>(p, a, cQ + kk * 16, LD, lane);
             }
-            float dp[MT][BM / 8][4];  // dPᵀ = V dOᵀ, then dSᵀ
-            auto dkdv_dp = [&]() {
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
-#pragma unroll 2
-                for (int kk = 0; kk < HD / 16; ++kk) {
-                    unsigned a[MT][4];
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sV + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
-                    fa_mma_rows<T, MT, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
-                }
-            };
-            if constexpr (V & FA_DP_FIRST) dkdv_dp();
-            if ((V & FA_SPLIT_MASK) && !edge) {
+            if (!edge) {  // every key sees every query of the tile
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
 #pragma unroll
                     for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - row_l(n * 8 + c + (e & 1)));
+                            p[m][n][e] = fast_exp2(p[m][n][e] * c2 - cS[n * 8 + c + (e & 1)].l2);
             } else {
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int n = 0; n < BM / 8; ++n)
+                    for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = n * 8 + c + (e & 1), key = w0 + m * 16 + g + 8 * (e >> 1);
-                        const float pe = fast_exp2(p[m][n][e] * c2 - row_l(col));
-                        p[m][n][e] = !edge || (fa_visible(q0 + col, key, T_len, causal) && q0 + col < T_len)
-                                         ? pe : 0.0f;
-                    }
+                        for (int e = 0; e < 4; ++e) {
+                            const int col = n * 8 + c + (e & 1), key = w0 + m * 16 + g + 8 * (e >> 1);
+                            const float pe = fast_exp2(p[m][n][e] * c2 - cS[col].l2);
+                            p[m][n][e] = fa_visible(q0 + col, key, T_len, causal) && q0 + col < T_len ? pe : 0.0f;
+                        }
             }
             unsigned pa[BM / 16][MT][4];  // Pᵀ in 16 bits, as A fragments: half the registers of p, which dies here
 #pragma unroll
@@ -899,7 +822,18 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int m = 0; m < MT; ++m) fa_c_to_a<T>(pa[kk][m], p[m][2 * kk], p[m][2 * kk + 1]);
                 fa_mma_rows<T, MT, HD / 16, true>(adv, pa[kk], cdO + kk * 16 * LD, LD, lane);
             }
-            if constexpr (!(V & FA_DP_FIRST)) dkdv_dp();
+            float dp[MT][BM / 8][4];  // dPᵀ = V dOᵀ, then dSᵀ (computing it before the exp measured no faster)
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
+#pragma unroll 2
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sV + (warp * WK + m * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BM / 16, false>(dp, a, cdO + kk * 16, LD, lane);
+            }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -909,8 +843,8 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                         const int n = 2 * kk + (h2 >> 1), e = 2 * (h2 & 1), col = n * 8 + c;
                         float p0, p1;  // dSᵀ / c = Pᵀ ⊙ (dPᵀ − D), with Pᵀ as rounded for dV
                         unpack2<T>(pa[kk][m][h2], p0, p1);
-                        dp[m][n][e] = p0 * (dp[m][n][e] - row_d(col));
-                        dp[m][n][e + 1] = p1 * (dp[m][n][e + 1] - row_d(col + 1));
+                        dp[m][n][e] = p0 * (dp[m][n][e] - cS[col].d);
+                        dp[m][n][e + 1] = p1 * (dp[m][n][e + 1] - cS[col + 1].d);
                     }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {  // dK += dSᵀ Q
@@ -920,7 +854,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 fa_mma_rows<T, MT, HD / 16, true>(adk, a, cQ + kk * 16 * LD, LD, lane);
             }
         }
-        if constexpr (!(V & FA_RING3)) __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2
+        __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 is copied into it
     }
     T* dkb = dk + b * dk_sb + h * dk_sh;
     T* dvb = dv + b * dv_sb + h * dv_sh;
@@ -942,22 +876,28 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 }
 
 // flash_bwd_dq with WIDE_MT 16-row tiles per warp (16 · WIDE_MT · DQ_WARPS query rows per block: 128 for HD = 64)
-// and key tiles of WIDE_DQ_BN, which also computes D = rowsum(dO ⊙ O) for its rows and writes it to `delta`
-// (flash_bwd_dot's job, fused: dO is read here anyway), so it runs before flash_bwd_dkdv_wide, which reads D. Per
-// lane: the four lanes of a quad own the same rows; each sums 16-byte chunks (lane % 4) + 4 j of dO and O (global
-// loads, coalesced per quad), two shuffles join the quad. Same arithmetic per element as flash_bwd_dq (D summed in
-// another order than flash_bwd_dot's, so dS and everything after it agree to rounding, not to the bit).
-template <typename T, int HD, int V>
-__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, (V & FA_DQ_3BLOCKS) && (HD == 128 || (V & FA_DQ_3BLOCKS_64)) ? 3 : 2)
+// and key tiles of WIDE_DQ_BN, which also computes D = rowsum(dO ⊙ O) for its rows and writes (lse · log2 e, D) to
+// `stats` (flash_bwd_dot's job, fused: dO is read here anyway), so it runs before flash_bwd_dkdv_wide, which reads
+// them. Per lane: the four lanes of a quad own the same rows; each sums 16-byte chunks (lane % 4) + 4 j of dO and O
+// (global loads, coalesced per quad), two shuffles join the quad. Same arithmetic per element as flash_bwd_dq (D
+// summed in another order than flash_bwd_dot's, so dS and everything after it agree to rounding, not to the bit).
+// Three blocks (12 warps) per SM, where flash_bwd_dkdv_wide has two: at 168 registers this kernel still fits, if S
+// and dP are computed one after the other (interleaved, ptxas hoists enough fragments to spill). Key tiles come
+// through a ring of WIDE_DQ_BUFS buffers: with three, two tiles are in flight and one barrier per tile suffices
+// (the barrier at the top of tile j + 1 proves every warp has left tile j − 1, whose buffer tile j + 2 takes); with
+// HD = 128 three buffers would not leave room for three blocks, so it keeps two and a barrier at the end of a tile.
+template <typename T, int HD>
+__global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::WIDE_DQ_MIN_BLOCKS)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
-                  float* __restrict__ delta, T* __restrict__ dq, int H, int T_len, float scale, int causal,
+                  fa_row_stats* __restrict__ stats, T* __restrict__ dq, int H, int T_len, float scale, int causal,
                   long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st,
                   long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
                   long long o_sb, long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * WQ, BN = fa_cfg<HD>::WIDE_DQ_BN;
-    constexpr int LD = HD + FA_PAD, NBUF = V & FA_RING3 ? 3 : 2;
+    constexpr int LD = HD + FA_PAD, NBUF = fa_cfg<HD>::WIDE_DQ_BUFS;
+    static_assert(NBUF == 2 || NBUF == 3, "a double buffer or a ring of three");
     T* sQ = reinterpret_cast<T*>(fa_smem);
     T* sdO = sQ + BM * LD;
     T* sK = sdO + BM * LD;        // NBUF buffers of BN rows
@@ -972,14 +912,16 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const float c2 = scale * FA_LOG2E;
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
     const int n_tiles = (kv_end + BN - 1) / BN;
+    auto load_kv_tile = [&](int j) {  // K, V of key tile j into buffer j % NBUF
+        fa_load_tile<T, BN, HD, NT>(sK + (j % NBUF) * BN * LD, kb, k_st, j * BN, T_len);
+        fa_load_tile<T, BN, HD, NT>(sV + (j % NBUF) * BN * LD, vb, v_st, j * BN, T_len);
+    };
     fa_load_tile<T, BM, HD, NT>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
     fa_load_tile<T, BM, HD, NT>(sdO, dob, do_st, q0, T_len);
-    fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
-    fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
+    load_kv_tile(0);
     fa_cp_commit();
-    if ((V & FA_RING3) && n_tiles > 1) {
-        fa_load_tile<T, BN, HD, NT>(sK + BN * LD, kb, k_st, BN, T_len);
-        fa_load_tile<T, BN, HD, NT>(sV + BN * LD, vb, v_st, BN, T_len);
+    if (NBUF == 3 && n_tiles > 1) {
+        load_kv_tile(1);
         fa_cp_commit();
     }
 
@@ -1007,11 +949,7 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
             s += __shfl_xor_sync(0xffffffffu, s, 2);
             rd[m][r] = s;
             rl[m][r] = in ? lse[(long long)bh * T_len + row] * FA_LOG2E : 0.0f;
-            if (in && (lane & 3) == 0) {
-                if constexpr (V & FA_PACKED_STATS)
-                    reinterpret_cast<float2*>(delta)[(long long)bh * T_len + row] = make_float2(rl[m][r], s);
-                else delta[(long long)bh * T_len + row] = s;
-            }
+            if (in && (lane & 3) == 0) stats[(long long)bh * T_len + row] = {rl[m][r], s};
         }
     float adq[MT][HD / 8][4];
 #pragma unroll
@@ -1023,19 +961,17 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
         const int k0 = j * BN;
         const T* cK = sK + (j % NBUF) * BN * LD;
         const T* cV = sV + (j % NBUF) * BN * LD;
-        if constexpr (V & FA_RING3) {  // tiles j and j + 1 are in flight
+        if constexpr (NBUF == 3) {  // tiles j and j + 1 are in flight
             if (j + 1 < n_tiles) fa_cp_wait<1>();
             else fa_cp_wait<0>();
-            __syncthreads();  // tile j has landed, and every warp is done with tile j - 1, whose buffer j + 2 takes
+            __syncthreads();  // tile j has landed, and every warp is done with tile j − 1, whose buffer j + 2 takes
             if (j + 2 < n_tiles) {
-                fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % NBUF) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
-                fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % NBUF) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
+                load_kv_tile(j + 2);
                 fa_cp_commit();
             }
         } else {
             if (j + 1 < n_tiles) {
-                fa_load_tile<T, BN, HD, NT>(sK + ((j + 1) & 1) * BN * LD, kb, k_st, k0 + BN, T_len);
-                fa_load_tile<T, BN, HD, NT>(sV + ((j + 1) & 1) * BN * LD, vb, v_st, k0 + BN, T_len);
+                load_kv_tile(j + 1);
                 fa_cp_commit();
                 fa_cp_wait<1>();
             } else {
@@ -1051,50 +987,40 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) p[m][n][e] = dp[m][n][e] = 0.0f;
-            if constexpr (V & FA_DQ_UNROLL2) {
-#pragma unroll 2
-            for (int kk = 0; kk < HD / 16; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sQ + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
-                fa_mma_rows<T, MT, BN / 16, false>(p, a, cK + kk * 16, LD, lane);   // S = Q Kᵀ
-#pragma unroll
-                for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sdO + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
-                fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
-            }
-            } else {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 unsigned a[MT][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sQ + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
-                fa_mma_rows<T, MT, BN / 16, false>(p, a, cK + kk * 16, LD, lane);   // S = Q Kᵀ
+                fa_mma_rows<T, MT, BN / 16, false>(p, a, cK + kk * 16, LD, lane);  // S = Q Kᵀ
+            }
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                unsigned a[MT][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m) fa_frag_a(a[m], sdO + (warp * WQ + m * 16) * LD + kk * 16, LD, lane);
                 fa_mma_rows<T, MT, BN / 16, false>(dp, a, cV + kk * 16, LD, lane);  // dP = dO Vᵀ
             }
-            }
-            const bool edge = (causal && k0 + BN - 1 > w0) || k0 + BN > T_len;
-            if ((V & FA_SPLIT_MASK) && !edge) {
+            if (!((causal && k0 + BN - 1 > w0) || k0 + BN > T_len)) {  // no mask: every row sees every key
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
 #pragma unroll
                     for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
+                        for (int e = 0; e < 4; ++e)  // dS (without c)
                             p[m][n][e] = fast_exp2(p[m][n][e] * c2 - rl[m][e >> 1]) * (dp[m][n][e] - rd[m][e >> 1]);
             } else {
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int n = 0; n < BN / 8; ++n)
+                    for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = e >> 1, key = k0 + n * 8 + c + (e & 1);
-                        float pe = fast_exp2(p[m][n][e] * c2 - rl[m][r]);
-                        if (edge && !fa_visible(w0 + m * 16 + g + 8 * r, key, T_len, causal)) pe = 0.0f;
-                        p[m][n][e] = pe * (dp[m][n][e] - rd[m][r]);  // dS (without c)
-                    }
+                        for (int e = 0; e < 4; ++e) {
+                            const int r = e >> 1, key = k0 + n * 8 + c + (e & 1);
+                            float pe = fast_exp2(p[m][n][e] * c2 - rl[m][r]);
+                            if (!fa_visible(w0 + m * 16 + g + 8 * r, key, T_len, causal)) pe = 0.0f;
+                            p[m][n][e] = pe * (dp[m][n][e] - rd[m][r]);
+                        }
             }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {  // dQ += dS K
@@ -1104,7 +1030,7 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 fa_mma_rows<T, MT, HD / 16, true>(adq, a, cK + kk * 16 * LD, LD, lane);
             }
         }
-        if constexpr (!(V & FA_RING3)) __syncthreads();
+        if constexpr (NBUF == 2) __syncthreads();  // every warp is done with buffer j % 2 before tile j + 2
     }
     T* dqb = dq + b * dq_sb + h * dq_sh;
 #pragma unroll

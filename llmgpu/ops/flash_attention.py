@@ -177,6 +177,8 @@ def ours_unsupported(q, *arrays) -> str | None:
         if any(s % 8 for s in st):
             return (f"our flash attention kernels need element strides that are multiples of 8 (16-byte rows), got "
                     f"{[s // a.dtype.itemsize for s in a.strides]}: pass a contiguous copy")
+    if any(T * (a.strides[2] // a.dtype.itemsize) >= 2**31 for a in (q, *arrays)):  # 32-bit row offsets
+        return f"our flash attention kernels take T · (row stride) < 2**31 elements, got T={T}: pass a contiguous copy"
     if B * H >= 2**31 or -(-T // 16) > 65535:
         return f"our flash attention kernels take B·H < 2**31 and T ≤ {65535 * 16}, got B·H={B * H}, T={T}"
     return None

@@ -4,8 +4,9 @@ Tile shapes mirror ``fa_cfg<HD>`` in the .cu, shared memory is computed from the
 variants (``BWD_VARIANTS``), so that one process can time them side by side before one becomes the default:
 
 * ``"wide"``    (``DEFAULT_BWD_VARIANT``) ``flash_bwd_dq_wide`` (32 query rows per warp, 128 per block, key tiles
-  of 32; it also computes D = rowsum(dO ⊙ O), so no separate kernel for it), then ``flash_bwd_dkdv_wide`` (32 keys
-  per warp, 128 per block, query tiles of 32; head dim 128: 16 keys per warp, query tiles of 32).
+  of 32, three blocks per SM; it also computes D = rowsum(dO ⊙ O) and writes each row's (lse · log2 e, D) as one
+  float2, so no separate kernel for it), then ``flash_bwd_dkdv_wide`` (32 keys per warp, 128 per block, query
+  tiles of 32; head dim 128: 16 keys per warp, query tiles of 32).
 * ``"base"``    the first version, kept as the chapter's simpler kernels: ``flash_bwd_dot`` (D), ``flash_bwd_dkdv``
   (16 keys per warp, 64 per block) and ``flash_bwd_dq`` (16 query rows per warp, 64 per block).
 
@@ -32,14 +33,9 @@ PAD = 8  # FA_PAD
 FWD_WARPS, FWD_BN = 8, 64
 DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
+FWD_BUFS = 3  # flash_fwd's ring of K, V tiles
 
-# The wide kernels' template flags (FA_SPLIT_MASK, ... in the .cu): one variant per combination being measured
-_WIDE_FLAGS = {"wide": 0, "split": 1, "split_dq3": 5, "split_ring3": 9, "split_ring3_dq3": 13,
-               "split_ring3_dq3all": 29, "split_dq3all_u2": 85, "split_ring3_u2": 73, "split_ring3_dq3all_u2": 93,
-               "split_packed": 129, "split_ring3_dq3all_u2_packed": 221}
-_PACKED = 128
-_RING3 = 8
-BWD_VARIANTS = (*_WIDE_FLAGS, "base")
+BWD_VARIANTS = ("wide", "base")
 DEFAULT_BWD_VARIANT = "wide"
 
 
@@ -55,48 +51,43 @@ def _wide_mt(D):
     return 1 if D == 128 else 2  # fa_cfg<HD>::WIDE_MT: 16-row tiles per warp in the wide kernels
 
 
+def _wide_dq_bufs(D):
+    return 2 if D == 128 else 3  # fa_cfg<HD>::WIDE_DQ_BUFS
+
+
 def _strides(a):
     it = a.dtype.itemsize
     return [np.int64(s // it) for s in a.strides[:3]]
 
 
-def _kernel(function, dtype, D, smem, flags=None):
-    kern = get_kernel("flash_attention", function, dtype, D, *(() if flags is None else (flags,)))
+def _kernel(function, dtype, D, smem):
+    kern = get_kernel("flash_attention", function, dtype, D)
     if not opt_in_shared_memory(kern, smem):
         raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
                            "does not allow that much")
     return kern
 
 
-def smem_bytes(function: str, D: int, itemsize: int = 2, flags: int = 0) -> int:
+def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
     """Dynamic shared memory of one block of ``function`` (0 for the kernels with static shared memory).
-    The inner tiles are double-buffered (two copies of K, V in the forward and dQ, of Q, dO, lse, D in dK, dV;
-    three in the wide kernels with the FA_RING3 flag)."""
+    The inner tiles are double-buffered (two copies of Q, dO and the row statistics in dK, dV; of K, V in the base
+    dQ) or come through a ring of three (K, V in the forward and, head dim 64, in the wide dQ)."""
     row = (D + PAD) * itemsize
     bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
-    nbuf = 3 if flags & _RING3 else 2
-    return {"flash_fwd": (16 * FWD_WARPS + nbuf * 2 * FWD_BN) * row,
+    return {"flash_fwd": (16 * FWD_WARPS + FWD_BUFS * 2 * FWD_BN) * row,
             "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
             "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
-            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + nbuf * 2 * WIDE_KV_BM) * row + nbuf * 2 * WIDE_KV_BM * 4,
-            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + nbuf * 2 * WIDE_DQ_BN) * row}.get(function, 0)
-
-
-def variant_flags(variant: str) -> int | None:
-    """The template flags of the wide kernels for ``variant`` (None: the base kernels, which take none)."""
-    return _WIDE_FLAGS.get(variant)
+            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + 2 * 2 * WIDE_KV_BM) * row + 2 * WIDE_KV_BM * 8,
+            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + _wide_dq_bufs(D) * 2 * WIDE_DQ_BN) * row}.get(function, 0)
 
 
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
-    if variant == "base":
-        return ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq")
-    if variant not in _WIDE_FLAGS:
-        raise KeyError(variant)
-    return ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")
+    return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
+            "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
 
 
-def ours_forward(q, k, v, o, lse, scale, causal, scalar=False, flags=0):
+def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
     B, H, T, D = q.shape
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
@@ -104,19 +95,22 @@ def ours_forward(q, k, v, o, lse, scale, causal, scalar=False, flags=0):
         rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
         get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
         return
-    smem = smem_bytes("flash_fwd", D, flags=flags)
+    smem = smem_bytes("flash_fwd", D)
     bm = 16 * FWD_WARPS
-    _kernel("flash_fwd", q.dtype, D, smem, flags)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
+    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
 
 
-_DELTA: dict = {}  # (device, B, H, T) -> fp32 [B, H, T]: D = rowsum(dO ⊙ O), made once per shape
+_ROW_STATS: dict = {}  # (device, B, H, T, per row) -> fp32 [B, H, T, per row], made once per shape
 
 
-def _delta_buffer(cp, B, H, T, packed=False):
-    key = (cp.cuda.Device().id, B, H, T, packed)
-    d = _DELTA.get(key)
+def row_stats_buffer(cp, B, H, T, variant=DEFAULT_BWD_VARIANT):
+    """The per-row statistics the backward of ``variant`` passes between its kernels: [B, H, T, 1] D = rowsum(dO ⊙
+    O) ("base": ``flash_bwd_dot`` writes it), [B, H, T, 2] (lse · log2 e, D) ("wide": ``flash_bwd_dq_wide``)."""
+    per_row = 1 if variant == "base" else 2
+    key = (cp.cuda.Device().id, B, H, T, per_row)
+    d = _ROW_STATS.get(key)
     if d is None:
-        d = _DELTA[key] = cp.empty((B, H, T, 2) if packed else (B, H, T), dtype=np.float32)
+        d = _ROW_STATS[key] = cp.empty((B, H, T, per_row), dtype=np.float32)
     return d
 
 
@@ -125,8 +119,7 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     of that name from the variant's list; the others' outputs are then left as they were."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
-    flags = variant_flags(variant)
-    delta = _delta_buffer(cp, B, H, T, bool((flags or 0) & _PACKED))
+    stats = row_stats_buffer(cp, B, H, T, variant)
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
@@ -136,17 +129,18 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
             continue
         if name == "flash_bwd_dot":
             get_kernel("flash_attention", name, q.dtype)(
-                (-(-rows // 8),), (256,), (do, o, delta, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
+                (-(-rows // 8),), (256,), (do, o, stats, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
                                            *_strides(do), *_strides(o)))
             continue
-        smem = smem_bytes(name, D, flags=flags or 0)
+        smem = smem_bytes(name, D)
         tile = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * (DKDV_WARPS if "dkdv" in name else DQ_WARPS)
         grid, block = (B * H, -(-T // tile)), (32 * (DKDV_WARPS if "dkdv" in name else DQ_WARPS),)
-        if name.startswith("flash_bwd_dkdv"):
-            args = (q, k, v, do, lse, delta, dk, dv, *head, *kv)
+        if name == "flash_bwd_dkdv":
+            args = (q, k, v, do, lse, stats, dk, dv, *head, *kv)
+        elif name == "flash_bwd_dkdv_wide":  # lse · log2 e comes with D in stats
+            args = (q, k, v, do, stats, dk, dv, *head, *kv)
         elif name == "flash_bwd_dq":
-            args = (q, k, v, do, lse, delta, dq, *head, *ins, *_strides(dq))
-        else:  # flash_bwd_dq_wide: also reads O and writes D
-            args = (q, k, v, do, o, lse, delta, dq, *head, *ins, *_strides(o), *_strides(dq))
-        _kernel(name, q.dtype, D, smem, flags if name.endswith("_wide") else None)(grid, block, args,
-                                                                                   shared_mem=smem)
+            args = (q, k, v, do, lse, stats, dq, *head, *ins, *_strides(dq))
+        else:  # flash_bwd_dq_wide: also reads O and writes the row stats
+            args = (q, k, v, do, o, lse, stats, dq, *head, *ins, *_strides(o), *_strides(dq))
+        _kernel(name, q.dtype, D, smem)(grid, block, args, shared_mem=smem)
