@@ -63,9 +63,10 @@ template <> struct fa_is_half<__half> { static constexpr bool value = true; };
 // Every warp owns 16 rows of its kernel's outer tile (queries in flash_fwd and flash_bwd_dq, keys in
 // flash_bwd_dkdv); the inner tile is what the loop walks over, double-buffered in shared memory.
 template <int HD> struct fa_cfg {
-    static constexpr int FWD_WARPS = 8;                 // flash_fwd: 128 query rows per block
+    static constexpr int FWD_MT = HD == 64 ? 2 : 1;     // flash_fwd: 16-row tiles per warp
+    static constexpr int FWD_WARPS = 8 / FWD_MT;        //   128 query rows per block
     static constexpr int FWD_BN = 64;                   //   keys per inner tile
-    static constexpr int FWD_MIN_BLOCKS = HD == 64 ? 2 : 1;  // resident blocks (caps registers at 128 for HD 64)
+    static constexpr int FWD_MIN_BLOCKS = HD == 64 ? 2 : 1;  // resident blocks
     static constexpr int DKDV_WARPS = 4;                // flash_bwd_dkdv: 64 keys per block
     static constexpr int DKDV_BM = HD == 128 ? 16 : 64;  //   queries per inner tile (registers: HD = 128's dK, dV
                                                         //   accumulators already take 128 per thread)
@@ -299,23 +300,27 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
 // --------------------------------------------------------------------------- 2. tensor-core forward
 
-// A block of FWD_WARPS = 8 warps owns 128 query rows (16 per warp) and walks the keys in tiles of 64, so every K, V
-// tile brought into shared memory feeds 8 warps' MMAs. The tiles come through a ring of three buffers: while the
+// A block owns 128 query rows: 8 warps of 16 rows (HD = 128), or 4 warps of 32 (HD = 64: FWD_MT = 2 row tiles per
+// warp, so each K, V fragment read from shared memory feeds two MMAs, as in the wide backward), and walks the keys
+// in tiles of 64, so every K, V tile brought into shared memory feeds the whole block's MMAs. The tiles come through a ring of three buffers: while the
 // warps compute on tile j, cp.async brings tiles j + 1 and j + 2, and one barrier per tile suffices (the one at the
 // top of tile j proves every warp has left tile j − 1, whose buffer tile j + 2 takes). Per tile each warp computes
-// its 16 × 64 scores with HD/16 × 8 MMAs (K read n-major with ldmatrix), applies the mask only where the tile needs one (the causal diagonal, the last tile past T), runs the
-// online softmax in registers (a row's 64 scores are spread over the 4 lanes of a quad: two shuffles per
+// its 16 · FWD_MT × 64 scores with FWD_MT × HD/16 × 8 MMAs (K read n-major with ldmatrix), applies the mask only
+// where the tile needs one (the causal diagonal, the last tile past T), runs the online softmax in registers (a row's 64 scores are spread over the 4 lanes of a quad: two shuffles per
 // reduction), then adds P V with 4 × HD/8 MMAs (P from registers, V read k-major with ldmatrix.trans). Causal:
 // a warp skips the tiles that lie wholly above its diagonal, and the block stops at its last row.
 // Shared memory: (128 + 3 · 2 · 64) rows × (HD + 8) × 2 bytes = 72 KiB (HD = 64, two blocks per SM) or 136 KiB
-// (HD = 128, one); both above the 48 KiB default: the host raises the kernel's limit.
+// (HD = 128, one); both above the 48 KiB default: the host raises the kernel's limit. Registers: HD = 64 at 32 rows
+// per warp needs ~240 (two blocks of 4 warps per SM); 16 rows per warp fit in 128 with two blocks of 8 warps, which
+// measured 2–4 % slower (dev/cuda/flash_backward_hypotheses.md, H7).
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
           float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
           long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
-    constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * 16, BN = fa_cfg<HD>::FWD_BN;
+    constexpr int MT = fa_cfg<HD>::FWD_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
+    constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * WQ, BN = fa_cfg<HD>::FWD_BN;
     constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
     T* sK = sQ + BM * LD;      // a ring of three buffers of BN rows
@@ -323,14 +328,12 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
-    const int w0 = q0 + warp * 16;                // this warp's first row
-    const int rows[2] = {w0 + g, w0 + g + 8};  // this lane's two query rows
+    const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 mm + g (+ 8)
     const T* kb = k + b * k_sb + h * k_sh;
     const T* vb = v + b * v_sb + h * v_sh;
     const float c2 = scale * FA_LOG2E;
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
     const int n_tiles = (kv_end + BN - 1) / BN;
-
     fa_load_tile<T, BM, HD, NT>(sQ, q + b * q_sb + h * q_sh, q_st, q0, T_len);
     fa_load_tile<T, BN, HD, NT>(sK, kb, k_st, 0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, vb, v_st, 0, T_len);
@@ -340,11 +343,14 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         fa_load_tile<T, BN, HD, NT>(sV + BN * LD, vb, v_st, BN, T_len);
         fa_cp_commit();
     }
-
-    float acc[HD / 8][4];
+    float acc[MT][HD / 8][4];
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m[2] = {-LLMGPU_INF, -LLMGPU_INF}, l[2] = {0.0f, 0.0f};  // l: this lane's part of the row sum
+    for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) acc[mm][n][0] = acc[mm][n][1] = acc[mm][n][2] = acc[mm][n][3] = 0.0f;
+    float m[MT][2], l[MT][2];  // running max and this lane's part of the row sum, per row
+#pragma unroll
+    for (int mm = 0; mm < MT; ++mm) m[mm][0] = m[mm][1] = -LLMGPU_INF, l[mm][0] = l[mm][1] = 0.0f;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BN;
@@ -359,78 +365,93 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             fa_cp_commit();
         }
         // a warp whose rows are all past T, or (causal) whose rows all lie before the tile's first key, skips it
-        if (w0 < T_len && (!causal || k0 <= w0 + 15)) {
-            float s[BN / 8][4];  // S = Q Kᵀ, this warp's 16 rows × 64 keys
+        if (w0 < T_len && (!causal || k0 <= w0 + WQ - 1)) {
+            float s[MT][BN / 8][4];  // S = Q Kᵀ, this warp's WQ rows × BN keys
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n) s[mm][n][0] = s[mm][n][1] = s[mm][n][2] = s[mm][n][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
-                unsigned a[4];
-                fa_frag_a(a, sQ + warp * 16 * LD + kk * 16, LD, lane);
-                fa_mma_row<T, BN / 16, false>(s, a, cK + kk * 16, LD, lane);
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mm = 0; mm < MT; ++mm) fa_frag_a(a[mm], sQ + (warp * WQ + mm * 16) * LD + kk * 16, LD, lane);
+                fa_mma_rows<T, MT, BN / 16, false>(s, a, cK + kk * 16, LD, lane);
             }
-            float mx[2] = {m[0], m[1]};
             if ((causal && k0 + BN - 1 > w0) || k0 + BN > T_len) {  // the diagonal or the ragged last tile
+#pragma unroll
+                for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+                    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = k0 + n * 8 + c + (e & 1), row = w0 + mm * 16 + g + 8 * (e >> 1);
+                            s[mm][n][e] = fa_visible(row, key, T_len, causal) ? s[mm][n][e] * c2 : -LLMGPU_INF;
+                        }
+            } else {
+#pragma unroll
+                for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+                    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mm][n][e] *= c2;
+            }
+#pragma unroll
+            for (int mm = 0; mm < MT; ++mm) {
+                float mx[2] = {m[mm][0], m[mm][1]};
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mm][n][e]);
+                float ref[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // the quad holds the whole row
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    ref[r] = fa_ref(mx[r]);
+                    const float alpha = fast_exp2(m[mm][r] - ref[r]);  // rescale what was summed against the old max
+                    m[mm][r] = mx[r];
+                    l[mm][r] *= alpha;
+#pragma unroll
+                    for (int n = 0; n < HD / 8; ++n) {
+                        acc[mm][n][2 * r] *= alpha;
+                        acc[mm][n][2 * r + 1] *= alpha;
+                    }
+                }
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int key = k0 + n * 8 + c + (e & 1);
-                        s[n][e] = fa_visible(rows[e >> 1], key, T_len, causal) ? s[n][e] * c2 : -LLMGPU_INF;
+                        s[mm][n][e] = fast_exp2(s[mm][n][e] - ref[e >> 1]);
+                        l[mm][e >> 1] += s[mm][n][e];
                     }
-            } else {
-#pragma unroll
-                for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] *= c2;
             }
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            float ref[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // the quad holds the whole row
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                ref[r] = fa_ref(mx[r]);
-                const float alpha = fast_exp2(m[r] - ref[r]);  // rescale what was summed against the old max
-                m[r] = mx[r];
-                l[r] *= alpha;
-#pragma unroll
-                for (int n = 0; n < HD / 8; ++n) {
-                    acc[n][2 * r] *= alpha;
-                    acc[n][2 * r + 1] *= alpha;
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[n][e] = fast_exp2(s[n][e] - ref[e >> 1]);
-                    l[e >> 1] += s[n][e];
-                }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {  // O += P V, 16 keys at a time
-                unsigned a[4];
-                fa_c_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-                fa_mma_row<T, HD / 16, true>(acc, a, cV + kk * 16 * LD, LD, lane);
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mm = 0; mm < MT; ++mm) fa_c_to_a<T>(a[mm], s[mm][2 * kk], s[mm][2 * kk + 1]);
+                fa_mma_rows<T, MT, HD / 16, true>(acc, a, cV + kk * 16 * LD, LD, lane);
             }
         }
     }
     T* ob = o + b * o_sb + h * o_sh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (rows[r] >= T_len) continue;
-        const float inv = 1.0f / l[r];
-        T* orow = ob + (long long)rows[r] * o_st;
+    for (int mm = 0; mm < MT; ++mm)
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-            *reinterpret_cast<unsigned*>(orow + n * 8 + c) = pack2<T>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if ((lane & 3) == 0) lse[(long long)bh * T_len + rows[r]] = (fa_ref(m[r]) + log2f(l[r])) * FA_LN2;
-    }
+        for (int r = 0; r < 2; ++r) {
+            l[mm][r] += __shfl_xor_sync(0xffffffffu, l[mm][r], 1);
+            l[mm][r] += __shfl_xor_sync(0xffffffffu, l[mm][r], 2);
+            const int row = w0 + mm * 16 + g + 8 * r;
+            if (row >= T_len) continue;
+            const float inv = 1.0f / l[mm][r];
+            T* orow = ob + (long long)row * o_st;
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n)
+                *reinterpret_cast<unsigned*>(orow + n * 8 + c) =
+                    pack2<T>(acc[mm][n][2 * r] * inv, acc[mm][n][2 * r + 1] * inv);
+            if ((lane & 3) == 0) lse[(long long)bh * T_len + row] = (fa_ref(m[mm][r]) + log2f(l[mm][r])) * FA_LN2;
+        }
 }
 
 // --------------------------------------------------------------------------- 3. backward
@@ -713,10 +734,11 @@ struct fa_row_stats {
 
 // flash_bwd_dkdv with WIDE_MT 16-key tiles per warp: 16 · WIDE_MT · DKDV_WARPS keys per block (128 for HD = 64),
 // query tiles of WIDE_KV_BM rows, double-buffered by cp.async as there. Registers (ptxas, sm_80/sm_90): with Pᵀ
-// kept in fp32 until dSᵀ and the d loops of Sᵀ and dPᵀ fully unrolled it spills (255 + 8-32 bytes), because the
-// scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as the 16-bit A fragments dV needs (dSᵀ = Pᵀ ⊙
-// (dPᵀ − D) takes the rounded Pᵀ: one rounding more than flash_bwd_dkdv, so the two agree to rounding, not to the
-// bit), and those d loops unroll by 2: ~242 registers, no spill, 2 blocks (8 warps) per SM as flash_bwd_dkdv.
+// kept in fp32 until dSᵀ it spills, because the scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as
+// the 16-bit A fragments dV needs (dSᵀ = Pᵀ ⊙ (dPᵀ − D) takes the rounded Pᵀ: one rounding more than
+// flash_bwd_dkdv, so the two agree to rounding, not to the bit): ~250 registers with the d loops of Sᵀ and dPᵀ
+// fully unrolled (no spill since the row statistics come packed; unrolled by 2 it measured 6 % slower), 2 blocks
+// (8 warps) per SM as flash_bwd_dkdv.
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -788,7 +810,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int n = 0; n < BM / 8; ++n) p[m][n][0] = p[m][n][1] = p[m][n][2] = p[m][n][3] = 0.0f;
-#pragma unroll 2  // not 4: see above
+#pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 unsigned a[MT][4];
 #pragma unroll
@@ -827,7 +849,7 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int n = 0; n < BM / 8; ++n) dp[m][n][0] = dp[m][n][1] = dp[m][n][2] = dp[m][n][3] = 0.0f;
-#pragma unroll 2
+#pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 unsigned a[MT][4];
 #pragma unroll

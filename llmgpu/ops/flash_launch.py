@@ -30,13 +30,18 @@ from ..kernels.launch import opt_in_shared_memory
 THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
 PAD = 8  # FA_PAD
 # fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile) and inner tiles
-FWD_WARPS, FWD_BN = 8, 64
+FWD_BN = 64
 DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 FWD_BUFS = 3  # flash_fwd's ring of K, V tiles
+FWD_ROWS = 128  # query rows per flash_fwd block (fa_cfg<HD>::FWD_WARPS · 16 · FWD_MT)
 
 BWD_VARIANTS = ("wide", "base")
 DEFAULT_BWD_VARIANT = "wide"
+
+
+def _fwd_warps(D):
+    return 8 if D == 128 else 4  # fa_cfg<HD>::FWD_WARPS (FWD_MT = 1 or 2 row tiles of 16 per warp)
 
 
 def _dkdv_bm(D):
@@ -74,7 +79,7 @@ def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
     dQ) or come through a ring of three (K, V in the forward and, head dim 64, in the wide dQ)."""
     row = (D + PAD) * itemsize
     bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
-    return {"flash_fwd": (16 * FWD_WARPS + FWD_BUFS * 2 * FWD_BN) * row,
+    return {"flash_fwd": (FWD_ROWS + FWD_BUFS * 2 * FWD_BN) * row,
             "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
             "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
             "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + 2 * 2 * WIDE_KV_BM) * row + 2 * WIDE_KV_BM * 8,
@@ -96,8 +101,7 @@ def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
         get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
         return
     smem = smem_bytes("flash_fwd", D)
-    bm = 16 * FWD_WARPS
-    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // bm)), (32 * FWD_WARPS,), args, shared_mem=smem)
+    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // FWD_ROWS)), (32 * _fwd_warps(D),), args, shared_mem=smem)
 
 
 _ROW_STATS: dict = {}  # (device, B, H, T, per row) -> fp32 [B, H, T, per row], made once per shape
