@@ -403,24 +403,20 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mm][n][e]);
-                float ref[2], alpha[2];
+                float ref[2];
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // the quad holds the whole row
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
                     ref[r] = fa_ref(mx[r]);
-                    alpha[r] = fast_exp2(m[mm][r] - ref[r]);  // rescale what was summed against the old max
+                    const float alpha = fast_exp2(m[mm][r] - ref[r]);  // rescale what was summed against the old max
                     m[mm][r] = mx[r];
-                    l[mm][r] *= alpha[r];
-                }
-                if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // x · 1 = x: skip it
+                    l[mm][r] *= alpha;
 #pragma unroll
-                    for (int r = 0; r < 2; ++r)
-#pragma unroll
-                        for (int n = 0; n < HD / 8; ++n) {
-                            acc[mm][n][2 * r] *= alpha[r];
-                            acc[mm][n][2 * r + 1] *= alpha[r];
-                        }
+                    for (int n = 0; n < HD / 8; ++n) {
+                        acc[mm][n][2 * r] *= alpha;
+                        acc[mm][n][2 * r + 1] *= alpha;
+                    }
                 }
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
