@@ -29,7 +29,8 @@ from ..kernels.launch import opt_in_shared_memory
 
 THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
 PAD = 8  # FA_PAD
-# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile) and inner tiles
+# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile, or 32 in the wide
+# kernels and the D = 64 forward) and inner tiles
 FWD_BN = 64
 DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
