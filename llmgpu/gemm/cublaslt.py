@@ -363,15 +363,21 @@ gemm = lt_gemm  # drop-in name: same arguments as llmgpu.gemm.gemm (plus the epi
 def plan_key(device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch) -> tuple:
     """The key of a call's cached plan: device, epilogue, dtypes, flags, the problem's sizes and the pointers'
     alignment (not alpha, beta or the pointers themselves). ``tools/probe_lt_algos.py`` finds plans by it."""
+    ptrs = (int(a.data.ptr), int(b.data.ptr), int(out.data.ptr))
+    return _plan_key(device_id, a, b, trans_a, trans_b, out, bias if bias is not None else dbias, epilogue, m, n, k,
+                     batch, ptrs)
+
+
+def _plan_key(device_id, a, b, trans_a, trans_b, out, bias_arr, epilogue, m, n, k, batch, ptrs) -> tuple:
+    """``plan_key`` from the pointers and the bias (or dbias) array the launch reads anyway."""
     count = math.prod(batch) if batch else 1
     b_stride = k * n if b.ndim > 2 else 0
-    a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
+    a_ptr, b_ptr, o_ptr = ptrs
     if count > 1:
         align = (_alignment(a_ptr, m * k * a.dtype.itemsize), _alignment(b_ptr, b_stride * a.dtype.itemsize),
                  _alignment(o_ptr, m * n * out.dtype.itemsize))
     else:
         align = (_alignment(a_ptr), _alignment(b_ptr), _alignment(o_ptr))
-    bias_arr = bias if bias is not None else dbias
     bias_code = CUDA_DATA_TYPES[bias_arr.dtype] if bias_arr is not None else None
     return (device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a), bool(trans_b), m, n, k,
             count, b.ndim > 2, align)
@@ -380,15 +386,15 @@ def plan_key(device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n
 def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch):
     lt = _lt_module()
     st = _device_state(lt, cp)
-    key = plan_key(st.device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch)
-    bias_code, (count, b_batched, align) = key[4], key[-3:]
-    b_stride = k * n if b_batched else 0
-    a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
+    a_ptr, b_ptr, o_ptr = ptrs = (int(a.data.ptr), int(b.data.ptr), int(out.data.ptr))
     bias_arr = bias if bias is not None else dbias
+    key = _plan_key(st.device_id, a, b, trans_a, trans_b, out, bias_arr, epilogue, m, n, k, batch, ptrs)
     plan = _PLANS.get(key)
     bias_ptr = int(bias_arr.data.ptr) if bias_arr is not None else 0
     aux_ptr = int(aux.data.ptr) if aux is not None else 0
     if plan is None:
+        bias_code, (count, b_batched, align) = key[4], key[-3:]
+        b_stride = k * n if b_batched else 0
         spec = {
             "epilogue": epilogue, "trans_a": trans_a, "trans_b": trans_b, "m": m, "n": n, "k": k, "count": count,
             "a_rc": a.shape[-2:], "b_rc": b.shape[-2:], "b_stride": b_stride, "align": align,
