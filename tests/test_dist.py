@@ -20,7 +20,7 @@ import pytest
 
 from llmgpu.dist import DistError, LocalComm, from_environ, plan_buckets, rendezvous
 from llmgpu.dist.env import DistEnv
-from llmgpu.dist.launch import strip_nproc
+from llmgpu.dist.launch import name_dead_rank, strip_nproc
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.optim.params import ALIGN, FlatParams
 
@@ -69,6 +69,19 @@ def test_launcher_variables(env, want):
 def test_bad_launcher_variables(env, needle):
     with pytest.raises(DistError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         from_environ(env)
+
+
+def test_the_dead_rank_is_named_from_both_witnesses():
+    ranks = {"100": "0", "101": "1", "102": "2"}
+    hydra_1 = [("101", "9")]  # Hydra: 'PID 101 RUNNING AT ...', 'EXIT CODE: 9'
+    assert name_dead_rank([("1", "101")], hydra_1, ranks, 9) == "rank 1 (pid 101) was killed by signal 9"
+    assert name_dead_rank([("1", "101")], [], ranks, 9) == "rank 1 (pid 101) died"
+    assert name_dead_rank([], [("rank", "2", "102", 137)], ranks, 9) == "rank 2 (pid 102) was killed by signal 9"
+    # the watcher saw rank 0 end first (it exited on seeing its peer vanish), mpiexec names rank 1: both are said
+    both = name_dead_rank([("0", "100")], hydra_1, ranks, 9)
+    assert both.startswith("one of ranks 0, 1 died") and "exit code 9" in both
+    assert name_dead_rank([("0", "100"), ("2", "102")], [], ranks, 9).startswith("one of ranks 0, 2 died")
+    assert name_dead_rank([], [("555", "1")], ranks, 1) == "a rank exited with code 1"  # a PID of no rank
 
 
 def test_strip_nproc():

@@ -102,17 +102,8 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             rc, reports = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
             first = watch.first()
         if rc not in (0, 130):
-            codes = {str(r[2]): r[3] for r in reports if r[0] == "rank"} | {r[0]: int(r[1]) for r in reports
-                                                                           if r[0] != "rank"}
-            if len(first) == 1:  # the rank whose process ended first (mpiexec's own report may name another)
-                rank, pid = first[0]
-                who = f"rank {rank} (pid {pid}) {_how(codes[pid]) if pid in codes else 'died'}"
-            elif first:
-                who = (f"one of ranks {', '.join(r for r, _ in first)} died (they ended too close together to tell "
-                       f"which first; mpiexec exit code {rc})")
-            else:
-                who = f"a rank exited with code {rc}"
-            say(f"llmgpu: {who}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
+            say(f"llmgpu: {name_dead_rank(first, reports, watch.rank_of, rc)}; mpiexec stopped the other ranks of "
+                f"the {nproc}-rank run", file=sys.stderr)
         return rc
     port = free_port()
     procs = []
@@ -121,6 +112,25 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(cmd, env=env))
     return _watch(procs, say)
+
+
+def name_dead_rank(first: list, reports: list, rank_of: dict, rc: int) -> str:
+    """Who died, from two witnesses that can each be wrong under load: ``first`` (the ranks the watcher saw end
+    first, [(rank, pid), ...]) and mpiexec's ``reports`` (see ``_wait_mpiexec``; it may name a process it was
+    already stopping, and a rank that sees its peer vanish may exit before the dead one's end is visible).
+    One rank when they agree, else every rank either names."""
+    codes = {str(r[2]): r[3] for r in reports if r[0] == "rank"} | {r[0]: int(r[1]) for r in reports
+                                                                   if r[0] != "rank"}
+    named = [(r[1], r[2]) if r[0] == "rank" else (rank_of.get(r[0]), r[0]) for r in reports[:1]]
+    cands = dict(first)
+    cands.update({r: p for r, p in named if r is not None})
+    if len(cands) == 1:
+        rank, pid = next(iter(cands.items()))
+        return f"rank {rank} (pid {pid}) {_how(int(codes[pid])) if pid in codes else 'died'}"
+    if cands:
+        return (f"one of ranks {', '.join(sorted(cands, key=int))} died (they ended too close together to tell "
+                f"which first; mpiexec exit code {rc})")
+    return f"a rank exited with code {rc}"
 
 
 def _how(code: int) -> str:
@@ -134,7 +144,7 @@ class _FirstDeath:
     mpiexec's own report names a process it saw die, which under load may be one it was already stopping."""
 
     def __init__(self, directory):
-        self.dir, self.order = directory, []
+        self.dir, self.order, self.rank_of = directory, [], {}  # rank_of: pid → rank, every rank registered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -152,6 +162,7 @@ class _FirstDeath:
                     continue
                 seen.add(f)
                 live[handle] = (f, str(pid))
+                self.rank_of[str(pid)] = f
             fds = [h for h in live if h >= 0]
             ended = select.select(fds, [], [], 0.02)[0] if fds else []
             if not fds:
@@ -255,4 +266,4 @@ def _stop(procs):
             p.wait()
 
 
-__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "register_rank", "strip_nproc"]
+__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "name_dead_rank", "register_rank", "strip_nproc"]
