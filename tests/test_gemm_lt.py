@@ -259,6 +259,27 @@ def test_gpu_bgradb_matches_separate_ops(cp, lt, rng, dtype, shape, db_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(64, 16, 24), (4096, 768, 3072), (65536, 768, 2304)])
+def test_gpu_bgradb_accumulates_into_an_fp32_weight_gradient(cp, lt, rng, dtype, shape):
+    """FastGPT's use (BIAS_GRAD_IN_WGRAD): dW += dyᵀ x into fp32 (beta = 1), the bias sum overwritten into an
+    fp32 scratch vector; at the real step's 65536 tokens too, where the heuristic may split K."""
+    from llmgpu.gemm import gemm
+    from llmgpu.ops.linear import bias_grad
+
+    T, Cin, Cout = shape
+    dy, x = _dev(cp, rng, (T, Cout), dtype), _dev(cp, rng, (T, Cin), dtype)
+    dw0 = _dev(cp, rng, (Cout, Cin), "fp32")
+    db = poisoned((Cout,), "fp32", cp)
+    dw = lt_gemm(dy, x, trans_a=True, out=dw0.copy(), beta=1.0, epilogue="bgradb", dbias=db)
+    assert_close(dw, dw0 + gemm(dy, x, trans_a=True, out_dtype="fp32"), dtype, name="dW")
+    assert_close(db, bias_grad(dy, out=cp.empty((Cout,), np.float32)), dtype, name="db")
+    again = poisoned((Cout,), "fp32", cp)
+    lt_gemm(dy, x, trans_a=True, out=dw0.copy(), beta=1.0, epilogue="bgradb", dbias=again)
+    assert bool(cp.all(again == db))  # bitwise repeatable
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", ["none", "bgradb"])
 def test_gpu_fp32_gradient_accumulation(cp, lt, rng, epilogue):
     """The model's wgrad: bf16 inputs, fp32 weight gradient accumulated with beta = 1."""
