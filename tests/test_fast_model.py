@@ -315,7 +315,6 @@ def _losses(out):
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("T", [64, 50])
 def test_gpu_bias_grad_in_wgrad_and_gelu_outside_the_gemm_match_the_default(cp, rng, monkeypatch, T):
     """bf16 on the GPU, BIAS_GRAD_IN_WGRAD x GELU_IN_FC_GEMM against the step before (a separate bias gradient,
@@ -340,6 +339,7 @@ def test_gpu_bias_grad_in_wgrad_and_gelu_outside_the_gemm_match_the_default(cp, 
                 assert _rel(a, b) < (1e-5 if key[1] else 2e-2), f"{key} {name}: {_rel(a, b):.2e}"
 
 
+@pytest.mark.gpu
 def test_gpu_lm_head_chunks_match_the_whole_head(cp, rng):
     """bf16 on the GPU: the chunked LM head (chunks of 96 rows of 4 x 50 tokens) against one chunk."""
     _need_fast(cp)
