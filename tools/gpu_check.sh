@@ -8,7 +8,8 @@
 #     GEMMs excluded); a missing compute-sanitizer is a failure (SANITIZE_TIMEOUT: seconds per tool, 150)
 # 3. `llmgpu bench` against PyTorch (benchmarks/results/ch8_bench*.json, read by the chapter 8 notebook), its
 #    scale table, the step and cuBLASLt probes, the 300-step bf16/fp16 comparison (tools/fp16_vs_bf16.sh)
-# 4. the benchmarks (each writes benchmarks/results/*.json) and the LayerNorm backward probe
+# 4. the benchmarks (each writes benchmarks/results/*.json), the LayerNorm backward probe and dev/cuda's wgmma probe
+#    and wgmma flash forward
 # 5. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 6. the notebooks executed in place, so their committed outputs come from this GPU (and read step 3-4's results)
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
@@ -86,6 +87,9 @@ if has bench; then
     run "bench_$(basename "$b" .py)" python3 "$b"
   done
   run probe_layernorm_backward python3 tools/probe_layernorm_backward.py --json benchmarks/results/probe_layernorm_backward.json
+  # issue 16's wgmma route: the layout facts first, then the forward built on them (dev/cuda/flash_wgmma_plan.md)
+  run wgmma_probe python3 dev/cuda/wgmma_probe.py --json benchmarks/results/wgmma_probe.json
+  run flash_fwd_wgmma python3 dev/cuda/flash_fwd_wgmma.py --json benchmarks/results/flash_fwd_wgmma.json
 fi
 has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
 has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,27 +204,30 @@ def hypotheses(nk: int):
 # --------------------------------------------------------------------------- the run
 
 
-def compile_module(cp):
-    """The probe compiled for sm_90a with NVRTC (CuPy's RawModule would add -arch=sm_90, without wgmma)."""
+def compile_sm90a(cp, path: Path) -> dict:
+    """{name expression: cupy.RawKernel} of a .cu compiled for sm_90a with NVRTC and the package's flags (CuPy's
+    RawModule would add -arch=sm_90, which has no wgmma)."""
     from cupy.cuda import nvrtc
 
-    text = SOURCE.read_text()
+    text = path.read_text()
     exprs = loader.expressions_in(text)
-    prog = nvrtc.createProgram(text, SOURCE.name, [], [])
+    prog = nvrtc.createProgram(text, path.name, [], [])
     try:
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
         try:
             nvrtc.compileProgram(prog, list(loader.compile_options()) + ["-arch=sm_90a"])
         except nvrtc.NVRTCError:
-            raise SystemExit(f"wgmma_probe.cu does not compile for sm_90a:\n{nvrtc.getProgramLog(prog)}") from None
+            raise SystemExit(f"{path.name} does not compile for sm_90a:\n{nvrtc.getProgramLog(prog)}") from None
         names = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    mod = cp.cuda.function.Module()
-    mod.load(cubin)
-    return {e: mod.get_function(n) for e, n in names.items()}
+    with tempfile.TemporaryDirectory() as d:  # RawModule loads a cubin from a file (documented API)
+        path = Path(d, path.stem + ".cubin")
+        path.write_bytes(cubin)
+        mod = cp.RawModule(path=str(path))
+        return {e: mod.get_function(n) for e, n in names.items()}
 
 
 def run(cp, kernels, a, bmat, hyp):
@@ -301,7 +305,7 @@ def main(argv=None) -> int:
     if cc != "90":
         print(f"wgmma needs sm_90 (Hopper); this GPU is sm_{cc}: nothing to probe")
         return 0
-    kernels = compile_module(cp)
+    kernels = compile_sm90a(cp, SOURCE)
     rng = np.random.default_rng(a.seed)
     rows, bad = [], 0
     for nk in (1, 4):

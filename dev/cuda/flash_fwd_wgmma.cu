@@ -1,0 +1,302 @@
+// dev/cuda/flash_fwd_wgmma.cu: an experiment, not part of the llmgpu package (issue 16, step 2 of
+// flash_wgmma_plan.md). Written in the seventh session without a GPU: compiled (sm_90a), never run. Run
+// wgmma_probe.py first: this kernel takes the layouts its passing hypotheses name ("RS, B sw128" for S = Q Kᵀ,
+// "RS, B MN-major sw128 (imm-trans-b)" for O += P V); if the probe finds others, fw_load_tile and fw_desc change.
+//
+// The forward of llmgpu/kernels/flash_attention.cu (flash_fwd: same arguments, same math, same row statistics)
+// with its two GEMMs on Hopper's asynchronous warpgroup MMA instead of mma.sync, D = 64 only:
+//
+// * A block owns 128 query rows: two warpgroups (4 warps each) of 64 rows. Q is read once from shared memory
+//   into registers (ldmatrix, the A fragments of mma.m16n8k16, warp w of a warpgroup giving rows 16w..16w+15,
+//   which is wgmma's register-A layout), so S = Q Kᵀ is wgmma m64n64k16 x 4 (over d) with A from registers and
+//   K from shared memory; O += P V is m64n64k16 x 4 (over 64 keys) with P from registers (the S accumulators
+//   are mma.m16n8's C fragments repeated over N, so fa_c_to_a's packing makes P's A fragments) and V from
+//   shared memory through imm-trans-b (V is stored [key][d], d contiguous: MN-major).
+// * K and V tiles of 64 rows x 64 bf16 (128 bytes per row) sit in shared memory in the 128-byte swizzle (chunk c
+//   of row r at chunk c ^ (r % 8), 1024-byte atoms of 8 rows), written by cp.async chunk by chunk; no padding,
+//   no bank conflicts. A ring of three K/V buffers, one barrier per tile: tile j + 2 is loaded during tile j, into
+//   the buffer of tile j - 1, which every warpgroup has finished with (no MMA is pending across tiles).
+// * PIPE (FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024): per tile, S of tile j + 1 and then
+//   O += P V of tile j are issued; the softmax of tile j + 1 runs as soon as its S is done, while the tensor cores
+//   still work on P V; P is packed for the next tile once P V is done. PIPE = 0 issues, waits and computes in turn.
+//   Nothing is pending across the loop's back edge: with MMAs pending there ptxas serialized every wgmma
+//   (its C7514 note), which the compile check's log shows.
+// * Causal: a warpgroup skips the tiles wholly above its 64 rows' diagonal (wgmma is warpgroup-collective, so
+//   the skip is per warpgroup, not per warp as in flash_fwd); masking is per element as in flash_fwd.
+#include "common.cuh"
+
+// llmgpu:kernel flash_fwd_wgmma<{__half,__nv_bfloat16}, {0,1}>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LLMGPU_WGMMA 1
+#endif
+
+template <typename T> struct fw_is_half { static constexpr bool value = false; };
+template <> struct fw_is_half<__half> { static constexpr bool value = true; };
+
+#define FW_LOG2E 1.4426950408889634f
+#define FW_LN2 0.6931471805599453f
+#define FW_INF __int_as_float(0x7f800000)
+
+constexpr int FW_HD = 64, FW_BN = 64, FW_WG = 2;                 // head dim, keys per tile, warpgroups per block
+constexpr int FW_BM = 64 * FW_WG, FW_NT = 128 * FW_WG;            // query rows and threads per block
+constexpr int FW_LDQ = FW_HD + 8;                                 // Q's padded row (ldmatrix without conflicts)
+constexpr int FW_Q_BYTES = FW_BM * FW_LDQ * 2;                    // 18 KiB, a multiple of 1024
+constexpr int FW_TILE_BYTES = FW_BN * FW_HD * 2, FW_BUFS = 3;     // one swizzled K or V tile: 8 KiB
+
+__device__ __forceinline__ unsigned fw_saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void fw_cp16(unsigned s, const void* g, bool in) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(in ? 16 : 0));
+}
+__device__ __forceinline__ void fw_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void fw_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// cp.async writes through the generic proxy, wgmma reads through the async proxy: each writer fences, then a
+// barrier orders the writers before the readers.
+__device__ __forceinline__ void fw_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Rows [row0, row0 + 64) of a [T, 64] view (row stride st) into a 1024-aligned tile in the 128-byte swizzle.
+template <typename T>
+__device__ __forceinline__ void fw_load_tile(unsigned s, const T* __restrict__ g, long long st, int row0, int T_len) {
+#pragma unroll
+    for (int it = 0; it < FW_BN * 8 / FW_NT; ++it) {
+        const int i = threadIdx.x + it * FW_NT, r = i >> 3, c = i & 7;
+        const bool in = row0 + r < T_len;
+        fw_cp16(s + (r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4),
+                g + ((in ? row0 + r : 0) * static_cast<int>(st) + c * 8), in);
+    }
+}
+
+// Matrix descriptor of a swizzled tile (wgmma_probe.py's "sw128" hypotheses): start address, LBO, SBO in 16-byte
+// units, 128-byte swizzle. K-major (K for S = Q Kᵀ): k step kk starts 32·kk bytes in, SBO = 1024 (the next 8 keys),
+// LBO unused. MN-major (V for P V): k step kk starts 2048·kk bytes in (16 keys), SBO = 1024 (the next 8 keys), LBO
+// unused (64 d = one 128-byte row).
+__device__ __forceinline__ unsigned long long fw_desc(unsigned saddr, unsigned lbo) {
+    return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fw_mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void fw_mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fw_mma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pin accumulators at this point of the program: after a wait, no read of them moves above it.
+__device__ __forceinline__ void fw_pin(float (&d)[32]) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) :: "memory");
+    asm volatile("" : "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) :: "memory");
+    asm volatile("" : "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]) :: "memory");
+    asm volatile("" : "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) :: "memory");
+    asm volatile("" : "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]) :: "memory");
+    asm volatile("" : "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) :: "memory");
+    asm volatile("" : "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]) :: "memory");
+    asm volatile("" : "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) :: "memory");
+}
+
+// d (64 x 64, fp32) = or += A (64 x 16, registers) · B (16 x 64, shared memory by descriptor).
+template <typename T, int TRANS_B>
+__device__ __forceinline__ void fw_wgmma(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
+#ifdef LLMGPU_WGMMA
+    if constexpr (fw_is_half<T>::value) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    }
+#endif
+}
+
+template <typename T, int PIPE>
+__global__ void __launch_bounds__(FW_NT, 2)
+flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+                float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+                long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
+                long long v_st, long long o_sb, long long o_sh, long long o_st) {
+#ifdef LLMGPU_WGMMA
+    extern __shared__ __align__(1024) unsigned char fw_smem[];
+    const unsigned raw = fw_saddr(fw_smem);
+    unsigned char* base = fw_smem + ((1024u - (raw & 1023u)) & 1023u);
+    T* sQ = reinterpret_cast<T*>(base);
+    const unsigned kv0 = fw_saddr(base) + FW_Q_BYTES;  // buffer b: K at kv0 + 2·b·TILE, V one TILE further
+    const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, c = (lane & 3) * 2;
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * FW_BM;  // the longest causal rows first
+    const int wg0 = q0 + wg * 64, w0 = wg0 + w4 * 16;     // this warpgroup's and this warp's first row
+    const T* kb = k + b * k_sb + h * k_sh;
+    const T* vb = v + b * v_sb + h * v_sh;
+    const float c2 = scale * FW_LOG2E;
+    const int kv_end = causal ? min(T_len, q0 + FW_BM) : T_len;
+    const int n_tiles = (kv_end + FW_BN - 1) / FW_BN;
+    auto k_tile = [&](int j) { return kv0 + (j % FW_BUFS) * 2 * FW_TILE_BYTES; };
+    auto load_kv = [&](int j) {
+        fw_load_tile<T>(k_tile(j), kb, k_st, j * FW_BN, T_len);
+        fw_load_tile<T>(k_tile(j) + FW_TILE_BYTES, vb, v_st, j * FW_BN, T_len);
+    };
+
+    {  // Q, padded, as flash_fwd loads it
+        const T* qb = q + b * q_sb + h * q_sh;
+#pragma unroll
+        for (int it = 0; it < FW_BM * 8 / FW_NT; ++it) {
+            const int i = tid + it * FW_NT, r = i >> 3, cc = (i & 7) * 8;
+            const bool in = q0 + r < T_len;
+            fw_cp16(fw_saddr(sQ + r * FW_LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
+        }
+    }
+    load_kv(0);
+    fw_cp_commit();
+    if (n_tiles > 1) {
+        load_kv(1);
+        fw_cp_commit();
+    }
+    fw_cp_wait_all();
+    fw_fence_async();
+    __syncthreads();
+
+    unsigned qf[FW_HD / 16][4];  // this warp's 16 rows of Q as A fragments, one per 16 d
+#pragma unroll
+    for (int kk = 0; kk < FW_HD / 16; ++kk) {
+        const T* p = sQ + (wg * 64 + w4 * 16 + (lane & 15)) * FW_LDQ + kk * 16 + (lane >> 4) * 8;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(qf[kk][0]), "=r"(qf[kk][1]), "=r"(qf[kk][2]), "=r"(qf[kk][3])
+                     : "r"(fw_saddr(p)));
+    }
+    auto qk = [&](float (&d)[32], int j) {  // d = Q K_jᵀ (scale-d 0 on the first k step: no zeroing)
+        fw_mma_fence();
+#pragma unroll
+        for (int kk = 0; kk < FW_HD / 16; ++kk) fw_wgmma<T, 0>(d, qf[kk], fw_desc(k_tile(j) + 32 * kk, 16), kk > 0);
+        fw_mma_commit();
+    };
+
+    // the tiles this warpgroup computes: 0 .. n_wg - 1 (causal: up to its last row's diagonal)
+    const int n_wg = wg0 >= T_len ? 0 : causal ? min(n_tiles, (wg0 + 63) / FW_BN + 1) : n_tiles;
+    float s[32], acc[32], m[2] = {-FW_INF, -FW_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    unsigned pf[FW_BN / 16][4];  // P as the A fragments of O += P V, 16 keys each
+    float alpha[2];
+    // the online softmax of tile j in s: exponentiated in place, the running max and sum updated, alpha the
+    // rescale of acc
+    auto softmax = [&](int j) {
+        const int k0 = j * FW_BN;
+        if ((causal && k0 + FW_BN - 1 > w0) || k0 + FW_BN > T_len) {  // the diagonal or the ragged last tile
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int key = k0 + (i >> 2) * 8 + c + (i & 1), row = w0 + g + 8 * ((i >> 1) & 1);
+                s[i] = key < T_len && (!causal || key <= row) ? s[i] * c2 : -FW_INF;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] *= c2;
+        }
+        float mx[2] = {m[0], m[1]}, ref[2];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // a row's 64 scores: one quad
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            ref[r] = mx[r] == -FW_INF ? 0.0f : mx[r];  // no -inf - -inf (flash_fwd's fa_ref)
+            alpha[r] = fast_exp2(m[r] - ref[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            s[i] = fast_exp2(s[i] - ref[(i >> 1) & 1]);
+            l[(i >> 1) & 1] += s[i];
+        }
+    };
+    auto pack_p = [&]() {  // s (exponentiated) -> pf, once the MMAs reading the previous pf are done
+#pragma unroll
+        for (int kk = 0; kk < FW_BN / 16; ++kk) {
+            pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+            pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+            pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+            pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    auto pv = [&](int j) {  // acc = alpha · acc + P V_j, issued (after the MMAs that wrote acc were waited for)
+        fw_pin(acc);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] *= alpha[(i >> 1) & 1];
+        fw_mma_fence();
+#pragma unroll
+        for (int kk = 0; kk < FW_BN / 16; ++kk)
+            fw_wgmma<T, 1>(acc, pf[kk], fw_desc(k_tile(j) + FW_TILE_BYTES + 2048 * kk, 8192), 1);
+        fw_mma_commit();
+    };
+
+    if (n_wg > 0) {
+        qk(s, 0);
+        fw_mma_wait<0>();
+        fw_pin(s);
+        softmax(0);
+        pack_p();
+    }
+    // On entry to tile j, P of tile j is in pf and no MMA is pending (so ptxas can follow the groups: with MMAs
+    // pending across the loop's back edge it serialized every wgmma).
+    for (int j = 0; j < n_tiles; ++j) {
+        if (j + 1 < n_tiles) {  // tile j + 1 (loaded during tile j - 1) is needed now: S of it may be issued
+            fw_cp_wait_all();
+            fw_fence_async();
+        }
+        __syncthreads();  // and every warpgroup is done with tile j - 1, whose buffer tile j + 2 takes
+        if (j + 2 < n_tiles) {
+            load_kv(j + 2);
+            fw_cp_commit();
+        }
+        if (PIPE && j + 1 < n_wg) {
+            qk(s, j + 1);       // pending: S of j + 1
+            pv(j);              // pending: S of j + 1, P V of j
+            fw_mma_wait<1>();   // S of j + 1 done
+            fw_pin(s);
+            softmax(j + 1);     // while the tensor cores work on P V of j
+            fw_mma_wait<0>();   // P V of j done: pf may be overwritten
+            fw_pin(acc);
+            pack_p();
+        } else if (j < n_wg) {  // PIPE's last tile, or every tile without PIPE
+            pv(j);
+            fw_mma_wait<0>();
+            fw_pin(acc);
+            if (!PIPE && j + 1 < n_wg) {
+                qk(s, j + 1);
+                fw_mma_wait<0>();
+                fw_pin(s);
+                softmax(j + 1);
+                pack_p();
+            }
+        }
+    }
+    fw_mma_wait<0>();
+    fw_pin(acc);
+    T* ob = o + b * o_sb + h * o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int row = w0 + g + 8 * r;
+        if (row >= T_len) continue;
+        const float inv = 1.0f / l[r];
+        T* orow = ob + (long long)row * o_st;
+#pragma unroll
+        for (int n = 0; n < FW_HD / 8; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + c) = pack2<T>(acc[4 * n + 2 * r] * inv, acc[4 * n + 2 * r + 1] * inv);
+        if ((lane & 3) == 0) lse[(long long)bh * T_len + row] = ((m[r] == -FW_INF ? 0.0f : m[r]) + log2f(l[r])) * FW_LN2;
+    }
+#else
+    __trap();  // not sm_90a: wgmma does not exist here
+#endif
+}
