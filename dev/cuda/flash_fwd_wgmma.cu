@@ -1,7 +1,7 @@
 // dev/cuda/flash_fwd_wgmma.cu: an experiment, not part of the llmgpu package (issue 16, step 2 of
 // flash_wgmma_plan.md). Written in the seventh session without a GPU: compiled (sm_90a), never run. Run
 // wgmma_probe.py first: this kernel takes the layouts its passing hypotheses name ("RS, B sw128" for S = Q Kᵀ,
-// "RS, B MN-major sw128 (imm-trans-b)" for O += P V); if the probe finds others, fw_load_tile and fw_desc change.
+// "RS, B MN-major sw128 (imm-trans-b)" for O += P V); if the probe finds others, fw_load_tile and the wg_desc arguments change.
 //
 // The forward of llmgpu/kernels/flash_attention.cu (flash_fwd: same arguments, same math, same row statistics)
 // with its two GEMMs on Hopper's asynchronous warpgroup MMA instead of mma.sync, D = 64 only:
@@ -24,15 +24,9 @@
 // * Causal: a warpgroup skips the tiles wholly above its 64 rows' diagonal (wgmma is warpgroup-collective, so
 //   the skip is per warpgroup, not per warp as in flash_fwd); masking is per element as in flash_fwd.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 // llmgpu:kernel flash_fwd_wgmma<{__half,__nv_bfloat16}, {0,1}>
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LLMGPU_WGMMA 1
-#endif
-
-template <typename T> struct fw_is_half { static constexpr bool value = false; };
-template <> struct fw_is_half<__half> { static constexpr bool value = true; };
 
 #define FW_LOG2E 1.4426950408889634f
 #define FW_LN2 0.6931471805599453f
@@ -44,15 +38,11 @@ constexpr int FW_LDQ = FW_HD + 8;                                 // Q's padded 
 constexpr int FW_Q_BYTES = FW_BM * FW_LDQ * 2;                    // 18 KiB, a multiple of 1024
 constexpr int FW_TILE_BYTES = FW_BN * FW_HD * 2, FW_BUFS = 3;     // one swizzled K or V tile: 8 KiB
 
-__device__ __forceinline__ unsigned fw_saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void fw_cp16(unsigned s, const void* g, bool in) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(in ? 16 : 0));
 }
 __device__ __forceinline__ void fw_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void fw_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// cp.async writes through the generic proxy, wgmma reads through the async proxy: each writer fences, then a
-// barrier orders the writers before the readers.
-__device__ __forceinline__ void fw_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Rows [row0, row0 + 64) of a [T, 64] view (row stride st) into a 1024-aligned tile in the 128-byte swizzle.
 template <typename T>
@@ -66,57 +56,10 @@ __device__ __forceinline__ void fw_load_tile(unsigned s, const T* __restrict__ g
     }
 }
 
-// Matrix descriptor of a swizzled tile (wgmma_probe.py's "sw128" hypotheses): start address, LBO, SBO in 16-byte
-// units, 128-byte swizzle. K-major (K for S = Q Kᵀ): k step kk starts 32·kk bytes in, SBO = 1024 (the next 8 keys),
-// LBO unused. MN-major (V for P V): k step kk starts 2048·kk bytes in (16 keys), SBO = 1024 (the next 8 keys), LBO
-// unused (64 d = one 128-byte row).
-__device__ __forceinline__ unsigned long long fw_desc(unsigned saddr, unsigned lbo) {
-    return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
-           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void fw_mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void fw_mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fw_mma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// Pin accumulators at this point of the program: after a wait, no read of them moves above it.
-__device__ __forceinline__ void fw_pin(float (&d)[32]) {
-    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) :: "memory");
-    asm volatile("" : "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) :: "memory");
-    asm volatile("" : "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]) :: "memory");
-    asm volatile("" : "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) :: "memory");
-    asm volatile("" : "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]) :: "memory");
-    asm volatile("" : "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) :: "memory");
-    asm volatile("" : "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]) :: "memory");
-    asm volatile("" : "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) :: "memory");
-}
-
-// d (64 x 64, fp32) = or += A (64 x 16, registers) · B (16 x 64, shared memory by descriptor).
-template <typename T, int TRANS_B>
-__device__ __forceinline__ void fw_wgmma(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
-#ifdef LLMGPU_WGMMA
-    if constexpr (fw_is_half<T>::value) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    }
-#endif
-}
+// Descriptors of the swizzled tiles (wgmma_probe.py's "sw128" hypotheses): K-major (K for S = Q Kᵀ): k step kk
+// starts 32·kk bytes in, SBO = 1024 (the next 8 keys), LBO unused (16); MN-major (V for P V): k step kk starts
+// 2048·kk bytes in (16 keys), SBO = 1024 (the next 8 keys), LBO unused (64 d are one 128-byte row; 8192).
+constexpr unsigned FW_SW128 = 1;
 
 template <typename T, int PIPE>
 __global__ void __launch_bounds__(FW_NT, 2)
@@ -126,10 +69,10 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 long long v_st, long long o_sb, long long o_sh, long long o_st) {
 #ifdef LLMGPU_WGMMA
     extern __shared__ __align__(1024) unsigned char fw_smem[];
-    const unsigned raw = fw_saddr(fw_smem);
+    const unsigned raw = wg_saddr(fw_smem);
     unsigned char* base = fw_smem + ((1024u - (raw & 1023u)) & 1023u);
     T* sQ = reinterpret_cast<T*>(base);
-    const unsigned kv0 = fw_saddr(base) + FW_Q_BYTES;  // buffer b: K at kv0 + 2·b·TILE, V one TILE further
+    const unsigned kv0 = wg_saddr(base) + FW_Q_BYTES;  // buffer b: K at kv0 + 2·b·TILE, V one TILE further
     const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, c = (lane & 3) * 2;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -152,7 +95,7 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int it = 0; it < FW_BM * 8 / FW_NT; ++it) {
             const int i = tid + it * FW_NT, r = i >> 3, cc = (i & 7) * 8;
             const bool in = q0 + r < T_len;
-            fw_cp16(fw_saddr(sQ + r * FW_LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
+            fw_cp16(wg_saddr(sQ + r * FW_LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
         }
     }
     load_kv(0);
@@ -162,7 +105,7 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         fw_cp_commit();
     }
     fw_cp_wait_all();
-    fw_fence_async();
+    wg_fence_proxy();
     __syncthreads();
 
     unsigned qf[FW_HD / 16][4];  // this warp's 16 rows of Q as A fragments, one per 16 d
@@ -171,13 +114,13 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const T* p = sQ + (wg * 64 + w4 * 16 + (lane & 15)) * FW_LDQ + kk * 16 + (lane >> 4) * 8;
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(qf[kk][0]), "=r"(qf[kk][1]), "=r"(qf[kk][2]), "=r"(qf[kk][3])
-                     : "r"(fw_saddr(p)));
+                     : "r"(wg_saddr(p)));
     }
     auto qk = [&](float (&d)[32], int j) {  // d = Q K_jᵀ (scale-d 0 on the first k step: no zeroing)
-        fw_mma_fence();
+        wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < FW_HD / 16; ++kk) fw_wgmma<T, 0>(d, qf[kk], fw_desc(k_tile(j) + 32 * kk, 16), kk > 0);
-        fw_mma_commit();
+        for (int kk = 0; kk < FW_HD / 16; ++kk) wg_mma_rs<T, 0>(d, qf[kk], wg_desc(k_tile(j) + 32 * kk, 16, 1024, FW_SW128), kk > 0);
+        wg_commit();
     };
 
     // the tiles this warpgroup computes: 0 .. n_wg - 1 (causal: up to its last row's diagonal)
@@ -229,20 +172,20 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
     };
     auto pv = [&](int j) {  // acc = alpha · acc + P V_j, issued (after the MMAs that wrote acc were waited for)
-        fw_pin(acc);
+        wg_pin(acc);
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[i] *= alpha[(i >> 1) & 1];
-        fw_mma_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < FW_BN / 16; ++kk)
-            fw_wgmma<T, 1>(acc, pf[kk], fw_desc(k_tile(j) + FW_TILE_BYTES + 2048 * kk, 8192), 1);
-        fw_mma_commit();
+            wg_mma_rs<T, 1>(acc, pf[kk], wg_desc(k_tile(j) + FW_TILE_BYTES + 2048 * kk, 8192, 1024, FW_SW128), 1);
+        wg_commit();
     };
 
     if (n_wg > 0) {
         qk(s, 0);
-        fw_mma_wait<0>();
-        fw_pin(s);
+        wg_wait<0>();
+        wg_pin(s);
         softmax(0);
         pack_p();
     }
@@ -251,7 +194,7 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int j = 0; j < n_tiles; ++j) {
         if (j + 1 < n_tiles) {  // tile j + 1 (loaded during tile j - 1) is needed now: S of it may be issued
             fw_cp_wait_all();
-            fw_fence_async();
+            wg_fence_proxy();
         }
         __syncthreads();  // and every warpgroup is done with tile j - 1, whose buffer tile j + 2 takes
         if (j + 2 < n_tiles) {
@@ -261,27 +204,27 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         if (PIPE && j + 1 < n_wg) {
             qk(s, j + 1);       // pending: S of j + 1
             pv(j);              // pending: S of j + 1, P V of j
-            fw_mma_wait<1>();   // S of j + 1 done
-            fw_pin(s);
+            wg_wait<1>();   // S of j + 1 done
+            wg_pin(s);
             softmax(j + 1);     // while the tensor cores work on P V of j
-            fw_mma_wait<0>();   // P V of j done: pf may be overwritten
-            fw_pin(acc);
+            wg_wait<0>();   // P V of j done: pf may be overwritten
+            wg_pin(acc);
             pack_p();
         } else if (j < n_wg) {  // PIPE's last tile, or every tile without PIPE
             pv(j);
-            fw_mma_wait<0>();
-            fw_pin(acc);
+            wg_wait<0>();
+            wg_pin(acc);
             if (!PIPE && j + 1 < n_wg) {
                 qk(s, j + 1);
-                fw_mma_wait<0>();
-                fw_pin(s);
+                wg_wait<0>();
+                wg_pin(s);
                 softmax(j + 1);
                 pack_p();
             }
         }
     }
-    fw_mma_wait<0>();
-    fw_pin(acc);
+    wg_wait<0>();
+    wg_pin(acc);
     T* ob = o + b * o_sb + h * o_sh;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

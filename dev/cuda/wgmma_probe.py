@@ -205,8 +205,8 @@ def hypotheses(nk: int):
 
 
 def compile_sm90a(cp, path: Path) -> dict:
-    """{name expression: cupy.RawKernel} of a .cu compiled for sm_90a with NVRTC and the package's flags (CuPy's
-    RawModule would add -arch=sm_90, which has no wgmma)."""
+    """{name expression: cupy.RawKernel} of a .cu compiled for sm_90a with NVRTC, the package's flags and the file's
+    own directory on the include path (wgmma.cuh); CuPy's RawModule would add -arch=sm_90, which has no wgmma."""
     from cupy.cuda import nvrtc
 
     text = path.read_text()
@@ -216,7 +216,7 @@ def compile_sm90a(cp, path: Path) -> dict:
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
         try:
-            nvrtc.compileProgram(prog, list(loader.compile_options()) + ["-arch=sm_90a"])
+            nvrtc.compileProgram(prog, [f"-I{path.parent}", *loader.compile_options(), "-arch=sm_90a"])
         except nvrtc.NVRTCError:
             raise SystemExit(f"{path.name} does not compile for sm_90a:\n{nvrtc.getProgramLog(prog)}") from None
         names = {e: nvrtc.getLoweredName(prog, e) for e in exprs}

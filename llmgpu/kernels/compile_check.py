@@ -80,17 +80,18 @@ def compile_path(path, arch: str) -> FileReport:
     exprs = loader.expressions_in(text)
     if not exprs:
         raise ValueError(f"{path} declares no kernels (add '// llmgpu:kernel <expr>' lines)")
-    return compile_source(text, path.stem, exprs, arch)
+    return compile_source(text, path.stem, exprs, arch, include_dirs=(path.parent,))  # its own headers too
 
 
-def compile_source(text: str, name: str, exprs: list[str], arch: str) -> FileReport:
-    """Compile CUDA source ``text`` (reported as ``<name>.cu``) with the name expressions ``exprs``."""
+def compile_source(text: str, name: str, exprs: list[str], arch: str, include_dirs=()) -> FileReport:
+    """Compile CUDA source ``text`` (reported as ``<name>.cu``) with the name expressions ``exprs`` (and
+    ``include_dirs`` searched for headers before the package's)."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(text, f"{name}.cu", [], [])
     try:
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
-        opts = list(loader.compile_options()) + [f"-arch={arch}", "-Xptxas", "-v"]
+        opts = [f"-I{d}" for d in include_dirs] + list(loader.compile_options()) + [f"-arch={arch}", "-Xptxas", "-v"]
         try:
             nvrtc.compileProgram(prog, opts)
             ok = True

@@ -1,0 +1,102 @@
+// dev/cuda/wgmma.cuh: Hopper's asynchronous warpgroup MMA (wgmma) for the dev/cuda experiments (issue 16); not part
+// of the llmgpu package. Included by wgmma_probe.cu and flash_fwd_wgmma.cu (their directory is on the include
+// path: llmgpu.kernels.compile_check.compile_path and wgmma_probe.compile_sm90a put it there).
+//
+// wgmma exists on sm_90a only (the arch-specific target, __CUDA_ARCH_FEAT_SM90_ALL); compiled for anything else the
+// wrappers are empty and LLMGPU_WGMMA is undefined, so a kernel can trap instead. PTX facts (the PTX ISA,
+// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): the 128 threads of a warpgroup issue one
+// m64nNk16 together; wgmma.fence comes before the first wgmma that reads registers written by ordinary
+// instructions (accumulators, a register A operand); commit_group closes a group, wait_group N waits until at most
+// N groups are pending, and no register of a pending wgmma may be read or written before that.
+#pragma once
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LLMGPU_WGMMA 1
+#endif
+
+template <typename T> struct wg_is_half { static constexpr bool value = false; };
+template <> struct wg_is_half<__half> { static constexpr bool value = true; };
+
+__device__ __forceinline__ unsigned wg_saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// The 64-bit shared-memory matrix descriptor: start address, LBO and SBO in 16-byte units (bits 0-13, 16-29,
+// 32-45), base offset 0 (tiles start on 1024-byte boundaries), swizzle in bits 62-63 (0 none, 1 128-byte).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr, unsigned lbo, unsigned sbo, unsigned swizzle) {
+    return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(sbo >> 4) << 32) | (static_cast<unsigned long long>(swizzle) << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Shared memory written through the generic proxy (ordinary stores, cp.async) made visible to wgmma's async proxy:
+// each writer fences, then a barrier orders the writers before the readers.
+__device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Pin accumulators at this point of the program: after a wait, no read of them moves above it.
+__device__ __forceinline__ void wg_pin(float (&d)[32]) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) :: "memory");
+    asm volatile("" : "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) :: "memory");
+    asm volatile("" : "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]) :: "memory");
+    asm volatile("" : "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) :: "memory");
+    asm volatile("" : "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]) :: "memory");
+    asm volatile("" : "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) :: "memory");
+    asm volatile("" : "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]) :: "memory");
+    asm volatile("" : "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) :: "memory");
+}
+
+// d (64 x 64, fp32) = or += A (64 x 16) · B (16 x 64); scale_d 0 ignores d's old value. A and B from shared memory
+// by descriptor (ss), or A from registers (rs: warp w of the warpgroup gives rows 16w..16w+15 as mma.m16n8k16's A
+// fragment). TRANS_B: B stored MN-major (imm-trans-b), 16-bit types only.
+template <typename T, int TRANS_B>
+__device__ __forceinline__ void wg_mma_ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b,
+                                          int scale_d) {
+#ifdef LLMGPU_WGMMA
+    if constexpr (wg_is_half<T>::value) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    }
+#endif
+}
+
+template <typename T, int TRANS_B>
+__device__ __forceinline__ void wg_mma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b,
+                                          int scale_d) {
+#ifdef LLMGPU_WGMMA
+    if constexpr (wg_is_half<T>::value) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    }
+#endif
+}
