@@ -46,6 +46,15 @@ def setup(args) -> tuple:
     return xp, on_gpu, args.quick or not on_gpu
 
 
+def step_case(on_gpu: bool, quick: bool) -> tuple:
+    """(preset, batch, seq, dtype, steps) of a benchmark of the captured fast step: GPT-2 124M at B = 64, T = 1024,
+    bf16, 20 timed steps on a GPU (the graph step needs bf16/fp16; a tiny model with ``--quick``); a tiny fp32
+    model on NumPy (the smoke test)."""
+    if not on_gpu:
+        return "tiny", 4, 64, "fp32", 1
+    return ("tiny", 4, 64, "bf16", 2) if quick else ("gpt2", 64, 1024, "bf16", 20)
+
+
 def copy_ceiling(xp, nbytes: int) -> float:
     """The device-to-device copy bandwidth (GB/s, read + write), measured in this run and printed.
 

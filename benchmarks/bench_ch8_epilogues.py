@@ -42,10 +42,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, alternated (default 2)")
     a = ap.parse_args(argv)
     xp, on_gpu, quick = _common.setup(a)
-    if on_gpu:  # the graph step needs bf16/fp16 on the GPU
-        preset, batch, seq, dtype, steps = ("tiny", 4, 64, "bf16", 2) if quick else ("gpt2", 64, 1024, "bf16", 20)
-    else:
-        preset, batch, seq, dtype, steps = "tiny", 4, 64, "fp32", 1
+    preset, batch, seq, dtype, steps = _common.step_case(on_gpu, quick)
     steps = a.steps or steps
     cfg = GPTConfig.preset(preset, pad_vocab_to=64)
     settings = [BEFORE] + [s for s in itertools.product((True, False), repeat=2) if s != BEFORE]
