@@ -1,14 +1,17 @@
 """Check and time the wgmma flash-attention forward (flash_fwd_wgmma.cu) against float64, our flash_fwd and cuDNN.
 
-    python dev/cuda/flash_fwd_wgmma.py                        # checks, then B = 16 and 64, H = 12, T = 1024 causal
+    python dev/cuda/flash_fwd_wgmma.py                        # checks, then the timings of issue 16's shapes
     python dev/cuda/flash_fwd_wgmma.py --no-time --json out.json
 
 Run ``wgmma_probe.py`` first: this kernel builds on the layouts its hypotheses pin. On an sm_90 GPU the kernel
-(PIPE = 0 and 1, bf16 and fp16) is launched exactly as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd
-(same arguments, the same grid of 128-row blocks) on q, k, v as strided views of a [B, T, 3C] QKV buffer and o as a
-view of [B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the float64 reference of
-``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q gives NaN rows out. Then,
-with ``--time``, forward TFLOP/s (causal FLOPs halved) of both PIPE settings, our flash_fwd and cuDNN in one run.
+(D = 64 and 128, PIPE = 0 and 1, bf16 and fp16) is launched exactly as ``llmgpu.ops.flash_launch.ours_forward``
+launches flash_fwd (same arguments, the same grid of 128-row blocks) on q, k, v as strided views of a [B, T, 3C]
+QKV buffer and o as a view of [B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the
+float64 reference of ``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q
+gives NaN rows out. Then (unless ``--no-time``) causal forward TFLOP/s (FLOPs halved) of both PIPE settings, our
+flash_fwd and cuDNN in one run, bf16: D = 64 at B = 16 and 64, H = 12, T = 1024 (GPT-2) and D = 128 at B = 4,
+H = 16, T = 4096.
+
 Without a GPU, or on a GPU other than sm_90, one line saying so and exit 0. Exit status 1 when a check fails.
 """
 
@@ -39,20 +42,28 @@ from llmgpu.perf.timing import time_fn  # noqa: E402
 from llmgpu.testing import random_array  # noqa: E402
 
 SOURCE = HERE / "flash_fwd_wgmma.cu"
-ROWS, THREADS, SMEM = 128, 256, 1024 + 128 * 72 * 2 + 3 * 2 * 64 * 64 * 2  # FW_BM, FW_NT, the .cu's layout
+ROWS, THREADS = 128, 256  # FW_BM, FW_NT
+
+
+def smem_bytes(D: int) -> int:
+    """The .cu's layout: alignment slack, padded Q rows, a ring of three K/V tiles of 64 keys."""
+    return 1024 + ROWS * (D + 8) * 2 + 3 * 2 * 64 * D * 2
+
 RTOL = {"bf16": 2e-2, "fp16": 5e-3}  # as tests/test_flash_kernels.py
-CASES = [(1, 1, 1), (1, 2, 7), (2, 3, 63), (2, 3, 65), (1, 2, 1000), (2, 2, 1024)]  # (B, H, T), D = 64
+CASES = [(1, 1, 1), (1, 2, 7), (2, 3, 63), (2, 3, 65), (1, 2, 1000), (2, 2, 1024)]  # (B, H, T)
+SPEED = [(64, 16, 12, 1024), (64, 64, 12, 1024), (128, 4, 16, 4096)]  # (D, B, H, T), causal
 
 
-def launcher(cp, kernels, dtype, pipe):
-    fn = kernels[f"flash_fwd_wgmma<{backend.cuda_c_type(dtype)}, {pipe}>"]
-    fn.max_dynamic_shared_size_bytes = SMEM  # above the 48 KiB default
+def launcher(cp, kernels, dtype, D, pipe):
+    fn = kernels[f"flash_fwd_wgmma<{backend.cuda_c_type(dtype)}, {D}, {pipe}>"]
+    smem = smem_bytes(D)
+    fn.max_dynamic_shared_size_bytes = smem  # above the 48 KiB default
 
     def run(q, k, v, o, lse, causal):
         B, H, T, D = q.shape
         args = (q, k, v, o, lse, np.int32(H), np.int32(T), np.float32(1.0 / math.sqrt(D)), np.int32(bool(causal)),
                 *fl._strides(q), *fl._strides(k), *fl._strides(v), *fl._strides(o))
-        fn((B * H, -(-T // ROWS)), (THREADS,), args, shared_mem=SMEM)
+        fn((B * H, -(-T // ROWS)), (THREADS,), args, shared_mem=smem)
     return run
 
 
@@ -70,19 +81,19 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(cp, run, dtype, rng) -> list[dict]:
+def check(cp, run, dtype, D, rng) -> list[dict]:
     rows = []
     for B, H, T in CASES:
         for causal in (True, False):
-            q, k, v, o, lse = qkv(cp, rng, B, H, T, dtype)
+            q, k, v, o, lse = qkv(cp, rng, B, H, T, dtype, D)
             run(q, k, v, o, lse, causal)
             cp.cuda.Device().synchronize()
             f = [cp.asnumpy(a).astype(np.float64) for a in (q, k, v)]
-            r_o, r_lse = ref.naive_forward(*f, 1.0 / math.sqrt(64), causal)
+            r_o, r_lse = ref.naive_forward(*f, 1.0 / math.sqrt(D), causal)
             e_o, e_lse = rel(cp.asnumpy(o).astype(np.float32), r_o), rel(cp.asnumpy(lse), r_lse)
             ok = bool(np.isfinite(cp.asnumpy(o).astype(np.float32)).all() and e_o < RTOL[dtype] and e_lse < 1e-4)
             rows.append({"B": B, "H": H, "T": T, "causal": causal, "o_error": e_o, "lse_error": e_lse, "ok": ok})
-    q, k, v, o, lse = qkv(cp, rng, 1, 2, 130, dtype)
+    q, k, v, o, lse = qkv(cp, rng, 1, 2, 130, dtype, D)
     q[0, 1, 5, 3] = np.nan  # row 5 of head 1: NaN out there, finite everywhere else
     run(q, k, v, o, lse, True)
     out = cp.asnumpy(o).astype(np.float32)
@@ -91,21 +102,21 @@ def check(cp, run, dtype, rng) -> list[dict]:
     return rows
 
 
-def timing(cp, runs, dtype, rng) -> list[dict]:
+def timing(cp, kernels, dtype, rng) -> list[dict]:
     rows = []
-    for B in (16, 64):
-        H, T = 12, 1024
-        q, k, v, o, lse = qkv(cp, rng, B, H, T, dtype)
-        flops = fa.flash_attention_flops(B, H, T, 64, causal=True)
-        cands = dict(runs)
-        cands["ours (flash_fwd, mma.sync)"] = lambda *a: fl.ours_forward(*a[:5], 1.0 / 8.0, a[5])
+    for D, B, H, T in SPEED:
+        q, k, v, o, lse = qkv(cp, rng, B, H, T, dtype, D)
+        flops = fa.flash_attention_flops(B, H, T, D, causal=True)
+        cands = {f"wgmma PIPE={p}": launcher(cp, kernels, dtype, D, p) for p in (0, 1)}
+        cands["ours (flash_fwd, mma.sync)"] = lambda *a, D=D: fl.ours_forward(*a[:5], 1.0 / math.sqrt(D), a[5])
         if fa.cudnn_attention.unavailable_reason() is None:
             cands["cuDNN"] = lambda q, k, v, o, lse, causal: fa.flash_attention_forward(
                 q, k, v, causal, out=o, kernel="cudnn")
         for name, fn in cands.items():
             ms = time_fn(lambda: fn(q, k, v, o, lse, True), xp=cp, reps=50).median_ms
-            rows.append({"B": B, "H": H, "T": T, "D": 64, "kernel": name, "ms": ms, "tflops": flops / ms / 1e9})
-            print(f"  B={B:<3} {name:<30} {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+            rows.append({"B": B, "H": H, "T": T, "D": D, "kernel": name, "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"  D={D:<3} B={B:<3} H={H} T={T} {name:<30} {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s",
+                  flush=True)
     return rows
 
 
@@ -126,17 +137,20 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     result, bad = {"device": backend.device_info(cp).summary(), "checks": {}, "timing": {}}, 0
     for dtype in ("bf16", "fp16"):
-        runs = {f"wgmma PIPE={p}": launcher(cp, kernels, dtype, p) for p in (0, 1)}
-        for name, run in runs.items():
-            rows = check(cp, run, dtype, rng)
-            result["checks"][f"{dtype} {name}"] = rows
-            fails = [r for r in rows if not r["ok"]]
-            bad += len(fails)
-            worst = max(r.get("o_error", 0.0) for r in rows)
-            print(f"{'ok  ' if not fails else 'FAIL'} {dtype} {name}: {len(rows) - len(fails)}/{len(rows)} cases, "
-                  f"worst o error {worst:.2e}" + "".join(f"\n     {r}" for r in fails), flush=True)
-        if not a.no_time and dtype == "bf16":
-            result["timing"][dtype] = timing(cp, runs, dtype, rng)
+        for D in (64, 128):
+            for p in (0, 1):
+                name = f"{dtype} D={D} wgmma PIPE={p}"
+                rows = check(cp, launcher(cp, kernels, dtype, D, p), dtype, D, rng)
+                result["checks"][name] = rows
+                fails = [r for r in rows if not r["ok"]]
+                bad += len(fails)
+                worst = max(r.get("o_error", 0.0) for r in rows)
+                print(f"{'ok  ' if not fails else 'FAIL'} {name}: {len(rows) - len(fails)}/{len(rows)} cases, worst o "
+                      f"error {worst:.2e}" + "".join(f"\n     {r}" for r in fails), flush=True)
+                if a.json:  # after every kernel: a launch that kills the context leaves the rows before it
+                    a.json.write_text(json.dumps(result, indent=1))
+    if not a.no_time:
+        result["timing"]["bf16"] = timing(cp, kernels, "bf16", rng)
         if a.json:
             a.json.write_text(json.dumps(result, indent=1))
     return 1 if bad else 0
