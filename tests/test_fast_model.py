@@ -318,23 +318,26 @@ def _losses(out):
 @pytest.mark.parametrize("T", [64, 50])
 def test_gpu_bias_grad_in_wgrad_and_gelu_outside_the_gemm_match_the_default(cp, rng, monkeypatch, T):
     """bf16 on the GPU, BIAS_GRAD_IN_WGRAD x GELU_IN_FC_GEMM against the step before (a separate bias gradient,
-    GELU in the epilogue). 4 x 64 tokens: the BGRADB epilogue sums dy (in fp32, in another order than bias_grad);
-    4 x 50 (N % 64 != 0, the weight gradient is split): the separate reduction, bit for bit the step before. The
-    epilogue's sum is bitwise repeatable (test_gpu_fast_model_is_bitwise_repeatable runs the defaults)."""
+    GELU in the epilogue). 4 x 64 tokens: the BGRADB epilogue sums dy (in fp32, in another order than bias_grad), and
+    only the linear layers' gradients may move (their weight-gradient GEMM has another epilogue, so perhaps another
+    algorithm); 4 x 50 (N % 64 != 0, the weight gradient is split): the separate reduction, bit for bit the step
+    before. GELU outside the GEMM changes the forward by bf16 roundings. The epilogue's sum is bitwise repeatable
+    (test_gpu_fast_model_is_bitwise_repeatable)."""
     _need_fast(cp)
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64)
     combos = ((False, True), (True, True), (False, False), (True, False))
     res = _head_variants(monkeypatch, rng, "bf16", None, xp=cp, cfg=cfg, B=4, T=T, combos=combos,
                          switches=("BIAS_GRAD_IN_WGRAD", "GELU_IN_FC_GEMM"))
     l0, g0, p0 = res[False, True]
+    linear = lambda n: any(s in n for s in (".c_attn.", ".c_proj.", ".c_fc."))  # noqa: E731
     for key in combos[1:]:
         l1, g1, p1 = res[key]
-        assert abs(l1 - l0) <= 1e-5 * abs(l0), key
+        assert abs(l1 - l0) <= (1e-6 if key[1] else 1e-2) * abs(l0), key
         for name in p0.names:
             a, b = cp.asnumpy(p1.grad_of(name)), cp.asnumpy(p0.grad_of(name))
             assert np.isfinite(a).all(), name
-            if key == (True, True) and (T % 64 or not name.endswith(".bias") or ".ln_" in name):
-                assert np.array_equal(a, b), f"{key} {name}"  # only the four linear biases' sums move
+            if key == (True, True) and (T % 64 or not linear(name)):
+                assert np.array_equal(a, b), f"{key} {name}"
             else:
                 assert _rel(a, b) < (1e-5 if key[1] else 2e-2), f"{key} {name}: {_rel(a, b):.2e}"
 
