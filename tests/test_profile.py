@@ -247,3 +247,25 @@ def test_gpu_capture_refuses_cupy_cublas_with_advice(cp):
         graphs.capture(lambda: a @ a)
     # the failed capture left the device usable
     cp.testing.assert_array_equal(a @ a, cp.full((64, 64), 64.0, np.float32))
+
+
+def test_step_floor_gives_each_op_the_best_rate_of_its_kind():
+    """GEMMs at the best GEMM rate of the table, memory-bound ops at 90 % of the copy, attention as measured."""
+    rows = [  # a 10 ms step: 1 ms outside any region
+        {"op": "slow gemm", "total_ms": 4.0, "flops": 2e12, "bytes": None, "tflops": 500.0, "depth": 0},
+        {"op": "fast gemm", "total_ms": 2.0, "flops": 1.6e12, "bytes": None, "tflops": 800.0, "depth": 0},
+        {"op": "layernorm", "total_ms": 1.0, "flops": 1e9, "bytes": 3.6e9, "tflops": 1.0, "depth": 0},
+        {"op": "attn.core bwd", "total_ms": 2.0, "flops": 4e11, "bytes": 1e9, "tflops": 200.0, "depth": 0},
+        {"op": "inner", "total_ms": 0.5, "flops": None, "bytes": 1e9, "tflops": None, "depth": 1},
+    ]
+    for r in rows:
+        r["step_ms"] = 10.0
+    f = profile.step_floor(rows, copy_gbps=4000.0)
+    assert f["gemm_tflops"] == 800.0 and f["gemm_ops"] == ["slow gemm", "fast gemm"]
+    # slow gemm 2e12 / 800 TF/s = 2.5 ms (1.5 above), layernorm 3.6 GB / 3.6 TB/s = 1 ms (0), the rest as they are
+    assert f["gaps"][0][1] == "slow gemm" and len(f["gaps"]) == 4  # the nested row is part of its parent
+    np.testing.assert_allclose(f["gaps"][0][0], 1.5)
+    np.testing.assert_allclose(f["floor_ms"], 8.5)
+    g = profile.step_floor(rows, copy_gbps=4000.0, gemm_tflops=500.0)  # another rate: the fast GEMM is above it
+    np.testing.assert_allclose(g["floor_ms"], 11.2)  # 1 + 4 + 3.2 + 1 + 2
+    assert profile.step_floor([], copy_gbps=1.0)["floor_ms"] == 0.0

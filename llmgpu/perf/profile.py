@@ -227,6 +227,34 @@ def format_table(rows, *, max_name: int = 28) -> str:
 
 
 
+def step_floor(rows, copy_gbps: float, *, gemm_tflops=None, copy_share: float = 0.9, as_measured=("attn.core",),
+               gemm_above: float = 50.0) -> dict:
+    """How fast the step of a ``profile_step`` table could be with every op at the best rate of its kind.
+
+    A depth-0 row is a GEMM when its rate is above ``gemm_above`` TFLOP/s (the memory-bound ops are far below):
+    it gets ``gemm_tflops`` (default: the best rate any GEMM row of the table reaches); a row whose name starts
+    with one of ``as_measured`` keeps its time (an op not ours to tune: cuDNN's attention); every other row moves
+    its bytes at ``copy_share`` of the copy bandwidth ``copy_gbps``. Time outside any region stays. Returns
+    ``{"floor_ms", "gemm_tflops", "gemm_ops", "gaps"}``, ``gaps`` the (ms above its floor, op) pairs, largest first.
+    """
+    top = [r for r in rows if r.get("depth", 0) == 0]
+    kept = [r for r in top if r["op"].startswith(tuple(as_measured))]
+    gemms = [r for r in top if r not in kept and (r.get("tflops") or 0) > gemm_above]
+    rate = gemm_tflops or max((r["tflops"] for r in gemms), default=None)
+
+    def floor_ms(r):
+        if r in kept:
+            return r["total_ms"]
+        if r in gemms:
+            return r["flops"] / (rate * 1e9)
+        return (r.get("bytes") or 0.0) / (copy_share * copy_gbps * 1e6)
+
+    gaps = sorted(((r["total_ms"] - floor_ms(r), r["op"]) for r in top), reverse=True)
+    step_ms = top[0]["step_ms"] if top else 0.0
+    return {"floor_ms": step_ms - sum(g for g, _ in gaps), "gemm_tflops": rate, "gemm_ops": [r["op"] for r in gemms],
+            "gaps": gaps}
+
+
 # --------------------------------------------------------------------------- launch overhead
 
 
@@ -371,4 +399,4 @@ def profile_step(fn, *, reps: int = 3, warmup: int = 1, gbps_ceiling=None, tflop
 
 
 __all__ = ["LaunchOverhead", "OpTimer", "activate", "format_table", "host_runs_ahead", "launch_count",
-           "launch_overhead", "profile_step", "summarize"]
+           "launch_overhead", "profile_step", "step_floor", "summarize"]
