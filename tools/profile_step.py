@@ -7,7 +7,8 @@
 One row per ``instrument.region`` of the step (``perf.profile.profile_step``): calls, ms per step, % of the
 step, GB/s and TFLOP/s against the copy and GEMM ceilings measured in the same run. The scale table of
 chapter 8 found llmgpu's MFU lower at 774M and 1.5B than at 124M and 350M; this table, at those sizes beside
-GPT-2 small's, is where to look for why. ``--json`` writes the rows with the run's configuration.
+GPT-2 small's, is where to look for why. On a GPU it ends with the step's floor (``perf.profile.step_floor``) and the
+ops furthest above theirs. ``--json`` writes the rows with the run's configuration.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def main(argv=None) -> int:
           f"= {a.batch * a.seq / ms * 1e3:,.0f} tokens/s under the timer (copy {copy:,.0f} GB/s, GEMM {gemm:.3g} "
           f"TFLOP/s)\n")
     print(profile.format_table(rows[:a.top]))
+    floor = profile.step_floor(rows, copy)  # chapter 8: every op at the best rate of its kind in this table
+    if floor["gemm_tflops"]:  # GEMM rows (above 50 TFLOP/s): a GPU's table
+        print(f"\nfloor {floor['floor_ms']:.2f} ms (the step is {ms / floor['floor_ms']:.2f}x it): every GEMM at "
+              f"{floor['gemm_tflops']:.0f} TFLOP/s (the table's best), every memory-bound op at 90 % of copy, "
+              "cuDNN's attention as measured; largest gaps: "
+              + ", ".join(f"{op} {g:.2f} ms" for g, op in floor["gaps"][:4]))
     if a.json:
         payload = {"benchmark": "profile_step", "preset": a.preset, "step": kind, "batch": a.batch, "seq": a.seq,
                    "dtype": dtype, "copy_gbps": copy, "gemm_tflops": gemm, "rows": rows}
