@@ -335,6 +335,7 @@ def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
     from .dist import DistError
     from .dist.comm import abort_mpi
+    from .dist.launch import report_rank_error
     from .interop import InteropError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
@@ -351,6 +352,7 @@ def main(argv=None) -> int:
                 "export": cmd_export, "info": cmd_info, "bench": cmd_bench}[a.command](a)
     except DistError as e:
         print(f"llmgpu: error: {e}", file=sys.stderr)
+        report_rank_error(f"llmgpu: error: {e}")  # mpiexec may drop the line above when it stops the run
         abort_mpi(EXIT_USAGE)  # the other ranks of an MPI run stop too (one may hang in a collective)
         return EXIT_USAGE
     except (UsageError, ConfigError, DataError, CheckpointError, InteropError) as e:

@@ -20,7 +20,7 @@ import pytest
 
 from llmgpu.dist import DistError, LocalComm, from_environ, plan_buckets, rendezvous
 from llmgpu.dist.env import DistEnv
-from llmgpu.dist.launch import name_dead_rank, strip_nproc
+from llmgpu.dist.launch import RANK_DIR_VAR, name_dead_rank, rank_errors, report_rank_error, strip_nproc
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.optim.params import ALIGN, FlatParams
 
@@ -82,6 +82,18 @@ def test_the_dead_rank_is_named_from_both_witnesses():
     assert both.startswith("one of ranks 0, 1 died") and "exit code 9" in both
     assert name_dead_rank([("0", "100"), ("2", "102")], [], ranks, 9).startswith("one of ranks 0, 2 died")
     assert name_dead_rank([], [("555", "1")], ranks, 1) == "a rank exited with code 1"  # a PID of no rank
+
+
+def test_a_ranks_error_line_is_left_for_the_launcher(tmp_path, monkeypatch):
+    """mpiexec may drop a rank's last output when it tears the run down: the launcher prints what a rank left."""
+    monkeypatch.delenv(RANK_DIR_VAR, raising=False)
+    report_rank_error("llmgpu: error: nowhere to go")  # outside an --nproc run: nothing, no error
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(RANK_DIR_VAR, str(tmp_path))
+    (tmp_path / "0").write_text("123")  # a rank's PID file is not an error line
+    line = "llmgpu: error: rank 1: all_reduce did not complete within 4 s"
+    report_rank_error(line + "\n")
+    assert rank_errors(tmp_path) == [(str(os.getpid()), line)]
 
 
 def test_strip_nproc():
@@ -313,6 +325,7 @@ def test_a_hung_rank_makes_the_others_stop_within_the_timeout(tmp_path):
     assert time.monotonic() - t < 40
     assert p.returncode != 0
     assert "did not complete within 4 s: another rank died or hangs" in stderr
+    assert re.search(r"llmgpu: ranks? [0-9, ]+ stopped the run on an error \(above\)", stderr), stderr[-500:]
 
 
 def test_nccl_backend_on_cpu_is_one_clear_error(one_error_line):

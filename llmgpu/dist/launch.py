@@ -7,7 +7,11 @@
 * **CPU ranks**: MPI processes must be started by MPI's own launcher, so this runs
   ``mpiexec -n N python -m llmgpu train ...`` (the ``mpich`` wheel brings ``mpiexec``), which stops every
   rank when one dies and names the dead process by its PID; each rank registers its PID
-  (``register_rank``) in a directory this launcher hands out, so the line we add names the rank.
+  (``register_rank``) in a directory this launcher hands out, so the line we add names the rank. A rank that
+  stops the run on an error (``MPI_Abort``) also leaves its error line there (``report_rank_error``): mpiexec
+  can drop a rank's last output when it tears the run down, and the launcher prints any such line it did not
+  pass through, then names the ranks that stopped the run that way; a rank that died silently is named from its
+  end as the launcher saw it and from mpiexec's report (both when they disagree: ``name_dead_rank``).
 
 The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` reach every rank).
 """
@@ -38,6 +42,24 @@ def register_rank(rank: int):
     d = os.environ.get(RANK_DIR_VAR)
     if d and os.path.isdir(d):
         Path(d, str(rank)).write_text(str(os.getpid()))
+
+
+def report_rank_error(line: str):
+    """Leave this rank's error line where the ``--nproc`` launcher looks, before the rank aborts the run
+    (nothing outside such a run)."""
+    d = os.environ.get(RANK_DIR_VAR)
+    if d and os.path.isdir(d):
+        Path(d, f"error.{os.getpid()}").write_text(line)
+
+
+def rank_errors(directory) -> list[tuple[str, str]]:
+    """(pid, error line) of every rank that left one in ``directory`` (``report_rank_error``), by file name."""
+    out = []
+    for f in sorted(Path(directory).glob("error.*")):
+        line = f.read_text().strip()
+        if line:
+            out.append((f.name.split(".", 1)[1], line))
+    return out
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -99,11 +121,19 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
                 env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
             watch = _FirstDeath(d)
-            rc, reports = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
+            rc, reports, passed = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
             first = watch.first()
+            errors = rank_errors(d)
+            for _, line in errors:
+                if line not in passed:  # mpiexec dropped it when it stopped the run
+                    say(line, file=sys.stderr)
         if rc not in (0, 130):
-            say(f"llmgpu: {name_dead_rank(first, reports, watch.rank_of, rc)}; mpiexec stopped the other ranks of "
-                f"the {nproc}-rank run", file=sys.stderr)
+            who = sorted({watch.rank_of.get(pid, "?") for pid, _ in errors}, key=lambda r: (not r.isdigit(), r))
+            if who:  # a rank stopped the run on an error it printed (then the others were killed: not "died")
+                what = f"rank{'s' if len(who) > 1 else ''} {', '.join(who)} stopped the run on an error (above)"
+            else:
+                what = name_dead_rank(first, reports, watch.rank_of, rc)
+            say(f"llmgpu: {what}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
         return rc
     port = free_port()
     procs = []
@@ -153,7 +183,7 @@ class _FirstDeath:
         live, seen = {}, set()  # handle (a pidfd, or -pid when polling) → (rank, pid)
         while not self._stop.is_set():
             for f in os.listdir(self.dir):
-                if f in seen:
+                if f in seen or not f.isdigit():  # a rank's PID file is named by its rank
                     continue
                 try:
                     pid = int(Path(self.dir, f).read_text())
@@ -193,16 +223,19 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _wait_mpiexec(cmd, env) -> tuple[int, list]:
+def _wait_mpiexec(cmd, env) -> tuple[int, list, str]:
     """Run mpiexec, passing its output through and reading it for a dead process (Hydra, on stdout: 'PID n
     RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on stderr: 'process rank r with PID n ... exited on signal
-    s'). Returns mpiexec's exit code and the deaths it reported: ('rank', r, pid, code) or (pid, code) each."""
+    s'). Returns mpiexec's exit code, the deaths it reported (('rank', r, pid, code) or (pid, code) each) and
+    everything it printed."""
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     found: list = []
+    passed: list = []
 
     def pump(src, dst):
         pid = None
         for line in src:
+            passed.append(line)
             dst.write(line)
             dst.flush()
             m = re.search(r"process rank (\d+) with PID (\d+) on node \S+ exited on signal (\d+)", line)
@@ -224,7 +257,7 @@ def _wait_mpiexec(cmd, env) -> tuple[int, list]:
         rc = p.wait()
     for t in threads:
         t.join(5)
-    return rc, found
+    return rc, found, "".join(passed)
 
 
 def _watch(procs, say) -> int:
@@ -266,4 +299,5 @@ def _stop(procs):
             p.wait()
 
 
-__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "name_dead_rank", "register_rank", "strip_nproc"]
+__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "name_dead_rank", "register_rank",
+           "rank_errors", "report_rank_error", "strip_nproc"]
