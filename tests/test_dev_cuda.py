@@ -5,6 +5,7 @@ NVRTC, no GPU needed, errors and spills fail), and their scripts must at least s
 without a GPU they say so and exit 0, on a GPU they check the kernel against the package.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -72,11 +73,48 @@ def _probe():
     return wgmma_probe
 
 
+class _FakeCupy:
+    """Enough of CuPy for the dev/cuda scripts' GPU paths to run on NumPy arrays with stand-in kernels."""
+
+    asarray, full, asnumpy = staticmethod(np.asarray), staticmethod(np.full), staticmethod(np.asarray)
+
+    class cuda:
+        class Device:
+            compute_capability = "90"
+
+            def synchronize(self):
+                pass
+
+
+class _FakeKernel:
+    def __init__(self, body):
+        self.body, self.max_dynamic_shared_size_bytes = body, None
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert shared_mem <= 227 * 1024  # an H200 block's opt-in limit
+        self.body(grid, block, args)
+
+
+def _fake_gpu(monkeypatch, module, kernels):
+    """The module's main() sees an sm_90 GPU: the fake CuPy above and ``kernels`` for compile_sm90a."""
+    fake = _FakeCupy()
+    monkeypatch.setattr(backend, "gpu_unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(backend, "require_gpu", lambda *a, **k: fake)
+    monkeypatch.setattr(backend, "device_info", lambda *a, **k: type("D", (), {"summary": lambda self: "fake sm_90"})())
+    monkeypatch.setattr(module, "compile_sm90a", lambda cp, path: kernels)
+    return fake
+
+
+def _probe_kernels(w):
+    return {f"wgmma_probe<{r}, {t}>": _FakeKernel(lambda g, b, args, r=r, t=t: w.emulate_launch(r, t, args))
+            for r in (0, 1) for t in (0, 1)}
+
+
 @pytest.mark.parametrize("nk", [1, 4])
 def test_wgmma_probe_bookkeeping_on_the_cpu(nk):
-    """Each hypothesis's image decodes back to its operand under the addressing model, so on emulated hardware
-    that follows the model every hypothesis expected to pass passes and every counter-hypothesis fails: the
-    probe can tell them apart (what the GPU does is what dev/cuda/wgmma_probe.py finds out)."""
+    """Launched (``run``) on a stand-in kernel that follows the addressing model, every hypothesis expected to pass
+    passes and every counter-hypothesis fails: the probe can tell them apart (what the GPU does is what
+    dev/cuda/wgmma_probe.py finds out)."""
     w = _probe()
     rng = np.random.default_rng(nk)
     a = w.from_bits(w.bits(rng.standard_normal((w.M, 16 * nk))))
@@ -84,10 +122,23 @@ def test_wgmma_probe_bookkeeping_on_the_cpu(nk):
     ref = a.astype(np.float64) @ b.astype(np.float64)
     hyps = w.hypotheses(nk)
     assert sum(h[4] for h in hyps) >= 3 and sum(not h[4] for h in hyps) >= 2
+    kernels = _probe_kernels(w)
     for h in hyps:
-        res = w.judge(w.emulate(a, b, h), ref)
+        res = w.judge(w.run(_FakeCupy(), kernels, a, b, h), ref)
         assert res["passed"] == h[4], (h[0], res)
         assert res["values_found"] == 1.0 or not h[4]
+
+
+def test_wgmma_probe_main_on_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
+    """The script's GPU path end to end (hypotheses, launches, table, JSON) with the stand-in kernel."""
+    w = _probe()
+    _fake_gpu(monkeypatch, w, _probe_kernels(w))
+    out = tmp_path / "probe.json"
+    assert w.main(["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert f"{len(rows)} of {len(rows)} as expected" in text and "FAIL" not in text
+    assert {r["nk"] for r in rows} == {1, 4} and any(not r["expected_to_pass"] for r in rows)
 
 
 def test_wgmma_probe_layouts_and_descriptor_bits():
@@ -125,6 +176,56 @@ def test_flash_fwd_wgmma_compiles_for_sm90a_without_spills_or_serialized_wgmma()
     assert len(r.kernels) == 8 and not any(k.spills for k in r.kernels), r.kernels
     assert all(k.registers <= 128 for k in r.kernels if ", 64, " in k.expression), r.kernels
     assert "serialized" not in r.log, r.log
+
+
+def test_flash_fwd_wgmma_main_on_a_stand_in_gpu(monkeypatch, capsys):
+    """The script's GPU path (launch arguments, the QKV views, the float64 checks, the NaN-row check) with a stand-in
+    kernel that computes the reference: every check must pass, so a wrong check cannot fail the real kernel."""
+    from llmgpu.ops import flash_reference
+
+    sys.path.insert(0, str(DEV_CUDA))
+    try:
+        import flash_fwd_wgmma as ff
+    finally:
+        sys.path.remove(str(DEV_CUDA))
+    launched = []
+
+    def body(grid, block, args):
+        q, k, v, o, lse, H, T, scale, causal = args[:9]
+        assert grid == (q.shape[0] * q.shape[1], -(-q.shape[2] // ff.ROWS)) and block == (ff.THREADS,)
+        assert [int(x) for x in args[9:12]] == [s // q.dtype.itemsize for s in q.strides[:3]]
+        r_o, r_lse = flash_reference.naive_forward(*(np.asarray(x, np.float64) for x in (q, k, v)), float(scale),
+                                                    bool(causal))
+        o[...], lse[...] = r_o.astype(o.dtype), r_lse
+        launched.append(q.shape[-1])
+
+    kernels = {f"flash_fwd_wgmma<{t}, {d}, {p}>": _FakeKernel(body) for t in ("__half", "__nv_bfloat16")
+               for d in (64, 128) for p in (0, 1)}
+    _fake_gpu(monkeypatch, ff, kernels)
+    assert ff.main(["--no-time"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("ok  ") == 8 and "FAIL" not in text, text
+    assert set(launched) == {64, 128}
+
+
+def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
+    """The timing table's code path (smaller shapes, kernels that do nothing, a fixed clock)."""
+    sys.path.insert(0, str(DEV_CUDA))
+    try:
+        import flash_fwd_wgmma as ff
+    finally:
+        sys.path.remove(str(DEV_CUDA))
+    kernels = {f"flash_fwd_wgmma<__nv_bfloat16, {d}, {p}>": _FakeKernel(lambda g, b, a: None)
+               for d in (64, 128) for p in (0, 1)}
+    cp = _fake_gpu(monkeypatch, ff, kernels)
+    monkeypatch.setattr(ff, "SPEED", [(64, 2, 2, 128), (128, 1, 2, 256)])
+    monkeypatch.setattr(ff, "time_fn", lambda fn, **kw: (fn(), type("T", (), {"median_ms": 0.5})())[1])
+    monkeypatch.setattr(ff.fl, "ours_forward", lambda *a: None)
+    rows = ff.timing(cp, kernels, "bf16", np.random.default_rng(0))
+    kinds = {r["kernel"] for r in rows}
+    assert {"wgmma PIPE=0", "wgmma PIPE=1", "ours (flash_fwd, mma.sync)"} <= kinds
+    assert {r["D"] for r in rows} == {64, 128}
+    assert all(r["tflops"] > 0 for r in rows) and "TFLOP/s" in capsys.readouterr().out
 
 
 def test_flash_fwd_wgmma_script_runs():

@@ -249,28 +249,26 @@ def run(cp, kernels, a, bmat, hyp):
     return cp.asnumpy(out)
 
 
-def emulate(a, bmat, hyp):
-    """What ``run`` returns if the hardware follows the addressing model (``decode``) and ``d_positions``: the
-    CPU check of this script's own bookkeeping (tests/test_dev_cuda.py), not of the hardware."""
-    _, aop, bop, _, _ = hyp
-    nk = a.shape[1] // 16
-    b_img = image(bmat if bop.mn_major else bmat.T, bop.offsets)
-    frags = a_fragments(a)
+def emulate_launch(a_regs: int, trans_b: int, args) -> None:
+    """What ``wgmma_probe<a_regs, trans_b>`` does with the arguments ``run`` launches it with, if the hardware
+    follows the addressing model (``decode``), the fragment order of ``a_fragments`` and ``d_positions``: the CPU
+    stand-in for the kernel in tests/test_dev_cuda.py, a check of this script's own bookkeeping, not of the GPU."""
+    a_img, _, frags, b_img, _, desc_a, desc_b, nk, out = args
     acc = np.zeros((M, N))
-    for ks in range(nk):
-        if isinstance(aop, Operand):
-            a_ks = decode(image(a, aop.offsets), aop.descs[ks], M, 16)
-        else:  # the fragments read back the way a_fragments wrote them
+    for ks in range(int(nk)):
+        if a_regs:  # the fragments read back the way a_fragments wrote them
             a_ks = np.zeros((M, 16))
             for t in range(128):
                 w, g, q = t // 32, (t % 32) // 4, t % 4
                 for j, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
                     word = int(frags[ks, t, j])
                     a_ks[16 * w + g + dr, 2 * q + dk: 2 * q + dk + 2] = from_bits([word & 0xFFFF, word >> 16])
-        b_ks = decode(b_img, bop.descs[ks], 16, N) if bop.mn_major else decode(b_img, bop.descs[ks], N, 16).T
-        acc += a_ks @ b_ks
+        else:
+            a_ks = decode(a_img, int(desc_a[ks]), M, 16)
+        d = int(desc_b[ks])
+        acc += a_ks @ (decode(b_img, d, 16, N) if trans_b else decode(b_img, d, N, 16).T)
     pos = d_positions()
-    return acc[pos[..., 0], pos[..., 1]].astype(np.float32)
+    out[...] = acc[pos[..., 0], pos[..., 1]]
 
 
 def judge(raw, ref) -> dict:
