@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
     from .dist import DistError
     from .dist.comm import abort_mpi
-    from .dist.launch import report_rank_error
+    from .dist.launch import ERROR_MARK, report_rank_error
     from .interop import InteropError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
@@ -351,27 +351,28 @@ def main(argv=None) -> int:
         return {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "prepare": cmd_prepare,
                 "export": cmd_export, "info": cmd_info, "bench": cmd_bench}[a.command](a)
     except DistError as e:
-        print(f"llmgpu: error: {e}", file=sys.stderr)
-        report_rank_error(f"llmgpu: error: {e}")  # mpiexec may drop the line above when it stops the run
+        line = f"{ERROR_MARK}{e}"
+        print(line, file=sys.stderr)
+        report_rank_error(line)  # mpiexec may drop the line above when it stops the run
         abort_mpi(EXIT_USAGE)  # the other ranks of an MPI run stop too (one may hang in a collective)
         return EXIT_USAGE
     except (UsageError, ConfigError, DataError, CheckpointError, InteropError) as e:
-        print(f"llmgpu: error: {e}", file=sys.stderr)
+        print(f"{ERROR_MARK}{e}", file=sys.stderr)
         return EXIT_USAGE
     except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:
-        print(f"llmgpu: error: {e}", file=sys.stderr)
+        print(f"{ERROR_MARK}{e}", file=sys.stderr)
         return EXIT_USAGE
     except MemoryError as e:
-        print(f"llmgpu: error: out of host memory ({e}); lower --batch/--seq or use a smaller --preset",
+        print(f"{ERROR_MARK}out of host memory ({e}); lower --batch/--seq or use a smaller --preset",
               file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         where = f": {e.filename}" if e.filename else ""
-        print(f"llmgpu: error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"{ERROR_MARK}{e.strerror or e}{where}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
         if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
-            print(f"llmgpu: error: out of GPU memory ({e}); lower --batch, use --checkpoint-every 1 or a smaller "
+            print(f"{ERROR_MARK}out of GPU memory ({e}); lower --batch, use --checkpoint-every 1 or a smaller "
                   "--preset", file=sys.stderr)
             return EXIT_USAGE
         raise

@@ -35,6 +35,7 @@ from .env import DistError
 
 GRACE_S = 10.0
 RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register their PIDs
+ERROR_MARK = "llmgpu: error: "  # how the command's error lines start (cli.main prints them with it)
 
 
 def register_rank(rank: int):
@@ -45,8 +46,8 @@ def register_rank(rank: int):
 
 
 def report_rank_error(line: str):
-    """Leave this rank's error line where the ``--nproc`` launcher looks, before the rank aborts the run
-    (nothing outside such a run)."""
+    """Leave this rank's error line (an ``ERROR_MARK`` line, as printed) where the ``--nproc`` launcher looks,
+    before the rank aborts the run (nothing outside such a run)."""
     d = os.environ.get(RANK_DIR_VAR)
     if d and os.path.isdir(d):
         Path(d, f"error.{os.getpid()}").write_text(line)
@@ -128,7 +129,7 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
                 if line not in passed:  # mpiexec dropped it when it stopped the run
                     say(line, file=sys.stderr)
         if rc not in (0, 130):
-            who = sorted({watch.rank_of.get(pid, "?") for pid, _ in errors}, key=lambda r: (not r.isdigit(), r))
+            who = sorted({watch.rank_of.get(pid, "?") for pid, _ in errors}, key=_rank_order)
             if who:  # a rank stopped the run on an error it printed (then the others were killed: not "died")
                 what = f"rank{'s' if len(who) > 1 else ''} {', '.join(who)} stopped the run on an error (above)"
             else:
@@ -151,16 +152,24 @@ def name_dead_rank(first: list, reports: list, rank_of: dict, rc: int) -> str:
     One rank when they agree, else every rank either names."""
     codes = {str(r[2]): r[3] for r in reports if r[0] == "rank"} | {r[0]: int(r[1]) for r in reports
                                                                    if r[0] != "rank"}
-    named = [(r[1], r[2]) if r[0] == "rank" else (rank_of.get(r[0]), r[0]) for r in reports[:1]]
-    cands = dict(first)
-    cands.update({r: p for r, p in named if r is not None})
+    cands = dict(first)  # rank -> pid
+    if reports:  # the process mpiexec reported first
+        r = reports[0]
+        rank, pid = (r[1], r[2]) if r[0] == "rank" else (rank_of.get(r[0]), r[0])
+        if rank is not None:
+            cands[rank] = pid
     if len(cands) == 1:
         rank, pid = next(iter(cands.items()))
-        return f"rank {rank} (pid {pid}) {_how(int(codes[pid])) if pid in codes else 'died'}"
+        return f"rank {rank} (pid {pid}) {_how(codes[pid]) if pid in codes else 'died'}"
     if cands:
-        return (f"one of ranks {', '.join(sorted(cands, key=int))} died (they ended too close together to tell "
-                f"which first; mpiexec exit code {rc})")
+        return (f"one of ranks {', '.join(sorted(cands, key=_rank_order))} died (they ended too close together to "
+                f"tell which first; mpiexec exit code {rc})")
     return f"a rank exited with code {rc}"
+
+
+def _rank_order(rank: str):
+    """Ranks (strings) in numeric order, anything else ("?": a PID no rank registered) after them."""
+    return (0, int(rank)) if rank.isdigit() else (1, 0)
 
 
 def _how(code: int) -> str:
@@ -226,8 +235,8 @@ def _alive(pid: int) -> bool:
 def _wait_mpiexec(cmd, env) -> tuple[int, list, str]:
     """Run mpiexec, passing its output through and reading it for a dead process (Hydra, on stdout: 'PID n
     RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on stderr: 'process rank r with PID n ... exited on signal
-    s'). Returns mpiexec's exit code, the deaths it reported (('rank', r, pid, code) or (pid, code) each) and
-    everything it printed."""
+    s'). Returns mpiexec's exit code, the deaths it reported (('rank', r, pid, code) or (pid, code) each) and the
+    ``ERROR_MARK`` lines it passed through (only those: a long run prints a line per step)."""
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     found: list = []
     passed: list = []
@@ -235,7 +244,8 @@ def _wait_mpiexec(cmd, env) -> tuple[int, list, str]:
     def pump(src, dst):
         pid = None
         for line in src:
-            passed.append(line)
+            if ERROR_MARK in line:
+                passed.append(line)
             dst.write(line)
             dst.flush()
             m = re.search(r"process rank (\d+) with PID (\d+) on node \S+ exited on signal (\d+)", line)
@@ -299,5 +309,5 @@ def _stop(procs):
             p.wait()
 
 
-__all__ = ["RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "name_dead_rank", "register_rank",
+__all__ = ["ERROR_MARK", "RANK_DIR_VAR", "find_mpiexec", "free_port", "launch", "name_dead_rank", "register_rank",
            "rank_errors", "report_rank_error", "strip_nproc"]
