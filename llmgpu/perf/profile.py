@@ -226,7 +226,6 @@ def format_table(rows, *, max_name: int = 28) -> str:
     return "\n".join(lines)
 
 
-
 def step_floor(rows, copy_gbps: float, *, gemm_tflops=None, copy_share: float = 0.9, as_measured=("attn.core",),
                gemm_above: float = 50.0) -> dict:
     """How fast the step of a ``profile_step`` table could be with every op at the best rate of its kind.
@@ -238,21 +237,21 @@ def step_floor(rows, copy_gbps: float, *, gemm_tflops=None, copy_share: float = 
     ``{"floor_ms", "gemm_tflops", "gemm_ops", "gaps"}``, ``gaps`` the (ms above its floor, op) pairs, largest first.
     """
     top = [r for r in rows if r.get("depth", 0) == 0]
-    kept = [r for r in top if r["op"].startswith(tuple(as_measured))]
-    gemms = [r for r in top if r not in kept and (r.get("tflops") or 0) > gemm_above]
-    rate = gemm_tflops or max((r["tflops"] for r in gemms), default=None)
+    kept = lambda r: r["op"].startswith(tuple(as_measured))  # noqa: E731
+    is_gemm = lambda r: not kept(r) and (r.get("tflops") or 0) > gemm_above  # noqa: E731
+    gemms = [r["op"] for r in top if is_gemm(r)]
+    rate = gemm_tflops or max((r["tflops"] for r in top if is_gemm(r)), default=None)
 
     def floor_ms(r):
-        if r in kept:
+        if kept(r):
             return r["total_ms"]
-        if r in gemms:
+        if is_gemm(r):
             return r["flops"] / (rate * 1e9)
         return (r.get("bytes") or 0.0) / (copy_share * copy_gbps * 1e6)
 
     gaps = sorted(((r["total_ms"] - floor_ms(r), r["op"]) for r in top), reverse=True)
     step_ms = top[0]["step_ms"] if top else 0.0
-    return {"floor_ms": step_ms - sum(g for g, _ in gaps), "gemm_tflops": rate, "gemm_ops": [r["op"] for r in gemms],
-            "gaps": gaps}
+    return {"floor_ms": step_ms - sum(g for g, _ in gaps), "gemm_tflops": rate, "gemm_ops": gemms, "gaps": gaps}
 
 
 # --------------------------------------------------------------------------- launch overhead
