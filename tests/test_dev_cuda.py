@@ -5,6 +5,7 @@ NVRTC, no GPU needed, errors and spills fail), and their scripts must at least s
 without a GPU they say so and exit 0, on a GPU they check the kernel against the package.
 """
 
+import importlib
 import json
 import re
 import subprocess
@@ -64,13 +65,17 @@ def test_wgmma_probe_compiles_for_sm90a_with_wgmma():
     assert len(regs) == 4 and min(regs) >= 32, r.stdout  # 32 accumulators live: the wgmma body is compiled in
 
 
-def _probe():
+def _dev_module(name: str):
+    """A dev/cuda script imported as a module (the scripts import each other from their own directory)."""
     sys.path.insert(0, str(DEV_CUDA))
     try:
-        import wgmma_probe
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(DEV_CUDA))
-    return wgmma_probe
+
+
+def _probe():
+    return _dev_module("wgmma_probe")
 
 
 class _FakeCupy:
@@ -183,11 +188,7 @@ def test_flash_fwd_wgmma_main_on_a_stand_in_gpu(monkeypatch, capsys):
     kernel that computes the reference: every check must pass, so a wrong check cannot fail the real kernel."""
     from llmgpu.ops import flash_reference
 
-    sys.path.insert(0, str(DEV_CUDA))
-    try:
-        import flash_fwd_wgmma as ff
-    finally:
-        sys.path.remove(str(DEV_CUDA))
+    ff = _dev_module("flash_fwd_wgmma")
     launched = []
 
     def body(grid, block, args):
@@ -210,11 +211,7 @@ def test_flash_fwd_wgmma_main_on_a_stand_in_gpu(monkeypatch, capsys):
 
 def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
     """The timing table's code path (smaller shapes, kernels that do nothing, a fixed clock)."""
-    sys.path.insert(0, str(DEV_CUDA))
-    try:
-        import flash_fwd_wgmma as ff
-    finally:
-        sys.path.remove(str(DEV_CUDA))
+    ff = _dev_module("flash_fwd_wgmma")
     kernels = {f"flash_fwd_wgmma<__nv_bfloat16, {d}, {p}>": _FakeKernel(lambda g, b, a: None)
                for d in (64, 128) for p in (0, 1)}
     cp = _fake_gpu(monkeypatch, ff, kernels)
