@@ -114,6 +114,15 @@ def decode(img, desc: int, rows: int, cols: int) -> np.ndarray:
     return from_bits(np.asarray(img)[addr // 2])
 
 
+# mma.m16n8k16's A fragment (and wgmma's register A): register j of a lane holds rows g + dr, k pair 2q + dk
+A_FRAG = ((0, 0), (8, 0), (0, 8), (8, 8))
+
+
+def lane_of(t: int) -> tuple[int, int, int]:
+    """Thread t of the warpgroup as (warp, g = lane // 4, q = lane % 4): warp w owns rows 16w..16w+15."""
+    return t // 32, (t % 32) // 4, t % 4
+
+
 def a_fragments(a) -> np.ndarray:
     """[nk, 128, 4] uint32: thread t's A registers per k step, as mma.m16n8k16's A fragment, warp w = t // 32
     giving rows 16w..16w+15: reg 0 (row g, k 2q, 2q+1), 1 (row g+8), 2 (row g, k+8), 3 (row g+8, k+8);
@@ -122,9 +131,9 @@ def a_fragments(a) -> np.ndarray:
     nk = a.shape[1] // 16
     out = np.zeros((nk, 128, 4), np.uint32)
     for t in range(128):
-        w, g, q = t // 32, (t % 32) // 4, t % 4
+        w, g, q = lane_of(t)
         for ks in range(nk):
-            for j, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            for j, (dr, dk) in enumerate(A_FRAG):
                 r, k = 16 * w + g + dr, 16 * ks + 2 * q + dk
                 out[ks, t, j] = b[r, k] | (b[r, k + 1] << 16)
     return out
@@ -135,7 +144,7 @@ def d_positions() -> np.ndarray:
     warp w rows 16w.., i // 4 the 8-column block, i % 4: (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)."""
     pos = np.zeros((128, 32, 2), int)
     for t in range(128):
-        w, g, q = t // 32, (t % 32) // 4, t % 4
+        w, g, q = lane_of(t)
         for i in range(32):
             j = i % 4
             pos[t, i] = (16 * w + g + 8 * (j // 2), 8 * (i // 4) + 2 * q + (j % 2))
@@ -163,10 +172,9 @@ def k_major(layout: str, rows: int, nk: int, *, swap: bool = False) -> Operand:
         lbo, sbo = (1024, 16) if swap else (16, 1024)  # LBO is unused by a swizzled K-major tile of one atom in K
         return Operand(f"K-major sw128 LBO={lbo} SBO={sbo}", sw128_layout(rows),
                        [descriptor(32 * s, lbo, sbo, SW128) for s in range(nk)], False)
-    lbo, sbo = 128, (k // 8) * 128  # core matrices along K are adjacent, 8-row groups one K row of cores apart
-    if swap:
-        lbo, sbo = sbo, lbo
-    return Operand(f"K-major interleaved LBO={lbo} SBO={sbo}", core_layout(rows, k, 128, (k // 8) * 128),
+    strides = 128, (k // 8) * 128  # core matrices along K adjacent, 8-row groups one K row of cores apart
+    lbo, sbo = strides[::-1] if swap else strides
+    return Operand(f"K-major interleaved LBO={lbo} SBO={sbo}", core_layout(rows, k, *strides),
                    [descriptor(256 * s, lbo, sbo, 0) for s in range(nk)], False)
 
 
@@ -177,10 +185,9 @@ def mn_major(layout: str, nk: int, *, swap: bool = False) -> Operand:
         lbo, sbo = (1024, 8192) if swap else (8192, 1024)  # one 128-byte atom across N: LBO unused (a far value)
         return Operand(f"MN-major sw128 LBO={lbo} SBO={sbo}", sw128_layout(k),
                        [descriptor(2048 * s, lbo, sbo, SW128) for s in range(nk)], True)
-    lbo, sbo = 128, 1024  # cores along N adjacent; the next 8 k rows after the 8 cores across N
-    if swap:
-        lbo, sbo = sbo, lbo
-    return Operand(f"MN-major interleaved LBO={lbo} SBO={sbo}", core_layout(k, N, 128, 1024),
+    strides = 128, 1024  # cores along N adjacent; the next 8 k rows after the 8 cores across N
+    lbo, sbo = strides[::-1] if swap else strides
+    return Operand(f"MN-major interleaved LBO={lbo} SBO={sbo}", core_layout(k, N, *strides),
                    [descriptor(2048 * s, lbo, sbo, 0) for s in range(nk)], True)
 
 
@@ -259,8 +266,8 @@ def emulate_launch(a_regs: int, trans_b: int, args) -> None:
         if a_regs:  # the fragments read back the way a_fragments wrote them
             a_ks = np.zeros((M, 16))
             for t in range(128):
-                w, g, q = t // 32, (t % 32) // 4, t % 4
-                for j, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                w, g, q = lane_of(t)
+                for j, (dr, dk) in enumerate(A_FRAG):
                     word = int(frags[ks, t, j])
                     a_ks[16 * w + g + dr, 2 * q + dk: 2 * q + dk + 2] = from_bits([word & 0xFFFF, word >> 16])
         else:
