@@ -262,8 +262,8 @@ def test_gpu_bgradb_matches_separate_ops(cp, lt, rng, dtype, shape, db_dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(64, 16, 24), (4096, 768, 3072), (65536, 768, 2304)])
 def test_gpu_bgradb_accumulates_into_an_fp32_weight_gradient(cp, lt, rng, dtype, shape):
-    """FastGPT's use (BIAS_GRAD_IN_WGRAD): dW += dyᵀ x into fp32 (beta = 1), the bias sum overwritten into an
-    fp32 scratch vector; at the real step's 65536 tokens too, where the heuristic may split K."""
+    """The weight gradient accumulated into fp32 (dW += dyᵀ x, beta = 1) with the bias sum overwritten into an
+    fp32 vector; at the GPT-2 step's 65536 tokens too, where the heuristic may split K; bitwise repeatable."""
     from llmgpu.gemm import gemm
     from llmgpu.ops.linear import bias_grad
 

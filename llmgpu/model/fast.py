@@ -66,7 +66,7 @@ import numpy as np
 
 from .. import backend
 from ..gemm.cublaslt import lt_gemm
-from ..gemm.ksplit import needs_split, wgrad_gemm
+from ..gemm.ksplit import wgrad_gemm
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
 from ..ops.cross_entropy import (
@@ -77,7 +77,6 @@ from ..ops.cross_entropy import (
 )
 from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
-from ..ops.gelu import gelu_forward
 from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from ..ops.linear import bias_grad
 from ..optim.params import ALIGN
@@ -89,17 +88,10 @@ VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config 
 EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
 LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
 CROSS_ENTROPY_METHOD = "fast"
-# issue 19's switches (a benchmark can A/B them in one process, capturing one graph per setting: the switches are
-# read when the step runs, i.e. when it is captured); for the first two False is the step before them
+# issue 19, both on by default; False gives the step before (a benchmark can A/B them in one process,
+# capturing one graph per setting: the switches are read when the step runs, i.e. when it is captured)
 FUSED_CROSS_ENTROPY = True  # the LM head's cross-entropy forward + backward as one pass over each chunk's logits
 EMBEDDING_GRAD_INTO_FP32 = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
-# True: the bias gradient Σ_rows dy summed by the weight-gradient GEMM's BGRADB epilogue (it overwrites: the sum
-# lands in a scratch vector, then added into the fp32 gradient); False: a separate pass over dy (ops.linear.bias_grad).
-# Off until benchmarks/bench_ch8_epilogues.py has timed it in the captured step on the GPU (chapter 8)
-BIAS_GRAD_IN_WGRAD = False
-# the MLP's GELU in the fc GEMM's epilogue (GELU_AUX_BIAS); False: a BIAS epilogue writes the pre-activation and
-# ops.gelu's kernel makes GELU of it (one more read of [N, 4C], for the plain GEMM's rate)
-GELU_IN_FC_GEMM = True
 # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
 # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
 LM_HEAD_ROWS = 8192
@@ -157,36 +149,17 @@ class FastGPT(GPTBase):
             return lt_gemm(x, w, trans_b=True, bias=self.weight(b_name), epilogue=epilogue or "bias", aux=aux)
 
     def _linear_grads(self, dy, x, w_name, b_name, *, name):
-        """dW += dyᵀ x (fp32, in the GEMM) and db += Σ dy (in the GEMM's epilogue with ``BIAS_GRAD_IN_WGRAD``,
-        else a deterministic reduction of its own)."""
+        """dW += dyᵀ x (fp32, in the GEMM) and db += Σ dy (deterministic reduction; summed by the GEMM's BGRADB
+        epilogue instead, the captured GPT-2 step was 1.5–3 ms slower: chapter 8)."""
         G = self.params.grad_of
         n, cout = dy.shape
         cin = x.shape[1]
-        gw = G(w_name)
-        in_gemm = b_name is not None and BIAS_GRAD_IN_WGRAD and not needs_split(n)  # a split GEMM sums in pieces
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=(n * cout + n * cin) * dy.dtype.itemsize
                     + 8 * cout * cin):
-            if in_gemm:
-                db = self._bias_grad_scratch(cout, gw.dtype)
-                lt_gemm(dy, x, trans_a=True, out=gw, beta=1.0, epilogue="bgradb", dbias=db)
-            else:
-                wgrad_gemm(dy, x, out=gw, beta=1.0, gemm=lt_gemm)  # N % 64 != 0: split (issue 13)
+            wgrad_gemm(dy, x, out=G(w_name), beta=1.0, gemm=lt_gemm)  # N % 64 != 0: split (issue 13)
         if b_name is not None:
-            gb = G(b_name)
-            if in_gemm:
-                with region(name + " bgrad add", bytes=12 * cout, flops=float(cout)):
-                    gb += db
-            else:
-                with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
-                    bias_grad(dy, out=gb, accumulate=True)
-
-    def _bias_grad_scratch(self, n: int, dtype):
-        """The first ``n`` entries of a vector the BGRADB epilogue writes (made once, outside graph capture: the
-        step's warm-up run makes it; the widest bias is the MLP's 4C)."""
-        s = getattr(self, "_dbias", None)
-        if s is None or s.dtype != dtype or s.size < n:
-            s = self._dbias = self.xp.zeros(max(n, 4 * self.config.n_embd), dtype=dtype)
-        return s[:n]
+            with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
+                bias_grad(dy, out=G(b_name), accumulate=True)
 
     def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None):
         w = self.weight(w_name)
@@ -276,14 +249,9 @@ class FastGPT(GPTBase):
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-        if GELU_IN_FC_GEMM:
-            f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
-            g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
-                             epilogue="gelu_bias", aux=f)
-        else:
-            f = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc fwd")
-            with region("mlp.gelu fwd", bytes=2 * f.nbytes, flops=8.0 * f.size):
-                g = gelu_forward(f)
+        f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
+        g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
+                         epilogue="gelu_bias", aux=f)
         cache = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
                  "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
         if not need_output:
