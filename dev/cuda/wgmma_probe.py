@@ -19,7 +19,7 @@ it still yields the right one.
 
 The addressing model (``decode``) is the one the hypotheses are built from, and the CPU test checks that each
 image decodes back to its matrix: an element's byte address is start + its core matrix's offset (LBO along K,
-SBO along M/N, for MN-major the other way round) + row within the core matrix x 16 bytes, and the 128-byte
+SBO along M/N, in both majors) + row within the core matrix x 16 bytes, and the 128-byte
 swizzle XORs address bits 4-6 with bits 7-9 (so a tile must start on a 1024-byte boundary, and moving to the
 next k step inside a 128-byte row is start + 32 bytes). Source of these facts: the PTX ISA, "Asynchronous
 Warpgroup Level Matrix Multiply-Accumulate" (matrix descriptor, canonical layouts, register fragments).
@@ -67,13 +67,13 @@ def from_bits(b) -> np.ndarray:
     return (np.asarray(b, np.uint32) << 16).view(np.float32)
 
 
-def core_layout(rows: int, cols: int, lbo: int, sbo: int):
+def core_layout(rows: int, cols: int, k_stride: int, mn_stride: int, *, mn_major: bool = False):
     """Byte offset of element (r, c) of a [rows, cols] tile (c contiguous), no swizzle: core matrices of 8 rows x
-    16 bytes (8 elements), 128 contiguous bytes each, core (r // 8, c // 8) at (c // 8)·LBO + (r // 8)·SBO.
-    K-major (c = k): LBO steps along K, SBO along M/N, as the PTX ISA defines them. MN-major (r = k, c = n):
-    the claim tested is LBO along N and SBO along K (and the swapped counter-claim)."""
+    16 bytes (8 elements), 128 contiguous bytes each, ``k_stride`` bytes apart along K and ``mn_stride`` along
+    M/N. K-major: c = k; MN-major: r = k, c = n. The descriptor's LBO is the K stride and SBO the M/N stride in
+    both majors (the H200, 2026-12-02: the first guess for MN-major, LBO along N, failed and its swap passed)."""
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    core = (c // 8) * lbo + (r // 8) * sbo
+    core = (r // 8) * k_stride + (c // 8) * mn_stride if mn_major else (c // 8) * k_stride + (r // 8) * mn_stride
     return core + (r % 8) * 16 + (c % 8) * 2
 
 
@@ -100,7 +100,7 @@ def descriptor(start: int, lbo: int, sbo: int, swizzle: int) -> int:
     return (start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle << 62)
 
 
-def decode(img, desc: int, rows: int, cols: int) -> np.ndarray:
+def decode(img, desc: int, rows: int, cols: int, *, mn_major: bool = False) -> np.ndarray:
     """The [rows, cols] tile (floats, cols contiguous: one k step of 16 for K-major, 16 k rows for MN-major) that
     descriptor ``desc`` names in ``img`` under the addressing model of the module docstring."""
     start, lbo, sbo, sw = ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4,
@@ -110,7 +110,7 @@ def decode(img, desc: int, rows: int, cols: int) -> np.ndarray:
         addr = start + (r // 8) * sbo + (r % 8) * 128 + c * 2
         addr = addr ^ (((addr >> 7) & 7) << 4)  # address bits 4-6 ^= bits 7-9
     else:
-        addr = start + core_layout(rows, cols, lbo, sbo)
+        addr = start + core_layout(rows, cols, lbo, sbo, mn_major=mn_major)
     return from_bits(np.asarray(img)[addr // 2])
 
 
@@ -182,12 +182,14 @@ def mn_major(layout: str, nk: int, *, swap: bool = False) -> Operand:
     """A [16 nk, 64] tile, n contiguous (V as the B operand of O += P V, with imm-trans-b)."""
     k = 16 * nk
     if layout == "sw128":
-        lbo, sbo = (1024, 8192) if swap else (8192, 1024)  # one 128-byte atom across N: LBO unused (a far value)
+        # SBO = 1024: the next 8 k rows (along K here, unlike without swizzle); LBO would step to the next
+        # 64 n, unused by one atom across N (a far value)
+        lbo, sbo = (1024, 8192) if swap else (8192, 1024)
         return Operand(f"MN-major sw128 LBO={lbo} SBO={sbo}", sw128_layout(k),
                        [descriptor(2048 * s, lbo, sbo, SW128) for s in range(nk)], True)
-    strides = 128, 1024  # cores along N adjacent; the next 8 k rows after the 8 cores across N
+    strides = 1024, 128  # along K, along N: cores along N adjacent; the next 8 k rows after the 8 cores across N
     lbo, sbo = strides[::-1] if swap else strides
-    return Operand(f"MN-major interleaved LBO={lbo} SBO={sbo}", core_layout(k, N, *strides),
+    return Operand(f"MN-major interleaved LBO={lbo} SBO={sbo}", core_layout(k, N, *strides, mn_major=True),
                    [descriptor(2048 * s, lbo, sbo, 0) for s in range(nk)], True)
 
 
@@ -273,7 +275,7 @@ def emulate_launch(a_regs: int, trans_b: int, args) -> None:
         else:
             a_ks = decode(a_img, int(desc_a[ks]), M, 16)
         d = int(desc_b[ks])
-        acc += a_ks @ (decode(b_img, d, 16, N) if trans_b else decode(b_img, d, N, 16).T)
+        acc += a_ks @ (decode(b_img, d, 16, N, mn_major=True) if trans_b else decode(b_img, d, N, 16).T)
     pos = d_positions()
     out[...] = acc[pos[..., 0], pos[..., 1]]
 
