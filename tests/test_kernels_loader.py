@@ -73,10 +73,19 @@ def sm90_report(tmp_path_factory):
 
 @pytest.mark.parametrize("name", loader.available())
 def test_compiles_for_sm90_without_spills(sm90_report, name):
-    lines = [ln for ln in sm90_report.stdout.splitlines() if ln[5:].startswith(f"{name}.cu [sm_90]")]
+    """Every file for sm_90, or for its own arch-specific target (``// llmgpu:arch``, Hopper's sm_90a)."""
+    arch = loader.required_arch(name) or "sm_90"
+    lines = [ln for ln in sm90_report.stdout.splitlines() if ln[5:].startswith(f"{name}.cu [{arch}]")]
     assert lines, sm90_report.stdout + sm90_report.stderr
     n_declared = len(loader.name_expressions(name))
-    assert lines[0] == f"ok   {name}.cu [sm_90]: {n_declared} kernels", sm90_report.stdout
+    assert lines[0] == f"ok   {name}.cu [{arch}]: {n_declared} kernels", sm90_report.stdout
+
+
+def test_arch_specific_files():
+    """The arch directive is read from the source; files without one run on any GPU."""
+    assert loader.required_arch("flash_attention_wgmma") == "sm_90a"
+    assert loader.required_arch("flash_attention") is None
+    assert loader.arch_in("// llmgpu:arch sm_100a\n") == "sm_100a" and loader.arch_in("// llmgpu:kernel f\n") is None
 
 
 def test_compile_check_reports_errors(monkeypatch, tmp_path):

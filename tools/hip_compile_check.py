@@ -48,6 +48,8 @@ NVIDIA_ONLY = {
                  "token ids of a warp) and __ldcg have no HIP 5.2 counterpart",
     "flash_attention": "inline PTX mma.sync (m16n8k16 tensor-core MMAs, sm_80+): a HIP build would need AMD's "
                        "MFMA intrinsics and a 64-lane fragment layout instead",
+    "flash_attention_wgmma": "Hopper's warpgroup MMAs (wgmma: inline PTX for sm_90a, NVIDIA Hopper GPUs "
+                             "only)",
     "spin": "inline PTX (%globaltimer) and __nanosleep: a timing tool for NVIDIA GPUs",
 }
 _ERROR = re.compile(r"error: (.*)")

@@ -11,7 +11,8 @@ a register array indexed at run time.
     python -m llmgpu.kernels.compile_check dev/cuda/layernorm_forward_fast.cu   # a .cu file anywhere
 
 A path ending in ``.cu`` is compiled the same way (its own ``// llmgpu:kernel`` lines, the package's
-flags and include path), so experiments outside the package (``dev/cuda``) are checked like it.
+flags and include path), so experiments outside the package (``dev/cuda``) are checked like it. A file with
+an ``// llmgpu:arch`` line (Hopper's ``sm_90a``) is compiled for that target only, whatever ``-a`` says.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def main(argv=None) -> int:
     failures = 0
     n_kernels = 0
     for name in files:
-        for arch in archs:
+        text = Path(name).read_text() if name.endswith(".cu") else loader.source(name)
+        own = loader.arch_in(text)
+        for arch in [own] if own else archs:
             r = compile_path(name, arch) if name.endswith(".cu") else compile_file(name, arch)
             label = r.file
             if not r.ok:

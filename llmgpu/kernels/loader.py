@@ -11,12 +11,19 @@ compiles the whole file once with exactly those expressions (NVRTC, through ``cu
 ``name_expressions``), caches the module per device, and returns ``RawKernel`` objects. The same list
 drives the GPU-free compile check (``python -m llmgpu.kernels.compile_check``), so what CI compiles
 is what runs.
+
+A file that uses instructions of one architecture only (Hopper's ``wgmma`` exists on the arch-specific
+target ``sm_90a``, not ``sm_90``) says so with ``// llmgpu:arch sm_90a``: it is compiled for that target
+alone (CuPy's ``RawModule`` would pick the device's generic ``sm_90``), and only on a GPU of that
+architecture (``arch_unsupported``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
 import os
 import re
 import sys
@@ -28,6 +35,7 @@ from .. import backend
 
 KERNEL_DIR = Path(__file__).resolve().parent
 _DIRECTIVE = re.compile(r"^\s*//\s*llmgpu:kernel\s+(.+?)\s*$", re.MULTILINE)
+_ARCH = re.compile(r"^\s*//\s*llmgpu:arch\s+(sm_\d+a?)\s*$", re.MULTILINE)
 _BRACES = re.compile(r"\{([^{}]*)\}")
 
 # Why these flags: C++17 for `if constexpr`; -I so that .cu files can include common.cuh;
@@ -107,9 +115,92 @@ def compile_options() -> tuple[str, ...]:
     return BASE_OPTIONS + (f"-I{KERNEL_DIR}",) + tuple(f"-I{d}" for d in cuda_include_dirs())
 
 
+def arch_in(text: str) -> str | None:
+    """The one target a CUDA source is built for (its ``// llmgpu:arch`` line), or None: any GPU's own."""
+    m = _ARCH.search(text)
+    return m.group(1) if m else None
+
+
+def required_arch(name: str) -> str | None:
+    """The one target ``<name>.cu`` is built for, or None (see the module docstring)."""
+    return arch_in(source(name))
+
+
+def arch_unsupported(name: str, device_id: int | None = None) -> str | None:
+    """Why ``<name>.cu`` cannot run on the current GPU (None when it can, or when it runs on any GPU)."""
+    cp = backend.require_gpu()
+    return _arch_unsupported(name, cp.cuda.Device().id if device_id is None else device_id)
+
+
+@functools.cache
+def _arch_unsupported(name: str, device_id: int) -> str | None:  # asked on every launch: read the file once
+    arch = required_arch(name)
+    if arch is None:
+        return None
+    have = "sm_" + backend.require_gpu().cuda.Device(device_id).compute_capability
+    if have != arch.rstrip("a"):
+        return f"{name}.cu is built for {arch} only; this GPU is {have}"
+    return None
+
+
+def compile_for_arch(text: str, filename: str, exprs, arch: str, include_dirs=()) -> dict:
+    """{name expression: cupy.RawKernel} of CUDA source ``text`` compiled with NVRTC for ``arch`` exactly (e.g.
+    sm_90a), the package's flags and ``include_dirs`` searched first; loaded on the current device. The cubin is
+    kept in CuPy's kernel cache directory, keyed by everything that goes into it, as RawModule keeps its own."""
+    cp = backend.require_gpu()
+    from cupy.cuda import nvrtc
+
+    exprs = list(exprs)
+    options = [f"-I{d}" for d in include_dirs] + [*compile_options(), f"-arch={arch}"]
+    headers = sorted(h for d in (*include_dirs, KERNEL_DIR) for h in Path(d).glob("*.cuh"))
+    key = hashlib.sha256("\0".join([text, *options, *exprs, str(nvrtc.getVersion())]).encode())
+    for h in headers:
+        key.update(h.read_bytes())
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cubin_path = cache / f"llmgpu_{Path(filename).stem}_{arch}_{key.hexdigest()[:24]}.cubin"
+    names_path = cubin_path.with_suffix(".json")
+    if not (cubin_path.is_file() and names_path.is_file()):
+        prog = nvrtc.createProgram(text, filename, [], [])
+        try:
+            for e in exprs:
+                nvrtc.addNameExpression(prog, e)
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError:
+                raise RuntimeError(f"{filename} does not compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from None
+            names = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+            cubin = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        cache.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin_path, cubin), (names_path, json.dumps(names).encode())):
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may write the same file
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    names = json.loads(names_path.read_text())
+    mod = cp.RawModule(path=str(cubin_path))  # RawModule loads a cubin from a file (documented API)
+    return {e: mod.get_function(names[e]) for e in exprs}
+
+
+class _ArchModule:
+    """The kernels of an arch-specific file, with RawModule's ``get_function(name expression)``."""
+
+    def __init__(self, kernels: dict):
+        self._kernels = kernels
+
+    def get_function(self, expr: str):
+        return self._kernels[expr]
+
+
 @functools.cache
 def _module(name: str, device_id: int):
     cp = backend.require_gpu()
+    arch = required_arch(name)
+    if arch is not None:
+        why = arch_unsupported(name, device_id)
+        if why:
+            raise RuntimeError(why)
+        return _ArchModule(compile_for_arch(source(name), f"{name}.cu", name_expressions(name), arch))
     return cp.RawModule(
         code=source(name),
         options=compile_options(),

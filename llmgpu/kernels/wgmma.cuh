@@ -1,6 +1,5 @@
-// dev/cuda/wgmma.cuh: Hopper's asynchronous warpgroup MMA (wgmma) for the dev/cuda experiments (issue 16); not part
-// of the llmgpu package. Included by wgmma_probe.cu and flash_fwd_wgmma.cu (their directory is on the include
-// path: llmgpu.kernels.compile_check.compile_path and wgmma_probe.compile_sm90a put it there).
+// wgmma.cuh: Hopper's asynchronous warpgroup MMA (wgmma), the wrappers flash_attention_wgmma.cu and the dev/cuda
+// experiments (wgmma_probe.cu) use.
 //
 // wgmma exists on sm_90a only (the arch-specific target, __CUDA_ARCH_FEAT_SM90_ALL); compiled for anything else the
 // wrappers are empty and LLMGPU_WGMMA is undefined, so a kernel can trap instead. PTX facts (the PTX ISA,
@@ -44,7 +43,6 @@ __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.asy
 
 // Pin accumulators at this point of the program: after a wait, no read of them moves above it.
 __device__ __forceinline__ void wg_pin(float (&d)[32]) { asm volatile("" : WG_ACC32(d)::"memory"); }
-
 // One wgmma m64n64k16 with fp32 accumulation on 16-bit inputs of PTX type TY ("f16" or "bf16"): SS reads A and B
 // by descriptor (operands 32, 33), RS takes A from four registers (32-35) and B by descriptor (36).
 #define WG_MMA_SS(TY)                                                                                   \
