@@ -8,8 +8,10 @@ and a long-context head of D=128: B=4, H=16, T=4096 (64 M score elements per hea
 per head, the regime where FlashAttention-2 reports its numbers). FLOPs by ``flash_attention_flops``
 (forward 4·B·H·T²·D, halved when causal; backward 2.5 × forward), time = median of CUDA-event timings. Rows:
 
-* ``ours``        kernels/flash_attention.cu, tensor cores, forward and the deterministic backward
-* ``ours scalar`` the fp32 teaching kernel, forward only (run on the B=16 shape and on the D=128 one)
+* ``ours``        our tensor-core kernels, forward and the deterministic backward: what ``kernel="ours"`` runs (the
+                  forward is kernels/flash_attention_wgmma.cu on Hopper, flash_attention.cu's mma.sync elsewhere)
+* ``ours mma``    on Hopper, the mma.sync forward too (``kernel="mma"``), the portable one
+* ``scalar``      the fp32 teaching kernel, forward only (run on the B=16 shape and on the D=128 one)
 * ``cudnn``       cuDNN's fused attention (deterministic backward), when the cuDNN frontend is installed
 * ``torch flash`` PyTorch SDPA with the flash backend (``--no-torch`` skips it)
 
@@ -52,7 +54,7 @@ def bench_shape(xp, rng, B, H, T, D, causal, reps, torch, table, scalar):
     lse = xp.empty((B, H, T), np.float32)
     dq, dk, dv = (xp.empty(shape, backend.bfloat16) for _ in range(3))
     fl = {d: fa.flash_attention_flops(B, H, T, D, causal, d) for d in ("fwd", "bwd")}
-    impls = ["ours"] + (["scalar"] if scalar else [])
+    impls = ["ours"] + (["mma"] if fa.forward_impl(q) == "wgmma" else []) + (["scalar"] if scalar else [])
     if cudnn_attention.available():
         impls.append("cudnn")
     else:
@@ -61,8 +63,9 @@ def bench_shape(xp, rng, B, H, T, D, causal, reps, torch, table, scalar):
         _, st = fa.flash_attention_forward(q, k, v, causal, out=o, lse=lse, kernel=impl)
         ms = time_fn(lambda: fa.flash_attention_forward(q, k, v, causal, out=o, lse=lse, kernel=impl), xp=xp,
                      reps=reps).median_ms
-        _row(table, impl=impl, direction="fwd", shape=label, ms=ms, tflops=fl["fwd"] / ms / 1e9)
-        if impl == "scalar":
+        name = "ours mma" if impl == "mma" else impl
+        _row(table, impl=name, direction="fwd", shape=label, ms=ms, tflops=fl["fwd"] / ms / 1e9)
+        if impl in ("mma", "scalar"):  # forward only
             continue
         ms = time_fn(lambda: fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=dq, dk=dk, dv=dv, kernel=impl),
                      xp=xp, reps=reps).median_ms

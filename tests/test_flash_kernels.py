@@ -145,6 +145,22 @@ def test_shared_memory_fits_an_sm90_block():
     for f in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_wide", "flash_bwd_dq_wide"):
         for D in (64, 128):  # double-buffered tiles: above the 48 KiB default, the host opts in
             assert SMEM_WITHOUT_OPT_IN < fa.smem_bytes(f, D) <= lim.smem_per_block_optin
+    for D in (64, 128):  # the Hopper forward: D = 64 two blocks per SM (228 KiB, 1 KiB reserved per block)
+        assert SMEM_WITHOUT_OPT_IN < fl.wgmma_smem_bytes(D) <= lim.smem_per_block_optin
+    assert 2 * (fl.wgmma_smem_bytes(64) + 1024) <= 228 * 1024 < 2 * (fl.wgmma_smem_bytes(128) + 1024)
+
+
+def test_forward_kernel_names(rng):
+    """Every forward implementation name is accepted (NumPy runs the reference for each); the backward takes only
+    "auto", "ours", "cudnn"."""
+    q = random_array(rng, (1, 2, 9, 64), "fp64")
+    want, _ = fa.flash_attention_forward(q, q, q)
+    for kernel in ("ours", "mma", "wgmma", "scalar"):
+        o, st = fa.flash_attention_forward(q, q, q, kernel=kernel)
+        np.testing.assert_array_equal(o, want)
+        if kernel != "ours":
+            with pytest.raises(ValueError, match="kernel"):
+                fa.flash_attention_backward(q, q, q, q, o, st, kernel=kernel)
 
 
 def test_auto_cache_file_round_trip_and_damage(tmp_path, monkeypatch):
@@ -228,6 +244,52 @@ def test_gpu_ours_matches_float64(cp, rng, dtype, shape, causal, variant):
         assert_close(g, r, rtol=2 * RTOL[dtype], name=n)
 
 
+def _hopper(cp) -> bool:
+    return cp.cuda.Device().compute_capability == "90"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape,causal", CASES)
+def test_gpu_forward_kernels_match_float64(cp, rng, kernel, dtype, shape, causal):
+    """Both tensor-core forwards (``"ours"`` is one of them: the backward test above runs it) into poisoned o, lse."""
+    if kernel == "wgmma" and not _hopper(cp):
+        pytest.skip("the wgmma forward runs on Hopper (sm_90) only")
+    q, k, v = (_dev(cp, rng, shape, dtype) for _ in range(3))
+    o, st = fa.flash_attention_forward(q, k, v, causal, out=poisoned(shape, dtype, cp),
+                                       lse=poisoned(shape[:3], "fp32", cp), kernel=kernel)
+    r_o, r_lse, *_ = _ref64(cp, q, k, v, q, causal)
+    assert_close(o, r_o, rtol=RTOL[dtype], name="o")
+    assert_close(st.lse, r_lse, rtol=1e-4, name="lse")
+
+
+@pytest.mark.gpu
+def test_gpu_ours_forward_is_the_hopper_one_there(cp, rng):
+    """On an sm_90 GPU ``"ours"`` runs the wgmma forward (bit for bit), repeatably and inside a CUDA graph; elsewhere
+    it runs mma.sync and ``kernel="wgmma"`` says why it cannot run."""
+    from llmgpu.perf.graphs import capture
+
+    shape = (2, 3, 333, 64)
+    q, k, v = (_dev(cp, rng, shape, "bf16") for _ in range(3))
+    if not _hopper(cp):
+        assert fl.forward_impl(q) == "mma"
+        with pytest.raises(RuntimeError, match="sm_90a"):
+            fa.flash_attention_forward(q, k, v, kernel="wgmma")
+        return
+    assert fl.forward_impl(q) == "wgmma" and fl.forward_impl(_dev(cp, rng, shape, "fp32")) == "mma"
+    want, want_st = fa.flash_attention_forward(q, k, v, kernel="wgmma")
+    o, lse = poisoned(shape, "bf16", cp), poisoned(shape[:3], "fp32", cp)
+    g = capture(lambda: fa.flash_attention_forward(q, k, v, out=o, lse=lse, kernel="ours"))
+    for _ in range(2):
+        o.fill(np.nan)
+        g.replay()
+        cp.cuda.Device().synchronize()
+        assert cp.array_equal(o, want) and cp.array_equal(lse, want_st.lse)
+    mma, _ = fa.flash_attention_forward(q, k, v, kernel="mma")
+    assert_close(mma, want, rtol=RTOL["bf16"], name="mma vs wgmma")  # the same math, other roundings
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape,causal", [((1, 1, 1, 64), True), ((2, 3, 63, 64), False), ((2, 3, 65, 128), True),
@@ -272,8 +334,10 @@ def test_gpu_qkv_views(cp, rng, D, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["ours", "scalar"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "scalar"])
 def test_gpu_nan_in_nan_out(cp, rng, kernel):
+    if kernel == "wgmma" and not _hopper(cp):
+        pytest.skip("the wgmma forward runs on Hopper (sm_90) only")
     shape = (1, 2, 100, 64)
     q, k, v = (_dev(cp, rng, shape, "bf16") for _ in range(3))
     q[0, 1, 40, 3] = np.nan

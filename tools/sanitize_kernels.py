@@ -273,7 +273,8 @@ def _attention(att, d, q, k, v, causal):
 
 
 def _flash(fa, d, qkv, h, causal):
-    """Our tensor-core forward and backward on strided views of one QKV buffer, then the scalar forward."""
+    """Our tensor-core forward and backward on strided views of one QKV buffer, then the other forwards (ours is the
+    Hopper wgmma one on an sm_90 GPU, mma.sync elsewhere) and the scalar one."""
     q, k, v = fa.split_qkv(qkv, h)
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
     dqkv = d.xp.empty_like(qkv)
@@ -281,6 +282,8 @@ def _flash(fa, d, qkv, h, causal):
     do = d.arr(q.shape, backend.dtype_name(q.dtype))
     for variant in fa.BWD_VARIANTS:  # every candidate backward (flash_launch), the default first
         fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=dq, dk=dk, dv=dv, kernel="ours", variant=variant)
+    if fa.forward_impl(q) == "wgmma":
+        fa.flash_attention_forward(q, k, v, causal, kernel="mma")
     fa.flash_attention_forward(q, k, v, causal, kernel="scalar")
 
 

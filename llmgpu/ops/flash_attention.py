@@ -16,10 +16,14 @@ The backward recomputes ``P = exp(c·S − lse)`` tile by tile and uses ``D_i = 
 
 Implementations (``kernel=``), on CuPy arrays:
 
-* ``"ours"``   ``kernels/flash_attention.cu``: tensor-core MMAs (inline PTX ``mma.sync``, NVIDIA sm_80+), fp16 or
-  bf16 in, fp32 accumulation, head dims 64 and 128, any T, causal or not. The backward is deterministic (no
-  atomics: one kernel over key tiles for dK, dV and one over query tiles for dQ), so it is bitwise repeatable.
-  The backward's ``variant=`` picks among candidate tilings of those kernels (``BWD_VARIANTS``, ``flash_launch``).
+* ``"ours"``   our kernels: tensor-core MMAs, fp16 or bf16 in, fp32 accumulation, head dims 64 and 128, any T,
+  causal or not. The forward is ``"wgmma"`` where that runs (Hopper), else ``"mma"``. The backward
+  (``kernels/flash_attention.cu``, ``mma.sync``) is deterministic (no atomics: one kernel over key tiles for dK,
+  dV and one over query tiles for dQ), so it is bitwise repeatable; its ``variant=`` picks among candidate tilings
+  of those kernels (``BWD_VARIANTS``, ``flash_launch``).
+* ``"mma"``    forward only: ``kernels/flash_attention.cu``'s ``flash_fwd`` (inline PTX ``mma.sync``, NVIDIA sm_80+).
+* ``"wgmma"``  forward only: ``kernels/flash_attention_wgmma.cu``, Hopper's asynchronous warpgroup MMAs (sm_90a),
+  which overlap the softmax of one key tile with the MMAs of the next; an error on other GPUs.
 * ``"scalar"`` forward only: the same tiling in plain fp32 arithmetic (no tensor cores), the teaching step.
 * ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
   extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
@@ -58,9 +62,17 @@ from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
 from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_auto_cache, write_auto_choice
-from .flash_launch import BWD_VARIANTS, DEFAULT_BWD_VARIANT, ours_backward, ours_forward, smem_bytes
+from .flash_launch import (
+    BWD_VARIANTS,
+    DEFAULT_BWD_VARIANT,
+    FWD_IMPLS,
+    forward_impl,
+    ours_backward,
+    ours_forward,
+    smem_bytes,
+)
 
-KERNELS = ("auto", "ours", "scalar", "cudnn")
+KERNELS = ("auto", *FWD_IMPLS, "cudnn")  # the forward's; the backward takes "auto", "ours", "cudnn"
 DEFAULT_KERNEL = "auto"
 HEAD_DIMS = (64, 128)  # what our kernels are instantiated for
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
@@ -203,7 +215,7 @@ def auto_choices() -> dict:
     return dict(_AUTO)
 
 
-def _machine_key(cp, direction, shape, dtype_name, causal) -> str:
+def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma") -> str:
     """The disk-cache key: what the timing depends on (GPU, CUDA, cuDNN, our kernels' source) and the call."""
     try:
         gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
@@ -214,12 +226,14 @@ def _machine_key(cp, direction, shape, dtype_name, causal) -> str:
         cudnn = int(cudnn_attention._cudnn().backend_version())
     except Exception:
         cudnn = None
-    src = Path(__file__).resolve().parent.parent / "kernels" / "flash_attention.cu"
+    kdir = Path(__file__).resolve().parent.parent / "kernels"
+    impl = DEFAULT_BWD_VARIANT if direction == "bwd" else fwd_impl  # which of ours was timed
+    files = ["flash_attention.cu", "common.cuh"] + ["flash_attention_wgmma.cu", "wgmma.cuh"] * (impl == "wgmma")
     try:
-        ours = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
+        ours = hashlib.sha1(b"".join((kdir / f).read_bytes() for f in files)).hexdigest()[:12]
     except OSError:
         ours = "?"
-    ours += f" {DEFAULT_BWD_VARIANT}" if direction == "bwd" else ""  # which of our backward kernels was timed
+    ours += f" {impl}"
     return (f"{gpu}|cuda {cp.cuda.runtime.runtimeGetVersion()}|cudnn {cudnn}|ours {ours}|{direction}|{dtype_name}|"
             f"B={shape[0]} H={shape[1]} T={shape[2]} D={shape[3]}|causal={bool(causal)}")
 
@@ -260,7 +274,8 @@ def _resolve(kernel, direction, q, arrays, causal, run):
     if len(cands) == 1:  # nothing to compare: the same choice in every process
         _AUTO[key] = cands[0]
         return cands[0]
-    disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal)
+    disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal,
+                            forward_impl(q) if direction == "fwd" else "mma")
     cached = read_auto_cache().get(disk_key)
     if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
         _AUTO[key] = cached
@@ -291,7 +306,8 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
     ``AttentionStats`` with ``lse`` (fp32 ``[B, H, T]``): what ``flash_attention_backward`` needs.
     ``out`` ([B, H, T, D], may be a view such as ``heads_view(y, H)``) and ``lse`` (contiguous fp32
     [B, H, T]) are written when given (static buffers for CUDA graphs), else allocated.
-    ``kernel``: "auto" (default: ``DEFAULT_KERNEL``), "ours", "scalar" or "cudnn" (GPU only; see the module).
+    ``kernel``: "auto" (default: ``DEFAULT_KERNEL``), "ours", "mma", "wgmma", "scalar" or "cudnn" (GPU only; see
+    the module).
     """
     xp = _check_inputs(q, k, v)
     B, H, T, D = q.shape
@@ -319,7 +335,7 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
             cudnn_attention.forward(q, k, v, o, lse, scale, causal)
         else:
             _require_ours(q, k, v, o)
-            ours_forward(q, k, v, o, lse, scale, causal, scalar=name == "scalar")
+            ours_forward(q, k, v, o, lse, scale, causal, impl=name)
 
     run(_resolve(kernel, "fwd", q, (k, v, o), causal, run))
     return o, AttentionStats(lse=lse, scale=scale, causal=causal)

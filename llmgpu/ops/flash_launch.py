@@ -17,6 +17,10 @@ variant, the wide dK/dV kernel with the base dQ and D kernels, was measured betw
 
 Every variant is deterministic (no atomics) and capturable in a CUDA graph; they agree with each other to rounding
 (the wide kernels round P to 16 bits before dS, and the wide dQ kernel sums D in another order).
+
+The forward has two tensor-core kernels: ``flash_fwd`` (``mma.sync``, any sm_80+ GPU) and, on Hopper,
+``flash_fwd_wgmma`` (``kernels/flash_attention_wgmma.cu``: warpgroup MMAs, built for sm_90a only), with the same
+arguments and results up to rounding; ``ours_forward(impl="ours")`` takes the Hopper one where it runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import opt_in_shared_memory
 
 THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
@@ -36,6 +40,12 @@ DKDV_WARPS, DQ_WARPS = 4, 4
 WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
 FWD_BUFS = 3  # flash_fwd's ring of K, V tiles
 FWD_ROWS = 128  # query rows per flash_fwd block (fa_cfg<HD>::FWD_WARPS · 16 · FWD_MT)
+
+# flash_fwd_wgmma's shipped tiles (fw_cfg<HD, BN, WG> in flash_attention_wgmma.cu): K/V tiles of WGMMA_BN keys,
+# WGMMA_WG warpgroups of 64 query rows (128 threads each) per block, PIPE (the MMA/softmax overlap) on
+WGMMA_BN, WGMMA_WG, WGMMA_PIPE = 64, 2, 1
+WGMMA_FILE = "flash_attention_wgmma"
+FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
 
 BWD_VARIANTS = ("wide", "base")
 DEFAULT_BWD_VARIANT = "wide"
@@ -66,10 +76,10 @@ def _strides(a):
     return [np.int64(s // it) for s in a.strides[:3]]
 
 
-def _kernel(function, dtype, D, smem):
-    kern = get_kernel("flash_attention", function, dtype, D)
+def _kernel(function, smem, *targs, file="flash_attention"):
+    kern = get_kernel(file, function, *targs)
     if not opt_in_shared_memory(kern, smem):
-        raise RuntimeError(f"{function}<D={D}> needs {smem} bytes of shared memory per block; this GPU "
+        raise RuntimeError(f"{function} (D={targs[1]}) needs {smem} bytes of shared memory per block; this GPU "
                            "does not allow that much")
     return kern
 
@@ -87,22 +97,55 @@ def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
             "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + _wide_dq_bufs(D) * 2 * WIDE_DQ_BN) * row}.get(function, 0)
 
 
+def wgmma_smem_bytes(D: int, bn: int = WGMMA_BN, wg: int = WGMMA_WG) -> int:
+    """fw_cfg::SMEM of flash_fwd_wgmma: 1 KiB of alignment slack (its tiles start on 1024-byte boundaries), the
+    padded Q rows of 64·wg queries, a ring of three K/V tiles of bn keys (unpadded, swizzled)."""
+    return 1024 + 64 * wg * (D + PAD) * 2 + FWD_BUFS * 2 * bn * D * 2
+
+
+def wgmma_unsupported(q) -> str | None:
+    """Why the Hopper forward cannot run for q (a [B, H, T, D] array) here; None when it can."""
+    if backend.get_array_module(q) is np:
+        return "q is a NumPy array (the reference runs)"
+    why = loader.arch_unsupported(WGMMA_FILE)
+    if why is None and q.dtype not in (backend.float16, backend.bfloat16):
+        why = f"flash_fwd_wgmma takes fp16 or bf16, got {q.dtype}"
+    return why
+
+
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
     return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
             "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
 
 
-def ours_forward(q, k, v, o, lse, scale, causal, scalar=False):
+def forward_impl(q, impl: str = "ours") -> str:
+    """The kernel ``impl`` runs for q: "ours" is "wgmma" where the Hopper forward runs, else "mma"."""
+    if impl == "ours":
+        return "wgmma" if wgmma_unsupported(q) is None else "mma"
+    if impl == "wgmma" and (why := wgmma_unsupported(q)):
+        raise RuntimeError(f"the Hopper flash forward cannot run here: {why} (kernel='mma' runs on any sm_80+ GPU)")
+    return impl
+
+
+def ours_forward(q, k, v, o, lse, scale, causal, impl="ours"):
+    """Launch our forward ``impl`` (``FWD_IMPLS``) on [B, H, T, D] views; o, lse written."""
     B, H, T, D = q.shape
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
-    if scalar:
+    impl = forward_impl(q, impl)
+    if impl == "wgmma":
+        smem = wgmma_smem_bytes(D)
+        kern = _kernel("flash_fwd_wgmma", smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
+        rows = 64 * WGMMA_WG
+        kern((B * H, -(-T // rows)), (2 * rows,), args, shared_mem=smem)
+        return
+    if impl == "scalar":
         rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
         get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
         return
     smem = smem_bytes("flash_fwd", D)
-    _kernel("flash_fwd", q.dtype, D, smem)((B * H, -(-T // FWD_ROWS)), (32 * _fwd_warps(D),), args, shared_mem=smem)
+    _kernel("flash_fwd", smem, q.dtype, D)((B * H, -(-T // FWD_ROWS)), (32 * _fwd_warps(D),), args, shared_mem=smem)
 
 
 _ROW_STATS: dict = {}  # (device, B, H, T, per row) -> fp32 [B, H, T, per row], made once per shape
@@ -148,4 +191,4 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
             args = (q, k, v, do, lse, stats, dq, *head, *ins, *_strides(dq))
         else:  # flash_bwd_dq_wide: also reads O and writes the row stats
             args = (q, k, v, do, o, lse, stats, dq, *head, *ins, *_strides(o), *_strides(dq))
-        _kernel(name, q.dtype, D, smem)(grid, block, args, shared_mem=smem)
+        _kernel(name, smem, q.dtype, D)(grid, block, args, shared_mem=smem)
