@@ -3,14 +3,14 @@
     python dev/cuda/flash_fwd_wgmma.py                        # checks, then the timings of issue 16's shapes
     python dev/cuda/flash_fwd_wgmma.py --no-time --json out.json
 
-Run ``wgmma_probe.py`` first: this kernel builds on the layouts its hypotheses pin. On an sm_90 GPU the kernel
-(D = 64 and 128, PIPE = 0 and 1, bf16 and fp16) is launched exactly as ``llmgpu.ops.flash_launch.ours_forward``
-launches flash_fwd (same arguments, the same grid of 128-row blocks) on q, k, v as strided views of a [B, T, 3C]
-QKV buffer and o as a view of [B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the
-float64 reference of ``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q
-gives NaN rows out. Then (unless ``--no-time``) causal forward TFLOP/s (FLOPs halved) of both PIPE settings, our
-flash_fwd and cuDNN in one run, bf16: D = 64 at B = 16 and 64, H = 12, T = 1024 (GPT-2) and D = 128 at B = 4,
-H = 16, T = 4096.
+Run ``wgmma_probe.py`` first: this kernel builds on the layouts its hypotheses pin. On an sm_90 GPU every
+instantiation the .cu declares (D = 64 and 128, PIPE = 0 and 1, BN keys per tile, WG warpgroups of 64 query rows
+per block; bf16 and fp16) is launched as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd (the same
+arguments, a grid of 64·WG-row blocks) on q, k, v as strided views of a [B, T, 3C] QKV buffer and o as a view of
+[B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the float64 reference of
+``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q gives NaN rows out. Then
+(unless ``--no-time``) causal forward TFLOP/s (FLOPs halved) of every bf16 instantiation, our flash_fwd and cuDNN
+in one run: D = 64 at B = 16 and 64, H = 12, T = 1024 (GPT-2) and D = 128 at B = 4, H = 16, T = 4096.
 
 Without a GPU, or on a GPU other than sm_90, one line saying so and exit 0. Exit status 1 when a check fails.
 """
@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,28 +45,55 @@ from llmgpu.perf.timing import time_fn  # noqa: E402
 from llmgpu.testing import poisoned, random_array, rel_error  # noqa: E402
 
 SOURCE = HERE / "flash_fwd_wgmma.cu"
-ROWS, THREADS = 128, 256  # FW_BM, FW_NT
 
 
-def smem_bytes(D: int) -> int:
-    """The .cu's layout: alignment slack, padded Q rows, a ring of three K/V tiles of 64 keys."""
-    return 1024 + ROWS * (D + 8) * 2 + 3 * 2 * 64 * D * 2
+@dataclass(frozen=True, order=True)
+class Variant:
+    """One instantiation ``flash_fwd_wgmma<T, D, PIPE, BN, WG>`` of the .cu."""
+
+    D: int
+    bn: int
+    wg: int
+    pipe: int
+    dtype: str
+
+    @classmethod
+    def parse(cls, expr: str) -> Variant:
+        t, d, pipe, bn, wg = re.fullmatch(r"flash_fwd_wgmma<(\w+), (\d+), (\d+), (\d+), (\d+)>", expr).groups()
+        return cls(int(d), int(bn), int(wg), int(pipe), {"__half": "fp16", "__nv_bfloat16": "bf16"}[t])
+
+    @property
+    def expr(self) -> str:
+        return (f"flash_fwd_wgmma<{backend.cuda_c_type(self.dtype)}, {self.D}, {self.pipe}, {self.bn}, "
+                f"{self.wg}>")
+
+    @property
+    def rows(self) -> int:  # query rows (and half the threads) of a block
+        return 64 * self.wg
+
+    @property
+    def smem(self) -> int:
+        return fl.wgmma_smem_bytes(self.D, self.bn, self.wg)
+
+    @property
+    def label(self) -> str:
+        return f"wgmma PIPE={self.pipe} BN={self.bn} WG={self.wg}"
+
 
 RTOL = {"bf16": 2e-2, "fp16": 5e-3}  # as tests/test_flash_kernels.py
 CASES = [(1, 1, 1), (1, 2, 7), (2, 3, 63), (2, 3, 65), (1, 2, 1000), (2, 2, 1024)]  # (B, H, T)
 SPEED = [(64, 16, 12, 1024), (64, 64, 12, 1024), (128, 4, 16, 4096)]  # (D, B, H, T), causal
 
 
-def launcher(cp, kernels, dtype, D, pipe):
-    fn = kernels[f"flash_fwd_wgmma<{backend.cuda_c_type(dtype)}, {D}, {pipe}>"]
-    smem = smem_bytes(D)
-    fn.max_dynamic_shared_size_bytes = smem  # above the 48 KiB default
+def launcher(kernels, var: Variant):
+    fn = kernels[var.expr]
+    fn.max_dynamic_shared_size_bytes = var.smem  # above the 48 KiB default
 
     def run(q, k, v, o, lse, causal):
         B, H, T, D = q.shape
         args = (q, k, v, o, lse, np.int32(H), np.int32(T), np.float32(1.0 / math.sqrt(D)), np.int32(bool(causal)),
                 *fl._strides(q), *fl._strides(k), *fl._strides(v), *fl._strides(o))
-        fn((B * H, -(-T // ROWS)), (THREADS,), args, shared_mem=smem)
+        fn((B * H, -(-T // var.rows)), (2 * var.rows,), args, shared_mem=var.smem)
     return run
 
 
@@ -101,15 +131,17 @@ def timing(cp, kernels, dtype, rng) -> list[dict]:
     for D, B, H, T in SPEED:
         q, k, v, o, lse = qkv(cp, rng, B, H, T, dtype, D)
         flops = fa.flash_attention_flops(B, H, T, D, causal=True)
-        cands = {f"wgmma PIPE={p}": launcher(cp, kernels, dtype, D, p) for p in (0, 1)}
-        cands["ours (flash_fwd, mma.sync)"] = lambda *a, D=D: fl.ours_forward(*a[:5], 1.0 / math.sqrt(D), a[5])
+        cands = {var.label: launcher(kernels, var) for var in sorted(map(Variant.parse, kernels))
+                 if var.D == D and var.dtype == dtype}
+        cands["ours (flash_fwd, mma.sync)"] = lambda *a, D=D: fl.ours_forward(*a[:5], 1.0 / math.sqrt(D), a[5],
+                                                                             impl="mma")
         if fa.cudnn_attention.unavailable_reason() is None:
             cands["cuDNN"] = lambda q, k, v, o, lse, causal: fa.flash_attention_forward(
                 q, k, v, causal, out=o, kernel="cudnn")
         for name, fn in cands.items():
             ms = time_fn(lambda: fn(q, k, v, o, lse, True), xp=cp, reps=50).median_ms
             rows.append({"B": B, "H": H, "T": T, "D": D, "kernel": name, "ms": ms, "tflops": flops / ms / 1e9})
-            print(f"  D={D:<3} B={B:<3} H={H} T={T} {name:<30} {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s",
+            print(f"  D={D:<3} B={B:<3} H={H} T={T} {name:<32} {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s",
                   flush=True)
     return rows
 
@@ -129,20 +161,19 @@ def main(argv=None) -> int:
         return 0
     kernels = compile_sm90a(cp, SOURCE)
     rng = np.random.default_rng(0)
-    result, bad = {"device": backend.device_info(cp).summary(), "checks": {}, "timing": {}}, 0
-    for dtype in ("bf16", "fp16"):
-        for D in (64, 128):
-            for p in (0, 1):
-                name = f"{dtype} D={D} wgmma PIPE={p}"
-                rows = check(cp, launcher(cp, kernels, dtype, D, p), dtype, D, rng)
-                result["checks"][name] = rows
-                fails = [r for r in rows if not r["ok"]]
-                bad += len(fails)
-                worst = max(r.get("o_error", 0.0) for r in rows)
-                print(f"{'ok  ' if not fails else 'FAIL'} {name}: {len(rows) - len(fails)}/{len(rows)} cases, worst o "
-                      f"error {worst:.2e}" + "".join(f"\n     {r}" for r in fails), flush=True)
-                if a.json:  # after every kernel: a launch that kills the context leaves the rows before it
-                    a.json.write_text(json.dumps(result, indent=1))
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result, bad = {"date": date, "device": backend.device_info(cp).summary(), "checks": {}, "timing": {}}, 0
+    for var in sorted(map(Variant.parse, kernels)):
+        name = f"{var.dtype} D={var.D} {var.label}"
+        rows = check(cp, launcher(kernels, var), var.dtype, var.D, rng)
+        result["checks"][name] = rows
+        fails = [r for r in rows if not r["ok"]]
+        bad += len(fails)
+        worst = max(r.get("o_error", 0.0) for r in rows)
+        print(f"{'ok  ' if not fails else 'FAIL'} {name}: {len(rows) - len(fails)}/{len(rows)} cases, worst o "
+              f"error {worst:.2e}" + "".join(f"\n     {r}" for r in fails), flush=True)
+        if a.json:  # after every kernel: a launch that kills the context leaves the rows before it
+            a.json.write_text(json.dumps(result, indent=1))
     if not a.no_time:
         result["timing"]["bf16"] = timing(cp, kernels, "bf16", rng)
         if a.json:

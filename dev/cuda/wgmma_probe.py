@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,29 +213,10 @@ def hypotheses(nk: int):
 
 
 def compile_sm90a(cp, path: Path) -> dict:
-    """{name expression: cupy.RawKernel} of a .cu compiled for sm_90a with NVRTC, the package's flags and the file's
-    own directory on the include path (wgmma.cuh); CuPy's RawModule would add -arch=sm_90, which has no wgmma."""
-    from cupy.cuda import nvrtc
-
-    text = path.read_text()
-    exprs = loader.expressions_in(text)
-    prog = nvrtc.createProgram(text, path.name, [], [])
-    try:
-        for e in exprs:
-            nvrtc.addNameExpression(prog, e)
-        try:
-            nvrtc.compileProgram(prog, [f"-I{path.parent}", *loader.compile_options(), "-arch=sm_90a"])
-        except nvrtc.NVRTCError:
-            raise SystemExit(f"{path.name} does not compile for sm_90a:\n{nvrtc.getProgramLog(prog)}") from None
-        names = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    with tempfile.TemporaryDirectory() as d:  # RawModule loads a cubin from a file (documented API)
-        path = Path(d, path.stem + ".cubin")
-        path.write_bytes(cubin)
-        mod = cp.RawModule(path=str(path))
-        return {e: mod.get_function(n) for e, n in names.items()}
+    """{name expression: cupy.RawKernel} of a .cu compiled for sm_90a (``llmgpu.kernels.loader.compile_for_arch``:
+    NVRTC, the package's flags, the file's own directory on the include path)."""
+    return loader.compile_for_arch(path.read_text(), path.name, loader.expressions_in(path.read_text()), "sm_90a",
+                                   include_dirs=(path.parent,))
 
 
 def run(cp, kernels, a, bmat, hyp):
