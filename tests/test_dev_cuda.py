@@ -216,9 +216,12 @@ def test_flash_fwd_wgmma_main_on_a_stand_in_gpu(monkeypatch, capsys):
     assert set(launched) == {64, 128}
 
 
-def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
-    """The timing table's code path (smaller shapes, kernels that do nothing, a fixed clock)."""
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys, cudnn):
+    """The timing table's code path (smaller shapes, kernels that do nothing, a fixed clock), with and without cuDNN
+    installed (its rows run the NumPy reference here)."""
     ff = _dev_module("flash_fwd_wgmma")
+    monkeypatch.setattr(ff.fa.cudnn_attention, "unavailable_reason", lambda: None if cudnn else "not installed")
     kernels = {e: _FakeKernel(lambda g, b, a: None) for e in _wgmma_forward_exprs()}
     cp = _fake_gpu(monkeypatch, ff, kernels)
     monkeypatch.setattr(ff, "SPEED", [(64, 2, 2, 128), (128, 1, 2, 256)])
@@ -227,7 +230,8 @@ def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
     rows = ff.timing(cp, kernels, "bf16", np.random.default_rng(0))
     kinds = {r["kernel"] for r in rows}
     assert {"wgmma PIPE=0 BN=64 WG=2", "wgmma PIPE=1 BN=128 WG=2", "ours (flash_fwd, mma.sync)"} <= kinds
-    assert len(rows) == len([e for e in kernels if "bfloat16" in e]) + 2 * 1  # + ours at each D (no cuDNN here)
+    assert len(rows) == len([e for e in kernels if "bfloat16" in e]) + 2 * (1 + cudnn)  # + ours (and cuDNN) per D
+    assert ("cuDNN" in kinds) == cudnn
     assert {r["D"] for r in rows} == {64, 128}
     assert all(r["tflops"] > 0 for r in rows) and "TFLOP/s" in capsys.readouterr().out
 
