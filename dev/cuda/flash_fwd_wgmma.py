@@ -5,7 +5,8 @@
 
 Run ``wgmma_probe.py`` first: this kernel builds on the layouts its hypotheses pin. On an sm_90 GPU every
 instantiation the .cu declares (D = 64 and 128, PIPE = 0 and 1, BN keys per tile, WG warpgroups of 64 query rows
-per block; bf16 and fp16) is launched as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd (the same
+per block; bf16 and fp16), and those of ``flash_fwd_wgmma_lean.cu`` (the shipped kernel with cheaper descriptor
+arithmetic, labelled "lean"), is launched as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd (the same
 arguments, a grid of 64·WG-row blocks) on q, k, v as strided views of a [B, T, 3C] QKV buffer and o as a view of
 [B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the float64 reference of
 ``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q gives NaN rows out. Then
@@ -45,26 +46,28 @@ from llmgpu.perf.timing import time_fn  # noqa: E402
 from llmgpu.testing import poisoned, random_array, rel_error  # noqa: E402
 
 SOURCE = HERE / "flash_fwd_wgmma.cu"
+LEAN = HERE / "flash_fwd_wgmma_lean.cu"  # the shipped kernel with descriptors from precomputed low words
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    """One instantiation ``flash_fwd_wgmma<T, D, PIPE, BN, WG>`` of the .cu."""
+    """One instantiation ``flash_fwd_wgmma<T, D, PIPE, BN, WG>`` of the .cu (or ``flash_fwd_wgmma_lean<...>``)."""
 
     D: int
     bn: int
     wg: int
     pipe: int
     dtype: str
+    function: str = "flash_fwd_wgmma"
 
     @classmethod
     def parse(cls, expr: str) -> Variant:
-        t, d, pipe, bn, wg = re.fullmatch(r"flash_fwd_wgmma<(\w+), (\d+), (\d+), (\d+), (\d+)>", expr).groups()
-        return cls(int(d), int(bn), int(wg), int(pipe), {"__half": "fp16", "__nv_bfloat16": "bf16"}[t])
+        f, t, d, pipe, bn, wg = re.fullmatch(r"(flash_fwd_wgmma\w*)<(\w+), (\d+), (\d+), (\d+), (\d+)>", expr).groups()
+        return cls(int(d), int(bn), int(wg), int(pipe), {"__half": "fp16", "__nv_bfloat16": "bf16"}[t], f)
 
     @property
     def expr(self) -> str:
-        return (f"flash_fwd_wgmma<{backend.cuda_c_type(self.dtype)}, {self.D}, {self.pipe}, {self.bn}, "
+        return (f"{self.function}<{backend.cuda_c_type(self.dtype)}, {self.D}, {self.pipe}, {self.bn}, "
                 f"{self.wg}>")
 
     @property
@@ -77,7 +80,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return f"wgmma PIPE={self.pipe} BN={self.bn} WG={self.wg}"
+        lean = "lean " if self.function.endswith("_lean") else ""
+        return f"{lean}wgmma PIPE={self.pipe} BN={self.bn} WG={self.wg}"
 
 
 RTOL = {"bf16": 2e-2, "fp16": 5e-3}  # as tests/test_flash_kernels.py
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
     if cp.cuda.Device().compute_capability != "90":
         print("the wgmma forward needs sm_90 (Hopper): nothing to run here")
         return 0
-    kernels = compile_sm90a(cp, SOURCE)
+    kernels = {**compile_sm90a(cp, SOURCE), **compile_sm90a(cp, LEAN)}
     rng = np.random.default_rng(0)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result, bad = {"date": date, "device": backend.device_info(cp).summary(), "checks": {}, "timing": {}}, 0

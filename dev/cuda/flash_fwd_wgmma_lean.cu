@@ -1,0 +1,285 @@
+// dev/cuda/flash_fwd_wgmma_lean.cu: an experiment (issue 16), not part of the package. The package's Hopper forward
+// (llmgpu/kernels/flash_attention_wgmma.cu, copied) with one change: its wgmma descriptors are built from a low word
+// computed once per operand plus constant offsets, instead of wg_desc per MMA (seven integer instructions each in
+// the SASS, the high word rebuilt every time). Nsight Compute has the integer ALU as the kernel's busiest pipe and
+// 46 M instructions against cuDNN's 33 M (benchmarks/results/flash_wgmma_ncu_b16.txt). Same descriptors bit for
+// bit, so the same results; dev/cuda/flash_fwd_wgmma.py checks and times it beside the shipped kernel. Prediction
+// (before any run): 32 of ~440 instructions per tile and warp fewer at D = 64, +2-5 % at B = 64 (273 -> 279-287
+// TFLOP/s). If it pays, the change goes into the package kernel and this file goes.
+#include "common.cuh"
+#include "wgmma.cuh"
+
+// llmgpu:kernel flash_fwd_wgmma_lean<{__half,__nv_bfloat16}, {64,128}, 1, 64, 2>
+
+#define FW_LOG2E 1.4426950408889634f
+#define FW_LN2 0.6931471805599453f
+#define FW_INF __int_as_float(0x7f800000)
+
+constexpr int FW_BUFS = 3;  // the ring of K/V tiles
+// BN keys per tile, WG warpgroups (of 64 query rows) per block
+template <int HD, int BN, int WG> struct fw_cfg {
+    static constexpr int BM = 64 * WG, NT = 128 * WG;     // query rows and threads per block
+    static constexpr int LDQ = HD + 8;                    // Q's padded row (ldmatrix without conflicts)
+    static constexpr int Q_BYTES = BM * LDQ * 2;          // a multiple of 1024 for WG = 2 and 3
+    static constexpr int HALF = BN * 128;                 // one swizzled BN x 64 half of a K or V tile
+    static constexpr int TILE = HD / 64 * HALF;           // one K or V tile
+    static constexpr int SMEM = 1024 + Q_BYTES + FW_BUFS * 2 * TILE;  // with the alignment slack
+    // blocks per SM: as many as shared memory holds (228 KiB, 1 KiB of it reserved per block), at no fewer than
+    // 128 registers a thread
+    static constexpr int MIN_BLOCKS = 233472 / (SMEM + 1024) < 65536 / (NT * 128) ? 233472 / (SMEM + 1024)
+                                                                                    : 65536 / (NT * 128);
+    static_assert(Q_BYTES % 1024 == 0 && SMEM <= 227 * 1024 && MIN_BLOCKS >= 1, "a tile configuration that does not fit");
+};
+
+__device__ __forceinline__ void fw_cp16(unsigned s, const void* g, bool in) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(in ? 16 : 0));
+}
+__device__ __forceinline__ void fw_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void fw_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Rows [row0, row0 + BN) of a [T, HD] view (row stride st) into a 1024-aligned tile: HD / 64 halves of 64 columns,
+// BN x 128 bytes apart, each in the 128-byte swizzle; NT threads share the work.
+template <typename T, int HD, int BN, int NT>
+__device__ __forceinline__ void fw_load_tile(unsigned s, const T* __restrict__ g, long long st, int row0, int T_len) {
+    constexpr int CHUNKS = HD / 8, N = BN * CHUNKS;  // 16-byte chunks per row, per tile
+#pragma unroll
+    for (int it = 0; it < (N + NT - 1) / NT; ++it) {
+        const int i = threadIdx.x + it * NT, r = i / CHUNKS, c = i % CHUNKS;
+        if (N % NT != 0 && i >= N) break;
+        const bool in = row0 + r < T_len;
+        fw_cp16(s + (c >> 3) * (BN * 128) + (r >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4),
+                g + ((in ? row0 + r : 0) * static_cast<int>(st) + c * 8), in);
+    }
+}
+
+// Descriptors of the swizzled tiles (wgmma_probe.py's "sw128" hypotheses): K-major (K for S = Q Kᵀ): k step kk
+// starts 32·kk bytes in, SBO = 1024 (the next 8 keys), LBO unused (16); MN-major (V for P V): k step kk starts
+// 2048·kk bytes in (16 keys), SBO = 1024 (the next 8 keys), LBO unused (64 d are one 128-byte row; 8192).
+constexpr unsigned FW_SW128 = 1;
+// Both operands' descriptors share their high word (SBO = 1024, the 128-byte swizzle): only the low word (start
+// address >> 4, LBO >> 4) is computed, once per operand, and offsets are added to it (wg_desc's fields, split).
+constexpr unsigned FW_DESC_HI = (1024u >> 4) | (FW_SW128 << 30);
+__device__ __forceinline__ unsigned fw_desc_lo(unsigned saddr, unsigned lbo) { return ((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16); }
+__device__ __forceinline__ unsigned long long fw_desc(unsigned lo) {
+    return (static_cast<unsigned long long>(FW_DESC_HI) << 32) | lo;
+}
+
+template <typename T, int HD, int PIPE, int BN, int WG>
+__global__ void __launch_bounds__(fw_cfg<HD, BN, WG>::NT, (fw_cfg<HD, BN, WG>::MIN_BLOCKS))
+flash_fwd_wgmma_lean(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+                float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+                long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
+                long long v_st, long long o_sb, long long o_sh, long long o_st) {
+#ifdef LLMGPU_WGMMA
+    extern __shared__ __align__(1024) unsigned char fw_smem[];
+    const unsigned raw = wg_saddr(fw_smem);
+    unsigned char* base = fw_smem + ((1024u - (raw & 1023u)) & 1023u);
+    T* sQ = reinterpret_cast<T*>(base);
+    using cfg = fw_cfg<HD, BN, WG>;
+    constexpr int LDQ = cfg::LDQ, TILE = cfg::TILE, HALF = cfg::HALF, BM = cfg::BM, NT = cfg::NT;
+    constexpr int NH = HD / 64, NB = BN / 64;  // 64-column halves of d, 64-key blocks of a tile
+    const unsigned kv0 = wg_saddr(base) + cfg::Q_BYTES;  // buffer b: K at kv0 + 2·b·TILE, V one TILE on
+    const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, c = (lane & 3) * 2;
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int wg0 = q0 + wg * 64, w0 = wg0 + w4 * 16;     // this warpgroup's and this warp's first row
+    const T* kb = k + b * k_sb + h * k_sh;
+    const T* vb = v + b * v_sb + h * v_sh;
+    const float c2 = scale * FW_LOG2E;
+    const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
+    const int n_tiles = (kv_end + BN - 1) / BN;
+    auto k_tile = [&](int j) { return kv0 + (j % FW_BUFS) * 2 * TILE; };
+    // The descriptors' low words for buffer 0 (K and V); buffer b and an offset within it add (b·2·TILE + off) >> 4
+    // to the start-address field, which never carries out of its 14 bits (shared memory ends below 256 KiB).
+    const unsigned k_lo0 = fw_desc_lo(kv0, 16), v_lo0 = fw_desc_lo(kv0 + TILE, 8192);
+    auto buf_lo = [&](int j) { return static_cast<unsigned>((j % FW_BUFS) * (2 * TILE >> 4)); };
+    auto load_kv = [&](int j) {
+        fw_load_tile<T, HD, BN, NT>(k_tile(j), kb, k_st, j * BN, T_len);
+        fw_load_tile<T, HD, BN, NT>(k_tile(j) + TILE, vb, v_st, j * BN, T_len);
+    };
+
+    {  // Q, padded, as flash_fwd loads it
+        const T* qb = q + b * q_sb + h * q_sh;
+#pragma unroll
+        for (int it = 0; it < BM * (HD / 8) / NT; ++it) {
+            const int i = tid + it * NT, r = i / (HD / 8), cc = (i % (HD / 8)) * 8;
+            const bool in = q0 + r < T_len;
+            fw_cp16(wg_saddr(sQ + r * LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
+        }
+    }
+    load_kv(0);
+    fw_cp_commit();
+    if (n_tiles > 1) {
+        load_kv(1);
+        fw_cp_commit();
+    }
+    fw_cp_wait_all();
+    wg_fence_proxy();
+    __syncthreads();
+
+    unsigned qf[HD / 16][4];  // this warp's 16 rows of Q as A fragments, one per 16 d
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const T* p = sQ + (wg * 64 + w4 * 16 + (lane & 15)) * LDQ + kk * 16 + (lane >> 4) * 8;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(qf[kk][0]), "=r"(qf[kk][1]), "=r"(qf[kk][2]), "=r"(qf[kk][3])
+                     : "r"(wg_saddr(p)));
+    }
+    auto qk = [&](float (&d)[NB][32], int j) {  // d = Q K_jᵀ (scale-d 0 on the first k step: no zeroing)
+        const unsigned bl = buf_lo(j);
+        wg_fence();
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)  // keys 64 nb.. start 8 atoms (8192 bytes) per block in
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk)  // d 16 kk.. lie in half kk / 4, 32 (kk % 4) bytes into its rows
+                wg_mma_rs<T, 0>(d[nb], qf[kk],
+                                fw_desc(k_lo0 + bl + (((kk >> 2) * HALF + 8192 * nb + 32 * (kk & 3)) >> 4)), kk > 0);
+        wg_commit();
+    };
+    auto pin_s = [&](float (&d)[NB][32]) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) wg_pin(d[nb]);
+    };
+
+    // the tiles this warpgroup computes: 0 .. n_wg - 1 (causal: up to its last row's diagonal)
+    const int n_wg = wg0 >= T_len ? 0 : causal ? min(n_tiles, (wg0 + 63) / BN + 1) : n_tiles;
+    float s[NB][32], acc[NH][32], m[2] = {-FW_INF, -FW_INF}, l[2] = {0.0f, 0.0f};  // acc[n]: d 64 n .. 64 n + 63
+#pragma unroll
+    for (int n = 0; n < NH; ++n)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[n][i] = 0.0f;
+    auto pin_acc = [&]() {
+#pragma unroll
+        for (int n = 0; n < NH; ++n) wg_pin(acc[n]);
+    };
+    unsigned pf[BN / 16][4];  // P as the A fragments of O += P V, 16 keys each
+    float alpha[2];
+    // the online softmax of tile j in s: exponentiated in place, the running max and sum updated, alpha the
+    // rescale of acc
+    auto softmax = [&](int j) {
+        const int k0 = j * BN;
+        if ((causal && k0 + BN - 1 > w0) || k0 + BN > T_len) {  // the diagonal or the ragged last tile
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const int key = k0 + 64 * nb + (i >> 2) * 8 + c + (i & 1), row = w0 + g + 8 * ((i >> 1) & 1);
+                    s[nb][i] = key < T_len && (!causal || key <= row) ? s[nb][i] * c2 : -FW_INF;
+                }
+        } else {
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) s[nb][i] *= c2;
+        }
+        float mx[2] = {m[0], m[1]}, ref[2];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[nb][i]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // a row's scores: one quad
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            ref[r] = mx[r] == -FW_INF ? 0.0f : mx[r];  // no -inf - -inf (flash_fwd's fa_ref)
+            alpha[r] = fast_exp2(m[r] - ref[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                s[nb][i] = fast_exp2(s[nb][i] - ref[(i >> 1) & 1]);
+                l[(i >> 1) & 1] += s[nb][i];
+            }
+    };
+    auto pack_p = [&]() {  // s (exponentiated) -> pf, once the MMAs reading the previous pf are done
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {  // keys 16 kk..: block kk / 4, accumulators 8 (kk % 4)..
+            const float* x = s[kk >> 2] + 8 * (kk & 3);
+            pf[kk][0] = pack2<T>(x[0], x[1]);
+            pf[kk][1] = pack2<T>(x[2], x[3]);
+            pf[kk][2] = pack2<T>(x[4], x[5]);
+            pf[kk][3] = pack2<T>(x[6], x[7]);
+        }
+    };
+    auto pv = [&](int j) {  // acc = alpha · acc + P V_j, issued (after the MMAs that wrote acc were waited for)
+        pin_acc();
+#pragma unroll
+        for (int n = 0; n < NH; ++n)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc[n][i] *= alpha[(i >> 1) & 1];
+        const unsigned bl = buf_lo(j);
+        wg_fence();
+#pragma unroll
+        for (int n = 0; n < NH; ++n)  // V's half n: keys 16 kk.. start 2048 kk bytes in
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                wg_mma_rs<T, 1>(acc[n], pf[kk], fw_desc(v_lo0 + bl + ((n * HALF + 2048 * kk) >> 4)), 1);
+        wg_commit();
+    };
+
+    if (n_wg > 0) {
+        qk(s, 0);
+        wg_wait<0>();
+        pin_s(s);
+        softmax(0);
+        pack_p();
+    }
+    // On entry to tile j, P of tile j is in pf and no MMA is pending (so ptxas can follow the groups: with MMAs
+    // pending across the loop's back edge it serialized every wgmma).
+    for (int j = 0; j < n_tiles; ++j) {
+        if (j + 1 < n_tiles) {  // tile j + 1 (loaded during tile j - 1) is needed now: S of it may be issued
+            fw_cp_wait_all();
+            wg_fence_proxy();
+        }
+        __syncthreads();  // and every warpgroup is done with tile j - 1, whose buffer tile j + 2 takes
+        if (j + 2 < n_tiles) {
+            load_kv(j + 2);
+            fw_cp_commit();
+        }
+        if (PIPE && j + 1 < n_wg) {
+            qk(s, j + 1);       // pending: S of j + 1
+            pv(j);              // pending: S of j + 1, P V of j
+            wg_wait<1>();       // S of j + 1 done
+            pin_s(s);
+            softmax(j + 1);     // while the tensor cores work on P V of j
+            wg_wait<0>();       // P V of j done: pf may be overwritten
+            pin_acc();
+            pack_p();
+        } else if (j < n_wg) {  // PIPE's last tile, or every tile without PIPE
+            pv(j);
+            wg_wait<0>();
+            pin_acc();
+            if (!PIPE && j + 1 < n_wg) {
+                qk(s, j + 1);
+                wg_wait<0>();
+                pin_s(s);
+                softmax(j + 1);
+                pack_p();
+            }
+        }
+    }
+    wg_wait<0>();
+    pin_acc();
+    T* ob = o + b * o_sb + h * o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int row = w0 + g + 8 * r;
+        if (row >= T_len) continue;
+        const float inv = 1.0f / l[r];
+        T* orow = ob + (long long)row * o_st;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)  // 8 columns 8 n..: half n / 8, accumulators 4 (n % 8)..
+            *reinterpret_cast<unsigned*>(orow + n * 8 + c) =
+                pack2<T>(acc[n >> 3][4 * (n & 7) + 2 * r] * inv, acc[n >> 3][4 * (n & 7) + 2 * r + 1] * inv);
+        if ((lane & 3) == 0) lse[(long long)bh * T_len + row] = ((m[r] == -FW_INF ? 0.0f : m[r]) + log2f(l[r])) * FW_LN2;
+    }
+#else
+    __trap();  // not sm_90a: wgmma does not exist here
+#endif
+}
