@@ -130,11 +130,12 @@ def main(argv=None) -> int:
     files = args.files or loader.available()
     archs = args.arch or list(DEFAULT_ARCHS)
     failures = 0
-    n_kernels = 0
+    n_kernels = n_builds = 0
     for name in files:
         text = Path(name).read_text() if name.endswith(".cu") else loader.source(name)
         own = loader.arch_in(text)
         for arch in [own] if own else archs:
+            n_builds += 1
             r = compile_path(name, arch) if name.endswith(".cu") else compile_file(name, arch)
             label = r.file
             if not r.ok:
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
                     )
             for e in sorted(missing):
                 print(f"       {e}: declared but no kernel compiled")
-    print(f"compile check: {len(files)} files x {len(archs)} archs, {n_kernels} kernels, {failures} failures")
+    print(f"compile check: {len(files)} files, {n_builds} builds ({', '.join(archs)}; a file with its own "
+          f"// llmgpu:arch: that one), {n_kernels} kernels, {failures} failures")
     return 1 if failures else 0
 
 
