@@ -161,6 +161,9 @@ def test_forward_kernel_names(rng):
         if kernel != "ours":
             with pytest.raises(ValueError, match="kernel"):
                 fa.flash_attention_backward(q, q, q, q, o, st, kernel=kernel)
+    assert fl.forward_impl(q) == "mma"  # NumPy arrays: no Hopper kernel to take
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fl.forward_impl(q, "fastest")
 
 
 def test_auto_cache_file_round_trip_and_damage(tmp_path, monkeypatch):

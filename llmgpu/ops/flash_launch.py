@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
+from ..checks import check_choice
 from ..kernels import get_kernel, loader
 from ..kernels.launch import opt_in_shared_memory
 
@@ -121,6 +122,7 @@ def backward_kernels(variant: str) -> tuple[str, ...]:
 
 def forward_impl(q, impl: str = "ours") -> str:
     """The kernel ``impl`` runs for q: "ours" is "wgmma" where the Hopper forward runs, else "mma"."""
+    check_choice("impl", impl, FWD_IMPLS)
     if impl == "ours":
         return "wgmma" if wgmma_unsupported(q) is None else "mma"
     if impl == "wgmma" and (why := wgmma_unsupported(q)):
