@@ -7,6 +7,7 @@
 // (before any run): 32 of ~440 instructions per tile and warp fewer at D = 64, +2-5 % at B = 64 (273 -> 279-287
 // TFLOP/s). If it pays, the change goes into the package kernel and this file goes.
 #include "common.cuh"
+#include "flash_common.cuh"
 #include "wgmma.cuh"
 
 // llmgpu:kernel flash_fwd_wgmma_lean<{__half,__nv_bfloat16}, {64,128}, 1, 64, 2>
@@ -31,12 +32,6 @@ template <int HD, int BN, int WG> struct fw_cfg {
     static_assert(Q_BYTES % 1024 == 0 && SMEM <= 227 * 1024 && MIN_BLOCKS >= 1, "a tile configuration that does not fit");
 };
 
-__device__ __forceinline__ void fw_cp16(unsigned s, const void* g, bool in) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(in ? 16 : 0));
-}
-__device__ __forceinline__ void fw_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void fw_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // Rows [row0, row0 + BN) of a [T, HD] view (row stride st) into a 1024-aligned tile: HD / 64 halves of 64 columns,
 // BN x 128 bytes apart, each in the 128-byte swizzle; NT threads share the work.
 template <typename T, int HD, int BN, int NT>
@@ -47,7 +42,7 @@ __device__ __forceinline__ void fw_load_tile(unsigned s, const T* __restrict__ g
         const int i = threadIdx.x + it * NT, r = i / CHUNKS, c = i % CHUNKS;
         if (N % NT != 0 && i >= N) break;
         const bool in = row0 + r < T_len;
-        fw_cp16(s + (c >> 3) * (BN * 128) + (r >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4),
+        fa_cp16(s + (c >> 3) * (BN * 128) + (r >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4),
                 g + ((in ? row0 + r : 0) * static_cast<int>(st) + c * 8), in);
     }
 }
@@ -105,16 +100,16 @@ flash_fwd_wgmma_lean(const T* __restrict__ q, const T* __restrict__ k, const T* 
         for (int it = 0; it < BM * (HD / 8) / NT; ++it) {
             const int i = tid + it * NT, r = i / (HD / 8), cc = (i % (HD / 8)) * 8;
             const bool in = q0 + r < T_len;
-            fw_cp16(wg_saddr(sQ + r * LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
+            fa_cp16(wg_saddr(sQ + r * LDQ + cc), qb + ((in ? q0 + r : 0) * static_cast<int>(q_st) + cc), in);
         }
     }
     load_kv(0);
-    fw_cp_commit();
+    fa_cp_commit();
     if (n_tiles > 1) {
         load_kv(1);
-        fw_cp_commit();
+        fa_cp_commit();
     }
-    fw_cp_wait_all();
+    fa_cp_wait<0>();
     wg_fence_proxy();
     __syncthreads();
 
@@ -232,13 +227,13 @@ flash_fwd_wgmma_lean(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // pending across the loop's back edge it serialized every wgmma).
     for (int j = 0; j < n_tiles; ++j) {
         if (j + 1 < n_tiles) {  // tile j + 1 (loaded during tile j - 1) is needed now: S of it may be issued
-            fw_cp_wait_all();
+            fa_cp_wait<0>();
             wg_fence_proxy();
         }
         __syncthreads();  // and every warpgroup is done with tile j - 1, whose buffer tile j + 2 takes
         if (j + 2 < n_tiles) {
             load_kv(j + 2);
-            fw_cp_commit();
+            fa_cp_commit();
         }
         if (PIPE && j + 1 < n_wg) {
             qk(s, j + 1);       // pending: S of j + 1

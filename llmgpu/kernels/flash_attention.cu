@@ -38,6 +38,7 @@
 // tiles) and one over query tiles (dQ, looping over key tiles): each output element is written by exactly one
 // thread in a fixed order, so two runs give the same bits. The price is computing the scores twice.
 #include "common.cuh"
+#include "flash_common.cuh"
 
 // llmgpu:kernel flash_fwd_scalar<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_fwd<{__half,__nv_bfloat16}, {64,128}>
@@ -81,28 +82,6 @@ template <int HD> struct fa_cfg {
     static constexpr int WIDE_DQ_BUFS = HD == 64 ? 3 : 2;  //   buffers of its ring (3 × HD 128's would not fit 3 blocks)
     static constexpr int WIDE_DQ_MIN_BLOCKS = 3;        //   resident blocks of dQ (caps registers at 168)
 };
-
-__device__ __forceinline__ unsigned fa_saddr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// cp.async (sm_80+): copy 16 (or 4) bytes global -> shared without passing through registers, so a tile's
-// load runs while the warps compute on the other buffer. With `in` false nothing is read and the destination is
-// zero-filled (the source-size operand is 0; g must still be a valid address).
-__device__ __forceinline__ void fa_cp16(void* s, const void* g, bool in) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 16 : 0));
-}
-__device__ __forceinline__ void fa_cp8(void* s, const void* g, bool in) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 8 : 0));
-}
-__device__ __forceinline__ void fa_cp4(void* s, const void* g, bool in) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(fa_saddr(s)), "l"(g), "r"(in ? 4 : 0));
-}
-// Close the group of copies issued so far; wait until at most N groups are still in flight (this thread's).
-__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fa_cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Rows [row0, row0 + ROWS) of a [T, HD] view (row stride st elements) into shared memory (row stride HD + FA_PAD),
 // 16 bytes per cp.async by NT threads; rows at or beyond T are zero-filled.

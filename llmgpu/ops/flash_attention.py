@@ -228,7 +228,8 @@ def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma") -> st
         cudnn = None
     kdir = Path(__file__).resolve().parent.parent / "kernels"
     impl = DEFAULT_BWD_VARIANT if direction == "bwd" else fwd_impl  # which of ours was timed
-    files = ["flash_attention.cu", "common.cuh"] + ["flash_attention_wgmma.cu", "wgmma.cuh"] * (impl == "wgmma")
+    files = ["flash_attention.cu", "common.cuh", "flash_common.cuh"] + ["flash_attention_wgmma.cu", "wgmma.cuh"] * (
+        impl == "wgmma")
     try:
         ours = hashlib.sha1(b"".join((kdir / f).read_bytes() for f in files)).hexdigest()[:12]
     except OSError:
