@@ -65,6 +65,7 @@ from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_au
 from .flash_launch import (
     BWD_VARIANTS,
     DEFAULT_BWD_VARIANT,
+    FLASH_DTYPES,
     FWD_IMPLS,
     forward_impl,
     ours_backward,
@@ -75,7 +76,6 @@ from .flash_launch import (
 KERNELS = ("auto", *FWD_IMPLS, "cudnn")  # the forward's; the backward takes "auto", "ours", "cudnn"
 DEFAULT_KERNEL = "auto"
 HEAD_DIMS = (64, 128)  # what our kernels are instantiated for
-FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 AUTO_REPS = 3  # timed calls per candidate when "auto" decides
 
 

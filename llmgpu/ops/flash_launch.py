@@ -46,6 +46,7 @@ FWD_ROWS = 128  # query rows per flash_fwd block (fa_cfg<HD>::FWD_WARPS · 16 ·
 # WGMMA_WG warpgroups of 64 query rows (128 threads each) per block, PIPE (the MMA/softmax overlap) on
 WGMMA_BN, WGMMA_WG, WGMMA_PIPE = 64, 2, 1
 WGMMA_FILE = "flash_attention_wgmma"
+FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
 
 BWD_VARIANTS = ("wide", "base")
@@ -109,7 +110,7 @@ def wgmma_unsupported(q) -> str | None:
     if backend.get_array_module(q) is np:
         return "q is a NumPy array (the reference runs)"
     why = loader.arch_unsupported(WGMMA_FILE)
-    if why is None and q.dtype not in (backend.float16, backend.bfloat16):
+    if why is None and q.dtype not in FLASH_DTYPES:
         why = f"flash_fwd_wgmma takes fp16 or bf16, got {q.dtype}"
     return why
 
