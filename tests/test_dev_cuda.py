@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.kernels import loader
+from llmgpu.kernels import launch, loader
+from llmgpu.kernels.launch import SMLimits
 
 DEV_CUDA = Path(__file__).resolve().parents[1] / "dev" / "cuda"
 EXPERIMENTS = sorted(DEV_CUDA.glob("*.cu"))
@@ -107,6 +108,7 @@ def _fake_gpu(monkeypatch, module, kernels):
     monkeypatch.setattr(backend, "require_gpu", lambda *a, **k: fake)
     monkeypatch.setattr(backend, "device_info", lambda *a, **k: type("D", (), {"summary": lambda self: "fake sm_90"})())
     monkeypatch.setattr(module, "compile_sm90a", lambda cp, path: kernels)
+    monkeypatch.setattr(launch, "device_limits", lambda *a: SMLimits())  # resident blocks: an H200's
     return fake
 
 
@@ -176,7 +178,7 @@ def _wgmma_forward_exprs():
     return [e for f in WGMMA_FORWARDS for e in loader.expressions_in((DEV_CUDA / f).read_text())]
 
 
-WGMMA_FORWARDS = ("flash_fwd_wgmma.cu", "flash_fwd_wgmma_lean.cu")  # what dev/cuda/flash_fwd_wgmma.py compiles
+WGMMA_FORWARDS = ("flash_fwd_wgmma.cu",)  # what dev/cuda/flash_fwd_wgmma.py compiles
 
 
 @pytest.mark.parametrize("name", WGMMA_FORWARDS)
@@ -206,8 +208,10 @@ def test_flash_fwd_wgmma_main_on_a_stand_in_gpu(monkeypatch, capsys):
     def body(grid, block, args):
         q, k, v, o, lse, H, T, scale, causal = args[:9]
         rows = block[0] // 2  # 64 query rows and 128 threads per warpgroup
-        assert rows in (64, 128, 192) and grid == (q.shape[0] * q.shape[1], -(-q.shape[2] // rows))
-        assert [int(x) for x in args[9:12]] == [s // q.dtype.itemsize for s in q.strides[:3]]
+        n_bh = q.shape[0] * q.shape[1]
+        assert rows in (64, 128, 192) and int(args[9]) == n_bh
+        assert grid[1] == -(-q.shape[2] // rows) and grid[0] * grid[2] >= n_bh > grid[0] * (grid[2] - 1)
+        assert [int(x) for x in args[10:13]] == [s // q.dtype.itemsize for s in q.strides[:3]]
         r_o, r_lse = flash_reference.naive_forward(*(np.asarray(x, np.float64) for x in (q, k, v)), float(scale),
                                                     bool(causal))
         o[...], lse[...] = r_o.astype(o.dtype), r_lse
@@ -250,3 +254,57 @@ def test_flash_fwd_wgmma_script_runs():
         assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
     else:
         assert r.returncode == 0 and "FAIL" not in r.stdout or "nothing to run" in r.stdout, r.stdout
+
+
+def test_flash_tile_order_on_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
+    """dev/cuda/flash_tile_order.py's GPU path on NumPy: kernels stand in as functions of their inputs alone (so
+    every group gives the same bits and every check passes), a fixed clock; then once more with a kernel whose
+    output depends on the group, which the check must catch."""
+    fo = _dev_module("flash_tile_order")
+    fake = _FakeCupy()
+    fake.get_default_memory_pool = lambda: type("P", (), {"free_all_blocks": lambda self: None})()
+    monkeypatch.setattr(fo.backend, "gpu_unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(fo.backend, "require_gpu", lambda *a, **k: fake)
+    info = type("D", (), {"summary": lambda s: "fake", "l2_bytes": 60 * 2**20})
+    monkeypatch.setattr(fo.backend, "device_info", lambda *a, **k: info())
+    groups = {"flash_fwd": 3, "flash_bwd_dq_wide": 1, "flash_bwd_dkdv_wide": 100}  # chosen groups (beyond B·H: B·H)
+    monkeypatch.setattr(fo.fl, "plan", lambda name, q: type("L", (), {"group": min(groups[name], q[..., 0, 0].size)})())
+    monkeypatch.setattr(fo.cudnn_attention, "available", lambda: False)
+    monkeypatch.setattr(fo, "SHAPES", [(2, 3, 64, 64), (1, 2, 128, 128)])
+    monkeypatch.setattr(fo, "time_fn", lambda fn, **kw: (fn(), type("T", (), {"median_ms": 0.5})())[1])
+    bias = {"value": 0.0}
+
+    def forward(q, k, v, o, lse, scale, causal, impl="ours", group=None):
+        o[...] = q + bias["value"] * (group or 0)
+        lse[...] = q.sum(-1)
+
+    def backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, only=None, group=None):
+        dq[...], dk[...], dv[...] = do, do + q, do - q
+
+    monkeypatch.setattr(fo.fl, "ours_forward", forward)
+    monkeypatch.setattr(fo.fl, "ours_backward", backward)
+    out = tmp_path / "order.json"
+    assert fo.main(["--json", str(out), "--reps", "2"]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert len(result["checks"]) == 6 and all(c["ok"] for c in result["checks"]), result["checks"]
+    n_groups = {"B=2 H=3 T=64 D=64": 5 + 4 + 4, "B=1 H=2 T=128 D=128": 3 * 2}  # 1, 2, 4 (and 3) below B·H, B·H
+    for shape, n in n_groups.items():
+        rows = [r for r in result["rows"] if r["shape"] == shape]
+        assert len(rows) == n and sum(r["plain"] for r in rows) == 3 and sum(r["chosen"] for r in rows) == 3
+        assert all(r["tflops_rotating"] > 0 for r in rows)
+    assert "plain   chosen  best" in text
+    bias["value"] = 1e-3  # the forward now depends on the order: its checks fail, the backward's pass
+    assert fo.main(["--reps", "2"]) == 1
+    assert "FAIL fwd mma" in capsys.readouterr().out
+
+
+def test_flash_tile_order_script_runs():
+    """Without a GPU: one line saying so, exit 0."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    r = subprocess.run([sys.executable, str(DEV_CUDA / "flash_tile_order.py")], capture_output=True, text=True,
+                       timeout=600)
+    if backend.gpu_unavailable_reason() is not None:
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:]

@@ -166,6 +166,46 @@ def test_forward_kernel_names(rng):
         fl.forward_impl(q, "fastest")
 
 
+def _launch_order(blocks):
+    """(head, tile) of every block of a grid from ``fl.grid`` in the order the GPU starts them (x fastest, then y,
+    then z), as fa_block_head / fa_block_tile compute them (longest_last: tiles counted from the end); blocks past
+    the heads (the last group's extra) are left out, as the kernels return at once."""
+    gx, gy, gz = blocks
+    return [(z * gx + x, gy - 1 - y) for z in range(gz) for y in range(gy) for x in range(gx)]
+
+
+@pytest.mark.parametrize("n_bh,n_tiles", [(1, 1), (7, 3), (192, 8), (768, 8), (64, 32)])
+def test_launch_order_groups_heads_and_covers_every_tile_once(n_bh, n_tiles):
+    for group in (1, 3, 5, 60, n_bh, 10 * n_bh):
+        blocks = fl.ordered_grid(n_bh, n_tiles, group)
+        order = [b for b in _launch_order(blocks) if b[0] < n_bh]
+        assert sorted(order) == [(h, t) for h in range(n_bh) for t in range(n_tiles)]  # each once
+        g = blocks[0]
+        assert g == min(group, n_bh) and blocks[2] == -(-n_bh // g)
+        first = order[:g * n_tiles]  # the first group's blocks: its heads only, every tile, longest first
+        assert {h for h, _ in first} == set(range(g)) and [t for _, t in first[::g]] == list(range(n_tiles))[::-1]
+    plain = _launch_order(fl.ordered_grid(n_bh, n_tiles, n_bh))  # the order before groups: head fastest
+    assert plain == [(h, n_tiles - 1 - y) for y in range(n_tiles) for h in range(n_bh)]
+    assert fl.ordered_grid(10**6, 4, 1)[2] <= 65535  # gridDim.z's limit: larger groups
+    with pytest.raises(ValueError, match="group"):
+        fl.ordered_grid(8, 4, 0)
+
+
+def test_tile_group_divides_the_heads_and_fills_the_gpu_twice():
+    """The sweep of dev/cuda/flash_tile_order.py (H200, 2026-12-03) in numbers: the H200 holds 264 blocks of the
+    D = 64 forward (two per SM); 8 tiles per head at T = 1024."""
+    assert fl.GROUP_WAVES == 2
+    assert fl.tile_group(768, 8, 264) == 96  # B = 64: 96 heads (768 = 8 x 96), 768 blocks a group
+    assert fl.tile_group(192, 8, 264) == 96  # B = 16: 192 = 2 x 96
+    assert fl.tile_group(64, 32, 132) == 16  # D = 128, T = 4096, one block per SM
+    assert fl.tile_group(12, 8, 264) == 12  # few heads: the plain order
+    assert fl.tile_group(97, 8, 264) == 97  # a prime: no smaller divisor
+    for n_bh, n_tiles, resident in [(768, 8, 264), (300, 3, 400), (64, 64, 264), (5, 1, 1)]:
+        g = fl.tile_group(n_bh, n_tiles, resident)
+        assert n_bh % g == 0 and (g * n_tiles >= 2 * resident or g == n_bh)
+        assert not any(n_bh % h == 0 and h * n_tiles >= 2 * resident for h in range(1, g))  # the fewest
+
+
 def test_auto_cache_file_round_trip_and_damage(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMGPU_CACHE_DIR", str(tmp_path / "c"))
     path = fa.auto_cache_path()
@@ -367,6 +407,36 @@ def test_gpu_backward_is_bitwise_repeatable(cp, rng, D, variant):
         for a, b in zip(first, again):
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
     assert fa.backward_is_deterministic() in (True, False)  # cuDNN may have run in another test
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_launch_order_changes_no_bit(cp, rng, D, causal):
+    """Groups of 1, 3 (B·H = 10 is no multiple: the last group has blocks past the heads) and every head: the same
+    outputs bit for bit (each block computes the same tile wherever it runs), every element written."""
+    B, H, T = 2, 5, 333
+    qkv = random_array(rng, (B, T, 3 * H * D), "bf16", cp)
+    q, k, v = fa.split_qkv(qkv, H)
+    do = _dev(cp, rng, (B, H, T, D), "bf16")
+    impls = ["mma"] + (["wgmma"] if fl.forward_impl(q) == "wgmma" else [])
+    runs = []
+    for group in (B * H, 3, 1):
+        out = []
+        for impl in impls:
+            o, lse = fa.heads_view(poisoned((B, T, H * D), "bf16", cp), H), poisoned((B, H, T), "fp32", cp)
+            fl.ours_forward(q, k, v, o, lse, 1 / math.sqrt(D), causal, impl=impl, group=group)
+            out += [o, lse]
+        for variant in VARIANTS:
+            dq, dk, dv = (poisoned((B, H, T, D), "bf16", cp) for _ in range(3))
+            fl.ours_backward(do, q, k, v, out[0], out[1], 1 / math.sqrt(D), causal, dq, dk, dv, variant=variant,
+                             group=group)
+            out += [dq, dk, dv]
+        runs.append([cp.asnumpy(a) for a in out])
+    assert all(np.isfinite(a.astype(np.float32)).all() for a in runs[0])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.gpu

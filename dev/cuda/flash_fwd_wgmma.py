@@ -2,13 +2,13 @@
 
     python dev/cuda/flash_fwd_wgmma.py                        # checks, then the timings of issue 16's shapes
     python dev/cuda/flash_fwd_wgmma.py --no-time --json out.json
+    python dev/cuda/flash_fwd_wgmma.py --only "PIPE=1 BN=64 WG=2"   # the shipped shape only
 
 Run ``wgmma_probe.py`` first: this kernel builds on the layouts its hypotheses pin. On an sm_90 GPU every
 instantiation the .cu declares (D = 64 and 128, PIPE = 0 and 1, BN keys per tile, WG warpgroups of 64 query rows
-per block; bf16 and fp16), and those of ``flash_fwd_wgmma_lean.cu`` (the shipped kernel with cheaper descriptor
-arithmetic, labelled "lean"), is launched as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd (the same
-arguments, a grid of 64·WG-row blocks) on q, k, v as strided views of a [B, T, 3C] QKV buffer and o as a view of
-[B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the float64 reference of
+per block; bf16 and fp16) is launched as ``llmgpu.ops.flash_launch.ours_forward`` launches flash_fwd (the same
+arguments and launch order, a grid of 64·WG-row blocks) on q, k, v as strided views of a [B, T, 3C] QKV buffer and
+o as a view of [B, T, C], with o and lse poisoned (NaN) first; o and lse are checked against the float64 reference of
 ``llmgpu.ops.flash_reference`` for T = 1, 7, 63, 65, 1000, 1024, causal and not; NaN in q gives NaN rows out. Then
 (unless ``--no-time``) causal forward TFLOP/s (FLOPs halved) of every bf16 instantiation, our flash_fwd and cuDNN
 in one run: D = 64 at B = 16 and 64, H = 12, T = 1024 (GPT-2) and D = 128 at B = 4, H = 16, T = 4096.
@@ -39,6 +39,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from wgmma_probe import compile_sm90a  # noqa: E402
 
 from llmgpu import backend  # noqa: E402
+from llmgpu.kernels.launch import resident_blocks  # noqa: E402
 from llmgpu.ops import flash_attention as fa  # noqa: E402
 from llmgpu.ops import flash_launch as fl  # noqa: E402
 from llmgpu.ops import flash_reference as ref  # noqa: E402
@@ -46,12 +47,11 @@ from llmgpu.perf.timing import time_fn  # noqa: E402
 from llmgpu.testing import poisoned, random_array, rel_error  # noqa: E402
 
 SOURCE = HERE / "flash_fwd_wgmma.cu"
-LEAN = HERE / "flash_fwd_wgmma_lean.cu"  # the shipped kernel with descriptors from precomputed low words
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    """One instantiation ``flash_fwd_wgmma<T, D, PIPE, BN, WG>`` of the .cu (or ``flash_fwd_wgmma_lean<...>``)."""
+    """One instantiation ``flash_fwd_wgmma<T, D, PIPE, BN, WG>`` of the .cu."""
 
     D: int
     bn: int
@@ -80,8 +80,7 @@ class Variant:
 
     @property
     def label(self) -> str:
-        lean = "lean " if self.function.endswith("_lean") else ""
-        return f"{lean}wgmma PIPE={self.pipe} BN={self.bn} WG={self.wg}"
+        return f"wgmma PIPE={self.pipe} BN={self.bn} WG={self.wg}"
 
 
 RTOL = {"bf16": 2e-2, "fp16": 5e-3}  # as tests/test_flash_kernels.py
@@ -96,8 +95,10 @@ def launcher(kernels, var: Variant):
     def run(q, k, v, o, lse, causal):
         B, H, T, D = q.shape
         args = (q, k, v, o, lse, np.int32(H), np.int32(T), np.float32(1.0 / math.sqrt(D)), np.int32(bool(causal)),
-                *fl._strides(q), *fl._strides(k), *fl._strides(v), *fl._strides(o))
-        fn((B * H, -(-T // var.rows)), (2 * var.rows,), args, shared_mem=var.smem)
+                np.int32(B * H), *fl._strides(q), *fl._strides(k), *fl._strides(v), *fl._strides(o))
+        n_tiles = -(-T // var.rows)
+        group = fl.tile_group(B * H, n_tiles, resident_blocks(fn, 2 * var.rows, var.smem))
+        fn(fl.ordered_grid(B * H, n_tiles, group), (2 * var.rows,), args, shared_mem=var.smem)
     return run
 
 
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-time", action="store_true", help="checks only")
     ap.add_argument("--json", type=Path, help="write the checks and timings here")
+    ap.add_argument("--only", help="the instantiations whose label contains this (e.g. 'PIPE=1 BN=64 WG=2')")
     a = ap.parse_args(argv)
     reason = backend.gpu_unavailable_reason()
     if reason is not None:
@@ -163,7 +165,9 @@ def main(argv=None) -> int:
     if cp.cuda.Device().compute_capability != "90":
         print("the wgmma forward needs sm_90 (Hopper): nothing to run here")
         return 0
-    kernels = {**compile_sm90a(cp, SOURCE), **compile_sm90a(cp, LEAN)}
+    kernels = compile_sm90a(cp, SOURCE)
+    if a.only:
+        kernels = {e: f for e, f in kernels.items() if a.only in Variant.parse(e).label}
     rng = np.random.default_rng(0)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result, bad = {"date": date, "device": backend.device_info(cp).summary(), "checks": {}, "timing": {}}, 0

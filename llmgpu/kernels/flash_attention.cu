@@ -295,7 +295,7 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-          float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+          float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
           long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int MT = fa_cfg<HD>::FWD_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
@@ -304,8 +304,9 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     T* sQ = reinterpret_cast<T*>(fa_smem);
     T* sK = sQ + BM * LD;      // a ring of three buffers of BN rows
     T* sV = sK + 3 * BN * LD;  // a ring of three buffers of BN rows
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 mm + g (+ 8)
     const T* kb = k + b * k_sb + h * k_sh;
@@ -462,7 +463,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, fa_cfg<HD>::DKDV_MIN_BLOCKS)
 flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
-               T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+               T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
                long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
                long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh,
                long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
@@ -474,8 +475,9 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
     float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LD);  // two buffers: lse of the tile's rows
     float* sD = sL + 2 * BM;                                  // two buffers: D
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int k0 = fa_block_tile(false) * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = k0 + warp * 16;                 // this warp's first key
     const int keys[2] = {w0 + g, w0 + g + 8};  // this lane's two rows of Sᵀ
@@ -596,7 +598,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::DQ_MIN_BLOCKS)
 flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
              const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int H, int T_len,
-             float scale, int causal, long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,
+             float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,
              long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
              long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * 16, BN = fa_cfg<HD>::DQ_BN;
@@ -605,8 +607,9 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     T* sdO = sQ + BM * LD;
     T* sK = sdO + BM * LD;     // two buffers of BN rows
     T* sV = sK + 2 * BN * LD;  // two buffers of BN rows
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * 16;
     const int rows[2] = {w0 + g, w0 + g + 8};
@@ -722,7 +725,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
-                    T* __restrict__ dv, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+                    T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
                     long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
                     long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
                     long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
@@ -735,8 +738,9 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
     T* sQ = sV + BN * LD;       // two buffers of BM rows
     T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
     fa_row_stats* sS = reinterpret_cast<fa_row_stats*>(sdO + 2 * BM * LD);  // two buffers: the tile's row stats
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int k0 = blockIdx.y * BN;  // causal: the first key tiles see the most queries, and start first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int k0 = fa_block_tile(false) * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = k0 + warp * WK;  // this warp's first key; lane rows w0 + 16 m + g (+ 8)
     const T* qb = q + b * q_sb + h * q_sh;
@@ -891,7 +895,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::WIDE_DQ_MIN_BLOCKS)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
-                  fa_row_stats* __restrict__ stats, T* __restrict__ dq, int H, int T_len, float scale, int causal,
+                  fa_row_stats* __restrict__ stats, T* __restrict__ dq, int H, int T_len, float scale, int causal, int n_bh,
                   long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st,
                   long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
                   long long o_sb, long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
@@ -903,8 +907,9 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     T* sdO = sQ + BM * LD;
     T* sK = sdO + BM * LD;        // NBUF buffers of BN rows
     T* sV = sK + NBUF * BN * LD;  // NBUF buffers of BN rows
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 m + g (+ 8)
     const T* kb = k + b * k_sb + h * k_sh;

@@ -72,10 +72,21 @@ __device__ __forceinline__ void fw_load_tile(unsigned s, const T* __restrict__ g
 // 2048·kk bytes in (16 keys), SBO = 1024 (the next 8 keys), LBO unused (64 d are one 128-byte row; 8192).
 constexpr unsigned FW_SW128 = 1;
 
+// Both operands' descriptors share their high word (SBO = 1024, the 128-byte swizzle): only the low word (start
+// address >> 4, LBO >> 4) is computed, once per operand, and offsets are added to it (wg_desc's fields, split), which
+// saves the integer instructions of rebuilding all 64 bits for every MMA.
+constexpr unsigned FW_DESC_HI = (1024u >> 4) | (FW_SW128 << 30);
+__device__ __forceinline__ unsigned fw_desc_lo(unsigned saddr, unsigned lbo) {
+    return ((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ unsigned long long fw_desc(unsigned lo) {
+    return (static_cast<unsigned long long>(FW_DESC_HI) << 32) | lo;
+}
+
 template <typename T, int HD, int PIPE, int BN, int WG>
 __global__ void __launch_bounds__(fw_cfg<HD, BN, WG>::NT, (fw_cfg<HD, BN, WG>::MIN_BLOCKS))
 flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
+                float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
                 long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
                 long long v_st, long long o_sb, long long o_sh, long long o_st) {
 #ifdef LLMGPU_WGMMA
@@ -89,8 +100,9 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const unsigned kv0 = wg_saddr(base) + cfg::Q_BYTES;  // buffer b: K at kv0 + 2·b·TILE, V one TILE on
     const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, c = (lane & 3) * 2;
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
+    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int wg0 = q0 + wg * 64, w0 = wg0 + w4 * 16;     // this warpgroup's and this warp's first row
     const T* kb = k + b * k_sb + h * k_sh;
     const T* vb = v + b * v_sb + h * v_sh;
@@ -98,6 +110,10 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
     const int n_tiles = (kv_end + BN - 1) / BN;
     auto k_tile = [&](int j) { return kv0 + (j % FW_BUFS) * 2 * TILE; };
+    // The descriptors' low words for buffer 0 (K and V); buffer b and an offset within it add (b·2·TILE + off) >> 4
+    // to the start-address field, which never carries out of its 14 bits (shared memory ends below 256 KiB).
+    const unsigned k_lo0 = fw_desc_lo(kv0, 16), v_lo0 = fw_desc_lo(kv0 + TILE, 8192);
+    auto buf_lo = [&](int j) { return static_cast<unsigned>((j % FW_BUFS) * (2 * TILE >> 4)); };
     auto load_kv = [&](int j) {
         fw_load_tile<T, HD, BN, NT>(k_tile(j), kb, k_st, j * BN, T_len);
         fw_load_tile<T, HD, BN, NT>(k_tile(j) + TILE, vb, v_st, j * BN, T_len);
@@ -131,14 +147,14 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                      : "r"(wg_saddr(p)));
     }
     auto qk = [&](float (&d)[NB][32], int j) {  // d = Q K_jᵀ (scale-d 0 on the first k step: no zeroing)
+        const unsigned bl = buf_lo(j);
         wg_fence();
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)  // keys 64 nb.. start 8 atoms (8192 bytes) per block in
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk)  // d 16 kk.. lie in half kk / 4, 32 (kk % 4) bytes into its rows
                 wg_mma_rs<T, 0>(d[nb], qf[kk],
-                                wg_desc(k_tile(j) + (kk >> 2) * HALF + 8192 * nb + 32 * (kk & 3), 16, 1024, FW_SW128),
-                                kk > 0);
+                                fw_desc(k_lo0 + bl + (((kk >> 2) * HALF + 8192 * nb + 32 * (kk & 3)) >> 4)), kk > 0);
         wg_commit();
     };
     auto pin_s = [&](float (&d)[NB][32]) {
@@ -215,13 +231,13 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int n = 0; n < NH; ++n)
 #pragma unroll
             for (int i = 0; i < 32; ++i) acc[n][i] *= alpha[(i >> 1) & 1];
+        const unsigned bl = buf_lo(j);
         wg_fence();
 #pragma unroll
         for (int n = 0; n < NH; ++n)  // V's half n: keys 16 kk.. start 2048 kk bytes in
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk)
-                wg_mma_rs<T, 1>(acc[n], pf[kk], wg_desc(k_tile(j) + TILE + n * HALF + 2048 * kk, 8192, 1024, FW_SW128),
-                                1);
+                wg_mma_rs<T, 1>(acc[n], pf[kk], fw_desc(v_lo0 + bl + ((n * HALF + 2048 * kk) >> 4)), 1);
         wg_commit();
     };
 

@@ -1,5 +1,6 @@
 // flash_common.cuh: what the flash-attention kernels share (flash_attention.cu, flash_attention_wgmma.cu): the
-// asynchronous global -> shared copies their tiles arrive by. NVIDIA only (inline PTX, sm_80+).
+// asynchronous global -> shared copies their tiles arrive by (NVIDIA only: inline PTX, sm_80+), and the order in
+// which their blocks take (head, tile) pairs.
 #pragma once
 
 __device__ __forceinline__ unsigned fa_saddr(const void* p) {
@@ -25,4 +26,19 @@ __device__ __forceinline__ void fa_cp4(void* s, const void* g, bool in) {
 __device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void fa_cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Which (head, tile) a block of a flash kernel computes. Blocks start roughly in the order of their linear index
+// (x fastest, then y, then z), so the grid's shape decides which blocks run together and which run last. The grid
+// is (group, n_tiles, n_bh / group rounded up): heads in groups of `group`; within a group the tiles in turn, the
+// group's heads fastest, each head's longest tile first (longest_last: the causal forward's and dQ's last query
+// tile; otherwise the first, dK/dV's first key tile). The blocks in flight then read the K and V (dK/dV: Q and dO)
+// of a group's heads, which the L2 keeps between them; and as long as a group holds a few waves of blocks, the grid
+// still ends on short tiles. group = n_bh is the plain order (every head's longest tile first, then the next ...).
+// The host picks the group (flash_launch.tile_group), as CUTLASS's and FlashAttention-3's tile schedulers order
+// tiles for L2 reuse. Blocks of a last group beyond the n_bh heads return at once. Read from the block's own
+// index, these cost no registers: the compiler reads them again where they are needed.
+__device__ __forceinline__ int fa_block_head() { return blockIdx.z * gridDim.x + blockIdx.x; }
+__device__ __forceinline__ int fa_block_tile(bool longest_last) {
+    return longest_last ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
 }

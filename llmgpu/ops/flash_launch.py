@@ -21,16 +21,22 @@ Every variant is deterministic (no atomics) and capturable in a CUDA graph; they
 The forward has two tensor-core kernels: ``flash_fwd`` (``mma.sync``, any sm_80+ GPU) and, on Hopper,
 ``flash_fwd_wgmma`` (``kernels/flash_attention_wgmma.cu``: warpgroup MMAs, built for sm_90a only), with the same
 arguments and results up to rounding; ``ours_forward(impl="ours")`` takes the Hopper one where it runs.
+
+Every tensor-core kernel takes its (head, tile) from a grid of heads in groups (``plan``, ``tile_group``; the order
+is ``fa_block_head`` in kernels/flash_common.cuh): the same results bit for bit in any order, faster in a good one
+(dev/cuda/flash_tile_order.py measured it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import backend
 from ..checks import check_choice
 from ..kernels import get_kernel, loader
-from ..kernels.launch import opt_in_shared_memory
+from ..kernels.launch import opt_in_shared_memory, resident_blocks
 
 THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
 PAD = 8  # FA_PAD
@@ -48,6 +54,9 @@ WGMMA_BN, WGMMA_WG, WGMMA_PIPE = 64, 2, 1
 WGMMA_FILE = "flash_attention_wgmma"
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
+
+# the launch order's groups of heads (tile_group): the blocks of a group fill the GPU at least this many times
+GROUP_WAVES = 2
 
 BWD_VARIANTS = ("wide", "base")
 DEFAULT_BWD_VARIANT = "wide"
@@ -115,6 +124,63 @@ def wgmma_unsupported(q) -> str | None:
     return why
 
 
+def tile_group(n_bh: int, n_tiles: int, resident: int) -> int:
+    """Heads per group of the blocks' launch order (``fa_block_head`` in kernels/flash_common.cuh) for n_bh heads of
+    n_tiles tiles on a GPU that holds ``resident`` blocks at once: the fewest heads that divide n_bh evenly and
+    whose blocks fill the GPU at least ``GROUP_WAVES`` times. Fewer heads share more of the L2; a group that divides
+    n_bh leaves no small last group, and one of several waves keeps the longest-first order inside it, so the last
+    blocks of the grid are short ones (a small or ragged last group starts its longest tiles at the very end).
+    n_bh itself (the plain order) when no smaller divisor is enough."""
+    need = -(-GROUP_WAVES * resident // n_tiles)
+    return next((g for g in range(need, n_bh) if n_bh % g == 0), n_bh)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One flash kernel's launch for a [B, H, T, D] problem: the kernel, grid (group, tiles, groups), block, shared
+    memory."""
+
+    kernel: object
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    smem: int
+
+    @property
+    def group(self) -> int:
+        return self.grid[0]
+
+
+def plan(name: str, q, group: int | None = None) -> Launch:
+    """How tensor-core flash kernel ``name`` (flash_fwd, flash_fwd_wgmma, flash_bwd_dkdv[_wide],
+    flash_bwd_dq[_wide]) is launched on q's shape and dtype. ``group``: heads per group of the launch order;
+    None: ``tile_group``'s choice for the kernel's occupancy on this GPU."""
+    B, H, T, D = q.shape
+    if name == "flash_fwd_wgmma":
+        smem, rows, threads = wgmma_smem_bytes(D), 64 * WGMMA_WG, 128 * WGMMA_WG
+        kern = _kernel(name, smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
+    else:
+        smem = smem_bytes(name, D)
+        kern = _kernel(name, smem, q.dtype, D)
+        if name == "flash_fwd":
+            rows, threads = FWD_ROWS, 32 * _fwd_warps(D)
+        else:
+            warps = DKDV_WARPS if "dkdv" in name else DQ_WARPS
+            rows, threads = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * warps, 32 * warps
+    n_bh, n_tiles = B * H, -(-T // rows)
+    if group is None:
+        group = tile_group(n_bh, n_tiles, resident_blocks(kern, threads, smem))
+    return Launch(kern, ordered_grid(n_bh, n_tiles, group), (threads,), smem)
+
+
+def ordered_grid(n_bh: int, n_tiles: int, group: int) -> tuple[int, int, int]:
+    """The grid (group, n_tiles, groups) of n_bh heads of n_tiles tiles in groups of ``group`` heads (at most n_bh;
+    more where gridDim.z's 65535 groups would not hold them)."""
+    if group < 1:
+        raise ValueError(f"group must be a positive number of heads, got {group}")
+    group = max(min(group, n_bh), -(-n_bh // 65535))
+    return group, n_tiles, -(-n_bh // group)
+
+
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
     return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
@@ -131,24 +197,21 @@ def forward_impl(q, impl: str = "ours") -> str:
     return impl
 
 
-def ours_forward(q, k, v, o, lse, scale, causal, impl="ours"):
-    """Launch our forward ``impl`` (``FWD_IMPLS``) on [B, H, T, D] views; o, lse written."""
+def ours_forward(q, k, v, o, lse, scale, causal, impl="ours", group=None):
+    """Launch our forward ``impl`` (``FWD_IMPLS``) on [B, H, T, D] views; o, lse written. ``group``: heads per
+    group of the launch order (default: ``plan``; the scalar kernel keeps the plain order)."""
     B, H, T, D = q.shape
     head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
-    args = (q, k, v, o, lse, *head, *_strides(q), *_strides(k), *_strides(v), *_strides(o))
+    views = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     impl = forward_impl(q, impl)
-    if impl == "wgmma":
-        smem = wgmma_smem_bytes(D)
-        kern = _kernel("flash_fwd_wgmma", smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
-        rows = 64 * WGMMA_WG
-        kern((B * H, -(-T // rows)), (2 * rows,), args, shared_mem=smem)
-        return
     if impl == "scalar":
         rows = THREADS // (D // 16)  # TPR = D / 16 threads per query row
-        get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,), args)
+        get_kernel("flash_attention", "flash_fwd_scalar", q.dtype, D)((B * H, -(-T // rows)), (THREADS,),
+                                                                      (q, k, v, o, lse, *head, *views))
         return
-    smem = smem_bytes("flash_fwd", D)
-    _kernel("flash_fwd", smem, q.dtype, D)((B * H, -(-T // FWD_ROWS)), (32 * _fwd_warps(D),), args, shared_mem=smem)
+    args = (q, k, v, o, lse, *head, np.int32(B * H), *views)
+    run = plan("flash_fwd_wgmma" if impl == "wgmma" else "flash_fwd", q, group)
+    run.kernel(run.grid, run.block, args, shared_mem=run.smem)
 
 
 _ROW_STATS: dict = {}  # (device, B, H, T, per row) -> fp32 [B, H, T, per row], made once per shape
@@ -165,13 +228,15 @@ def row_stats_buffer(cp, B, H, T, variant=DEFAULT_BWD_VARIANT):
     return d
 
 
-def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAULT_BWD_VARIANT, only=None):
+def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAULT_BWD_VARIANT, only=None,
+                  group=None):
     """dq, dk, dv by the kernels of ``variant``. ``only`` (benchmarks: one kernel's time) launches just the kernel
-    of that name from the variant's list; the others' outputs are then left as they were."""
+    of that name from the variant's list; the others' outputs are then left as they were. ``group``: heads per
+    group of the launch order (default: ``plan``)."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
     stats = row_stats_buffer(cp, B, H, T, variant)
-    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)), np.int32(B * H))
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
     rows = B * H * T
@@ -183,9 +248,6 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
                 (-(-rows // 8),), (256,), (do, o, stats, np.int32(H), np.int32(T), np.int32(D), np.int64(rows),
                                            *_strides(do), *_strides(o)))
             continue
-        smem = smem_bytes(name, D)
-        tile = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * (DKDV_WARPS if "dkdv" in name else DQ_WARPS)
-        grid, block = (B * H, -(-T // tile)), (32 * (DKDV_WARPS if "dkdv" in name else DQ_WARPS),)
         if name == "flash_bwd_dkdv":
             args = (q, k, v, do, lse, stats, dk, dv, *head, *kv)
         elif name == "flash_bwd_dkdv_wide":  # lse · log2 e comes with D in stats
@@ -194,4 +256,5 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
             args = (q, k, v, do, lse, stats, dq, *head, *ins, *_strides(dq))
         else:  # flash_bwd_dq_wide: also reads O and writes the row stats
             args = (q, k, v, do, o, lse, stats, dq, *head, *ins, *_strides(o), *_strides(dq))
-        _kernel(name, smem, q.dtype, D)(grid, block, args, shared_mem=smem)
+        run = plan(name, q, group)
+        run.kernel(run.grid, run.block, args, shared_mem=run.smem)
