@@ -29,6 +29,7 @@ is ``fa_block_head`` in kernels/flash_common.cuh): the same results bit for bit 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,7 @@ def wgmma_unsupported(q) -> str | None:
     return why
 
 
+@functools.cache  # a launch asks for it every time: the search over divisors happens once per shape
 def tile_group(n_bh: int, n_tiles: int, resident: int) -> int:
     """Heads per group of the blocks' launch order (``fa_block_head`` in kernels/flash_common.cuh) for n_bh heads of
     n_tiles tiles on a GPU that holds ``resident`` blocks at once: the fewest heads that divide n_bh evenly and
