@@ -90,6 +90,8 @@ if has bench; then
   # issue 16's wgmma route: the layout facts first, then the forward built on them (dev/cuda/flash_wgmma_plan.md)
   run wgmma_probe python3 dev/cuda/wgmma_probe.py --json benchmarks/results/wgmma_probe.json
   run flash_fwd_wgmma python3 dev/cuda/flash_fwd_wgmma.py --json benchmarks/results/flash_fwd_wgmma.json
+  # the flash kernels' launch order (heads in groups): every group size, bitwise checks (flash_launch.tile_group's rule)
+  run flash_tile_order python3 dev/cuda/flash_tile_order.py --json benchmarks/results/flash_tile_order.json
 fi
 has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
 has execute && run execute python3 tools/execute_notebooks.py book/*.ipynb
