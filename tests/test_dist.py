@@ -192,7 +192,10 @@ def test_ranks_match_one_rank_at_the_same_global_batch(world, zero, accum):
     # the same losses and norms to fp32 rounding of the reduction order (measured: <= 5e-7 absolute)
     np.testing.assert_allclose(res["loss"], res["loss_ref"], rtol=0, atol=2e-6)
     np.testing.assert_allclose(res["norm"], res["norm_ref"], rtol=1e-5)
-    assert res["max_dw"] < 2e-6
+    # weights after 4 AdamW steps: Adam divides by sqrt(v), so an element whose gradient nearly cancels (sqrt v 70x
+    # below the median) turns the reduction order's rounding into ~1e-3 of its update; measured <= 1.2e-7 to 3.9e-6
+    # (ZeRO-1, 2 ranks, 2 micro-batches, OpenBLAS 0.3.31); a lost or doubled bucket moves weights by ~lr = 3e-3
+    assert res["max_dw"] < 1e-5
     assert min(res["norm_ref"]) > 0.05  # the clip (0.05) was active: its sharded form is checked too
 
 

@@ -341,9 +341,14 @@ def test_export_writes_what_transformers_reads(tmp_path, rng, capsys):
     idx = _idx(rng)
     np.testing.assert_allclose(hf_logits(st.load_file(d / "model.safetensors"), config, idx), m.forward(idx)[0],
                                rtol=2e-4, atol=2e-4)
-    # and importing it gives the model back, bit for bit
+    # and importing it gives the weights back bit for bit (without the vocabulary's padding rows), so the same
+    # function: its logits agree to rounding, not to the bit, since the reloaded LM head has 65 columns instead of
+    # 128 and BLAS may sum a matrix product of another width in another order (OpenBLAS 0.3.31 does)
     back = llmgpu.from_pretrained(d, xp=np)
-    assert np.array_equal(back.forward(idx)[0], m.forward(idx)[0])
+    want = m.state_dict()
+    for name, w in back.state_dict().items():
+        assert np.array_equal(w, want[name][:len(w)]), name
+    np.testing.assert_allclose(back.forward(idx)[0], m.forward(idx)[0], rtol=1e-5, atol=1e-6)
     assert load_pretrained(d).tokenizer == "bytes"  # llmgpu.json
 
 
