@@ -39,7 +39,6 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from wgmma_probe import compile_sm90a  # noqa: E402
 
 from llmgpu import backend  # noqa: E402
-from llmgpu.kernels.launch import resident_blocks  # noqa: E402
 from llmgpu.ops import flash_attention as fa  # noqa: E402
 from llmgpu.ops import flash_launch as fl  # noqa: E402
 from llmgpu.ops import flash_reference as ref  # noqa: E402
@@ -96,9 +95,8 @@ def launcher(kernels, var: Variant):
         B, H, T, D = q.shape
         args = (q, k, v, o, lse, np.int32(H), np.int32(T), np.float32(1.0 / math.sqrt(D)), np.int32(bool(causal)),
                 np.int32(B * H), *fl._strides(q), *fl._strides(k), *fl._strides(v), *fl._strides(o))
-        n_tiles = -(-T // var.rows)
-        group = fl.tile_group(B * H, n_tiles, resident_blocks(fn, 2 * var.rows, var.smem))
-        fn(fl.ordered_grid(B * H, n_tiles, group), (2 * var.rows,), args, shared_mem=var.smem)
+        fn(fl.launch_grid(fn, 2 * var.rows, var.smem, B * H, -(-T // var.rows)), (2 * var.rows,), args,
+           shared_mem=var.smem)
     return run
 
 

@@ -197,8 +197,9 @@ def main(argv=None) -> int:
         return 0
     cp = backend.require_gpu()
     rng = np.random.default_rng(0)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": backend.device_info(cp).summary(),
-              "l2_bytes": backend.device_info(cp).l2_bytes, "group_waves": fl.GROUP_WAVES, "rows": [], "checks": []}
+    info = backend.device_info(cp)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": info.summary(),
+              "l2_bytes": info.l2_bytes, "group_waves": fl.GROUP_WAVES, "rows": [], "checks": []}
     bad = 0
     for B, H, T, D in SHAPES:
         bad += sweep_shape(cp, rng, B, H, T, D, a.reps, result)

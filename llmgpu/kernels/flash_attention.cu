@@ -462,11 +462,11 @@ __global__ void flash_bwd_dot(const T* __restrict__ dout, const T* __restrict__ 
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, fa_cfg<HD>::DKDV_MIN_BLOCKS)
 flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
-               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
-               T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
-               long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
-               long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh,
-               long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
+               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+               int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st,
+               long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
+               long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
+               long long dv_sb, long long dv_sh, long long dv_st) {
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * 16, BM = fa_cfg<HD>::DKDV_BM;
     constexpr int LD = HD + FA_PAD;
     T* sK = reinterpret_cast<T*>(fa_smem);
@@ -598,9 +598,9 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::DQ_MIN_BLOCKS)
 flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
              const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int H, int T_len,
-             float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,
-             long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
-             long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
+             float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st, long long k_sb,
+             long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb,
+             long long do_sh, long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * 16, BN = fa_cfg<HD>::DQ_BN;
     constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
@@ -725,9 +725,9 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
-                    T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
-                    long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
-                    long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
+                    T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                    long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                    long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
                     long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WK = 16 * MT;  // 16-key tiles and keys per warp
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * WK, BM = fa_cfg<HD>::WIDE_KV_BM;
@@ -893,12 +893,12 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // HD = 128 three buffers would not leave room for three blocks, so it keeps two and a barrier at the end of a tile.
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::WIDE_DQ_MIN_BLOCKS)
-flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                  const T* __restrict__ dout, const T* __restrict__ o, const float* __restrict__ lse,
-                  fa_row_stats* __restrict__ stats, T* __restrict__ dq, int H, int T_len, float scale, int causal, int n_bh,
-                  long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st,
-                  long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
-                  long long o_sb, long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
+flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
+                  const T* __restrict__ o, const float* __restrict__ lse, fa_row_stats* __restrict__ stats,
+                  T* __restrict__ dq, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                  long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                  long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long o_sb,
+                  long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * WQ, BN = fa_cfg<HD>::WIDE_DQ_BN;
     constexpr int LD = HD + FA_PAD, NBUF = fa_cfg<HD>::WIDE_DQ_BUFS;

@@ -86,9 +86,9 @@ __device__ __forceinline__ unsigned long long fw_desc(unsigned lo) {
 template <typename T, int HD, int PIPE, int BN, int WG>
 __global__ void __launch_bounds__(fw_cfg<HD, BN, WG>::NT, (fw_cfg<HD, BN, WG>::MIN_BLOCKS))
 flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
-                long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
-                long long v_st, long long o_sb, long long o_sh, long long o_st) {
+                float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                long long v_sh, long long v_st, long long o_sb, long long o_sh, long long o_st) {
 #ifdef LLMGPU_WGMMA
     extern __shared__ __align__(1024) unsigned char fw_smem[];
     const unsigned raw = wg_saddr(fw_smem);
@@ -113,7 +113,7 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     // The descriptors' low words for buffer 0 (K and V); buffer b and an offset within it add (b·2·TILE + off) >> 4
     // to the start-address field, which never carries out of its 14 bits (shared memory ends below 256 KiB).
     const unsigned k_lo0 = fw_desc_lo(kv0, 16), v_lo0 = fw_desc_lo(kv0 + TILE, 8192);
-    auto buf_lo = [&](int j) { return static_cast<unsigned>((j % FW_BUFS) * (2 * TILE >> 4)); };
+    auto buf_lo = [&](int j) { return (k_tile(j) - kv0) >> 4; };
     auto load_kv = [&](int j) {
         fw_load_tile<T, HD, BN, NT>(k_tile(j), kb, k_st, j * BN, T_len);
         fw_load_tile<T, HD, BN, NT>(k_tile(j) + TILE, vb, v_st, j * BN, T_len);

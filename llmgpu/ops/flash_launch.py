@@ -125,7 +125,6 @@ def wgmma_unsupported(q) -> str | None:
     return why
 
 
-@functools.cache  # a launch asks for it every time: the search over divisors happens once per shape
 def tile_group(n_bh: int, n_tiles: int, resident: int) -> int:
     """Heads per group of the blocks' launch order (``fa_block_head`` in kernels/flash_common.cuh) for n_bh heads of
     n_tiles tiles on a GPU that holds ``resident`` blocks at once: the fewest heads that divide n_bh evenly and
@@ -168,10 +167,18 @@ def plan(name: str, q, group: int | None = None) -> Launch:
         else:
             warps = DKDV_WARPS if "dkdv" in name else DQ_WARPS
             rows, threads = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * warps, 32 * warps
-    n_bh, n_tiles = B * H, -(-T // rows)
-    if group is None:
-        group = tile_group(n_bh, n_tiles, resident_blocks(kern, threads, smem))
-    return Launch(kern, ordered_grid(n_bh, n_tiles, group), (threads,), smem)
+    return Launch(kern, launch_grid(kern, threads, smem, B * H, -(-T // rows), group), (threads,), smem)
+
+
+def launch_grid(kern, threads: int, smem: int, n_bh: int, n_tiles: int, group: int | None = None):
+    """``ordered_grid`` for ``kern`` launched with ``threads`` threads and ``smem`` bytes of shared memory a block;
+    ``group`` None: ``tile_group``'s choice for the kernel's occupancy on this GPU."""
+    return ordered_grid(n_bh, n_tiles, _default_group(kern, threads, smem, n_bh, n_tiles) if group is None else group)
+
+
+@functools.cache  # every launch asks: the kernel's occupancy and the search over divisors, once per kernel and shape
+def _default_group(kern, threads: int, smem: int, n_bh: int, n_tiles: int) -> int:
+    return tile_group(n_bh, n_tiles, resident_blocks(kern, threads, smem))
 
 
 def ordered_grid(n_bh: int, n_tiles: int, group: int) -> tuple[int, int, int]:
