@@ -308,3 +308,14 @@ def test_flash_tile_order_script_runs():
         assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
     else:
         assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:]
+
+
+def test_attention_layout_probe_script_runs():
+    """Without a GPU: one line saying so, exit 0; on one, every layout's outputs agree with BHTD's."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    r = subprocess.run([sys.executable, str(DEV_CUDA / "attention_layout_probe.py"), "--reps", "3"],
+                       capture_output=True, text=True, timeout=600)
+    if backend.gpu_unavailable_reason() is not None:
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 0 and "FAIL" not in r.stdout and r.stdout.count("backward") == 6, r.stdout[-3000:]
