@@ -51,11 +51,6 @@ allocation happens when ``out`` (and ``aux`` / ``dbias``) are given, no host syn
 Make the first call of every shape outside stream capture (a warm-up): it builds the plan, and the
 very first call on a device allocates the workspace.
 
-**Two streams.** GEMMs running at the same time must not share a workspace (each one's split-K
-partials live there). ``reserve_workspace(stream)`` gives a stream its own buffer of the same size
-(so the heuristic picks the same algorithms and the results are the same bits on either stream);
-GEMMs on every other stream share the device's one.
-
 NumPy arrays run a reference of the same math (float32; float64 stays float64), so everything here
 is testable without a GPU. Without ``nvmath-python`` the CuPy path raises ``LtUnavailableError``
 naming the extra to install: ``pip install 'llmgpu[fast]'``.
@@ -65,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import numpy as np
 
@@ -142,7 +136,6 @@ class _DeviceState:
         self.workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
         self.ws_ptr = int(self.workspace.data.ptr)
         self.ws_size = int(self.workspace.nbytes)
-        self.stream_ws: dict = {}  # stream pointer -> (workspace array, its pointer): reserve_workspace
         self.attr_bias_pointer = int(lt.MatmulDescAttribute.BIAS_POINTER)
         self.attr_aux_pointer = int(lt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         try:
@@ -288,21 +281,6 @@ def clear_plans():
     _PLANS.clear()
 
 
-def reserve_workspace(stream) -> None:
-    """Give ``stream`` (a CuPy stream on the current device) a workspace of its own, so that its GEMMs can
-    run while another stream's do (module docstring). Outside capture; a no-op when already reserved. The
-    buffer is released with the stream."""
-    lt, cp = _lt_module(), backend.require_gpu()
-    st = _device_state(lt, cp)
-    if stream.ptr in st.stream_ws:
-        return
-    if _is_capturing(cp):
-        raise RuntimeError("reserve_workspace allocates and cannot run while a stream is capturing: call it before")
-    ws = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
-    st.stream_ws[stream.ptr] = (ws, int(ws.data.ptr))
-    weakref.finalize(stream, st.stream_ws.pop, stream.ptr, None)
-
-
 def plan_count() -> int:
     """Number of cached cuBLASLt plans (one per distinct problem seen)."""
     return len(_PLANS)
@@ -436,11 +414,9 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
         lt.matmul_desc_set_attribute(plan.desc, st.attr_aux_pointer, plan.ptr_addr + 8, 8)
         plan.last_aux = aux_ptr
     stream = cp.cuda.get_current_stream().ptr
-    own = st.stream_ws.get(stream) if st.stream_ws else None
-    ws_ptr = own[1] if own is not None else st.ws_ptr
     try:
         lt.matmul(st.handle, plan.desc, scalar_ptr(alpha), b_ptr, plan.la, a_ptr, plan.lb, scalar_ptr(beta),
-                  o_ptr, plan.lc, o_ptr, plan.lc, plan.algo_ptr, ws_ptr, st.ws_size, stream)
+                  o_ptr, plan.lc, o_ptr, plan.lc, plan.algo_ptr, st.ws_ptr, st.ws_size, stream)
     except Exception as e:
         raise RuntimeError(f"cublasLtMatmul failed for {plan.describe}: {type(e).__name__}: {e}") from e
     return out
@@ -491,4 +467,4 @@ def lt_flops(m: int, n: int, k: int, batch: int = 1) -> float:
 
 __all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "clear_plans",
            "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm", "plan_count", "plan_key",
-           "reserve_workspace", "unavailable_reason"]
+           "unavailable_reason"]

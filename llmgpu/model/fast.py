@@ -67,7 +67,7 @@ import numpy as np
 from .. import backend
 from ..gemm.cublaslt import lt_gemm
 from ..gemm.ksplit import wgrad_gemm
-from ..instrument import active_timer, region
+from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
 from ..ops.cross_entropy import (
     IGNORE_INDEX,
@@ -82,7 +82,6 @@ from ..ops.linear import bias_grad
 from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
-from .overlap import SideStream
 
 # kernel variants of chapter 3 this path uses (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
@@ -93,10 +92,6 @@ CROSS_ENTROPY_METHOD = "fast"
 # capturing one graph per setting: the switches are read when the step runs, i.e. when it is captured)
 FUSED_CROSS_ENTROPY = True  # the LM head's cross-entropy forward + backward as one pass over each chunk's logits
 EMBEDDING_GRAD_INTO_FP32 = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
-# the blocks' weight and bias gradients on a second stream, beside the chain of input gradients (model/overlap.py)
-OVERLAP_WEIGHT_GRADS = False
-# the LM head's weight gradient of each chunk on that stream, beside the next chunk's logits and cross-entropy
-OVERLAP_HEAD_WGRAD = False
 # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
 # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
 LM_HEAD_ROWS = 8192
@@ -113,7 +108,6 @@ class FastGPT(GPTBase):
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN):
         self.checkpoint_every = checkpoint_every
-        self._side = None  # the SideStream, made on first use (OVERLAP_WEIGHT_GRADS)
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
@@ -181,13 +175,12 @@ class FastGPT(GPTBase):
         with region(name, bytes=4 * x.nbytes + 8 * x.shape[0] + 2 * it * x.shape[1], flops=10.0 * x.size):
             return add_layernorm_forward(x, a, self.weight(ln + ".weight"), self.weight(ln + ".bias"), residual_out=a)
 
-    def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name, out=None):
-        """d(LN input) + the residual gradient ``dres`` (None: none), written over ``dres`` (or into ``out``);
-        dγ, dβ accumulated in fp32 into the gradient buffer."""
+    def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name):
+        """d(LN input) + the residual gradient ``dres`` (None: none), written over ``dres``; dγ, dβ accumulated
+        in fp32 into the gradient buffer."""
         G = self.params.grad_of
         with region(name, bytes=(3 if dres is None else 4) * x.nbytes + 8 * x.shape[0], flops=12.0 * x.size):
-            dx, _, _ = layernorm_backward(dh, x, self.weight(ln + ".weight"), mean, rstd, dresidual=dres,
-                                          dx_out=dres if out is None else out,
+            dx, _, _ = layernorm_backward(dh, x, self.weight(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
                                           dgamma_out=G(ln + ".weight"), dbeta_out=G(ln + ".bias"),
                                           accumulate_params=True, method=LAYERNORM_BACKWARD_METHOD)
         return dx
@@ -302,60 +295,41 @@ class FastGPT(GPTBase):
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
         return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
 
-    def _block_backward(self, i: int, dx, c, B: int, T: int, side=None):
-        """Block i's backward from the gradient of its output (the residual stream), ``dx``: returns the
-        gradient of its input, written over ``dx`` (or, with a ``SideStream``, into the spare buffer: the
-        side stream, which computes the weight and bias gradients, still reads ``dx``). Weight gradients
-        accumulate in fp32."""
+    def _block_backward(self, i: int, dx, c, B: int, T: int):
+        """Block i's backward from the gradient of its output (the residual stream), ``dx``, which is
+        updated in place and returned: the gradient of its input. Weight gradients accumulate in fp32, in
+        line with the input gradients (on a second stream they gained nothing: the GEMMs fill the GPU;
+        chapter 8)."""
         n = block_param_names(i)
-        off = side.run if side is not None else (lambda fn, *reads: fn())  # off the chain of input gradients
-        into = side.spare if side is not None else (lambda a: None)  # None: in place
         # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-        off(lambda: self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj"),
-            dx, c["g"])
+        self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
         df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
-        off(lambda: self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc"),
-            df, c["h2"])
+        self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
         dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
         del df
         dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
-                               name="ln_2+residual bwd", out=into(dx))
+                               name="ln_2+residual bwd")
         del dh2
         # attention: a = y Wpᵀ + bp; da = dx
-        off(lambda: self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"],
-                                       name="attn.proj"), dx, c["y"])
+        self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj")
         dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
         dqkv = self._attention_backward(dy, c["att"], B, T)
         del dy
-        off(lambda: self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"],
-                                       name="attn.qkv"), dqkv, c["h1"])
+        self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv")
         dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
         del dqkv
         return self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
-                                 name="ln_1+residual bwd", out=into(dx))
+                                 name="ln_1+residual bwd")
 
     # ------------------------------------------------------------------ forward + backward
 
-    def _side_stream(self):
-        """The ``SideStream`` for the weight and bias gradients, or None for the serial order (the switch
-        ``OVERLAP_WEIGHT_GRADS`` and ``OVERLAP_HEAD_WGRAD`` are off, or an ``OpTimer`` is timing the ops one by one)."""
-        if not (OVERLAP_WEIGHT_GRADS or OVERLAP_HEAD_WGRAD) or active_timer() is not None:
-            return None
-        if self._side is None:
-            self._side = SideStream(self.xp)
-        self._side.join()  # nothing pending, unless an earlier step raised midway
-        return self._side
-
-    def _head_forward_backward(self, hf, targets, dloss, side=None):
+    def _head_forward_backward(self, hf, targets, dloss):
         """LM head, cross-entropy and their backward, ``lm_head_rows`` rows at a time: ``(mean loss, dhf)``.
 
         The logits (``[N, Vp]``, the largest activation of the step) exist for one chunk of rows at a time:
         each chunk's logits are made, turned into their gradient in place, and used up by the chunk's dgrad
         and its weight gradient (accumulated over the chunks in fp32) before the next chunk's are made. The
-        gradient of every row is divided by the number of targets of the whole batch, counted first. With a
-        ``SideStream`` (fused cross-entropy only) a chunk's weight gradient runs on it, beside the next chunk's
-        logits and cross-entropy; one chunk's weight gradient at most is left running (memory: one more chunk
-        of logits alive)."""
+        gradient of every row is divided by the number of targets of the whole batch, counted first."""
         N, C = hf.shape
         Vp = self.config.padded_vocab_size
         it, xp = self.dtype.itemsize, self.xp
@@ -365,19 +339,16 @@ class FastGPT(GPTBase):
             n_total = (targets != IGNORE_INDEX).sum(dtype=np.int32)
         dhf = xp.empty((N, C), dtype=hf.dtype)
         loss = None
-        side = side if fused else None
         for r0 in range(0, N, R):
             h, t = hf[r0:r0 + R], targets[r0:r0 + R]
             n = h.shape[0]
-            if side is not None:
-                side.wait_until(1)  # the chunk before last's dlogits: done with, their memory free again
             logits = self._logits(h)
             if fused:  # one pass: the chunk's loss sum (added into loss) and dlogits in place over the logits
                 with region("cross_entropy fwd+bwd", bytes=logits.nbytes * 2 + 8 * n, flops=6.0 * logits.size):
                     loss, dlogits = cross_entropy_forward_backward(logits, t, dloss, n_total, ignore_index=IGNORE_INDEX,
                                                                    out=logits, loss_sum=loss)
                 del logits
-                self._head_grads(dlogits, h, dhf[r0:r0 + R], side)
+                self._head_grads(dlogits, h, dhf[r0:r0 + R])
                 del dlogits
                 continue
             with region("cross_entropy fwd", bytes=logits.nbytes + 8 * n, flops=4.0 * logits.size):
@@ -400,21 +371,13 @@ class FastGPT(GPTBase):
             loss = loss / n_total.astype(loss.dtype)
         return loss, dhf
 
-    def _head_grads(self, dlogits, h, dh, side=None):
-        """The LM head's backward for one chunk: ``dh = dlogits W`` and ``dW += dlogitsᵀ h`` (fp32; on the
-        ``SideStream`` when given)."""
+    def _head_grads(self, dlogits, h, dh):
+        """The LM head's backward for one chunk: ``dh = dlogits W`` and ``dW += dlogitsᵀ h`` (fp32)."""
         n, Vp = dlogits.shape
         C, it = h.shape[1], self.dtype.itemsize
-
-        def wgrad():
-            with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
-                wgrad_gemm(dlogits, h, out=self.params.grad_of(WTE), beta=1.0, gemm=lt_gemm)
-
-        if side is not None:
-            side.run(wgrad, dlogits, h)
         self._dgrad(dlogits, WTE, name="lm_head", out=dh)
-        if side is None:
-            wgrad()
+        with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
+            wgrad_gemm(dlogits, h, out=self.params.grad_of(WTE), beta=1.0, gemm=lt_gemm)
 
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
         """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
@@ -430,8 +393,7 @@ class FastGPT(GPTBase):
 
         xL, hf, meanf, rstdf, caches, inputs = self._forward_trunk(idx, store=True)
         stored = nbytes_of(caches) + nbytes_of(inputs)
-        side = self._side_stream()
-        loss, dhf = self._head_forward_backward(hf, targets.reshape(-1), dloss, side if OVERLAP_HEAD_WGRAD else None)
+        loss, dhf = self._head_forward_backward(hf, targets.reshape(-1), dloss)
         del hf
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
         dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
@@ -439,18 +401,11 @@ class FastGPT(GPTBase):
         del dhf, xL
 
         peak = stored
-        blocks_side = side if OVERLAP_WEIGHT_GRADS else None
-
-        def block_done(i):
-            if side is not None and grads_ready is not None:
-                side.join()  # whoever is told that the block's gradients are ready may read them at once
-            ready(list(block_param_names(i).values()))
-
         if k == 0:
             for i in reversed(range(L)):
-                dx = self._block_backward(i, dx, caches[i], B, T, blocks_side)
+                dx = self._block_backward(i, dx, caches[i], B, T)
                 caches[i] = None
-                block_done(i)
+                ready(list(block_param_names(i).values()))
         else:
             for s in reversed(range(0, L, k)):  # the spans, last to first
                 e = min(s + k, L)
@@ -461,12 +416,10 @@ class FastGPT(GPTBase):
                     del c
                 peak = max(peak, nbytes_of(inputs) + nbytes_of(span))
                 for j in reversed(range(s, e)):
-                    dx = self._block_backward(j, dx, span[j - s], B, T, blocks_side)
+                    dx = self._block_backward(j, dx, span[j - s], B, T)
                     span[j - s] = None
-                    block_done(j)
+                    ready(list(block_param_names(j).values()))
                 inputs[s] = None
-        if side is not None:
-            side.join()  # the gradients are read next (clipping, the optimizer); the step's graph ends joined
 
         method = EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized"
         if EMBEDDING_GRAD_INTO_FP32:  # fp32 row sums added into the fp32 gradients, touched rows only
