@@ -12,6 +12,11 @@ Hypothesis (written before the run): the packed layout is most of the gap: "pack
 "BHTD" for cuDNN, "BTHD" (each tensor its own [B, T, H, D] array) in between; ours, which reads 64-element
 rows either way, within 3 % across layouts.
 
+Outcome (H200, 2026-12-03, ``benchmarks/results/attention_layout_probe.json``): no. cuDNN 0.297 / 0.298 / 0.299 ms
+forward and 1.066 / 1.090 / 1.096 ms backward (BHTD / BTHD / packed), ours 0.359 / 0.367 / 0.371 and
+1.324 / 1.336 / 1.351: the packed views cost cuDNN 1 % and 3 %, not 10-15 %. The per-op table's extra time is
+not the layout (chapter 8).
+
 GPT-2's attention (B = 64, H = 12, T = 1024, D = 64, bf16, causal), forward and backward, cuDNN and ours, in
 three layouts. Outputs are checked against the BHTD ones (bit for bit is not assumed: an engine may change with
 the strides): max |diff| / max |BHTD| ≤ 1e-2, else FAIL and exit 1. Without a GPU: one line saying so, exit 0.
