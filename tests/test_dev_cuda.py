@@ -28,6 +28,17 @@ def test_experiments_exist():
     assert (DEV_CUDA / "README.md").is_file()
 
 
+def _run_dev_script(name, *args):
+    """Run ``dev/cuda/<name>`` with ``args``. Without a GPU it must print one line saying so and exit 0 (checked
+    here; None returned); on a GPU the finished process, for the caller's own checks."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    r = subprocess.run([sys.executable, str(DEV_CUDA / name), *args], capture_output=True, text=True, timeout=600)
+    if backend.gpu_unavailable_reason() is not None:
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
+        return None
+    return r
+
+
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
 def test_experiment_compiles_for_sm90_without_spills(path):
     """A fresh process, as CI runs the compile check (see tests/test_kernels_loader.py for why)."""
@@ -42,16 +53,10 @@ def test_experiment_compiles_for_sm90_without_spills(path):
 
 def test_layernorm_forward_fast_script_runs():
     """Without a GPU: one line saying so, exit 0. With one: small rows, checked against the package."""
-    pytest.importorskip("cupy", reason="CuPy is not installed")
-    script = DEV_CUDA / "layernorm_forward_fast.py"
-    r = subprocess.run([sys.executable, str(script), "--rows", "1000", "--reps", "3", "--no-copy",
-                        "--dtype", "fp32", "--dtype", "bf16", "--dtype", "fp16"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    if backend.gpu_unavailable_reason() is not None:
-        assert len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout
-    else:
-        assert "FAIL" not in r.stdout, r.stdout
+    r = _run_dev_script("layernorm_forward_fast.py", "--rows", "1000", "--reps", "3", "--no-copy",
+                        "--dtype", "fp32", "--dtype", "bf16", "--dtype", "fp16")
+    if r is not None:
+        assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
 
 
 def test_wgmma_probe_compiles_for_sm90a_with_wgmma():
@@ -164,11 +169,8 @@ def test_wgmma_probe_layouts_and_descriptor_bits():
 
 def test_wgmma_probe_script_runs():
     """Without a GPU: one line saying so, exit 0 (on a Hopper GPU it runs the probe)."""
-    pytest.importorskip("cupy", reason="CuPy is not installed")
-    r = subprocess.run([sys.executable, str(DEV_CUDA / "wgmma_probe.py")], capture_output=True, text=True, timeout=600)
-    if backend.gpu_unavailable_reason() is not None:
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
-    else:
+    r = _run_dev_script("wgmma_probe.py")
+    if r is not None:
         assert r.returncode in (0, 1) and "as expected" in r.stdout or "nothing to probe" in r.stdout, r.stdout
 
 
@@ -247,12 +249,8 @@ def test_flash_fwd_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys, cudnn):
 
 def test_flash_fwd_wgmma_script_runs():
     """Without a GPU: one line saying so, exit 0 (on a Hopper GPU it checks and times the kernel)."""
-    pytest.importorskip("cupy", reason="CuPy is not installed")
-    r = subprocess.run([sys.executable, str(DEV_CUDA / "flash_fwd_wgmma.py"), "--no-time"], capture_output=True,
-                       text=True, timeout=600)
-    if backend.gpu_unavailable_reason() is not None:
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
-    else:
+    r = _run_dev_script("flash_fwd_wgmma.py", "--no-time")
+    if r is not None:
         assert r.returncode == 0 and "FAIL" not in r.stdout or "nothing to run" in r.stdout, r.stdout
 
 
@@ -301,21 +299,13 @@ def test_flash_tile_order_on_a_stand_in_gpu(monkeypatch, tmp_path, capsys):
 
 def test_flash_tile_order_script_runs():
     """Without a GPU: one line saying so, exit 0."""
-    pytest.importorskip("cupy", reason="CuPy is not installed")
-    r = subprocess.run([sys.executable, str(DEV_CUDA / "flash_tile_order.py")], capture_output=True, text=True,
-                       timeout=600)
-    if backend.gpu_unavailable_reason() is not None:
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
-    else:
+    r = _run_dev_script("flash_tile_order.py")
+    if r is not None:
         assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-3000:]
 
 
 def test_attention_layout_probe_script_runs():
     """Without a GPU: one line saying so, exit 0; on one, every layout's outputs agree with BHTD's."""
-    pytest.importorskip("cupy", reason="CuPy is not installed")
-    r = subprocess.run([sys.executable, str(DEV_CUDA / "attention_layout_probe.py"), "--reps", "3"],
-                       capture_output=True, text=True, timeout=600)
-    if backend.gpu_unavailable_reason() is not None:
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and "no GPU" in r.stdout, r.stdout + r.stderr
-    else:
+    r = _run_dev_script("attention_layout_probe.py", "--reps", "3")
+    if r is not None:
         assert r.returncode == 0 and "FAIL" not in r.stdout and r.stdout.count("backward") == 6, r.stdout[-3000:]

@@ -75,19 +75,19 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
-    xp = backend.default_xp()
-    if xp is np:
-        print("attention_layout_probe: no GPU here (it times GPU kernels); nothing to do")
+    reason = backend.gpu_unavailable_reason()
+    if reason is not None:
+        print(f"no GPU: {reason}")
         return 0
-    cp = xp
-    from llmgpu.ops.flash_attention import flash_attention_backward, flash_attention_forward
+    cp = backend.require_gpu()
+    from llmgpu.ops.flash_attention import flash_attention_backward, flash_attention_flops, flash_attention_forward
     from llmgpu.perf import timing
 
     print(f"device: {backend.device_info(cp).summary()}")
     cp.random.seed(0)
     src = [(cp.random.standard_normal((B, H, T, D), dtype=np.float32) * (0.5 if i < 2 else 1.0)).astype(
         backend.bfloat16) for i in range(4)]
-    fl_fwd, fl_bwd = 2.0 * B * H * T * T * D, 5.0 * B * H * T * T * D  # causal: half of 4 and 10 BHTTD
+    fl_fwd, fl_bwd = (flash_attention_flops(B, H, T, D, causal=True, direction=d) for d in ("fwd", "bwd"))
     rows, ref, failed = [], {}, False
     for kernel in ("cudnn", "ours"):
         for layout in LAYOUTS:
