@@ -76,38 +76,17 @@ def _correctness(cfg, batch, seq, dtype, xp, combos):
 
 def _steps(cfg, batch, seq, dtype, xp, on_gpu, combos, rounds, steps):
     """Median ms per step of each setting's step (one CUDA graph on a GPU), timed in alternating rounds."""
-    runs = {}
-    for combo in combos:
-        _set(combo)
-        run, _ = make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu)
-        for _ in range(3):  # two eager steps, then the capture (graph) -- all with this setting
-            run()
-        runs[combo] = run
-    times = {c: [] for c in combos}
-    for _ in range(rounds):
-        for combo, run in runs.items():
-            if on_gpu:
-                evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
-                for a, b in evs:
-                    a.record()
-                    run()
-                    b.record()
-                evs[-1][1].synchronize()
-                times[combo] += [xp.cuda.get_elapsed_time(a, b) for a, b in evs]
-            else:
-                import time
-
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    run()
-                    times[combo].append((time.perf_counter() - t0) * 1e3)
+    by_label = _common.alternating_step_times(
+        {_label(c): (lambda c=c: _set(c)) for c in combos},
+        lambda: make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu), xp, on_gpu, rounds,
+        steps)
+    times = {c: by_label[_label(c)] for c in combos}
     rows = []
     for combo in combos:
         ms = statistics.median(times[combo])
         rows.append({"case": _label(combo), "fused_cross_entropy": combo[0], "embedding_grad_into_fp32": combo[1],
                      "batch": batch, "seq": seq, "ms_per_step": ms, "ms_min": min(times[combo]),
                      "tokens_per_s": batch * seq / (ms * 1e-3), "steps_timed": len(times[combo])})
-    del runs
     release_memory()
     return rows
 
