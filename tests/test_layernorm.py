@@ -225,59 +225,6 @@ def test_backward_accumulate_params(rng):
     assert_close(dg3, g0.astype(backend.bfloat16).astype(np.float32) + dg_ref, "bf16")
 
 
-def test_backward_dresidual_sum_out(rng):
-    """dresidual_sum_out: dresidual summed over the rows (the bias gradient of the layer before), overwritten
-    or accumulated, from dresidual as it was passed even when dx is written over it."""
-    n, c = 9, 13
-    x, gamma, beta, dy = _inputs(rng, n, c)
-    dres = random_array(rng, (n, c), "fp32")
-    want = dres.astype(np.float64).sum(axis=0)
-    _, mean, rstd = layernorm_forward(x, gamma, beta)
-    plain = layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres)
-    out = poisoned((c,), "fp32", np)
-    got = layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres, dresidual_sum_out=out)
-    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
-    for g, e in zip(got, plain):  # the other outputs do not change
-        np.testing.assert_array_equal(g, e)
-    s0 = random_array(rng, c, "fp32")
-    acc = s0.copy()
-    layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres, dresidual_sum_out=acc,
-                       dgamma_out=np.zeros(c, np.float32), dbeta_out=np.zeros(c, np.float32), accumulate_params=True)
-    np.testing.assert_allclose(acc, s0 + want, rtol=1e-6, atol=1e-6)
-    buf, in_place = dres.copy(), poisoned((c,), "fp32", np)  # dx written over dresidual
-    layernorm_backward(dy, x, gamma, mean, rstd, dresidual=buf, dx_out=buf, dresidual_sum_out=in_place)
-    np.testing.assert_array_equal(in_place, out)
-    np.testing.assert_array_equal(buf, plain[0])
-    # bf16 rows: an fp32 buffer receives the fp32 sum, not rounded to bf16
-    xb, gb, bb, dyb = _inputs(rng, n, c, "bf16")
-    dresb = random_array(rng, (n, c), "bf16")
-    _, mb, rb = layernorm_forward(xb, gb, bb)
-    sb = np.zeros(c, np.float32)
-    layernorm_backward(dyb, xb, gb, mb, rb, dresidual=dresb, dresidual_sum_out=sb,
-                       dgamma_out=np.zeros(c, np.float32), dbeta_out=np.zeros(c, np.float32))
-    np.testing.assert_allclose(sb, dresb.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
-
-
-def test_backward_dresidual_sum_out_bad_inputs(rng):
-    x, gamma, beta, dy = _inputs(rng, 4, 6)
-    _, mean, rstd = layernorm_forward(x, gamma, beta)
-    dres = random_array(rng, (4, 6), "fp32")
-    with pytest.raises(ValueError, match="dresidual_sum_out is dresidual summed over the rows: pass dresidual"):
-        layernorm_backward(dy, x, gamma, mean, rstd, dresidual_sum_out=np.zeros(6, np.float32))
-    with pytest.raises(ValueError, match="dresidual_sum_out must have shape"):
-        layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres, dresidual_sum_out=np.zeros(5, np.float32))
-    with pytest.raises(TypeError, match="dresidual_sum_out must be"):
-        layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres, dresidual_sum_out=np.zeros(6, np.float64))
-    xb, gb, bb, dyb = _inputs(rng, 4, 6, "bf16")
-    _, mb, rb = layernorm_forward(xb, gb, bb)
-    with pytest.raises(TypeError, match="dgamma_out and dresidual_sum_out must share one dtype"):
-        layernorm_backward(dyb, xb, gb, mb, rb, dresidual=dyb.copy(), dgamma_out=np.zeros(6, np.float32),
-                           dresidual_sum_out=np.zeros(6, gb.dtype))
-    both = np.zeros(6, np.float32)
-    with pytest.raises(ValueError, match="dbeta_out and dresidual_sum_out must be separate buffers"):
-        layernorm_backward(dy, x, gamma, mean, rstd, dresidual=dres, dbeta_out=both, dresidual_sum_out=both)
-
-
 def test_traffic_bytes_fused():
     n, c = 10, 8
     assert ln.traffic_bytes(n, c, "bf16", residual=True) - ln.traffic_bytes(n, c, "bf16") == 2 * n * c * 2
@@ -746,67 +693,6 @@ def test_gpu_fast_backward_both_accumulator_variants(cp, rng, dtype, c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("n,c", [(1, 768), (33, 7), (37, 520), (3000, 768), (7, 1024), (37, 1600), (64, 2048),
-                                 (33, 4100)])
-def test_gpu_dresidual_sum_out_every_path(cp, rng, fast_spy, method, dtype, n, c):
-    """dresidual_sum_out on every method, both accumulator variants of the fast kernel (P = 1..8 among the
-    widths; odd widths fall back), overwriting a poisoned fp32 buffer or accumulating, with dx written over
-    dresidual: the sum is that of dresidual as passed, and dx, dgamma, dbeta are unchanged by asking for it."""
-    x, gamma, beta, dy = _inputs(rng, n, c, dtype)
-    dres = random_array(rng, (n, c), dtype)
-    s0 = random_array(rng, c, "fp32")
-    want = dres.astype(np.float64).sum(axis=0)
-    _, ref_m, ref_r = layernorm_forward(x, gamma, beta)
-    ref = layernorm_backward(dy, x, gamma, ref_m, ref_r, dresidual=dres)
-    xd, gd, bd, dyd = _to(cp, x, gamma, beta, dy)
-    _, mean, rstd = layernorm_forward(xd, gd, bd)
-    variants = ln.ACCUMULATORS if method == "fast" else (None,)
-    for acc_var in variants:
-        for accumulate in (False, True):
-            buf = cp.asarray(dres)
-            out = cp.asarray(s0) if accumulate else poisoned((c,), "fp32", cp)
-            dg, db = cp.zeros(c, cp.float32), cp.zeros(c, cp.float32)
-            dx, _, _ = layernorm_backward(dyd, xd, gd, mean, rstd, method=method, dresidual=buf, dx_out=buf,
-                                          dgamma_out=dg, dbeta_out=db, dresidual_sum_out=out,
-                                          accumulate_params=accumulate, accumulators=acc_var)
-            what = f"({method}, accumulators={acc_var}, accumulate={accumulate})"
-            assert_close(out, want + (s0 if accumulate else 0), "fp32", name=f"dresidual sum {what}",
-                         scale=np.linalg.norm(np.abs(dres.astype(np.float64)).sum(axis=0)))
-            for g, e, name in zip((dx, dg, db), ref, ("dx", "dgamma", "dbeta")):
-                assert_close(g, e, dtype, name=f"{name} {what}")
-    if method == "fast":
-        assert fast_spy == [_fast_expected(c, dtype)] * 4
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gpu_dresidual_sum_nan_and_determinism(cp, rng, dtype):
-    """A NaN in dresidual makes its column's sum NaN and no other; the fast kernel's sums are the same bits
-    every run."""
-    n, c = 4096, 768
-    x, gamma, beta, dy = _to(cp, *_inputs(rng, n, c, dtype))
-    _, mean, rstd = layernorm_forward(x, gamma, beta)
-    dres = random_array(rng, (n, c), dtype, xp=cp)
-
-    def run(r):
-        out = poisoned((c,), "fp32", cp)
-        layernorm_backward(dy, x, gamma, mean, rstd, method="fast", dresidual=r, dresidual_sum_out=out,
-                           dgamma_out=cp.zeros(c, cp.float32), dbeta_out=cp.zeros(c, cp.float32))
-        return out
-
-    first = run(dres)
-    assert bool(cp.isfinite(first).all())
-    for _ in range(3):
-        assert bool((run(dres) == first).all()), "the column sums changed between two identical runs"
-    bad = dres.copy()
-    bad[1234, 100] = np.nan
-    got = cp.asnumpy(run(bad))
-    assert np.isnan(got[100]) and np.isfinite(np.delete(got, 100)).all()
-
-
-@pytest.mark.gpu
 def test_gpu_accumulators_pick_the_kernel_variant(cp, rng, monkeypatch):
     """accumulators="shared" takes the optimized backward's shared-memory instantiation (packs 0) and
     "registers" the 16-bit fast backward's register one (SACC 0, 8-warp blocks)."""
@@ -826,5 +712,3 @@ def test_gpu_accumulators_pick_the_kernel_variant(cp, rng, monkeypatch):
     for long_c in (1280, 1600, 2048):
         kern, _, threads, smem = ln._fast_backward_plan(n, long_c, "bf16", True, "registers", cp)
         assert threads == 32 * ln._FAST_SACC_WARPS and smem == 16 * 32 * (long_c // 256 + (long_c % 256 > 0)) * 2 * 9
-        # with dresidual's column sum: a third slot per warp
-        assert ln._fast_backward_plan(n, long_c, "bf16", 2, None, cp)[3] == smem // 9 * 13

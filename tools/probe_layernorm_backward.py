@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                      shared_mem=smem)
 
             def finish():
-                fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), np.int32(2), dg, db, db))
+                fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dg, db))
 
             info = dict(blocks=blocks, threads=threads, regs=int(kern.attributes["num_regs"]))
             record(f"{name}: main kernel alone", us(main_kernel), mbytes, **info)

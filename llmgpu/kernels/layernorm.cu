@@ -43,9 +43,7 @@
 // A third generation, at the end of the file, is written for bandwidth first:
 //   layernorm_backward_fast      the backward with the row held in registers, the next row's loads
 //                                issued before the current row is reduced (two rows in flight per
-//                                warp), gamma in shared memory, optional dresidual added into dx
-//                                (and summed over the rows: the bias gradient of the layer whose
-//                                output gradient it is);
+//                                warp), gamma in shared memory, optional dresidual added into dx;
 //   layernorm_param_grad_finish  the second stage for it (many loads in flight per thread; can add
 //                                into fp32 gradient buffers);
 //   add_layernorm_forward_warp   residual add + LayerNorm in one pass (s = a + b, y = LN(s)).
@@ -59,9 +57,9 @@
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
 // llmgpu:kernel layernorm_backward_warp<{float,__half,__nv_bfloat16}, 0, 0>
 // llmgpu:kernel layernorm_param_grad_reduce<{float,__half,__nv_bfloat16}>
-// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1,2}, {0,1}>
-// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {5,6,7,8}, {0,1,2}, 1>
-// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1,2}, 0>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4}, {0,1}, {0,1}>
+// llmgpu:kernel layernorm_backward_fast<{__half,__nv_bfloat16}, {5,6,7,8}, {0,1}, 1>
+// llmgpu:kernel layernorm_backward_fast<float, {1,2,3,4,6}, {0,1}, 0>
 // llmgpu:kernel layernorm_param_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 // llmgpu:kernel add_layernorm_forward_warp<{float,__half,__nv_bfloat16}, {1,2,3,4,6,8}>
 
@@ -468,10 +466,6 @@ __global__ void __launch_bounds__(512) layernorm_param_grad_reduce(const float* 
 //    skips the LayerNorm): one read of dresidual instead of a separate add kernel. dx may alias
 //    dresidual (in place): every element is read by the lane that later writes it, before it is
 //    written, and the two pointers are not __restrict__.
-//  * RES = 2 also sums dresidual over the rows, a third column sum beside dgamma and dbeta, in the
-//    same order. In a pre-LN block dresidual is the gradient of the projection that writes into the
-//    residual stream, so this is that projection's bias gradient, with no pass of its own over the
-//    [N, C] gradient.
 //
 // Restrictions (the host falls back to the "optimized" kernels otherwise): C a multiple of the pack
 // width W (8 for fp16/bf16, 4 for fp32), 16-byte aligned rows, C <= 32 * W * P_max (2048 for
@@ -521,17 +515,15 @@ __device__ __forceinline__ void ln_load_row(const T* __restrict__ dy, const T* _
 }
 
 // Register estimate per thread (32-bit registers) and the blocks per SM asked of the compiler.
-// NS column sums: dgamma, dbeta (and with RES = 2, dresidual's).
-// SACC = 0: the accumulators in registers (NS P W floats), blocks of 8 warps.
+// SACC = 0: dgamma/dbeta accumulators in registers (2 P W floats), blocks of 8 warps.
 // SACC = 1: accumulators in shared memory (per warp, conflict-free float4 slots), blocks of 4 warps:
 //   the thread holds only the two rows' raw packs (2 x (2 + RES) x 4 P registers), so 6 blocks of
 //   4 warps (<= 80 registers) or 5 with dresidual (<= 96) fit an SM: 20-24 warps x 2 rows in flight.
 template <typename T, int P, int RES, int SACC>
 struct LnFastPlan {
     static constexpr int W = 16 / (int)sizeof(T);
-    static constexpr int NS = RES == 2 ? 3 : 2;  // column sums
-    static constexpr int regs = (SACC ? 0 : NS * P * W)           // dgamma, dbeta (, dresidual) accumulators
-                                + 2 * (2 + (RES ? 1 : 0)) * 4 * P  // current + next row: dy, x (, dresidual) packs
+    static constexpr int regs = (SACC ? 0 : 2 * P * W)     // dgamma, dbeta accumulators
+                                + 2 * (2 + RES) * 4 * P  // current + next row: dy, x (, dresidual) packs
                                 + 32;                    // addresses, statistics, loop state, temporaries
     static constexpr int threads = SACC ? 128 : 256;
     // SACC: 6 blocks cap a thread at 80 registers, 5 at 96, 4 at 128 (what the estimate needs, rounded;
@@ -539,40 +531,17 @@ struct LnFastPlan {
     // Longer rows (P > 4): as many blocks as the estimate plus 16 registers of slack fit in the SM's
     // 64 K registers (P = 5..8: 4, 3, 3, 2 blocks without dresidual; 3, 2, 2, 2 with it). Fewer warps,
     // but each holds a longer row in flight: the bytes in flight per SM stay about the same.
-    // bf16 with P = 3 and dresidual fits 96 registers (5 blocks), except the column-summing variant
-    // (RES = 2) compiled for sm_80, which spills two registers there and gets 4 blocks.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    static constexpr bool bf16_p3_fits_96 = RES == 1;
-#else
-    static constexpr bool bf16_p3_fits_96 = true;
-#endif
     static constexpr int long_blocks = 65536 / (threads * (regs + 16)) > 0 ? 65536 / (threads * (regs + 16)) : 1;
     static constexpr int min_blocks = SACC ? (P > 4 ? long_blocks
-                                                    : RES ? (P <= 2 ? 6 : (P == 3 && IsBf16<T>::value && bf16_p3_fits_96) ? 5 : 4)
+                                                    : RES ? (P <= 2 ? 6 : (P == 3 && sizeof(T) == 2 && W == 8 && IsBf16<T>::value) ? 5 : 4)
                                                           : (P <= 3 ? 6 : 5))
                                            : (regs <= 128 ? 2 : 1);
 };
 
-// Adds a quarter pack's four terms to column sum s: in this lane's shared-memory slot (SACC) or in its
-// register accumulators a (= acc[s][p]).
-template <int P, int Q, int SACC, int AW>
-__device__ __forceinline__ void ln_accumulate(float4* sacc, float (&a)[AW], int s, int p, int q, const float (&t)[4]) {
-    if constexpr (SACC) {
-        float4* slot = sacc + ((s * P + p) * Q + q) * 32;
-        float4 v = *slot;
-        v.x += t[0]; v.y += t[1]; v.z += t[2]; v.w += t[3];
-        *slot = v;
-    } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[4 * q + e] += t[e];
-    }
-}
-
 // Backward, one warp per row, rows gw, gw + nw, gw + 2 nw, ... (gw = global warp id, nw = warps in
 // the grid). blockDim.x == LnFastPlan::threads (8 warps, 4 with SACC). Dynamic shared memory:
-// SACC = 0: 4 * max(32 * P * W, 8 * C) bytes; SACC = 1: 16 * 32 * P * Q * (1 + NS * 4) bytes (gamma, then
-// every warp's accumulator slots). RES >= 1: dx = LN backward + dres (dres may be dx itself); RES = 2:
-// also the column sums of dres. partial: [gridDim.x, NS, C] (dgamma, dbeta, then dres's sums).
+// SACC = 0: 4 * max(32 * P * W, 8 * C) bytes; SACC = 1: 16 * 32 * P * Q * (1 + 2 * 4) bytes (gamma, then
+// every warp's dgamma/dbeta slots). RES = 1: dx = LN backward + dres (dres may be dx itself).
 template <typename T, int P, int RES, int SACC>
 __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFastPlan<T, P, RES, SACC>::min_blocks))
     layernorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
@@ -580,7 +549,6 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
                             float* __restrict__ partial, int N, int C) {
     constexpr int W = 16 / (int)sizeof(T);
     constexpr int Q = W / 4;  // float4s per pack
-    constexpr int NS = LnFastPlan<T, P, RES, SACC>::NS;
     using Pack = Packed<T, W>;
     extern __shared__ float4 ln_fast_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -602,25 +570,22 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
         ln_fast_smem[(p * Q + q) * 32 + l] =
             make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
     }
-    // SACC: this warp's accumulators, float4 slot (sum s, p, q) of lane l at ((s * P + p) * Q + q) * 32 + l
+    // SACC: this warp's accumulators, float4 slot (half, p, q) of lane l at ((half * P + p) * Q + q) * 32 + l
     // after the gamma table (each lane only ever touches its own slots until the block sum at the end)
-    float4* sacc = ln_fast_smem + (P * Q + NS * P * Q * warp) * 32 + lane;
+    float4* sacc = ln_fast_smem + (P * Q + 2 * P * Q * warp) * 32 + lane;
     if constexpr (SACC) {
 #pragma unroll
-        for (int i = 0; i < NS * P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < 2 * P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     __syncthreads();
 
     constexpr int AP = SACC ? 1 : P;  // register accumulators only without SACC
-    float acc[NS][AP][W];  // dgamma, dbeta (, dresidual)
+    float adg[AP][W], adb[AP][W];
     if constexpr (!SACC) {
 #pragma unroll
-        for (int s = 0; s < NS; ++s) {
+        for (int p = 0; p < P; ++p) {
 #pragma unroll
-            for (int p = 0; p < P; ++p) {
-#pragma unroll
-                for (int k = 0; k < W; ++k) acc[s][p][k] = 0.0f;
-            }
+            for (int k = 0; k < W; ++k) adg[p][k] = adb[p][k] = 0.0f;
         }
     }
 
@@ -641,7 +606,7 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
                 for (int q = 0; q < Q; ++q) {
                     const float4 g4 = ln_fast_smem[(p * Q + q) * 32 + lane];
                     const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
-                    float term[2][4];  // this quarter's dgamma, dbeta terms
+                    float dgq[4], dbq[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int k = 4 * q + e;
@@ -650,11 +615,24 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
                         const float g = d * ga[e];
                         sum_g += g;
                         sum_gx += g * xh;
-                        term[0][e] = d * xh;
-                        term[1][e] = d;
+                        dgq[e] = d * xh;
+                        dbq[e] = d;
                     }
+                    if constexpr (SACC) {
+                        float4* sg = sacc + (p * Q + q) * 32;
+                        float4* sb = sacc + ((P + p) * Q + q) * 32;
+                        float4 a = *sg, b = *sb;
+                        a.x += dgq[0]; a.y += dgq[1]; a.z += dgq[2]; a.w += dgq[3];
+                        b.x += dbq[0]; b.y += dbq[1]; b.z += dbq[2]; b.w += dbq[3];
+                        *sg = a;
+                        *sb = b;
+                    } else {
 #pragma unroll
-                    for (int s = 0; s < 2; ++s) ln_accumulate<P, Q, SACC>(sacc, acc[s][p], s, p, q, term[s]);
+                        for (int e = 0; e < 4; ++e) {
+                            adg[p][4 * q + e] += dgq[e];
+                            adb[p][4 * q + e] += dbq[e];
+                        }
+                    }
                 }
             }
         }
@@ -678,12 +656,6 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
                         if constexpr (RES) v += pack_elem(cr[p], k);
                         o.v[k] = from_float<T>(v);
                     }
-                    if constexpr (RES == 2) {  // dresidual's column sum
-                        float r[4];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) r[e] = pack_elem(cr[p], 4 * q + e);
-                        ln_accumulate<P, Q, SACC>(sacc, acc[NS - 1][p], NS - 1, p, q, r);
-                    }
                 }
                 *reinterpret_cast<Pack*>(dxr + 32 * W * p) = o;
             }
@@ -700,31 +672,31 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
         cs = ns;
     }
 
-    float* out = partial + (long long)blockIdx.x * NS * C;
+    float* out = partial + (long long)blockIdx.x * 2 * C;
     if constexpr (SACC) {
         // Every warp's slots are already in shared memory: thread t adds columns t, t + blockDim.x, ...
         // over the warps in the fixed order w = 0, 1, ..., wpb - 1.
         __syncthreads();
         const float* slots = reinterpret_cast<const float*>(ln_fast_smem + P * Q * 32);
-        for (int i = threadIdx.x; i < NS * C; i += blockDim.x) {
-            const int s = i / C;
-            const int c = i - s * C;
+        for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) {
+            const int half = i >= C ? 1 : 0;
+            const int c = i - half * C;
             const int j = c / W, k = c - j * W;  // pack j (lane j & 31, its pack j >> 5), element k
             const int q = k >> 2, e = k & 3;
-            const int slot = ((((s * P + (j >> 5)) * Q + q) * 32 + (j & 31)) << 2) + e;
+            const int slot = ((((half * P + (j >> 5)) * Q + q) * 32 + (j & 31)) << 2) + e;
             float t = slots[slot];
-            for (int w = 1; w < wpb; ++w) t += slots[(long long)w * (NS * P * Q * 32 * 4) + slot];
+            for (int w = 1; w < wpb; ++w) t += slots[(long long)w * (2 * P * Q * 32 * 4) + slot];
             out[i] = t;
         }
         return;
     } else {
-    // The block's sum, one column sum s (dgamma, dbeta, dresidual) at a time through wpb * C floats of
-    // shared memory: every warp stores its columns, then thread t adds columns t, t + 256, ... over the
+    // The block's sum, one half (dgamma, then dbeta) at a time through wpb * C floats of shared
+    // memory: every warp stores its columns, then thread t adds columns t, t + 256, ... over the
     // warps in the fixed order w = 0, 1, ..., wpb - 1.
     float* slab = reinterpret_cast<float*>(ln_fast_smem);
 #pragma unroll
-    for (int s = 0; s < NS; ++s) {
-        __syncthreads();  // gamma (first round) or the previous sum no longer read
+    for (int half = 0; half < 2; ++half) {
+        __syncthreads();  // gamma (first round) or the previous half (second round) no longer read
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             const int j = lane + 32 * p;
@@ -733,7 +705,8 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
 #pragma unroll
                 for (int q = 0; q < Q; ++q) {
                     const int k = 4 * q;
-                    dst[q] = make_float4(acc[s][p][k], acc[s][p][k + 1], acc[s][p][k + 2], acc[s][p][k + 3]);
+                    dst[q] = half == 0 ? make_float4(adg[p][k], adg[p][k + 1], adg[p][k + 2], adg[p][k + 3])
+                                       : make_float4(adb[p][k], adb[p][k + 1], adb[p][k + 2], adb[p][k + 3]);
                 }
             }
         }
@@ -741,29 +714,28 @@ __global__ void __launch_bounds__((LnFastPlan<T, P, RES, SACC>::threads), (LnFas
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             float t = slab[c];
             for (int w = 1; w < wpb; ++w) t += slab[(long long)w * C + c];
-            out[s * C + c] = t;
+            out[half * C + c] = t;
         }
     }
     }
 }
 
 // Second stage of the fast backward: dgamma[c] = sum_b partial[b, 0, c], dbeta[c] = sum_b
-// partial[b, 1, c] (and with ns = 3, dres_sum[c] = sum_b partial[b, 2, c]), in a fixed order, written
-// as TO (the gradient buffer's dtype, fp32 or gamma's) or, with ACC = 1, added to what the buffer
-// holds (dgamma += ..., in fp32: the model accumulates straight into its fp32 gradient buffers).
-// Block (32, 32), 32 columns of the ns C per block: thread (x, y) sums blocks b = y, y + 32, ... in
+// partial[b, 1, c], in a fixed order, written as TO (the gradient buffer's dtype, fp32 or gamma's)
+// or, with ACC = 1, added to what the buffer holds (dgamma += ..., in fp32: the model accumulates
+// straight into its fp32 gradient buffers).
+// Block (32, 32), 32 columns of the 2C per block: thread (x, y) sums blocks b = y, y + 32, ... in
 // order, eight independent loads in flight at a time (the reduction is latency-bound: a few hundred
 // KB in total); then warp y adds the 32 partial sums of column y with a butterfly (fixed order too).
 template <typename TO, int ACC>
 __global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float* __restrict__ partial, int nparts,
-                                                                    int C, int ns, TO* dgamma, TO* dbeta,
-                                                                    TO* dres_sum) {
+                                                                    int C, TO* dgamma, TO* dbeta) {
     __shared__ float red[32][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
-    const long long ld = (long long)ns * C;
+    const long long ld = 2LL * C;
     const int col = blockIdx.x * 32 + tx;
     float t = 0.0f;
-    if (col < ld) {
+    if (col < 2 * C) {
         const float* src = partial + col;
         int b = ty;
         for (; b + 7 * 32 < nparts; b += 8 * 32) {
@@ -779,8 +751,8 @@ __global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float*
     __syncthreads();
     const float r = warp_sum(red[tx][ty]);  // warp ty: column blockIdx.x * 32 + ty, over the 32 rows
     const int c = blockIdx.x * 32 + ty;
-    if (tx == 0 && c < ld) {
-        TO* dst = c < C ? dgamma + c : c < 2 * C ? dbeta + (c - C) : dres_sum + (c - 2 * C);
+    if (tx == 0 && c < 2 * C) {
+        TO* dst = c < C ? dgamma + c : dbeta + (c - C);
         *dst = from_float<TO>(ACC ? to_float(*dst) + r : r);
     }
 }

@@ -17,9 +17,7 @@ and why (chapter 8 measures each item):
 * **Residual add + LayerNorm in one kernel** (``add_layernorm_forward``): ``x ← x + a`` followed by
   ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
   added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
-  the fp32 gradient buffer (``accumulate_params=True``). The residual gradient that kernel reads is the
-  output gradient of the projection before it, so it also sums it over the rows: that projection's bias
-  gradient (``dresidual_sum_out=``), with no pass of its own over ``[N, C]``.
+  the fp32 gradient buffer (``accumulate_params=True``).
 * **Flash attention** (``llmgpu.ops.flash_attention``: our kernel of chapter 2b or cuDNN's, whichever is
   faster on the machine, chosen once per shape and remembered) on strided views of the QKV buffer: no
   ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
@@ -94,7 +92,6 @@ CROSS_ENTROPY_METHOD = "fast"
 # capturing one graph per setting: the switches are read when the step runs, i.e. when it is captured)
 FUSED_CROSS_ENTROPY = True  # the LM head's cross-entropy forward + backward as one pass over each chunk's logits
 EMBEDDING_GRAD_INTO_FP32 = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
-BIAS_GRAD_IN_LAYERNORM = True  # the projections' bias gradients summed by the LayerNorm backward that reads dx
 # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
 # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
 LM_HEAD_ROWS = 8192
@@ -178,15 +175,13 @@ class FastGPT(GPTBase):
         with region(name, bytes=4 * x.nbytes + 8 * x.shape[0] + 2 * it * x.shape[1], flops=10.0 * x.size):
             return add_layernorm_forward(x, a, self.weight(ln + ".weight"), self.weight(ln + ".bias"), residual_out=a)
 
-    def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name, dres_bias=None):
+    def _ln_backward(self, dh, x, ln, mean, rstd, dres, *, name):
         """d(LN input) + the residual gradient ``dres`` (None: none), written over ``dres``; dγ, dβ accumulated
-        in fp32 into the gradient buffer, and Σ_rows dres into that of ``dres_bias``: the bias of the
-        projection whose output gradient ``dres`` is (summed while the kernel reads ``dres`` anyway)."""
+        in fp32 into the gradient buffer."""
         G = self.params.grad_of
         with region(name, bytes=(3 if dres is None else 4) * x.nbytes + 8 * x.shape[0], flops=12.0 * x.size):
             dx, _, _ = layernorm_backward(dh, x, self.weight(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
                                           dgamma_out=G(ln + ".weight"), dbeta_out=G(ln + ".bias"),
-                                          dresidual_sum_out=None if dres_bias is None else G(dres_bias),
                                           accumulate_params=True, method=LAYERNORM_BACKWARD_METHOD)
         return dx
 
@@ -306,19 +301,17 @@ class FastGPT(GPTBase):
         line with the input gradients (on a second stream they gained nothing: the GEMMs fill the GPU;
         chapter 8)."""
         n = block_param_names(i)
-        fold = BIAS_GRAD_IN_LAYERNORM  # the projections' bias gradients come with the LayerNorm backwards
-        # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx (b₂'s gradient Σ dm: ln_2's backward reads dm anyway)
-        b2, bp = n["mlp.c_proj.bias"], n["attn.c_proj.bias"]
-        self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], None if fold else b2, name="mlp.proj")
+        # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
+        self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
         df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
         self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
         dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
         del df
         dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
-                               name="ln_2+residual bwd", dres_bias=b2 if fold else None)
+                               name="ln_2+residual bwd")
         del dh2
-        # attention: a = y Wpᵀ + bp; da = dx (bp's gradient: from ln_1's backward)
-        self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], None if fold else bp, name="attn.proj")
+        # attention: a = y Wpᵀ + bp; da = dx
+        self._linear_grads(dx, c["y"], n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj")
         dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
         dqkv = self._attention_backward(dy, c["att"], B, T)
         del dy
@@ -326,7 +319,7 @@ class FastGPT(GPTBase):
         dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
         del dqkv
         return self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
-                                 name="ln_1+residual bwd", dres_bias=bp if fold else None)
+                                 name="ln_1+residual bwd")
 
     # ------------------------------------------------------------------ forward + backward
 

@@ -123,18 +123,18 @@ def _check_alias(out_name, out, in_name, inp):
                          "for in place, or separate buffers")
 
 
-def _param_grad_dtype(gamma, **outs):
-    """dtype of the column sums (dgamma, dbeta, dresidual's): gamma's, or fp32 when the caller passes
-    fp32 buffers (all alike)."""
+def _param_grad_dtype(gamma, dgamma_out, dbeta_out):
+    """dtype of dgamma/dbeta: gamma's, or fp32 when the caller passes fp32 buffers (both alike)."""
     allowed = (gamma.dtype, np.dtype(np.float32))
-    given = {name: o for name, o in outs.items() if o is not None}
-    for name, o in given.items():
-        if o.dtype not in allowed:
+    for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
+        if o is not None and o.dtype not in allowed:
             raise TypeError(f"{name} must be {backend.dtype_name(gamma.dtype)} (gamma's dtype) or fp32, got {o.dtype}")
-    if len({o.dtype for o in given.values()}) > 1:
-        raise TypeError(f"{' and '.join(given)} must share one dtype, got "
-                        f"{' and '.join(str(o.dtype) for o in given.values())}")
-    return next(iter(given.values())).dtype if given else gamma.dtype
+    if dgamma_out is not None and dbeta_out is not None and dgamma_out.dtype != dbeta_out.dtype:
+        raise TypeError(f"dgamma_out and dbeta_out must share one dtype, got {dgamma_out.dtype} and {dbeta_out.dtype}")
+    for o in (dgamma_out, dbeta_out):
+        if o is not None:
+            return o.dtype
+    return gamma.dtype
 
 
 # --------------------------------------------------------------------------- NumPy reference
@@ -245,8 +245,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
 
 
 def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=None, dgamma_out=None,
-                       dbeta_out=None, dresidual=None, dresidual_sum_out=None, accumulate_params=False,
-                       accumulators=None):
+                       dbeta_out=None, dresidual=None, accumulate_params=False, accumulators=None):
     """Gradients of LayerNorm from the saved statistics: returns ``(dx, dgamma, dbeta)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``gamma [C]``; ``mean``, ``rstd`` are what
@@ -256,13 +255,9 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     ``dresidual`` (shape and dtype of dy): the gradient of a residual branch around the LayerNorm,
     added to dx (``dx = LN backward + dresidual``, rounded once; in the same kernel on "fast").
     ``dx_out`` may be ``dresidual`` itself (in place).
-    ``dresidual_sum_out`` ([C], needs ``dresidual``): receives ``dresidual`` summed over the rows, in
-    fp32 and a fixed order like dgamma/dbeta. In a pre-LN block ``dresidual`` is the gradient of the
-    projection that writes into the residual stream, so this is its bias gradient; the "fast" kernel
-    sums it while it reads ``dresidual`` anyway, instead of a separate pass over ``[N, C]``.
-    ``accumulate_params=True`` adds the parameter gradients (and the sum) into ``dgamma_out``/``dbeta_out``
-    (then required) and ``dresidual_sum_out`` instead of overwriting them. Those buffers may be fp32 when
-    gamma is fp16/bf16 (all the same dtype), so a model accumulates straight into its fp32 gradient buffers.
+    ``accumulate_params=True`` adds the parameter gradients into ``dgamma_out``/``dbeta_out`` (then
+    required) instead of overwriting them. Those buffers may be fp32 when gamma is fp16/bf16 (both
+    the same dtype), so a model accumulates straight into its fp32 gradient buffers.
     ``accumulators`` ("registers" or "shared", for benchmarks comparing the variants): where the
     "optimized" and "fast" kernels sum dgamma/dbeta; None (default) takes each kernel's faster one.
     A kernel without the variant asked for runs the one it has (the naive kernels; the fp32 "fast"
@@ -273,7 +268,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     if accumulators is not None:
         check_choice("accumulators", accumulators, ACCUMULATORS)
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
-                      dbeta_out=dbeta_out, dresidual=dresidual, dresidual_sum_out=dresidual_sum_out)
+                      dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
     n_rows, c = _rows(x)
     check_array("dy", dy, shape=tuple(x.shape))
@@ -288,28 +283,21 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     accumulate = bool(accumulate_params)
     if accumulate and (dgamma_out is None or dbeta_out is None):
         raise ValueError("accumulate_params=True adds into dgamma_out and dbeta_out: pass both buffers")
-    if dresidual_sum_out is not None and dresidual is None:
-        raise ValueError("dresidual_sum_out is dresidual summed over the rows: pass dresidual too")
-    pdt = _param_grad_dtype(gamma, dgamma_out=dgamma_out, dbeta_out=dbeta_out, dresidual_sum_out=dresidual_sum_out)
+    pdt = _param_grad_dtype(gamma, dgamma_out, dbeta_out)
     if dx_out is not None:
         check_out(dx_out, x.shape, x.dtype, xp, name="dx_out")
-    sums = (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out), ("dresidual_sum_out", dresidual_sum_out))
-    for name, o in sums:
+    for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
         if o is not None:
             check_out(o, (c,), pdt, xp, name=name)
     _check_alias("dx_out", dx_out, "dresidual", dresidual)
-    for i, (name_u, u) in enumerate(sums):
-        for name_v, v in sums[i + 1:]:
-            if _overlap(u, v):
-                raise ValueError(f"{name_u} and {name_v} must be separate buffers")
+    if _overlap(dgamma_out, dbeta_out):
+        raise ValueError("dgamma_out and dbeta_out must be separate buffers")
 
     if xp is np:
         dres2 = None if dresidual is None else dresidual.reshape(n_rows, c)
         dx, dgamma, dbeta = _backward_math(dy.reshape(n_rows, c), x.reshape(n_rows, c), gamma,
                                            mean.reshape(n_rows), rstd.reshape(n_rows), dres2)
         dx = dx.astype(x.dtype).reshape(x.shape)
-        # dresidual summed in the compute dtype, as dgamma and dbeta; before dx_out (maybe dresidual) is written
-        dsum = None if dresidual_sum_out is None else dres2.astype(dgamma.dtype).sum(axis=0)
         if dx_out is not None:
             dx_out[...] = dx
             dx = dx_out
@@ -322,10 +310,6 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
             else:
                 o = val.astype(pdt)
             grads.append(o)
-        if dsum is not None:
-            if accumulate:
-                dsum = dresidual_sum_out.astype(dsum.dtype) + dsum
-            dresidual_sum_out[...] = dsum.astype(pdt)
         return dx, grads[0], grads[1]
 
     _check_gpu(x, n_rows, c)
@@ -337,16 +321,10 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     dbeta = xp.empty((c,), dtype=pdt) if dbeta_out is None else dbeta_out
 
     if method == "fast":
-        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, dresidual_sum_out, accumulate,
-                          n_rows, c, xp, accumulators):
+        if _backward_fast(dy, x, gamma, mean, rstd, dresidual, dx, dgamma, dbeta, accumulate, n_rows, c, xp,
+                          accumulators):
             return dx, dgamma, dbeta
         method = "optimized"  # rows the fast kernel does not take
-
-    if dresidual_sum_out is not None:  # before dx is written: dx may be dresidual itself
-        dsum = dresidual.reshape(n_rows, c).sum(axis=0, dtype=np.float32)
-        if accumulate:
-            dsum += dresidual_sum_out.astype(np.float32, copy=False)
-        dresidual_sum_out[...] = dsum
 
     # "naive" / "optimized" (and "fast"'s fallback): the LayerNorm gradients from their kernels, then
     # the residual gradient and the accumulation with plain array operations (fp32 math, one rounding).
@@ -427,8 +405,7 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
 
 
 def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
-    """``backward_fast_plan`` with ``accumulators`` (None, "registers", "shared") as in layernorm_backward;
-    ``residual``: 0 (none), 1 (dresidual added into dx) or 2 (also summed over the rows)."""
+    """``backward_fast_plan`` with ``accumulators`` (None, "registers", "shared") as in layernorm_backward."""
     xp = backend.default_xp() if xp is None else xp
     dtype = backend.resolve_dtype(dtype)
     packs = _fast_packs(c, dtype, ())
@@ -437,9 +414,9 @@ def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
     width = 16 // dtype.itemsize
     sacc = int(dtype.itemsize == 2 and (accumulators != "registers" or packs > _FAST_REGISTER_PACKS))
     kern = get_kernel("layernorm", "layernorm_backward_fast", dtype, packs, int(residual), sacc)
-    if sacc:  # gamma (fp32 float4 table), then every warp's column-sum slots (above 48 KB from P = 6)
+    if sacc:  # gamma (fp32 float4 table), then every warp's dgamma/dbeta slots (above 48 KB from P = 6)
         warps = _FAST_SACC_WARPS
-        smem = 16 * 32 * packs * (width // 4) * (1 + _fast_sums(residual) * warps)
+        smem = 16 * 32 * packs * (width // 4) * (1 + 2 * warps)
     else:  # gamma (fp32), then the block's dgamma/dbeta slab
         warps = _FAST_WARPS
         smem = 4 * max(32 * packs * width, warps * c)
@@ -454,29 +431,20 @@ def _fast_backward_plan(n_rows, c, dtype, residual, accumulators, xp):
     return kern, blocks, threads, smem
 
 
-def _fast_sums(residual):
-    """Column sums the fast backward makes: dgamma, dbeta, and with residual == 2 dresidual's."""
-    return 3 if residual == 2 else 2
-
-
-def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, dres_sum, accumulate, n_rows, c, xp,
-                   accumulators=None):
+def _backward_fast(dy, x, gamma, mean, rstd, dres, dx, dgamma, dbeta, accumulate, n_rows, c, xp, accumulators=None):
     """Launch layernorm_backward_fast + layernorm_param_grad_finish; False if the rows do not fit it."""
     if vector_width(x.dtype, c, *((dy, x, dx) if dres is None else (dy, x, dx, dres))) == 1:
         return False
-    residual = 0 if dres is None else 2 if dres_sum is not None else 1
-    plan = _fast_backward_plan(n_rows, c, x.dtype, residual, accumulators, xp)
+    plan = _fast_backward_plan(n_rows, c, x.dtype, dres is not None, accumulators, xp)
     if plan is None:
         return False
     kern, blocks, threads, smem = plan
-    sums = _fast_sums(residual)
-    partial = xp.empty((blocks, sums, c), dtype=np.float32)
+    partial = xp.empty((blocks, 2, c), dtype=np.float32)
     kern((blocks,), (threads,),
          (dy, x, gamma, mean, rstd, dy if dres is None else dres, dx, partial, np.int32(n_rows), np.int32(c)),
          shared_mem=smem)
     fin = get_kernel("layernorm", "layernorm_param_grad_finish", dgamma.dtype, int(accumulate))
-    fin((-(-sums * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), np.int32(sums), dgamma, dbeta,
-                                          dbeta if dres_sum is None else dres_sum))
+    fin((-(-2 * c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dgamma, dbeta))
     return True
 
 
