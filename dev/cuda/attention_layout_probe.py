@@ -29,9 +29,8 @@ import json
 import sys
 from pathlib import Path
 
+import _devscript  # first: puts the package on the path
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from llmgpu import backend  # noqa: E402
 
@@ -75,11 +74,9 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"no GPU: {reason}")
+    cp = _devscript.cupy_or_say_why()
+    if cp is None:
         return 0
-    cp = backend.require_gpu()
     from llmgpu.ops.flash_attention import flash_attention_backward, flash_attention_flops, flash_attention_forward
     from llmgpu.perf import timing
 

@@ -31,11 +31,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-try:
-    import llmgpu  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(HERE.parents[1]))
-
+import _devscript  # noqa: E402  (first: puts the package on the path)
 from wgmma_probe import compile_sm90a  # noqa: E402
 
 from llmgpu import backend  # noqa: E402
@@ -155,11 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the checks and timings here")
     ap.add_argument("--only", help="the instantiations whose label contains this (e.g. 'PIPE=1 BN=64 WG=2')")
     a = ap.parse_args(argv)
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"no GPU: {reason}")
+    cp = _devscript.cupy_or_say_why()
+    if cp is None:
         return 0
-    cp = backend.require_gpu()
     if cp.cuda.Device().compute_capability != "90":
         print("the wgmma forward needs sm_90 (Hopper): nothing to run here")
         return 0

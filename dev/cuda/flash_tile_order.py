@@ -52,10 +52,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-try:
-    import llmgpu  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(HERE.parents[1]))
+import _devscript  # noqa: E402  (first: puts the package on the path)
 
 from llmgpu import backend  # noqa: E402
 from llmgpu.ops import cudnn_attention  # noqa: E402
@@ -191,11 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the checks and timings here")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"no GPU: {reason}")
+    cp = _devscript.cupy_or_say_why()
+    if cp is None:
         return 0
-    cp = backend.require_gpu()
     rng = np.random.default_rng(0)
     info = backend.device_info(cp)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": info.summary(),

@@ -23,10 +23,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-try:
-    import llmgpu  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(HERE.parents[1]))
+import _devscript  # noqa: E402  (first: puts the package on the path)
 
 from llmgpu import backend  # noqa: E402
 from llmgpu.kernels import loader  # noqa: E402
@@ -127,11 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-copy", action="store_true", help="skip measuring the copy ceiling")
     args = ap.parse_args(argv)
 
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"{SOURCE.name}: no GPU here ({reason}); nothing checked or timed.")
+    cp = _devscript.cupy_or_say_why(f" ({SOURCE.name}: nothing checked or timed)")
+    if cp is None:
         return 0
-    cp = backend.require_gpu()
     module, exprs = build(cp)
     print(f"{backend.device_info(cp).summary()}")
     copy_gbps = None if args.no_copy else copy_bandwidth(xp=cp)

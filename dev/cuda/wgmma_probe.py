@@ -39,10 +39,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-try:
-    import llmgpu  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(HERE.parents[1]))
+import _devscript  # noqa: E402  (first: puts the package on the path)
 
 from llmgpu import backend  # noqa: E402
 from llmgpu.kernels import loader  # noqa: E402
@@ -283,11 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the table here")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    reason = backend.gpu_unavailable_reason()
-    if reason is not None:
-        print(f"no GPU: {reason} (the CPU checks are in tests/test_dev_cuda.py)")
+    cp = _devscript.cupy_or_say_why(" (the CPU checks are in tests/test_dev_cuda.py)")
+    if cp is None:
         return 0
-    cp = backend.require_gpu()
     cc = cp.cuda.Device().compute_capability
     if cc != "90":
         print(f"wgmma needs sm_90 (Hopper); this GPU is sm_{cc}: nothing to probe")
