@@ -585,12 +585,3 @@ def test_head_items_benchmark_script_runs_on_the_cpu(capsys):
     assert (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32) == before == (True, True)  # put back
     out = capsys.readouterr().out
     assert "fused CE on  / emb->fp32 on" in out and "both on / both off" in out and "smoke test" in out
-
-
-def test_ce_staging_benchmark_script_runs_on_the_cpu(capsys):
-    from llmgpu.ops import cross_entropy as ce
-
-    assert _run_benchmark("bench_ch8_ce_staging.py", ["--quick", "--steps", "1"]) == 0
-    assert ce.FB_STAGE_ASYNC is False  # put back
-    out = capsys.readouterr().out
-    assert "cp.async (STAGE = 2)" in out and "gradients bitwise equal True" in out and "smoke test" in out

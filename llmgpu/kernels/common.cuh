@@ -134,26 +134,6 @@ __device__ __forceinline__ void store_stream(V* p, V x) {
 #endif
 }
 
-// 16 bytes global -> shared without passing through registers (cp.async, sm_80+), so that a thread can have
-// many loads in flight at no register cost; cp_async_wait_all() waits for this thread's copies (other
-// threads' copies need a barrier after their wait). HIP: a plain copy and no wait. Both addresses 16-byte
-// aligned. (The flash-attention kernels have their own variants with zero-fill and 32-bit shared addresses,
-// flash_common.cuh.)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
-    *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-                 "l"(gmem));
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#if !(defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__))
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // 4 consecutive elements in one streaming access (16 bytes of fp32, 8 of a 16-bit type), converted
 // to / from float at the edge. p must be aligned to the access (4 elements).
 __device__ __forceinline__ void load4_stream(const float* p, float o[4]) {

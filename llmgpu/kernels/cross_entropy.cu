@@ -44,7 +44,6 @@
 // llmgpu:kernel cross_entropy_forward_fast<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel cross_entropy_loss_fast<{float,__half,__nv_bfloat16}, {int,long long}>
 // llmgpu:kernel cross_entropy_forward_backward_fast<{float,__half,__nv_bfloat16}, {int,long long}, {0,1}, {0,1}>
-// llmgpu:kernel cross_entropy_forward_backward_fast<{float,__half,__nv_bfloat16}, {int,long long}, 1, 2>
 // llmgpu:kernel cross_entropy_loss_sum
 // llmgpu:kernel cross_entropy_softmax_naive<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel cross_entropy_nll_naive<{float,__half,__nv_bfloat16}, {int,long long}>
@@ -434,9 +433,7 @@ __global__ void __launch_bounds__(1024) cross_entropy_loss_fast(const T* __restr
 //     (max, sum) pair as cross_entropy_forward_fast does (one rescale per group, the "safe" shift, head
 //     and tail elements held by threads < W), and, with STAGE = 1, stores each raw pack in shared
 //     memory (a GPT-2 row: 50304 bf16 = 100.6 KB; two such blocks fit on an SM of 228 KB, so one
-//     block's sweeps overlap the other's barrier); STAGE = 2 (VEC = 1 only) stages the same way, but first
-//     sends all of the thread's packs of the row to shared memory by cp.async (no registers held, the
-//     whole row in flight at once) and then reads them back (its own packs: no barrier needed);
+//     block's sweeps overlap the other's barrier);
 //  2. block_logsumexp merges the pairs: lse;
 //  3. sweep 2 takes each pack back (from shared memory, or with STAGE = 0, rows too long to stage, from
 //     global memory again: L2 if it still holds the row, else DRAM) and writes
@@ -493,18 +490,13 @@ __global__ void __launch_bounds__(CE_FB_THREADS, 2) cross_entropy_forward_backwa
     T a_raw = from_float<T>(-LLMGPU_INF), b_raw = from_float<T>(-LLMGPU_INF);  // head / tail element tid
     if (tid < head) a_raw = xr[tid];
     if (tail0 + tid < V) b_raw = xr[tail0 + tid];
-    if constexpr (STAGE == 2) {
-        static_assert(VEC == 1, "cp.async copies 16-byte packs");
-        for (int jj = tid; jj < nvec; jj += NT) cp_async16(stage + jj, body + jj);
-        cp_async_wait_all();  // this thread's packs have landed; it reads only those below and in sweep 2
-    }
     float m = -LLMGPU_INF, s = 0.0f;
     int j = tid;
     for (; j + (U - 1) * NT < nvec; j += U * NT) {
         P raw[U];
 #pragma unroll
-        for (int k = 0; k < U; ++k) raw[k] = STAGE == 2 ? stage[j + k * NT] : body[j + k * NT];
-        if (STAGE == 1) {
+        for (int k = 0; k < U; ++k) raw[k] = body[j + k * NT];
+        if (STAGE) {
 #pragma unroll
             for (int k = 0; k < U; ++k) stage[j + k * NT] = raw[k];
         }
@@ -529,8 +521,8 @@ __global__ void __launch_bounds__(CE_FB_THREADS, 2) cross_entropy_forward_backwa
         m = gm;
     }
     for (; j < nvec; j += NT) {
-        const P raw = STAGE == 2 ? stage[j] : body[j];
-        if (STAGE == 1) stage[j] = raw;
+        const P raw = body[j];
+        if (STAGE) stage[j] = raw;
         float gm = m;
 #pragma unroll
         for (int i = 0; i < W; ++i) gm = fmaxf(gm, pack_elem<T, W>(raw, i));

@@ -61,9 +61,6 @@ _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 FAST_THREADS = 256  # CE_FAST_THREADS in cross_entropy.cu: the fast forward assumes exactly this
 FB_THREADS = 512  # CE_FB_THREADS: the fused forward + backward kernel's block
 FB_STATIC_SMEM = 512  # its static shared memory (block_logsumexp's, 272 B) rounded up
-# The fused kernel's staged rows reach shared memory by cp.async, the whole row in flight at once (STAGE = 2),
-# instead of through registers, a few packs per thread at a time (STAGE = 1). Experiment (issue 19): off by default.
-FB_STAGE_ASYNC = False
 
 
 @dataclass
@@ -373,8 +370,7 @@ def _fb_kernel(dtype, ti, vec, smem):
     lim = device_limits()
     per_block = smem + FB_STATIC_SMEM + lim.reserved_smem_per_block
     if 2 * per_block <= lim.smem_per_sm:
-        stage = 2 if FB_STAGE_ASYNC and vec else 1
-        kern = get_kernel("cross_entropy", "cross_entropy_forward_backward_fast", dtype, ti, vec, stage)
+        kern = get_kernel("cross_entropy", "cross_entropy_forward_backward_fast", dtype, ti, vec, 1)
         if opt_in_shared_memory(kern, smem):
             return kern, True
     return get_kernel("cross_entropy", "cross_entropy_forward_backward_fast", dtype, ti, vec, 0), False
