@@ -8,6 +8,7 @@ import pytest
 from llmgpu import backend
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.model.fast import FastGPT
+from llmgpu.testing import assert_close
 from llmgpu.train import ConfigError, TrainConfig, Trainer, fast_path_available, read_log
 
 pytestmark = pytest.mark.ch8
@@ -331,6 +332,24 @@ def test_gpu_fused_head_and_embedding_grads_match_the_step_before(cp, rng, monke
             for name in p0.names:
                 if name not in ("transformer.wte.weight", "transformer.wpe.weight"):
                     assert bool(cp.all(p1.grad_of(name) == p0.grad_of(name))), name
+
+
+@pytest.mark.gpu
+def test_gpu_inference_forward_keeps_no_pre_activation(cp, rng):
+    """forward() (no backward) runs the MLP's GEMM without keeping f (GELU_BIAS): the same function as the training
+    forward, to bf16 rounding; the training step keeps f, and its loss is the forward's."""
+    _need_fast(cp)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=211, block_size=64)
+    m = FastGPT(cfg, dtype="bf16", xp=cp, seed=3)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=4, T=50))
+    x = m._embed(idx)
+    c_inf, s_inf = m._block_forward(0, x, 4, 50, keep_pre=False)
+    c_trn, s_trn = m._block_forward(0, x, 4, 50)
+    assert c_inf["f"] is None and c_trn["f"].shape == (200, 512)
+    for a, b in zip(s_inf, s_trn):
+        assert_close(a, b, "bf16")
+    _, loss = m.forward(idx, tgt)
+    assert abs(float(loss) - float(m.forward_backward(idx, tgt))) <= 2e-3 * abs(float(loss))
 
 
 @pytest.mark.gpu

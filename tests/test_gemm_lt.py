@@ -68,6 +68,14 @@ def test_reference_gelu_bias_writes_aux_and_gelu(rng):
     assert_close(h, _gelu64(pre), "fp32")
 
 
+def test_reference_gelu_bias_without_aux_keeps_no_pre_activation(rng):
+    """Without aux (inference): the same GELU output, nothing else written."""
+    x, w, b = random_array(rng, (9, 6)), random_array(rng, (16, 6)), random_array(rng, (16,))
+    h = lt_gemm(x, w, trans_b=True, bias=b, epilogue="gelu_bias", out=poisoned((9, 16), "fp32", np))
+    np.testing.assert_array_equal(h, lt_gemm(x, w, trans_b=True, bias=b, epilogue="gelu_bias",
+                                             aux=np.empty((9, 16), np.float32)))
+
+
 def test_reference_dgelu_and_bgradb(rng):
     M, K, N = 11, 5, 8
     dy, w2, pre = random_array(rng, (M, K)), random_array(rng, (K, N)), random_array(rng, (M, N), scale=2.0)
@@ -119,8 +127,8 @@ def test_bad_arguments(rng):
         lt_gemm(a, b, epilogue="relu")
     with pytest.raises(ValueError, match="needs bias"):
         lt_gemm(a, b, epilogue="bias")
-    with pytest.raises(ValueError, match="needs aux"):
-        lt_gemm(a, b, bias=bias, epilogue="gelu_bias")
+    with pytest.raises(ValueError, match="needs bias"):
+        lt_gemm(a, b, epilogue="gelu_bias", aux=aux)
     with pytest.raises(ValueError, match="needs dbias"):
         lt_gemm(a, b, epilogue="bgradb")
     with pytest.raises(ValueError, match="aux= was given"):
@@ -216,6 +224,12 @@ def test_gpu_gelu_bias_matches_separate_ops(cp, lt, rng, dtype, shape):
     h = lt_gemm(x, w, trans_b=True, out=poisoned((M, N), dtype, cp), bias=b, epilogue="gelu_bias", aux=aux)
     assert_close(aux, pre_ref, dtype, name="aux (pre-activation)")
     assert_close(h, gelu_forward(pre_ref), dtype, name="gelu(pre)")
+    # without aux: cuBLASLt's GELU_BIAS (its own plan), the same function
+    n_plans = lt.plan_count()
+    h2 = lt_gemm(x, w, trans_b=True, out=poisoned((M, N), dtype, cp), bias=b, epilogue="gelu_bias")
+    assert lt.plan_count() == n_plans + 1
+    assert_close(h2, gelu_forward(pre_ref), dtype, name="gelu(pre), no aux")
+    assert_close(h2, h, dtype, name="no aux vs aux")
 
 
 @pytest.mark.gpu
@@ -648,3 +662,22 @@ def test_gpu_cudnn_bad_inputs(cp, cudnn_fa, rng):
     odd = _dev(cp, rng, (1, 2, 16, 12), "bf16")
     with pytest.raises(ValueError, match="divisible by 8"):
         fa.flash_attention_forward(odd, odd, odd, kernel="cudnn")
+
+
+def test_gelu_epilogue_probe_runs(capsys):
+    """tools/probe_gelu_epilogue.py: without a GPU one line saying so; with one, a small run of every case."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "probe_gelu_epilogue.py"
+    spec = importlib.util.spec_from_file_location("probe_gelu_epilogue", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    gpu = backend.gpu_available() and gemm_lt.available()
+    assert probe.main(["--batches", "1", "--reps", "3"] if gpu else []) == 0
+    out = capsys.readouterr().out
+    if not gpu:
+        assert out.startswith("no GPU") or "cuBLASLt" in out
+        return
+    for case in ("fc fwd, GELU_BIAS (no aux)", "fc fwd, GELU_AUX_BIAS", "proj dgrad, DGELU", "inference trunk"):
+        assert case in out, out

@@ -26,6 +26,7 @@ terms (all arithmetic in fp32, whatever the storage type):
 ``"none"``       ``out = alpha·op(a)op(b) + beta·out``                          DEFAULT
 ``"bias"``       ``out = alpha·op(a)op(b) + beta·out + bias[None, :]``          BIAS
 ``"gelu_bias"``  ``aux = op(a)op(b) + bias``; ``out = GELU(aux)``               GELU_AUX_BIAS
+                 without ``aux`` (inference: the pre-activation is not kept)    GELU_BIAS
 ``"dgelu"``      ``out = (op(a)op(b)) · GELU'(aux)``, aux = forward's pre-act   DGELU
 ``"bgradb"``     ``out = alpha·op(a)op(b) + beta·out``; ``dbias = Σ_k op(a)``   BGRADB
 ===============  =============================================================  ===================
@@ -76,7 +77,8 @@ from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
 from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
-_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU",
+_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "gelu_bias_noaux": "GELU_BIAS",
+                "dgelu": "DGELU",
                 "bgradb": "BGRADB"}
 
 # cudaDataType_t and cublasComputeType_t values (library_types.h, cublas_api.h)
@@ -298,7 +300,8 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     ``trans_a`` the batch is folded into M: one 2-D product). ``out``
     defaults to a new array of ``out_dtype`` (default: the input dtype; fp32 also allowed, e.g. fp32
     weight gradients from bf16 inputs). Epilogues (module docstring): ``"bias"`` needs ``bias`` [N];
-    ``"gelu_bias"`` needs ``bias`` [N] and ``aux`` [M, N] (written: the pre-activation);
+    ``"gelu_bias"`` needs ``bias`` [N] and takes ``aux`` [M, N] (written: the pre-activation; without it the
+    pre-activation is not kept, cuBLASLt's GELU_BIAS, for a forward that has no backward);
     ``"dgelu"`` needs ``aux`` [M, N] (read: the forward's pre-activation); ``"bgradb"`` needs
     ``dbias`` [M] (written, in ``out``'s dtype). ``aux`` has ``out``'s dtype. ``alpha`` must be
     1 for the GELU and bias-gradient epilogues and ``beta`` 0 for the GELU ones.
@@ -314,12 +317,13 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
     alpha, beta = float(alpha), float(beta)
 
     # ---- epilogue operands
-    need = {"none": (), "bias": ("bias",), "gelu_bias": ("bias", "aux"), "dgelu": ("aux",), "bgradb": ("dbias",)}
+    need = {"none": (), "bias": ("bias",), "gelu_bias": ("bias",), "dgelu": ("aux",), "bgradb": ("dbias",)}
+    takes = {"gelu_bias": ("aux",)}  # optional operands
     given = {"bias": bias, "aux": aux, "dbias": dbias}
     for name, arr in given.items():
         if name in need[epilogue] and arr is None:
             raise ValueError(f"epilogue {epilogue!r} needs {name}=")
-        if name not in need[epilogue] and arr is not None:
+        if name not in need[epilogue] + takes.get(epilogue, ()) and arr is not None:
             raise ValueError(f"{name}= was given but epilogue {epilogue!r} does not use it")
     if bias is not None:
         check_array("bias", bias, shape=(n,))
@@ -354,6 +358,8 @@ def lt_gemm(a, b, *, trans_a=False, trans_b=False, out=None, bias=None, epilogue
         return _lt_numpy(a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta)
     if aux is not None and n % 8:
         raise ValueError(f"cuBLASLt's GELU aux buffer needs a leading dimension (N = {n}) divisible by 8")
+    if epilogue == "gelu_bias" and aux is None:
+        epilogue = "gelu_bias_noaux"  # its own plan: another cuBLASLt epilogue
     return _lt_cupy(xp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch)
 
 
@@ -451,7 +457,8 @@ def _lt_numpy(a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, be
         r = r + bias.astype(acc)
     elif epilogue == "gelu_bias":
         r = r + bias.astype(acc)
-        aux[...] = r.astype(aux.dtype)
+        if aux is not None:
+            aux[...] = r.astype(aux.dtype)
         r = gelu_reference(r)
     elif epilogue == "dgelu":
         r = r * gelu_grad_reference(aux.astype(acc))

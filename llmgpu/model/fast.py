@@ -238,10 +238,12 @@ class FastGPT(GPTBase):
                                               self.weight("transformer.h.0.ln_1.bias"))
         return x, h, mean, rstd
 
-    def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True):
+    def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True, keep_pre: bool = True):
         """Block i from its input state ``(x, ln_1(x), mean, rstd)``: ``(cache for the backward, the next
         state)``; the next state is block i+1's input (``ln_f``'s after the last block), or None with
-        ``need_output=False`` (a recomputed span's last block: its final add + LayerNorm is not rerun)."""
+        ``need_output=False`` (a recomputed span's last block: its final add + LayerNorm is not rerun).
+        ``keep_pre=False`` (inference): the MLP's pre-activation is not written (cuBLASLt's GELU_BIAS instead of
+        GELU_AUX_BIAS: one [N, 4C] write less) and the cache has no ``f``."""
         x, h, mean, rstd = state
         N, C, L = B * T, self.config.n_embd, self.config.n_layer
         n = block_param_names(i)
@@ -249,7 +251,7 @@ class FastGPT(GPTBase):
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-        f = self.xp.empty((N, 4 * C), dtype=h2.dtype)  # the pre-activation, written by the epilogue
+        f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre else None  # the pre-activation, by the epilogue
         g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
                          epilogue="gelu_bias", aux=f)
         cache = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
@@ -260,9 +262,12 @@ class FastGPT(GPTBase):
         nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
         return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
 
-    def _forward_trunk(self, idx, store: bool):
+    def _forward_trunk(self, idx, store: bool, keep_pre: bool | None = None):
         """Embeddings, the blocks and ln_f. Returns ``(x_L [N, C], hf, mean_f, rstd_f, caches, inputs)``:
-        with ``store``, every block's cache (no checkpointing) or every k-th block's input state."""
+        with ``store``, every block's cache (no checkpointing) or every k-th block's input state. Without
+        ``store`` (inference) the MLP's GEMM does not keep its pre-activation (``keep_pre``, default ``store``).
+        With checkpointing the first pass keeps it too, so that the span inputs are the same bits as without."""
+        keep_pre = store if keep_pre is None else keep_pre
         B, T = idx.shape
         L, k = self.config.n_layer, self.checkpoint_every if store else 0
         caches, inputs = [None] * L, [None] * L
@@ -270,7 +275,7 @@ class FastGPT(GPTBase):
         for i in range(L):
             if store and k and i % k == 0:
                 inputs[i] = state  # a span input (module docstring); the rest is thrown away as we go
-            c, state = self._block_forward(i, state, B, T)
+            c, state = self._block_forward(i, state, B, T, keep_pre=keep_pre)
             if store and not k:
                 caches[i] = c
             del c
