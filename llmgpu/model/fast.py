@@ -13,7 +13,7 @@ and why (chapter 8 measures each item):
 * **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)``
   is one GEMM that also keeps the pre-activation (GELU_AUX_BIAS), and the backward's
   ``(dm W₂) ⊙ GELU'(f)`` is one GEMM (DGELU). Each removes a read and a write of an ``[N, 4C]`` or
-  ``[N, C]`` activation.
+  ``[N, C]`` activation. A forward without backward (``forward``) keeps no pre-activation (GELU_BIAS).
 * **Residual add + LayerNorm in one kernel** (``add_layernorm_forward``): ``x ← x + a`` followed by
   ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
   added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
