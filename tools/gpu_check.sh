@@ -79,6 +79,7 @@ if has llmbench; then
   done
   run probe_fast_step python3 tools/probe_fast_step.py --json benchmarks/results/ch8_probe_step.json
   run probe_lt_algos python3 tools/probe_lt_algos.py --json benchmarks/results/lt_algo_probe.json
+  run probe_gelu_epilogue python3 tools/probe_gelu_epilogue.py --json benchmarks/results/gelu_epilogue_probe.json
   run fp16_vs_bf16 bash tools/fp16_vs_bf16.sh
 fi
 # the benchmarks before the notebooks, which read their results
