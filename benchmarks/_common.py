@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -98,15 +97,15 @@ def save(path, payload: dict, xp) -> bool:
     return True
 
 
-def alternating_step_times(settings: dict, make_step, xp, on_gpu: bool, rounds: int, steps: int) -> dict:
+def alternating_step_times(settings: dict, make_step, xp, rounds: int, steps: int) -> dict:
     """ms per step of several settings of one training step, timed in alternating rounds.
 
     ``settings`` maps a label to a function that switches the setting on (module flags); ``make_step()``
     builds a step with whatever is switched on (``llmgpu.bench.make_train_step``: ``(run, ...)``). Each setting
     gets its own step, run three times while it is on (two eager steps, then the capture of its CUDA graph, so
     the graph keeps that setting); then rounds of ``steps`` timed steps per setting alternate, so drift (clocks,
-    heat) falls on all alike. GPU steps are timed with CUDA events, NumPy ones with the host clock. Returns
-    {label: [ms, ...]}."""
+    heat) falls on all alike. Each round is ``timing.time_fn`` with launch cost included (``host_ahead=False``).
+    Returns {label: [ms, ...]}."""
     runs = {}
     for label, switch_on in settings.items():
         switch_on()
@@ -117,17 +116,5 @@ def alternating_step_times(settings: dict, make_step, xp, on_gpu: bool, rounds: 
     times = {label: [] for label in settings}
     for _ in range(rounds):
         for label, run in runs.items():
-            if on_gpu:
-                evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
-                for a, b in evs:
-                    a.record()
-                    run()
-                    b.record()
-                evs[-1][1].synchronize()
-                times[label] += [xp.cuda.get_elapsed_time(a, b) for a, b in evs]
-            else:
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    run()
-                    times[label].append((time.perf_counter() - t0) * 1e3)
+            times[label] += timing.time_fn(run, xp=xp, warmup=0, reps=steps, host_ahead=False).samples_ms
     return times

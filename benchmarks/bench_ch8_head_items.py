@@ -78,8 +78,7 @@ def _steps(cfg, batch, seq, dtype, xp, on_gpu, combos, rounds, steps):
     """Median ms per step of each setting's step (one CUDA graph on a GPU), timed in alternating rounds."""
     by_label = _common.alternating_step_times(
         {_label(c): (lambda c=c: _set(c)) for c in combos},
-        lambda: make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu), xp, on_gpu, rounds,
-        steps)
+        lambda: make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu), xp, rounds, steps)
     times = {c: by_label[_label(c)] for c in combos}
     rows = []
     for combo in combos:

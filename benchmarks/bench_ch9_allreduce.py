@@ -34,6 +34,7 @@ from llmgpu import backend
 from llmgpu.dist import NcclComm, from_environ, init_process_group, nccl_module
 from llmgpu.dist.launch import find_mpiexec, free_port, strip_nproc
 from llmgpu.dist.ring import RingAllReduce, busbw, reduce_add, ring_allreduce_seconds
+from llmgpu.perf import timing
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "kb": 2**10, "k": 2**10, "mib": 2**20, "mb": 2**20, "m": 2**20,
          "gib": 2**30, "gb": 2**30, "g": 2**30}
@@ -83,24 +84,9 @@ def _num(x, digits: int = 2) -> str:
 
 
 def time_op(fn, xp, reps: int, warmup: int) -> float:
-    """Median ms of ``fn()``: CUDA events on the current stream (GPU), the host clock (CPU, ``fn`` blocks)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if xp is np:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    else:
-        evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(reps)]
-        for a, b in evs:
-            a.record()
-            fn()
-            b.record()
-        evs[-1][1].synchronize()
-        times = [xp.cuda.get_elapsed_time(a, b) for a, b in evs]
-    return float(np.median(times))
+    """Median ms of ``fn()``: CUDA events on the current stream (GPU), the host clock (CPU, ``fn`` blocks); calls
+    launched one after another, as a training step launches its all-reduce (``host_ahead=False``)."""
+    return timing.time_fn(fn, xp=xp, warmup=warmup, reps=reps, host_ahead=False).median_ms
 
 
 def slowest(comm, ms: float) -> float:

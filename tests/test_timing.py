@@ -8,6 +8,8 @@ from llmgpu.perf import timing
 def test_time_fn_numpy_median_and_rates():
     t = timing.time_fn(lambda: np.ones(1000).sum(), xp=np, warmup=1, reps=5)
     assert t.reps == 5 and 0 < t.min_ms <= t.median_ms <= t.max_ms
+    assert len(t.samples_ms) == 5 and (min(t.samples_ms), max(t.samples_ms)) == (t.min_ms, t.max_ms)
+    assert t.median_ms == float(np.median(t.samples_ms))
     assert np.isclose(t.gbps(1e9), 1e9 / (t.median_ms * 1e-3) / 1e9)
     assert np.isclose(t.tflops(2e12), 2e12 / (t.median_ms * 1e-3) / 1e12)
 

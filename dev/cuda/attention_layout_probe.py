@@ -32,7 +32,7 @@ from pathlib import Path
 import _devscript  # first: puts the package on the path
 import numpy as np
 
-from llmgpu import backend  # noqa: E402
+from llmgpu import backend
 
 B, H, T, D = 64, 12, 1024, 64
 C = H * D

@@ -77,9 +77,8 @@ from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
 from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
-_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "gelu_bias_noaux": "GELU_BIAS",
-                "dgelu": "DGELU",
-                "bgradb": "BGRADB"}
+_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU", "bgradb": "BGRADB",
+                "gelu_bias_noaux": "GELU_BIAS"}  # the last: "gelu_bias" called without aux (lt_gemm picks it)
 
 # cudaDataType_t and cublasComputeType_t values (library_types.h, cublas_api.h)
 CUDA_R_32F = 0

@@ -29,6 +29,7 @@ class Timing:
     min_ms: float
     max_ms: float
     reps: int
+    samples_ms: tuple = ()  # every timed call, in order (to pool several runs' calls before taking a median)
 
     def gbps(self, nbytes: float) -> float:
         """Achieved bandwidth in GB/s (1e9 bytes/s) for ``nbytes`` moved per call."""
@@ -93,7 +94,7 @@ def time_fn(fn, *, xp=None, warmup=3, reps=20, min_time_s=0.0, host_ahead=True) 
             for start, end in events:
                 times.append(cp.cuda.get_elapsed_time(start, end))
             total = sum(times) / 1e3
-    return Timing(statistics.median(times), min(times), max(times), len(times))
+    return Timing(statistics.median(times), min(times), max(times), len(times), tuple(times))
 
 
 def gpu_spin(ms: float):
