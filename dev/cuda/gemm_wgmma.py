@@ -1,0 +1,274 @@
+"""Check and time gemm_wgmma.cu (a TMA-fed Hopper GEMM with the MLP's epilogues) against float64 and cuBLASLt.
+
+    python dev/cuda/gemm_wgmma.py                          # checks, then the timings at GPT-2's MLP shapes
+    python dev/cuda/gemm_wgmma.py --json benchmarks/results/gemm_wgmma.json
+    python dev/cuda/gemm_wgmma.py --no-time
+
+Steps 1-3 of ``gemm_epilogue_plan.md``. Every instantiation the .cu declares (``gemm_tma<BN, STAGES, EPI, MINB>``:
+tile 128 x BN, a ring of STAGES k-blocks, the epilogue, blocks per SM) is checked on fresh random bf16 inputs with
+NaN-poisoned outputs against float64 (NumPy, the package's GELU references) at a few shapes that are multiples of
+the tile, and NaN in one row of A must give NaN in that row of D only. Then (unless ``--no-time``) each is timed at
+the fc shape of GPT-2 124M, D [B·1024, 3072] = X [B·1024, 768] · Wᵀ, at B = 16 and 64, beside cuBLASLt on the
+same product with the matching epilogue (``lt_gemm``; for DGELU the package's own call, dY · W₂ with W₂ [768, 3072],
+while ours takes a transposed copy of W₂), and an 8192³ product of each for scale, all in one run.
+
+The tensor maps (TMA descriptors) are made by the driver's ``cuTensorMapEncodeTiled`` through ctypes (CuPy does not
+wrap it) and copied to device memory, where the kernel reads them.
+
+Without a GPU, or on a GPU other than sm_90, one line saying so and exit 0. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _devscript  # noqa: E402  (first: puts the package on the path)
+from wgmma_probe import compile_sm90a  # noqa: E402
+
+from llmgpu import backend  # noqa: E402
+from llmgpu.gemm.cublaslt import lt_gemm  # noqa: E402
+from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference  # noqa: E402
+from llmgpu.perf.timing import copy_bandwidth, gemm_ceiling, time_fn  # noqa: E402
+from llmgpu.testing import poisoned, random_array, rel_error  # noqa: E402
+
+SOURCE = HERE / "gemm_wgmma.cu"
+EPILOGUES = {0: "none", 1: "bias", 2: "gelu_aux_bias", 3: "dgelu"}
+BM, BK = 128, 64
+RTOL = 1e-2  # bf16 outputs: rounding alone is ~2e-3
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """One instantiation ``gemm_tma<BN, STAGES, EPI, MINB, DEFER, PRODUCER>`` of the .cu."""
+
+    epi: int
+    bn: int
+    stages: int
+    minb: int
+    defer: int
+    producer: int
+
+    @classmethod
+    def parse(cls, expr: str) -> Variant:
+        bn, st, epi, minb, defer, prod = map(int, re.fullmatch(r"gemm_tma<(\d+), (\d+), (\d+), (\d+), (\d+), "
+                                                               r"(\d+)>", expr).groups())
+        return cls(epi, bn, st, minb, defer, prod)
+
+    @property
+    def expr(self) -> str:
+        return f"gemm_tma<{self.bn}, {self.stages}, {self.epi}, {self.minb}, {self.defer}, {self.producer}>"
+
+    @property
+    def threads(self) -> int:
+        return 256 + 32 * self.producer
+
+    @property
+    def smem(self) -> int:  # gw_cfg::SMEM: the ring, the staging area, the barriers
+        return 1024 + self.stages * (BM + self.bn) * BK * 2 + BM * self.bn * 2 + (2 * self.stages + 2) * 8
+
+    @property
+    def label(self) -> str:
+        return (f"ours BN={self.bn} STAGES={self.stages}" + (" deferred" if self.defer else "")
+                + (" producer" if self.producer else ""))
+
+
+# --------------------------------------------------------------------------- TMA descriptors
+
+_CU = {"bf16": 9, "interleave_none": 0, "swizzle_128b": 3, "l2_256b": 3, "oob_zero": 0}  # cuda.h's enum values
+
+
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def tensor_map(cp, x, box_rows: int):
+    """The TMA descriptor of bf16 x [rows, K] (row-major, K contiguous) in boxes of box_rows x 64 with the 128-byte
+    swizzle, as a 128-byte device array (CuPy's allocations are 256-byte aligned; TMA wants 64)."""
+    rows, k = x.shape
+    assert x.strides[1] == 2 and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0, "TMA: 16-byte aligned rows"
+    buf = (ctypes.c_uint8 * 192)()
+    at = (ctypes.addressof(buf) + 63) & ~63  # CUtensorMap is 64-byte aligned
+    rc = _driver()(ctypes.c_void_p(at), _CU["bf16"], 2, ctypes.c_void_p(x.data.ptr),
+                   (ctypes.c_uint64 * 2)(k, rows), (ctypes.c_uint64 * 1)(x.strides[0]),
+                   (ctypes.c_uint32 * 2)(BK, box_rows), (ctypes.c_uint32 * 2)(1, 1),
+                   _CU["interleave_none"], _CU["swizzle_128b"], _CU["l2_256b"], _CU["oob_zero"])
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {x.shape} box {box_rows} x {BK}")
+    return cp.asarray(np.frombuffer(ctypes.string_at(at, 128), np.uint8))
+
+
+def launcher(cp, kernels, var: Variant, n_sm: int):
+    """run(a, bt, d, aux=None, bias=None): D = A · Btᵀ with var's epilogue."""
+    fn = kernels[var.expr]
+    fn.max_dynamic_shared_size_bytes = var.smem
+
+    def prepare(a, bt, d, aux=None, bias=None):
+        (m, k), n = a.shape, bt.shape[0]
+        if m % BM or n % var.bn or k % BK or bt.shape[1] != k or d.shape != (m, n):
+            raise ValueError(f"{var.expr}: M % {BM}, N % {var.bn}, K % {BK} must be 0; got {m} x {n} x {k}")
+        null = np.uint64(0)
+        maps = (tensor_map(cp, a, BM), tensor_map(cp, bt, var.bn),
+                tensor_map(cp, d, 64), tensor_map(cp, aux, 64) if aux is not None else null)  # 64 x 64 boxes
+        args = (*maps, null if aux is None else aux, null if bias is None else bias, np.int32(m), np.int32(n),
+                np.int32(k))
+        tiles = (m // BM) * (n // var.bn)
+        grid = (min(tiles, var.minb * n_sm),)
+        return lambda: fn(grid, (var.threads,), args, shared_mem=var.smem)
+
+    return prepare
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def reference(a, bt, epi, aux=None, bias=None):
+    """float64 (d, aux) of the product with epilogue epi from the bf16 inputs (NumPy arrays)."""
+    acc = a.astype(np.float64) @ bt.astype(np.float64).T
+    if epi in (1, 2):
+        acc = acc + bias.astype(np.float64)
+    if epi == 2:
+        return gelu_forward_reference(acc), acc
+    if epi == 3:
+        return gelu_backward_reference(acc, aux.astype(np.float64)), None
+    return acc, None
+
+
+def operands(cp, rng, m, n, k, epi):
+    a = cp.asarray(random_array(rng, (m, k), "bf16"))
+    bt = cp.asarray(random_array(rng, (n, k), "bf16", scale=k**-0.5))
+    bias = cp.asarray(random_array(rng, (n,), "bf16")) if epi in (1, 2) else None
+    aux = cp.asarray(random_array(rng, (m, n), "bf16")) if epi == 3 else (poisoned((m, n), "bf16", cp) if epi == 2
+                                                                            else None)
+    return a, bt, bias, aux
+
+
+def check(cp, prepare, var: Variant, rng) -> list[dict]:
+    rows = []
+    # one tile; a few k-blocks; GPT-2's fc and projection shapes; more tiles than blocks (each block walks several,
+    # the deferred pass then runs inside the next tile's main loop), with 2 and 12 k-blocks
+    for m, n, k in [(BM, var.bn, BK), (3 * BM, 5 * var.bn, 3 * BK), (1024, 3072, 768), (640, 768, 3072),
+                    (8192, 3072, 2 * BK), (5120, 3072, 768)]:
+        if n % var.bn:
+            continue
+        a, bt, bias, aux = operands(cp, rng, m, n, k, var.epi)
+        d = poisoned((m, n), "bf16", cp)
+        prepare(a, bt, d, aux=aux, bias=bias)()
+        cp.cuda.Device().synchronize()
+        h = [None if x is None else cp.asnumpy(x).astype(np.float64) for x in (a, bt, aux, bias)]
+        r_d, r_aux = reference(h[0], h[1], var.epi, aux=h[2], bias=h[3])
+        e_d = rel_error(d, r_d)  # inf when any element is NaN (unwritten) or inf
+        e_aux = rel_error(aux, r_aux) if r_aux is not None else 0.0
+        rows.append({"variant": var.expr, "M": m, "N": n, "K": k, "d_error": e_d, "aux_error": e_aux,
+                     "ok": bool(e_d < RTOL and e_aux < RTOL)})
+    # NaN in one row of A: that row of D is NaN, every other row finite
+    m, n, k = 2 * BM, var.bn, BK
+    a, bt, bias, aux = operands(cp, rng, m, n, k, var.epi)
+    a[77, 5] = np.nan
+    d = poisoned((m, n), "bf16", cp)
+    prepare(a, bt, d, aux=aux, bias=bias)()
+    bad = np.argwhere(~np.isfinite(cp.asnumpy(d).astype(np.float32)).all(-1)).ravel().tolist()
+    rows.append({"variant": var.expr, "case": "NaN in A[77, 5]", "nonfinite_rows": bad, "ok": bad == [77]})
+    return rows
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def lt_call(cp, epi, a, bt, w2, d, aux, bias):
+    """cuBLASLt on the same product: the package's call (for DGELU: dY · W₂, W₂ [K, N] as the model stores it)."""
+    if epi == 0:
+        return lambda: lt_gemm(a, bt, trans_b=True, out=d)
+    if epi == 1:
+        return lambda: lt_gemm(a, bt, trans_b=True, out=d, epilogue="bias", bias=bias)
+    if epi == 2:
+        return lambda: lt_gemm(a, bt, trans_b=True, out=d, epilogue="gelu_bias", bias=bias, aux=aux)
+    return lambda: lt_gemm(a, w2, out=d, epilogue="dgelu", aux=aux)
+
+
+def timing(cp, kernels, n_sm, rng, reps) -> list[dict]:
+    rows = []
+    shapes = [(16 * 1024, 3072, 768), (64 * 1024, 3072, 768), (8192, 8192, 8192)]
+    variants = sorted(map(Variant.parse, kernels))
+    for m, n, k in shapes:
+        flops = 2.0 * m * n * k
+        for epi in EPILOGUES:
+            if (m, n, k) == (8192, 8192, 8192) and epi != 0:
+                continue
+            a, bt, bias, aux = operands(cp, rng, m, n, k, epi)
+            w2 = cp.ascontiguousarray(bt.T)  # [K, N]: the projection weight as the model stores it
+            d, d_lt = cp.empty((m, n), bt.dtype), cp.empty((m, n), bt.dtype)
+            aux_lt = aux.copy() if aux is not None else None
+            cands = {f"cuBLASLt {EPILOGUES[epi]}": lt_call(cp, epi, a, bt, w2, d_lt, aux_lt, bias)}
+            for var in variants:
+                if var.epi == epi and n % var.bn == 0:
+                    cands[var.label] = launcher(cp, kernels, var, n_sm)(a, bt, d, aux=aux, bias=bias)
+            for name, fn in cands.items():
+                t = time_fn(fn, xp=cp, warmup=5, reps=reps)
+                rows.append({"M": m, "N": n, "K": k, "epilogue": EPILOGUES[epi], "kernel": name,
+                             "ms": t.median_ms, "tflops": t.tflops(flops)})
+                if not name.startswith("cuBLASLt"):  # the timed output against cuBLASLt's
+                    rows[-1]["error_vs_cublaslt"] = rel_error(d, d_lt)
+                    if epi == 2:
+                        rows[-1]["aux_error_vs_cublaslt"] = rel_error(aux, aux_lt)
+                err = rows[-1].get("error_vs_cublaslt")
+                print(f"  {m:>6} x {n} x {k}  {EPILOGUES[epi]:>13}  {name:<30} {t.median_ms:8.4f} ms "
+                      f"{rows[-1]['tflops']:6.1f} TFLOP/s" + ("" if err is None else f"  (vs cuBLASLt {err:.1e})"),
+                      flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-time", action="store_true", help="checks only")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--json", type=Path, help="write the checks and timings here")
+    args = p.parse_args(argv)
+    cp = _devscript.cupy_or_say_why(" (would check and time gemm_wgmma.cu)")
+    if cp is None:
+        return 0
+    cc = cp.cuda.Device().compute_capability
+    if cc != "90":
+        print(f"no sm_90 GPU: this is sm_{cc}; gemm_wgmma.cu is built for sm_90a only")
+        return 0
+    kernels = compile_sm90a(cp, SOURCE)
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    rng = np.random.default_rng(0)
+    checks = []
+    for var in sorted(map(Variant.parse, kernels)):
+        prepare = launcher(cp, kernels, var, n_sm)
+        checks += check(cp, prepare, var, rng)
+    bad = [r for r in checks if not r["ok"]]
+    for r in checks:
+        print(("ok  " if r["ok"] else "FAIL"), {k: v for k, v in r.items() if k != "ok"})
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": backend.device_info(cp).summary(),
+              "checks": checks}
+    if not args.no_time:
+        result["gemm_tflops"] = gemm_ceiling(xp=cp)
+        result["copy_gbps"] = copy_bandwidth(xp=cp)
+        print(f"ceilings: cuBLAS bf16 8192³ {result['gemm_tflops']:.0f} TFLOP/s, copy {result['copy_gbps']:.0f} GB/s")
+        result["timings"] = timing(cp, kernels, n_sm, rng, args.reps)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(checks) - len(bad)}/{len(checks)} checks passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
