@@ -92,6 +92,7 @@ class _FakeCupy:
     class cuda:
         class Device:
             compute_capability = "90"
+            attributes = {"MultiProcessorCount": 132}
 
             def synchronize(self):
                 pass
@@ -309,3 +310,67 @@ def test_attention_layout_probe_script_runs():
     r = _run_dev_script("attention_layout_probe.py", "--reps", "3")
     if r is not None:
         assert r.returncode == 0 and "FAIL" not in r.stdout and r.stdout.count("backward") == 6, r.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- gemm_wgmma (issue 19)
+
+
+def test_gemm_wgmma_compiles_for_sm90a_without_spills_or_serialized_wgmma():
+    """Every epilogue, with and without the cluster: no spills, at most 224 registers (288 threads a block, one
+    block per SM), and ptxas keeps the wgmma asynchronous (no C7514/C7515 serialization note)."""
+    pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")
+    from llmgpu.kernels import compile_check
+
+    r = compile_check.compile_path(DEV_CUDA / "gemm_wgmma.cu", "sm_90a")
+    assert r.ok, r.log
+    assert len(r.kernels) == 8 and not any(k.spills for k in r.kernels), r.kernels
+    assert all(k.registers <= 224 for k in r.kernels), r.kernels
+    assert "serialized" not in r.log, r.log
+
+
+def test_gemm_wgmma_script_runs():
+    """Without a GPU: one line saying so, exit 0 (on a Hopper GPU it checks every variant against float64)."""
+    r = _run_dev_script("gemm_wgmma.py", "--no-time")
+    if r is not None:
+        assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
+
+
+def _gemm_stand_in(var, *, drop_last_row=False):
+    """A kernel computing what gemm_tma<EPI, CLUSTER> must, in float64, from the arrays the tensor maps stand for."""
+    from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference
+
+    epi = var.epi
+
+    def body(grid, block, args):
+        a, bt, d, aux, bias, m, n, k = args
+        assert block == (288,) and grid[0] <= 132 and grid[0] % var.cluster == 0, (grid, block)
+        assert a.shape == (int(m), int(k)) and bt.shape == (int(n), int(k)) and d.shape == (int(m), int(n))
+        acc = np.asarray(a, np.float64) @ np.asarray(bt, np.float64).T
+        if epi in (1, 2):
+            acc = acc + np.asarray(bias, np.float64)
+        if epi == 2:
+            aux[...] = acc.astype(aux.dtype)
+            acc = gelu_forward_reference(acc)
+        if epi == 3:
+            acc = gelu_backward_reference(acc, np.asarray(aux, np.float64))
+        rows = slice(0, -1) if drop_last_row else slice(None)
+        d[rows] = acc[rows].astype(d.dtype)
+
+    return body
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gemm_wgmma_checks_on_a_stand_in_gpu(monkeypatch, capsys, broken):
+    """The script's check path on NumPy: stand-in kernels that compute the float64 reference pass every check; one
+    that leaves a row of D unwritten (NaN from the poisoned buffer) must fail, so the checks can fail."""
+    gw = _dev_module("gemm_wgmma")
+    exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
+    kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e), drop_last_row=broken and i == 0))
+               for i, e in enumerate(exprs)}
+    _fake_gpu(monkeypatch, gw, kernels)
+    monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)  # the kernel gets the array itself
+    monkeypatch.setattr(gw, "CHECK_SHAPES", [(256, 256, 64), (512, 768, 192)])  # NumPy-sized
+    assert gw.main(["--no-time"]) == (1 if broken else 0)
+    text = capsys.readouterr().out
+    assert ("FAIL" in text) == broken, text
+    assert text.count("ok  ") + text.count("FAIL") == len(exprs) * 3  # two shapes and the NaN row, per variant

@@ -11,48 +11,31 @@
 // the results are rounded to bf16, 2^-9) where gelu.cu's fast sigmoid form takes two MUFU ops (ex2 and rcp): the
 // SM's 16 MUFU results a clock, not its 128 FMAs, bound an epilogue over 32768 elements a tile.
 //
-// * A block owns a 128 x BN tile of D at a time: two consumer warpgroups, rows 0-63 and 64-127, each one wgmma
-//   m64nBNk16 per 16 of K (A and B from shared memory by descriptor). Persistent: gridDim.x blocks walk the tiles
-//   blockIdx.x, + gridDim.x, ...; consecutive tiles share A's rows (N fastest), so the blocks resident together
-//   read each 128-row slice of A from DRAM once and from L2 after. PRODUCER = 1 adds a ninth warp that only
-//   issues the loads; otherwise thread 0, a consumer too, issues each load when its slot is released.
-// * Operands: a ring of STAGES k-blocks (A 128 x 64 and B BN x 64, bf16, 128 bytes a row), each written by two TMA
+// * A block owns a 128 x 256 tile of D at a time: two consumer warpgroups, rows 0-63 and 64-127, each one wgmma
+//   m64n256k16 per 16 of K (A and B from shared memory by descriptor), and a ninth warp that only issues loads.
+//   Persistent: the blocks walk the tiles in turn; consecutive tiles share A's rows (N fastest), so the blocks
+//   resident together read each slice of A from DRAM once and from L2 after.
+// * Operands: a ring of STAGES k-blocks (A 128 x 64 and B 256 x 64, bf16, 128 bytes a row), each written by TMA
 //   loads in the 128-byte swizzle (the layout wgmma_probe.py pinned, "sw128": SBO = 1024, the next k step 32 bytes
 //   in). Per slot an mbarrier "full" (one arrival with the expected bytes; the TMA completes the transaction) and
-//   an mbarrier "empty" (one arrival per consumer warp once its wgmma on the slot is done). Thread 0 issues every
-//   load (no producer warp): k-blocks run through the tiles without a break, so the first k-blocks of the next tile
-//   are in flight while this tile's epilogue stores.
-// * The epilogue (STORE = 0) stores from the accumulators (two bf16 per store) straight to global memory; with
-//   MINB = 2 blocks per SM one block's epilogue runs beside the other's main loop. STORE = 1 writes each
-//   warpgroup's 64 x BN result to its own staging area in shared memory instead (BN / 64 boxes of 64 x 64 in the
-//   128-byte swizzle, which keeps the 4-byte writes free of bank conflicts), and one thread of the warpgroup hands
-//   it to TMA stores, which run while the warpgroup goes on to its next tile; the area is written again only
-//   after those stores have read it (cp.async.bulk.wait_group.read). DGELU's aux tile comes the same way: TMA
-//   loads it into the staging area during the tile's main loop (from its third k-block on).
-// Requires M % 128 == 0, N % BN == 0, K % 64 == 0 (the script checks).
+//   an mbarrier "empty" (one arrival per consumer warp once its wgmma on the slot is done). k-blocks run through
+//   the tiles without a break, so the next tile's first k-blocks load while this tile's epilogue runs.
+// * CLUSTER = 2: two blocks on two SMs form a cluster and take vertically adjacent tiles (the same 256 columns of
+//   B); each loads its own A and half of B, and multicasts that half into both blocks' shared memory. Each block
+//   then reads 32 KiB per k-block from L2 instead of 48. A slot is refilled only when the consumers of both blocks
+//   are done with it: each consumer warp arrives on its own block's and on the other block's "empty" barrier.
+// * The epilogue writes each warpgroup's 64 x 256 result to its own staging area in shared memory (four boxes of
+//   64 x 64 in the 128-byte swizzle, which keeps the 4-byte writes free of bank conflicts), and one thread of the
+//   warpgroup hands it to TMA stores, which run while the warpgroup goes on to its next tile; the area is written
+//   again only after those stores have read it (cp.async.bulk.wait_group.read). DGELU's aux tile comes the same
+//   way: TMA loads it into the staging area during the tile's main loop (from its third k-block on).
+// Requires M % (128 · CLUSTER) == 0, N % 256 == 0, K % 64 == 0 (the script checks).
 #include "common.cuh"
 #include "wgmma.cuh"
 
-// llmgpu:arch sm_90a
-// llmgpu:kernel gemm_tma<256, 3, {0,1,2,3}, 1, 0, {0,1}>
-// llmgpu:kernel gemm_tma<256, 3, {2,3}, 1, 1, {0,1}>
+// llmgpu:kernel gemm_tma<{0,1,2,3}, {1,2}>
 
-// The accumulators of an m64n128 (64 per thread) and m64n256 (128) result, as PTX operands and asm constraints.
-#define GW_D64 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
-    " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
-    " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define GW_ACC64(d) \
-    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]), "+f"((d)[6]), "+f"((d)[7]), \
-    "+f"((d)[8]), "+f"((d)[9]), "+f"((d)[10]), "+f"((d)[11]), "+f"((d)[12]), "+f"((d)[13]), "+f"((d)[14]), "+f"((d)[15]), \
-    "+f"((d)[16]), "+f"((d)[17]), "+f"((d)[18]), "+f"((d)[19]), "+f"((d)[20]), "+f"((d)[21]), "+f"((d)[22]), "+f"((d)[23]), \
-    "+f"((d)[24]), "+f"((d)[25]), "+f"((d)[26]), "+f"((d)[27]), "+f"((d)[28]), "+f"((d)[29]), "+f"((d)[30]), "+f"((d)[31]), \
-    "+f"((d)[32]), "+f"((d)[33]), "+f"((d)[34]), "+f"((d)[35]), "+f"((d)[36]), "+f"((d)[37]), "+f"((d)[38]), "+f"((d)[39]), \
-    "+f"((d)[40]), "+f"((d)[41]), "+f"((d)[42]), "+f"((d)[43]), "+f"((d)[44]), "+f"((d)[45]), "+f"((d)[46]), "+f"((d)[47]), \
-    "+f"((d)[48]), "+f"((d)[49]), "+f"((d)[50]), "+f"((d)[51]), "+f"((d)[52]), "+f"((d)[53]), "+f"((d)[54]), "+f"((d)[55]), \
-    "+f"((d)[56]), "+f"((d)[57]), "+f"((d)[58]), "+f"((d)[59]), "+f"((d)[60]), "+f"((d)[61]), "+f"((d)[62]), "+f"((d)[63])
-
+// The 128 accumulators of an m64n256 result per thread, as PTX operands and asm constraints.
 #define GW_D128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
     " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
@@ -80,26 +63,21 @@
     "+f"((d)[112]), "+f"((d)[113]), "+f"((d)[114]), "+f"((d)[115]), "+f"((d)[116]), "+f"((d)[117]), "+f"((d)[118]), "+f"((d)[119]), \
     "+f"((d)[120]), "+f"((d)[121]), "+f"((d)[122]), "+f"((d)[123]), "+f"((d)[124]), "+f"((d)[125]), "+f"((d)[126]), "+f"((d)[127])
 
-template <int BN>
-__device__ __forceinline__ void gw_mma(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b,
+// One wgmma m64n256k16, bf16 in, fp32 accumulate, A and B from shared memory by descriptor; scale_d 0 ignores d.
+__device__ __forceinline__ void gw_mma(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b,
                                        int scale_d) {
 #ifdef LLMGPU_WGMMA
-    if constexpr (BN == 128) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " GW_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : GW_ACC64(d)
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " GW_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
-                     : GW_ACC128(d)
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " GW_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : GW_ACC128(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
+// Pin the accumulators here: after a wait, no read of them moves above it (wgmma.cuh's wg_pin, for m64n256).
+__device__ __forceinline__ void gw_pin(float (&d)[128]) { asm volatile("" : GW_ACC128(d)::"memory"); }
 
-// mbarrier and TMA (PTX ISA: "Parallel Synchronization and Communication Instructions: mbarrier", "Data Movement:
-// cp.async.bulk.tensor"). Addresses are shared-memory (.shared::cta) offsets; the tensor map lives in global memory.
+// mbarrier, TMA and cluster PTX (PTX ISA: "mbarrier", "cp.async.bulk.tensor", "mapa", "barrier.cluster").
+// Addresses are shared-memory (.shared::cta) offsets; the tensor maps live in global memory.
 __device__ __forceinline__ void gw_mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -108,6 +86,12 @@ __device__ __forceinline__ void gw_mbar_expect_tx(unsigned bar, unsigned bytes) 
 }
 __device__ __forceinline__ void gw_mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrive on the barrier at the same offset in block `rank` of the cluster.
+__device__ __forceinline__ void gw_mbar_arrive_cluster(unsigned bar, unsigned rank) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+                 : "memory");
 }
 // Wait until the phase of parity `parity` has completed (the n-th completion of a barrier has parity n & 1).
 __device__ __forceinline__ void gw_mbar_wait(unsigned bar, unsigned parity) {
@@ -125,13 +109,14 @@ __device__ __forceinline__ void gw_tma_load(unsigned dst, const void* map, int c
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
                  : "memory");
 }
-
-// Pin the accumulators here: after a wait, no read of them moves above it (wgmma.cuh's wg_pin, for m64n128/256).
-template <int BN> __device__ __forceinline__ void gw_pin(float (&d)[BN / 2]) {
-    if constexpr (BN == 128) asm volatile("" : GW_ACC64(d)::"memory");
-    else asm volatile("" : GW_ACC128(d)::"memory");
+// The same into dst of every block in `mask` (one bit per cluster rank), completing bytes on each one's bar.
+__device__ __forceinline__ void gw_tma_load_multicast(unsigned dst, const void* map, int c0, int c1, unsigned bar,
+                                                      unsigned short mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+                 : "memory");
 }
-
 // A box of shared memory at src to (c0 = column, c1 = row) of the tensor a map describes (bulk async-group).
 __device__ __forceinline__ void gw_tma_store(const void* map, int c0, int c1, unsigned src) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
@@ -144,6 +129,16 @@ __device__ __forceinline__ void gw_bulk_wait_read() { asm volatile("cp.async.bul
 __device__ __forceinline__ void gw_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // The 128 threads of warpgroup wg (named barrier 1 + wg; 0 is __syncthreads').
 __device__ __forceinline__ void gw_wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory"); }
+// Every thread of every block of the cluster (a block's barriers are initialised before any other block uses them,
+// and no block exits while another may still arrive on its barriers or write into its shared memory).
+__device__ __forceinline__ void gw_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned gw_cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
 
 // tanh-GELU and its derivative (gelu.cu's block comment has the math): t = tanh(u), u = x (C0 + C1 x²);
 // GELU = x/2 + x/2 t; GELU' = (1 + t)/2 + x/2 (1 - t²) (C0 + 3 C1 x²), x² clamped as in gelu_grad.
@@ -162,21 +157,6 @@ __device__ __forceinline__ float gw_gelu_grad(float x) {
     const float x2 = fminf(x * x, 1e30f), t = gw_tanh(x * fmaf(GW_C1, x2, GW_C0));
     return fmaf(0.5f * x * fmaf(-t, t, 1.0f), fmaf(3.0f * GW_C1, x2, GW_C0), fmaf(0.5f, t, 0.5f));
 }
-
-template <int BN, int STAGES> struct gw_cfg {
-    static constexpr int BM = 128, BK = 64, THREADS = 256;
-    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
-    static constexpr int BOX = 64 * 64 * 2, STAGING = (BM / 64) * (BN / 64) * BOX;  // 64 x 64 boxes of the result
-    static constexpr int BARS = STAGES * STAGE + STAGING;  // barriers: full[STAGES], empty[STAGES], aux[2]
-    static constexpr int SMEM = 1024 + BARS + (2 * STAGES + 2) * 8;  // with the alignment slack
-    static constexpr int CHUNKS = 64 * BN * 2 / 16 / 128;  // 16-byte chunks of a warpgroup's result per thread
-    static constexpr int PARTS = 8;                         // DEFER: the deferred pass in this many k-blocks
-    static constexpr int PER_PART = CHUNKS / PARTS;
-};
-
-// The descriptor of a K-major 128-byte-swizzled tile at saddr (SBO = 1024: the next 8 rows; LBO unused).
-__device__ __forceinline__ unsigned long long gw_desc(unsigned saddr) { return wg_desc(saddr, 16, 1024, 1); }
-
 __device__ __forceinline__ float2 gw_unpack(unsigned u) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
@@ -185,68 +165,100 @@ __device__ __forceinline__ unsigned gw_pack(float a, float b) {
     return *reinterpret_cast<const unsigned*>(&p);
 }
 
-template <int BN, int STAGES, int EPI, int MINB, int DEFER, int PRODUCER>
-__global__ void __launch_bounds__(256 + 32 * PRODUCER, MINB)
+namespace gw {
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3, THREADS = 288;  // two consumer warpgroups + the producer
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
+constexpr int BOX = 64 * 64 * 2, STAGING = (BM / 64) * (BN / 64) * BOX;  // 64 x 64 boxes of the result
+constexpr int BARS = STAGES * STAGE + STAGING;  // then the barriers: full[STAGES], empty[STAGES], aux[2]
+constexpr int SMEM = 1024 + BARS + (2 * STAGES + 2) * 8;  // with the alignment slack
+static_assert(SMEM <= 227 * 1024, "one block per SM: at most 227 KiB of shared memory");
+}  // namespace gw
+
+// Clusters exist from sm_90 on; the compile checks for older targets build the kernels without one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GW_CLUSTER_DIMS(x) __cluster_dims__(x, 1, 1)
+#else
+#define GW_CLUSTER_DIMS(x)
+#endif
+
+// The descriptor of a K-major 128-byte-swizzled tile at saddr (SBO = 1024: the next 8 rows; LBO unused).
+__device__ __forceinline__ unsigned long long gw_desc(unsigned saddr) { return wg_desc(saddr, 16, 1024, 1); }
+
+template <int EPI, int CLUSTER>
+__global__ void GW_CLUSTER_DIMS(CLUSTER) __launch_bounds__(gw::THREADS, 1)
 gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const void* __restrict__ map_d,
-         const void* __restrict__ map_aux, const __nv_bfloat16* __restrict__ aux,
-         const __nv_bfloat16* __restrict__ bias, int M, int N, int K) {
+         const void* __restrict__ map_aux, const __nv_bfloat16* __restrict__ bias, int M, int N, int K) {
 #ifdef LLMGPU_WGMMA
-    using cfg = gw_cfg<BN, STAGES>;
+    using namespace gw;
     extern __shared__ __align__(1024) unsigned char gw_smem[];
     const unsigned raw = wg_saddr(gw_smem);
     const unsigned s0 = raw + ((1024u - (raw & 1023u)) & 1023u);  // slot s: A at s0 + s·STAGE, B A_BYTES on
-    const unsigned bars = s0 + cfg::BARS;  // full[s] at bars + 8s, empty[s] at + 8·STAGES, aux[wg] after them
+    const unsigned bars = s0 + BARS;  // full[s] at bars + 8s, empty[s] at + 8·STAGES, aux[wg] after them
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const unsigned aux_bar = bars + 8 * (2 * STAGES + wg);
-    const int tiles_n = N / BN, n_tiles = (M / cfg::BM) * tiles_n, nk = K / cfg::BK;
-    const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const unsigned aux_bar = bars + 8 * (2 * STAGES + (wg & 1));
+    const unsigned rank = CLUSTER > 1 ? gw_cluster_rank() : 0;
+    // Tiles come in groups of CLUSTER vertically adjacent ones (the same columns); cluster c takes groups c,
+    // c + n_clusters, ...; its block of rank r the r-th tile of each.
+    const int tiles_n = N / BN, n_groups = (M / (BM * CLUSTER)) * tiles_n, nk = K / BK;
+    const int cluster = blockIdx.x / CLUSTER, n_clusters = gridDim.x / CLUSTER;
+    const int my_tiles = cluster < n_groups ? (n_groups - 1 - cluster) / n_clusters + 1 : 0;
     const int total = my_tiles * nk;  // k-blocks this block loads and consumes, in order
+    auto tile_row = [&](int i) { return ((cluster + i * n_clusters) / tiles_n * CLUSTER + rank) * BM; };
+    auto tile_col = [&](int i) { return (cluster + i * n_clusters) % tiles_n * BN; };
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             gw_mbar_init(full(s), 1);
-            gw_mbar_init(empty(s), 8);
+            gw_mbar_init(empty(s), 8 * CLUSTER);  // every consumer warp of every block of the cluster
         }
         gw_mbar_init(bars + 16 * STAGES, 1);
         gw_mbar_init(bars + 16 * STAGES + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    // Thread 0: k-block L of this block's sequence into slot L % STAGES, once its last reader has released it.
-    auto issue = [&](int L) {
-        const int t = blockIdx.x + (L / nk) * gridDim.x, kb = L % nk, slot = L % STAGES;
-        if (L >= STAGES) gw_mbar_wait(empty(slot), (L / STAGES - 1) & 1);
-        const unsigned dst = s0 + slot * cfg::STAGE;
-        gw_mbar_expect_tx(full(slot), cfg::STAGE);
-        gw_tma_load(dst, map_a, kb * cfg::BK, (t / tiles_n) * cfg::BM, full(slot));
-        gw_tma_load(dst + cfg::A_BYTES, map_b, kb * cfg::BK, (t % tiles_n) * BN, full(slot));
-    };
-    // Consumer warps: k-block c's slot is done with (this warp's wgmmas on it completed).
-    auto release = [&](int c) {
-        if (lane == 0) gw_mbar_arrive(empty(c % STAGES));
-        if (!PRODUCER && tid == 0 && c + STAGES < total) issue(c + STAGES);
-        __syncwarp();  // warp 0 converged again before the next warp-aligned wgmma instruction
-    };
-    if (PRODUCER && tid >= 256) {  // the producer warp: every load, each as soon as its slot is free
-        if (lane == 0)
-            for (int L = 0; L < total; ++L) issue(L);
+    if constexpr (CLUSTER > 1) gw_cluster_sync();
+    else __syncthreads();
+
+    if (tid >= 256) {  // the producer warp: every load, each as soon as its slot is free in the whole cluster
+        if (lane == 0) {
+            for (int L = 0; L < total; ++L) {
+                const int i = L / nk, kb = L % nk, slot = L % STAGES;
+                if (L >= STAGES) gw_mbar_wait(empty(slot), (L / STAGES - 1) & 1);
+                const unsigned dst = s0 + slot * STAGE;
+                gw_mbar_expect_tx(full(slot), STAGE);
+                gw_tma_load(dst, map_a, kb * BK, tile_row(i), full(slot));
+                if constexpr (CLUSTER == 1) {
+                    gw_tma_load(dst + A_BYTES, map_b, kb * BK, tile_col(i), full(slot));
+                } else {  // this block's share of B's rows, into every block of the cluster
+                    constexpr int ROWS = BN / CLUSTER;
+                    gw_tma_load_multicast(dst + A_BYTES + rank * ROWS * 128, map_b, kb * BK, tile_col(i) + rank * ROWS,
+                                          full(slot), static_cast<unsigned short>((1u << CLUSTER) - 1));
+                }
+            }
+        }
+        __syncwarp();
+        if constexpr (CLUSTER > 1) gw_cluster_sync();
         return;
     }
-    if (!PRODUCER && tid == 0)
-        for (int L = 0; L < STAGES && L < total; ++L) issue(L);
-    __syncwarp();
+    // Consumer warps: k-block c's slot is done with (this warp's wgmmas on it completed), in every block.
+    auto release = [&](int c) {
+        if (lane == 0) {
+            if constexpr (CLUSTER == 1) gw_mbar_arrive(empty(c % STAGES));
+            else
+                for (unsigned r = 0; r < CLUSTER; ++r) gw_mbar_arrive_cluster(empty(c % STAGES), r);
+        }
+        __syncwarp();
+    };
 
     float acc[BN / 2];
     const int g = lane >> 2, q = (lane & 3) * 2;
     const bool elected = (tid & 127) == 0;  // issues and waits for this warpgroup's bulk stores and aux loads
-    const unsigned stage_wg = s0 + STAGES * cfg::STAGE + wg * (BN / 64) * cfg::BOX;  // this warpgroup's boxes
-
+    const unsigned stage_wg = s0 + STAGES * STAGE + wg * (BN / 64) * BOX;  // this warpgroup's boxes
     // Staging: element (r, col) of the warpgroup's 64 rows is in box col / 64, row r's 128 bytes, 16-byte chunk
     // (col % 64) / 8 swizzled by r % 8 (TMA's 128-byte swizzle; for the accumulator pairs r % 8 = g, which keeps
     // the 4-byte writes of a warp on 32 different banks).
     auto at = [&](int j, int h) {  // accumulators 4j + 2h, 4j + 2h + 1
-        return stage_wg + (j / 8) * cfg::BOX + (warp * 16 + g + 8 * h) * 128 + (((j % 8) ^ g) << 4) + 2 * q;
+        return stage_wg + (j / 8) * BOX + (warp * 16 + g + 8 * h) * 128 + (((j % 8) ^ g) << 4) + 2 * q;
     };
     auto put = [&](int j, int h, float v0, float v1) {
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(at(j, h)), "r"(gw_pack(v0, v1)) : "memory");
@@ -255,7 +267,7 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         gw_wg_sync(wg);
         if (elected) {
-            for (int b = 0; b < BN / 64; ++b) gw_tma_store(map, col0 + 64 * b, row0 + wg * 64, stage_wg + b * cfg::BOX);
+            for (int b = 0; b < BN / 64; ++b) gw_tma_store(map, col0 + 64 * b, row0 + wg * 64, stage_wg + b * BOX);
             gw_bulk_commit();
         }
         __syncwarp();
@@ -265,101 +277,36 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
         __syncwarp();
         gw_wg_sync(wg);
     };
-    // DEFER: the previous tile's element-wise pass over the staged result (GELU of the stored pre-activation, or
-    // the staged dgrad times GELU' of aux read from global memory), 16-byte chunks in any order: part p of PARTS.
-    int pend_row = -1, pend_col = 0, parts_done = 0;
-    uint4 aux_next[cfg::PER_PART];  // DGELU: aux of the next part's chunks, loaded one part ahead
-    auto chunk = [&](int k, int& box, int& r, int& slot) {
-        const int idx = (tid & 127) + 128 * k;
-        box = idx / 512, r = (idx / 8) % 64, slot = idx % 8;
-    };
-    auto load_aux = [&](int p) {
-#pragma unroll
-        for (int e = 0; e < cfg::PER_PART; ++e) {
-            int box, r, slot;
-            chunk(p * cfg::PER_PART + e, box, r, slot);
-            const long long o = static_cast<long long>(pend_row + wg * 64 + r) * N + pend_col + 64 * box +
-                                8 * (slot ^ (r % 8));
-            aux_next[e] = *reinterpret_cast<const uint4*>(aux + o);
-        }
-    };
-    auto deferred_part = [&](int p) {
-        if (p == 0) {
-            if constexpr (EPI == 2) staging_free();  // the pre-activation's stores have read it
-            else gw_wg_sync(wg);                     // every thread's staged values are written
-        }
-        uint4 av4[cfg::PER_PART];
-        if constexpr (EPI == 3) {
-#pragma unroll
-            for (int e = 0; e < cfg::PER_PART; ++e) av4[e] = aux_next[e];
-            if (p + 1 < cfg::PARTS) load_aux(p + 1);
-        }
-#pragma unroll
-        for (int e = 0; e < cfg::PER_PART; ++e) {
-            int box, r, slot;
-            chunk(p * cfg::PER_PART + e, box, r, slot);
-            const unsigned sa = stage_wg + box * cfg::BOX + r * 128 + slot * 16;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(sa));
-            unsigned* w = &v.x;
-            const unsigned* av = &av4[e].x;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const float2 f = gw_unpack(w[u]);
-                if constexpr (EPI == 2) {
-                    w[u] = gw_pack(gw_gelu(f.x), gw_gelu(f.y));
-                } else {
-                    const float2 a2 = gw_unpack(av[u]);
-                    w[u] = gw_pack(f.x * gw_gelu_grad(a2.x), f.y * gw_gelu_grad(a2.y));
-                }
-            }
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(sa), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                         : "memory");
-        }
-        if (p == cfg::PARTS - 1) {
-            publish(map_d, pend_row, pend_col);
-            pend_row = -1;
-        }
-    };
 
     int c = 0;  // k-blocks consumed
     for (int i = 0; i < my_tiles; ++i) {
-        const int t = blockIdx.x + i * gridDim.x, row0 = (t / tiles_n) * cfg::BM, col0 = (t % tiles_n) * BN;
+        const int row0 = tile_row(i), col0 = tile_col(i);
         for (int kb = 0; kb < nk; ++kb, ++c) {
-            if constexpr (!DEFER && EPI == 3) {  // the aux tile into the staging area, once the last stores read it
+            if constexpr (EPI == 3) {  // the aux tile into the staging area, once the last stores read it
                 if (kb == (nk > 2 ? 2 : nk - 1) && elected) {
                     gw_bulk_wait_read();
-                    gw_mbar_expect_tx(aux_bar, (BN / 64) * cfg::BOX);
+                    gw_mbar_expect_tx(aux_bar, (BN / 64) * BOX);
                     for (int b = 0; b < BN / 64; ++b)
-                        gw_tma_load(stage_wg + b * cfg::BOX, map_aux, col0 + 64 * b, row0 + wg * 64, aux_bar);
+                        gw_tma_load(stage_wg + b * BOX, map_aux, col0 + 64 * b, row0 + wg * 64, aux_bar);
                 }
                 __syncwarp();
             }
             const int slot = c % STAGES;
             gw_mbar_wait(full(slot), (c / STAGES) & 1);
-            const unsigned a = s0 + slot * cfg::STAGE + wg * 64 * 128, b = s0 + slot * cfg::STAGE + cfg::A_BYTES;
+            const unsigned a = s0 + slot * STAGE + wg * 64 * 128, b = s0 + slot * STAGE + A_BYTES;
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) gw_mma<BN>(acc, gw_desc(a + 32 * kk), gw_desc(b + 32 * kk), kb > 0 || kk > 0);
+            for (int kk = 0; kk < 4; ++kk) gw_mma(acc, gw_desc(a + 32 * kk), gw_desc(b + 32 * kk), kb > 0 || kk > 0);
             wg_commit();
-            if constexpr (DEFER) {  // while the tensor cores work: part of the previous tile's pass
-                if (pend_row >= 0 && kb >= 1) {
-                    const int upto = kb == nk - 1 ? cfg::PARTS : min(cfg::PARTS, kb);
-                    while (parts_done < upto) deferred_part(parts_done++);
-                }
-            }
             wg_wait<1>();
             if (kb > 0) release(c - 1);
         }
         wg_wait<0>();
-        gw_pin<BN>(acc);
+        gw_pin(acc);
         release(c - 1);
-        if constexpr (DEFER) {  // a tile of one k-block never reached its pass
-            while (pend_row >= 0) deferred_part(parts_done++);
-        }
 
         // Epilogue: accumulator i of a thread is row 16·warp + g (+8 for i % 4 >= 2), column 8·(i / 4) + q (+1).
-        if constexpr (EPI == 3 && !DEFER) {
+        if constexpr (EPI == 3) {
             gw_mbar_wait(aux_bar, i & 1);
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
@@ -370,45 +317,36 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
                     const float2 f = gw_unpack(u);
                     put(j, h, acc[4 * j + 2 * h] * gw_gelu_grad(f.x), acc[4 * j + 2 * h + 1] * gw_gelu_grad(f.y));
                 }
-            publish(map_d, row0, col0);
-            continue;
-        }
-        staging_free();
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            float2 bj = make_float2(0.f, 0.f);
-            if constexpr (EPI == 1 || EPI == 2)
-                bj = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col0 + 8 * j + q));
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                acc[4 * j + 2 * h] += bj.x;
-                acc[4 * j + 2 * h + 1] += bj.y;
-                put(j, h, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
-        }
-        if constexpr (EPI == 2) publish(map_aux, row0, col0);  // that was the pre-activation
-        if constexpr (DEFER && (EPI == 2 || EPI == 3)) {        // GELU or GELU' in the next tile's main loop
-            pend_row = row0;
-            pend_col = col0;
-            parts_done = 0;
-            if constexpr (EPI == 3) load_aux(0);
-            continue;
-        }
-        if constexpr (EPI == 2) {
-#pragma unroll
-            for (int e = 0; e < BN / 2; ++e) acc[e] = gw_gelu(acc[e]);
+        } else {
             staging_free();
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < BN / 8; ++j) {
+                float2 bj = make_float2(0.f, 0.f);
+                if constexpr (EPI == 1 || EPI == 2)
+                    bj = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col0 + 8 * j + q));
 #pragma unroll
-                for (int h = 0; h < 2; ++h) put(j, h, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                for (int h = 0; h < 2; ++h) {
+                    acc[4 * j + 2 * h] += bj.x;
+                    acc[4 * j + 2 * h + 1] += bj.y;
+                    put(j, h, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
+            }
+            if constexpr (EPI == 2) {  // that was the pre-activation; now GELU of it
+                publish(map_aux, row0, col0);
+#pragma unroll
+                for (int e = 0; e < BN / 2; ++e) acc[e] = gw_gelu(acc[e]);
+                staging_free();
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) put(j, h, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
         }
         publish(map_d, row0, col0);
     }
-    if constexpr (DEFER) {  // the last tile's pass
-        while (pend_row >= 0) deferred_part(parts_done++);
-    }
     if (elected) gw_bulk_wait();  // shared memory stays until the last stores have read it
+    __syncwarp();
+    if constexpr (CLUSTER > 1) gw_cluster_sync();
 #else
     __trap();  // wgmma exists on sm_90a only
 #endif

@@ -4,13 +4,15 @@
     python dev/cuda/gemm_wgmma.py --json benchmarks/results/gemm_wgmma.json
     python dev/cuda/gemm_wgmma.py --no-time
 
-Steps 1-3 of ``gemm_epilogue_plan.md``. Every instantiation the .cu declares (``gemm_tma<BN, STAGES, EPI, MINB>``:
-tile 128 x BN, a ring of STAGES k-blocks, the epilogue, blocks per SM) is checked on fresh random bf16 inputs with
-NaN-poisoned outputs against float64 (NumPy, the package's GELU references) at a few shapes that are multiples of
-the tile, and NaN in one row of A must give NaN in that row of D only. Then (unless ``--no-time``) each is timed at
-the fc shape of GPT-2 124M, D [B·1024, 3072] = X [B·1024, 768] · Wᵀ, at B = 16 and 64, beside cuBLASLt on the
-same product with the matching epilogue (``lt_gemm``; for DGELU the package's own call, dY · W₂ with W₂ [768, 3072],
-while ours takes a transposed copy of W₂), and an 8192³ product of each for scale, all in one run.
+Steps 1-3 of ``gemm_epilogue_plan.md``. Every instantiation the .cu declares (``gemm_tma<EPI, CLUSTER>``: the
+epilogue, one block or a cluster of two sharing B by multicast) is checked on fresh random bf16 inputs with
+NaN-poisoned outputs against float64 (NumPy, the package's GELU references) at shapes that are multiples of the
+tile, with one tile and with more tiles than blocks, and NaN in one row of A must give NaN in that row of D only.
+Then (unless ``--no-time``) each is timed at the fc shape of GPT-2 124M, D [B·1024, 3072] = X [B·1024, 768] · Wᵀ,
+at B = 16 and 64, beside cuBLASLt on the same product with the matching epilogue (``lt_gemm``; for DGELU the
+package's own call, dY · W₂ with W₂ [768, 3072], while ours takes a transposed copy of W₂), and an 8192³ product of
+each for scale, all in one run; then how many clusters fit on the GPU at once, and the plain product with smaller
+persistent grids.
 
 The tensor maps (TMA descriptors) are made by the driver's ``cuTensorMapEncodeTiled`` through ctypes (CuPy does not
 wrap it) and copied to device memory, where the kernel reads them.
@@ -46,41 +48,40 @@ SOURCE = HERE / "gemm_wgmma.cu"
 EPILOGUES = {0: "none", 1: "bias", 2: "gelu_aux_bias", 3: "dgelu"}
 BM, BK = 128, 64
 RTOL = 1e-2  # bf16 outputs: rounding alone is ~2e-3
+# (M, N, K) checked: one tile of a cluster; a few k-blocks; GPT-2's fc and projection shapes; more tiles than blocks
+# (each block walks several), with 2 and 12 k-blocks
+CHECK_SHAPES = [(2 * BM, 256, BK), (4 * BM, 5 * 256, 3 * BK), (1024, 3072, 768), (768, 768, 3072), (8192, 3072, 2 * BK),
+                (5120, 3072, 768)]
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    """One instantiation ``gemm_tma<BN, STAGES, EPI, MINB, DEFER, PRODUCER>`` of the .cu."""
+    """One instantiation ``gemm_tma<EPI, CLUSTER>`` of the .cu (tile 128 x 256, three stages, a producer warp)."""
 
     epi: int
-    bn: int
-    stages: int
-    minb: int
-    defer: int
-    producer: int
+    cluster: int
+
+    BN, STAGES, THREADS = 256, 3, 288
 
     @classmethod
     def parse(cls, expr: str) -> Variant:
-        bn, st, epi, minb, defer, prod = map(int, re.fullmatch(r"gemm_tma<(\d+), (\d+), (\d+), (\d+), (\d+), "
-                                                               r"(\d+)>", expr).groups())
-        return cls(epi, bn, st, minb, defer, prod)
+        epi, cluster = map(int, re.fullmatch(r"gemm_tma<(\d+), (\d+)>", expr).groups())
+        return cls(epi, cluster)
 
     @property
     def expr(self) -> str:
-        return f"gemm_tma<{self.bn}, {self.stages}, {self.epi}, {self.minb}, {self.defer}, {self.producer}>"
+        return f"gemm_tma<{self.epi}, {self.cluster}>"
 
     @property
-    def threads(self) -> int:
-        return 256 + 32 * self.producer
+    def smem(self) -> int:  # gw::SMEM: the ring, the staging area, the barriers
+        return 1024 + self.STAGES * (BM + self.BN) * BK * 2 + BM * self.BN * 2 + (2 * self.STAGES + 2) * 8
 
-    @property
-    def smem(self) -> int:  # gw_cfg::SMEM: the ring, the staging area, the barriers
-        return 1024 + self.stages * (BM + self.bn) * BK * 2 + BM * self.bn * 2 + (2 * self.stages + 2) * 8
+    def fits(self, m: int, n: int, k: int) -> bool:
+        return m % (BM * self.cluster) == 0 and n % self.BN == 0 and k % BK == 0
 
     @property
     def label(self) -> str:
-        return (f"ours BN={self.bn} STAGES={self.stages}" + (" deferred" if self.defer else "")
-                + (" producer" if self.producer else ""))
+        return "ours" + (f" cluster {self.cluster}" if self.cluster > 1 else "")
 
 
 # --------------------------------------------------------------------------- TMA descriptors
@@ -119,18 +120,18 @@ def launcher(cp, kernels, var: Variant, n_sm: int):
     fn = kernels[var.expr]
     fn.max_dynamic_shared_size_bytes = var.smem
 
-    def prepare(a, bt, d, aux=None, bias=None):
+    def prepare(a, bt, d, aux=None, bias=None, grid=None):
         (m, k), n = a.shape, bt.shape[0]
-        if m % BM or n % var.bn or k % BK or bt.shape[1] != k or d.shape != (m, n):
-            raise ValueError(f"{var.expr}: M % {BM}, N % {var.bn}, K % {BK} must be 0; got {m} x {n} x {k}")
+        if not var.fits(m, n, k) or bt.shape[1] != k or d.shape != (m, n):
+            raise ValueError(f"{var.expr}: M % {BM * var.cluster}, N % {var.BN}, K % {BK} must be 0; got "
+                             f"{m} x {n} x {k}")
         null = np.uint64(0)
-        maps = (tensor_map(cp, a, BM), tensor_map(cp, bt, var.bn),
+        maps = (tensor_map(cp, a, BM), tensor_map(cp, bt, var.BN // var.cluster),  # B: each block's share
                 tensor_map(cp, d, 64), tensor_map(cp, aux, 64) if aux is not None else null)  # 64 x 64 boxes
-        args = (*maps, null if aux is None else aux, null if bias is None else bias, np.int32(m), np.int32(n),
-                np.int32(k))
-        tiles = (m // BM) * (n // var.bn)
-        grid = (min(tiles, var.minb * n_sm),)
-        return lambda: fn(grid, (var.threads,), args, shared_mem=var.smem)
+        args = (*maps, null if bias is None else bias, np.int32(m), np.int32(n), np.int32(k))
+        tiles = (m // BM) * (n // var.BN)
+        grid = (grid or min(tiles, n_sm) // var.cluster * var.cluster,)  # persistent, whole clusters
+        return lambda: fn(grid, (var.THREADS,), args, shared_mem=var.smem)
 
     return prepare
 
@@ -161,12 +162,7 @@ def operands(cp, rng, m, n, k, epi):
 
 def check(cp, prepare, var: Variant, rng) -> list[dict]:
     rows = []
-    # one tile; a few k-blocks; GPT-2's fc and projection shapes; more tiles than blocks (each block walks several,
-    # the deferred pass then runs inside the next tile's main loop), with 2 and 12 k-blocks
-    for m, n, k in [(BM, var.bn, BK), (3 * BM, 5 * var.bn, 3 * BK), (1024, 3072, 768), (640, 768, 3072),
-                    (8192, 3072, 2 * BK), (5120, 3072, 768)]:
-        if n % var.bn:
-            continue
+    for m, n, k in CHECK_SHAPES:
         a, bt, bias, aux = operands(cp, rng, m, n, k, var.epi)
         d = poisoned((m, n), "bf16", cp)
         prepare(a, bt, d, aux=aux, bias=bias)()
@@ -178,7 +174,7 @@ def check(cp, prepare, var: Variant, rng) -> list[dict]:
         rows.append({"variant": var.expr, "M": m, "N": n, "K": k, "d_error": e_d, "aux_error": e_aux,
                      "ok": bool(e_d < RTOL and e_aux < RTOL)})
     # NaN in one row of A: that row of D is NaN, every other row finite
-    m, n, k = 2 * BM, var.bn, BK
+    m, n, k = 2 * BM, var.BN, BK
     a, bt, bias, aux = operands(cp, rng, m, n, k, var.epi)
     a[77, 5] = np.nan
     d = poisoned((m, n), "bf16", cp)
@@ -217,7 +213,7 @@ def timing(cp, kernels, n_sm, rng, reps) -> list[dict]:
             aux_lt = aux.copy() if aux is not None else None
             cands = {f"cuBLASLt {EPILOGUES[epi]}": lt_call(cp, epi, a, bt, w2, d_lt, aux_lt, bias)}
             for var in variants:
-                if var.epi == epi and n % var.bn == 0:
+                if var.epi == epi and var.fits(m, n, k):
                     cands[var.label] = launcher(cp, kernels, var, n_sm)(a, bt, d, aux=aux, bias=bias)
             for name, fn in cands.items():
                 t = time_fn(fn, xp=cp, warmup=5, reps=reps)
@@ -231,6 +227,44 @@ def timing(cp, kernels, n_sm, rng, reps) -> list[dict]:
                 print(f"  {m:>6} x {n} x {k}  {EPILOGUES[epi]:>13}  {name:<30} {t.median_ms:8.4f} ms "
                       f"{rows[-1]['tflops']:6.1f} TFLOP/s" + ("" if err is None else f"  (vs cuBLASLt {err:.1e})"),
                       flush=True)
+    return rows
+
+
+def max_active_clusters(kernels, var: Variant, n_sm: int):
+    """How many clusters of var's kernel the GPU runs at once (cuOccupancyMaxActiveClusters), or why not known."""
+    try:
+        from cuda.bindings import driver as cu
+
+        fn = kernels[var.expr]
+        fn.max_dynamic_shared_size_bytes = var.smem
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = n_sm // var.cluster * var.cluster, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = var.THREADS, 1, 1
+        cfg.sharedMemBytes = var.smem
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = var.cluster, 1, 1
+        cfg.attrs, cfg.numAttrs = [attr], 1
+        err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn.kernel.ptr), cfg)
+        return int(n) if int(err) == 0 else f"cuOccupancyMaxActiveClusters: {err}"
+    except Exception as e:  # no cuda.bindings, or an API that differs
+        return f"{type(e).__name__}: {e}"
+
+
+def grid_sweep(cp, kernels, n_sm, rng, reps) -> list[dict]:
+    """The plain product at the B = 64 fc shape with smaller persistent grids: if fewer clusters fit on the GPU at
+    once than the grid has, the rest wait for a second round, and a smaller grid is faster."""
+    m, n, k = 64 * 1024, 3072, 768
+    a, bt, _, _ = operands(cp, rng, m, n, k, 0)
+    d = cp.empty((m, n), bt.dtype)
+    rows = []
+    for var in sorted(map(Variant.parse, kernels)):
+        if var.epi != 0:
+            continue
+        for grid in sorted({min(g, n_sm) // var.cluster * var.cluster for g in (n_sm, 128, 120, 112, 96, 66)}):
+            t = time_fn(launcher(cp, kernels, var, n_sm)(a, bt, d, grid=grid), xp=cp, warmup=5, reps=reps)
+            rows.append({"kernel": var.label, "grid": grid, "ms": t.median_ms, "tflops": t.tflops(2.0 * m * n * k)})
+            print(f"  grid {grid:>4}  {var.label:<16} {t.median_ms:8.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s")
     return rows
 
 
@@ -264,6 +298,10 @@ def main(argv=None) -> int:
         result["copy_gbps"] = copy_bandwidth(xp=cp)
         print(f"ceilings: cuBLAS bf16 8192³ {result['gemm_tflops']:.0f} TFLOP/s, copy {result['copy_gbps']:.0f} GB/s")
         result["timings"] = timing(cp, kernels, n_sm, rng, args.reps)
+        result["max_active_clusters"] = {v.label: max_active_clusters(kernels, v, n_sm)
+                                         for v in sorted(map(Variant.parse, kernels)) if v.epi == 0}
+        print("clusters (or blocks) the GPU runs at once:", result["max_active_clusters"])
+        result["grid_sweep"] = grid_sweep(cp, kernels, n_sm, rng, args.reps)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{len(checks) - len(bad)}/{len(checks)} checks passed")
