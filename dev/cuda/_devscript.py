@@ -25,3 +25,16 @@ def cupy_or_say_why(note: str = ""):
         print(f"no GPU: {reason}{note}")
         return None
     return backend.require_gpu()
+
+
+def hopper_or_say_why(note: str = ""):
+    """CuPy when the GPU is an sm_90 (Hopper, where the wgmma experiments run); otherwise None, after one line
+    saying why (``no GPU: ...`` as ``cupy_or_say_why``, or ``no sm_90 GPU: ...``)."""
+    cp = cupy_or_say_why(note)
+    if cp is None:
+        return None
+    cc = cp.cuda.Device().compute_capability
+    if cc != "90":
+        print(f"no sm_90 GPU: this is sm_{cc}, and wgmma exists on Hopper (sm_90a) only{note}")
+        return None
+    return cp
