@@ -18,6 +18,7 @@ import pytest
 from llmgpu import backend
 from llmgpu.kernels import launch, loader
 from llmgpu.kernels.launch import SMLimits
+from llmgpu.perf import timing as timing_mod
 
 DEV_CUDA = Path(__file__).resolve().parents[1] / "dev" / "cuda"
 EXPERIMENTS = sorted(DEV_CUDA.glob("*.cu"))
@@ -88,6 +89,7 @@ class _FakeCupy:
     """Enough of CuPy for the dev/cuda scripts' GPU paths to run on NumPy arrays with stand-in kernels."""
 
     asarray, full, asnumpy = staticmethod(np.asarray), staticmethod(np.full), staticmethod(np.asarray)
+    empty = staticmethod(np.empty)
 
     class cuda:
         class Device:
@@ -374,3 +376,28 @@ def test_gemm_wgmma_checks_on_a_stand_in_gpu(monkeypatch, capsys, broken):
     text = capsys.readouterr().out
     assert ("FAIL" in text) == broken, text
     assert text.count("ok  ") + text.count("FAIL") == len(exprs) * 3  # two shapes and the NaN row, per variant
+
+
+def test_gemm_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
+    """The timing table's code path on NumPy (small shapes, a fixed clock): a row per kernel and epilogue, cuBLASLt's
+    call (the NumPy reference of lt_gemm) beside ours, and ours compared with its output: the stand-ins compute the
+    same function, so the comparison must come out at bf16 rounding."""
+    gw = _dev_module("gemm_wgmma")
+    exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
+    kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e))) for e in exprs}
+    cp = _fake_gpu(monkeypatch, gw, kernels)
+    monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)
+    monkeypatch.setattr(gw, "TIME_SHAPES", [(512, 512, 128, (0, 1, 2, 3)), (256, 256, 64, (0,))])
+    clock = timing_mod.Timing(0.5, 0.5, 0.5, 1)  # a fixed clock: 0.5 ms a call
+
+    def time_fn(fn, **kw):
+        fn()
+        return clock
+
+    monkeypatch.setattr(gw, "time_fn", time_fn)
+    rows = gw.timing(cp, kernels, 132, np.random.default_rng(0), reps=1)
+    ours = [r for r in rows if not r["kernel"].startswith("cuBLASLt")]
+    assert len(rows) == 5 * 3 and len(ours) == 5 * 2  # (4 + 1 epilogues) x (cuBLASLt, ours, ours cluster 2)
+    assert all(r["error_vs_cublaslt"] < 1e-2 for r in ours), ours
+    assert all("aux_error_vs_cublaslt" in r for r in ours if r["epilogue"] == "gelu_aux_bias")
+    assert "TFLOP/s" in capsys.readouterr().out

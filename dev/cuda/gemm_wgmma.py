@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import re
 import sys
@@ -52,6 +53,9 @@ RTOL = 1e-2  # bf16 outputs: rounding alone is ~2e-3
 # (each block walks several), with 2 and 12 k-blocks
 CHECK_SHAPES = [(2 * BM, 256, BK), (4 * BM, 5 * 256, 3 * BK), (1024, 3072, 768), (768, 768, 3072), (8192, 3072, 2 * BK),
                 (5120, 3072, 768)]
+# (M, N, K, epilogues) timed: the fc GEMM at B = 16 and 64 with each epilogue, and a large square for scale
+TIME_SHAPES = [(16 * 1024, 3072, 768, tuple(EPILOGUES)), (64 * 1024, 3072, 768, tuple(EPILOGUES)),
+               (8192, 8192, 8192, (0,))]
 
 
 @dataclass(frozen=True, order=True)
@@ -89,7 +93,9 @@ class Variant:
 _CU = {"bf16": 9, "interleave_none": 0, "swizzle_128b": 3, "l2_256b": 3, "oob_zero": 0}  # cuda.h's enum values
 
 
+@functools.cache
 def _driver():
+    """The driver's cuTensorMapEncodeTiled, with its argument types."""
     lib = ctypes.CDLL("libcuda.so.1")
     f = lib.cuTensorMapEncodeTiled
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
@@ -116,7 +122,8 @@ def tensor_map(cp, x, box_rows: int):
 
 
 def launcher(cp, kernels, var: Variant, n_sm: int):
-    """run(a, bt, d, aux=None, bias=None): D = A · Btᵀ with var's epilogue."""
+    """prepare(a, bt, d, aux=None, bias=None, grid=None): the tensor maps and arguments for D = A · Btᵀ with var's
+    epilogue, made once; returns the function that launches it (persistent: one block per SM unless ``grid``)."""
     fn = kernels[var.expr]
     fn.max_dynamic_shared_size_bytes = var.smem
 
@@ -187,7 +194,7 @@ def check(cp, prepare, var: Variant, rng) -> list[dict]:
 # --------------------------------------------------------------------------- timing
 
 
-def lt_call(cp, epi, a, bt, w2, d, aux, bias):
+def lt_call(epi, a, bt, d, aux, bias):
     """cuBLASLt on the same product: the package's call (for DGELU: dY · W₂, W₂ [K, N] as the model stores it)."""
     if epi == 0:
         return lambda: lt_gemm(a, bt, trans_b=True, out=d)
@@ -195,23 +202,20 @@ def lt_call(cp, epi, a, bt, w2, d, aux, bias):
         return lambda: lt_gemm(a, bt, trans_b=True, out=d, epilogue="bias", bias=bias)
     if epi == 2:
         return lambda: lt_gemm(a, bt, trans_b=True, out=d, epilogue="gelu_bias", bias=bias, aux=aux)
+    w2 = bt.T.copy()  # [K, N]: the projection weight as the model stores it
     return lambda: lt_gemm(a, w2, out=d, epilogue="dgelu", aux=aux)
 
 
 def timing(cp, kernels, n_sm, rng, reps) -> list[dict]:
     rows = []
-    shapes = [(16 * 1024, 3072, 768), (64 * 1024, 3072, 768), (8192, 8192, 8192)]
     variants = sorted(map(Variant.parse, kernels))
-    for m, n, k in shapes:
+    for m, n, k, epilogues in TIME_SHAPES:
         flops = 2.0 * m * n * k
-        for epi in EPILOGUES:
-            if (m, n, k) == (8192, 8192, 8192) and epi != 0:
-                continue
+        for epi in epilogues:
             a, bt, bias, aux = operands(cp, rng, m, n, k, epi)
-            w2 = cp.ascontiguousarray(bt.T)  # [K, N]: the projection weight as the model stores it
             d, d_lt = cp.empty((m, n), bt.dtype), cp.empty((m, n), bt.dtype)
             aux_lt = aux.copy() if aux is not None else None
-            cands = {f"cuBLASLt {EPILOGUES[epi]}": lt_call(cp, epi, a, bt, w2, d_lt, aux_lt, bias)}
+            cands = {f"cuBLASLt {EPILOGUES[epi]}": lt_call(epi, a, bt, d_lt, aux_lt, bias)}
             for var in variants:
                 if var.epi == epi and var.fits(m, n, k):
                     cands[var.label] = launcher(cp, kernels, var, n_sm)(a, bt, d, aux=aux, bias=bias)
