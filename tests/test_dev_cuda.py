@@ -318,15 +318,18 @@ def test_attention_layout_probe_script_runs():
 
 
 def test_gemm_wgmma_compiles_for_sm90a_without_spills_or_serialized_wgmma():
-    """Every epilogue, with and without the cluster: no spills, at most 224 registers (288 threads a block, one
-    block per SM), and ptxas keeps the wgmma asynchronous (no C7514/C7515 serialization note)."""
+    """Every epilogue, with and without the cluster, and the three parts alone: no spills, at most 224 registers
+    (288 threads a block, one block per SM), and ptxas keeps the wgmma asynchronous (no C7514/C7515 serialization
+    note). The math-only and no-epilogue parts keep their 128 accumulators (else ptxas dropped the wgmmas)."""
     pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")
     from llmgpu.kernels import compile_check
 
     r = compile_check.compile_path(DEV_CUDA / "gemm_wgmma.cu", "sm_90a")
     assert r.ok, r.log
-    assert len(r.kernels) == 8 and not any(k.spills for k in r.kernels), r.kernels
+    assert len(r.kernels) == 11 and not any(k.spills for k in r.kernels), r.kernels
     assert all(k.registers <= 224 for k in r.kernels), r.kernels
+    regs = {k.expression: k.registers for k in r.kernels}
+    assert regs["gemm_tma<0, 1, 2>"] >= 128 and regs["gemm_tma<0, 1, 3>"] >= 128, regs
     assert "serialized" not in r.log, r.log
 
 
@@ -338,7 +341,8 @@ def test_gemm_wgmma_script_runs():
 
 
 def _gemm_stand_in(var, *, drop_last_row=False):
-    """A kernel computing what gemm_tma<EPI, CLUSTER> must, in float64, from the arrays the tensor maps stand for."""
+    """A kernel computing what gemm_tma<EPI, CLUSTER, 0> must, in float64, from the arrays the tensor maps stand for
+    (a part alone, PART != 0, writes nothing)."""
     from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference
 
     epi = var.epi
@@ -347,6 +351,8 @@ def _gemm_stand_in(var, *, drop_last_row=False):
         a, bt, d, aux, bias, m, n, k = args
         assert block == (288,) and grid[0] <= 132 and grid[0] % var.cluster == 0, (grid, block)
         assert a.shape == (int(m), int(k)) and bt.shape == (int(n), int(k)) and d.shape == (int(m), int(n))
+        if var.part:
+            return
         acc = np.asarray(a, np.float64) @ np.asarray(bt, np.float64).T
         if epi in (1, 2):
             acc = acc + np.asarray(bias, np.float64)
@@ -375,7 +381,8 @@ def test_gemm_wgmma_checks_on_a_stand_in_gpu(monkeypatch, capsys, broken):
     assert gw.main(["--no-time"]) == (1 if broken else 0)
     text = capsys.readouterr().out
     assert ("FAIL" in text) == broken, text
-    assert text.count("ok  ") + text.count("FAIL") == len(exprs) * 3  # two shapes and the NaN row, per variant
+    assert text.count("ok  ") + text.count("FAIL") == len(gw.gemms(kernels)) * 3  # 2 shapes + the NaN row each
+    assert len(gw.gemms(kernels)) == 8  # the parts alone write nothing: they are timed, not checked
 
 
 def test_gemm_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
@@ -401,3 +408,24 @@ def test_gemm_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
     assert all(r["error_vs_cublaslt"] < 1e-2 for r in ours), ours
     assert all("aux_error_vs_cublaslt" in r for r in ours if r["epilogue"] == "gelu_aux_bias")
     assert "TFLOP/s" in capsys.readouterr().out
+
+
+def test_gemm_wgmma_parts_on_a_stand_in_gpu(monkeypatch, capsys):
+    """The parts' timing path on NumPy: every round times cuBLASLt and the four instantiations of the plain
+    one-block kernel; the bytes the loads move are k-blocks x STAGE (the math-only part: STAGES per block)."""
+    gw = _dev_module("gemm_wgmma")
+    exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
+    kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e))) for e in exprs}
+    cp = _fake_gpu(monkeypatch, gw, kernels)
+    monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)
+    monkeypatch.setattr(gw, "PARTS_SHAPES", [(1024, 512, 128)])  # 16 tiles of 2 k-blocks
+    monkeypatch.setattr(gw, "time_fn", lambda fn, **kw: (fn(), timing_mod.Timing(0.5, 0.5, 0.5, 1))[1])
+    rows = gw.parts(cp, kernels, 132, np.random.default_rng(0), reps=1, rounds=2)
+    assert len(rows) == 2 * 5 and [r["round"] for r in rows] == [0] * 5 + [1] * 5
+    by = {r["kernel"]: r for r in rows if r["round"] == 1}
+    stage = (128 + 256) * 64 * 2
+    assert by["ours"]["loaded_bytes"] == by["ours: loads only"]["loaded_bytes"] == 16 * 2 * stage
+    assert by["ours: math only"]["loaded_bytes"] == 16 * 3 * stage and by["ours: math only"]["load_tbps"] is None
+    assert by["ours: loads only"]["load_tbps"] == pytest.approx(16 * 2 * stage / 0.5e-3 / 1e12)
+    assert by["cuBLASLt none"]["loaded_bytes"] is None
+    assert "loads only" in capsys.readouterr().out

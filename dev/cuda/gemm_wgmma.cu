@@ -29,11 +29,16 @@
 //   warpgroup hands it to TMA stores, which run while the warpgroup goes on to its next tile; the area is written
 //   again only after those stores have read it (cp.async.bulk.wait_group.read). DGELU's aux tile comes the same
 //   way: TMA loads it into the staging area during the tile's main loop (from its third k-block on).
+// * PART != 0 runs one part of the kernel alone, to time it (METHOD.md: leave a stage out and take differences):
+//   1 the loads alone (the consumers wait for each k-block and release it at once: no wgmma, no epilogue), 2 the
+//   math alone (the ring is loaded once; the consumers run every wgmma on the resident slots: no loads after the
+//   first STAGES, no epilogue), 3 loads and math without the epilogue (nothing is written). Only PART 0 computes D.
 // Requires M % (128 · CLUSTER) == 0, N % 256 == 0, K % 64 == 0 (the script checks).
 #include "common.cuh"
 #include "wgmma.cuh"
 
-// llmgpu:kernel gemm_tma<{0,1,2,3}, {1,2}>
+// llmgpu:kernel gemm_tma<{0,1,2,3}, {1,2}, 0>
+// llmgpu:kernel gemm_tma<0, 1, {1,2,3}>
 
 // The 128 accumulators of an m64n256 result per thread, as PTX operands and asm constraints.
 #define GW_D128 \
@@ -184,7 +189,7 @@ static_assert(SMEM <= 227 * 1024, "one block per SM: at most 227 KiB of shared m
 // The descriptor of a K-major 128-byte-swizzled tile at saddr (SBO = 1024: the next 8 rows; LBO unused).
 __device__ __forceinline__ unsigned long long gw_desc(unsigned saddr) { return wg_desc(saddr, 16, 1024, 1); }
 
-template <int EPI, int CLUSTER>
+template <int EPI, int CLUSTER, int PART>
 __global__ void GW_CLUSTER_DIMS(CLUSTER) __launch_bounds__(gw::THREADS, 1)
 gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const void* __restrict__ map_d,
          const void* __restrict__ map_aux, const __nv_bfloat16* __restrict__ bias, int M, int N, int K) {
@@ -221,7 +226,7 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
 
     if (tid >= 256) {  // the producer warp: every load, each as soon as its slot is free in the whole cluster
         if (lane == 0) {
-            for (int L = 0; L < total; ++L) {
+            for (int L = 0; L < (PART == 2 ? min(total, STAGES) : total); ++L) {
                 const int i = L / nk, kb = L % nk, slot = L % STAGES;
                 if (L >= STAGES) gw_mbar_wait(empty(slot), (L / STAGES - 1) & 1);
                 const unsigned dst = s0 + slot * STAGE;
@@ -282,7 +287,7 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
     for (int i = 0; i < my_tiles; ++i) {
         const int row0 = tile_row(i), col0 = tile_col(i);
         for (int kb = 0; kb < nk; ++kb, ++c) {
-            if constexpr (EPI == 3) {  // the aux tile into the staging area, once the last stores read it
+            if constexpr (EPI == 3 && PART == 0) {  // the aux tile into the staging area, once the last stores read it
                 if (kb == (nk > 2 ? 2 : nk - 1) && elected) {
                     gw_bulk_wait_read();
                     gw_mbar_expect_tx(aux_bar, (BN / 64) * BOX);
@@ -292,18 +297,32 @@ gemm_tma(const void* __restrict__ map_a, const void* __restrict__ map_b, const v
                 __syncwarp();
             }
             const int slot = c % STAGES;
-            gw_mbar_wait(full(slot), (c / STAGES) & 1);
+            if (PART != 2 || c < STAGES) gw_mbar_wait(full(slot), (c / STAGES) & 1);
+            if constexpr (PART == 1) {
+                release(c);
+                continue;
+            }
             const unsigned a = s0 + slot * STAGE + wg * 64 * 128, b = s0 + slot * STAGE + A_BYTES;
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) gw_mma(acc, gw_desc(a + 32 * kk), gw_desc(b + 32 * kk), kb > 0 || kk > 0);
             wg_commit();
             wg_wait<1>();
-            if (kb > 0) release(c - 1);
+            if (PART != 2 && kb > 0) release(c - 1);
         }
+        if constexpr (PART == 1) continue;
         wg_wait<0>();
         gw_pin(acc);
-        release(c - 1);
+        if constexpr (PART != 2) release(c - 1);
+        if constexpr (PART != 0) {
+            if (K < 0) {  // never taken; keeps the accumulators live, else ptxas drops the wgmmas as dead code
+                float sum = 0.f;
+#pragma unroll
+                for (int e = 0; e < BN / 2; ++e) sum += acc[e];
+                static_cast<float*>(const_cast<void*>(map_d))[tid] = sum;
+            }
+            continue;
+        }
 
         // Epilogue: accumulator i of a thread is row 16·warp + g (+8 for i % 4 >= 2), column 8·(i / 4) + q (+1).
         if constexpr (EPI == 3) {

@@ -11,8 +11,9 @@ tile, with one tile and with more tiles than blocks, and NaN in one row of A mus
 Then (unless ``--no-time``) each is timed at the fc shape of GPT-2 124M, D [B·1024, 3072] = X [B·1024, 768] · Wᵀ,
 at B = 16 and 64, beside cuBLASLt on the same product with the matching epilogue (``lt_gemm``; for DGELU the
 package's own call, dY · W₂ with W₂ [768, 3072], while ours takes a transposed copy of W₂), and an 8192³ product of
-each for scale, all in one run; then how many clusters fit on the GPU at once, and the plain product with smaller
-persistent grids.
+each for scale, all in one run; then how many clusters fit on the GPU at once, the plain product with smaller
+persistent grids, and the plain product's parts alone (``gemm_tma<0, 1, PART>``: the loads alone, the math alone,
+both without the epilogue; ``PARTS``) beside the whole, in three rounds.
 
 The tensor maps (TMA descriptors) are made by the driver's ``cuTensorMapEncodeTiled`` through ctypes (CuPy does not
 wrap it) and copied to device memory, where the kernel reads them.
@@ -56,25 +57,30 @@ CHECK_SHAPES = [(2 * BM, 256, BK), (4 * BM, 5 * 256, 3 * BK), (1024, 3072, 768),
 # (M, N, K, epilogues) timed: the fc GEMM at B = 16 and 64 with each epilogue, and a large square for scale
 TIME_SHAPES = [(16 * 1024, 3072, 768, tuple(EPILOGUES)), (64 * 1024, 3072, 768, tuple(EPILOGUES)),
                (8192, 8192, 8192, (0,))]
+PARTS_SHAPES = [(64 * 1024, 3072, 768), (8192, 8192, 8192)]  # (M, N, K) of the parts' timing
+
+
+PARTS = {0: "the GEMM", 1: "loads only", 2: "math only", 3: "loads + math, no epilogue"}  # the .cu's PART
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    """One instantiation ``gemm_tma<EPI, CLUSTER>`` of the .cu (tile 128 x 256, three stages, a producer warp)."""
+    """One instantiation ``gemm_tma<EPI, CLUSTER, PART>`` of the .cu (tile 128 x 256, three stages, a producer warp);
+    PART != 0 runs one part of the kernel alone and writes nothing (``PARTS``)."""
 
     epi: int
     cluster: int
+    part: int = 0
 
     BN, STAGES, THREADS = 256, 3, 288
 
     @classmethod
     def parse(cls, expr: str) -> Variant:
-        epi, cluster = map(int, re.fullmatch(r"gemm_tma<(\d+), (\d+)>", expr).groups())
-        return cls(epi, cluster)
+        return cls(*map(int, re.fullmatch(r"gemm_tma<(\d+), (\d+), (\d+)>", expr).groups()))
 
     @property
     def expr(self) -> str:
-        return f"gemm_tma<{self.epi}, {self.cluster}>"
+        return f"gemm_tma<{self.epi}, {self.cluster}, {self.part}>"
 
     @property
     def smem(self) -> int:  # gw::SMEM: the ring, the staging area, the barriers
@@ -85,7 +91,13 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return "ours" + (f" cluster {self.cluster}" if self.cluster > 1 else "")
+        return "ours" + (f" cluster {self.cluster}" if self.cluster > 1 else "") + (
+            f": {PARTS[self.part]}" if self.part else "")
+
+
+def gemms(kernels) -> list[Variant]:
+    """The instantiations that compute D (PART 0), in order."""
+    return [v for v in sorted(map(Variant.parse, kernels)) if v.part == 0]
 
 
 # --------------------------------------------------------------------------- TMA descriptors
@@ -208,7 +220,7 @@ def lt_call(epi, a, bt, d, aux, bias):
 
 def timing(cp, kernels, n_sm, rng, reps) -> list[dict]:
     rows = []
-    variants = sorted(map(Variant.parse, kernels))
+    variants = gemms(kernels)
     for m, n, k, epilogues in TIME_SHAPES:
         flops = 2.0 * m * n * k
         for epi in epilogues:
@@ -262,13 +274,43 @@ def grid_sweep(cp, kernels, n_sm, rng, reps) -> list[dict]:
     a, bt, _, _ = operands(cp, rng, m, n, k, 0)
     d = cp.empty((m, n), bt.dtype)
     rows = []
-    for var in sorted(map(Variant.parse, kernels)):
+    for var in gemms(kernels):
         if var.epi != 0:
             continue
         for grid in sorted({min(g, n_sm) // var.cluster * var.cluster for g in (n_sm, 128, 120, 112, 96, 66)}):
             t = time_fn(launcher(cp, kernels, var, n_sm)(a, bt, d, grid=grid), xp=cp, warmup=5, reps=reps)
             rows.append({"kernel": var.label, "grid": grid, "ms": t.median_ms, "tflops": t.tflops(2.0 * m * n * k)})
             print(f"  grid {grid:>4}  {var.label:<16} {t.median_ms:8.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s")
+    return rows
+
+
+def parts(cp, kernels, n_sm, rng, reps, rounds: int = 3) -> list[dict]:
+    """The plain GEMM and its parts alone (PART 1-3) with cuBLASLt beside them, at PARTS_SHAPES, timed in turn
+    ``rounds`` times (so that a drift of the clocks over the run shows as a spread between rounds, not as a
+    difference between parts). Bytes: what the loads move from L2 (or DRAM) into shared memory, STAGE bytes a
+    k-block; the math-only part loads only the first STAGES k-blocks of each block."""
+    rows = []
+    for m, n, k in PARTS_SHAPES:
+        a, bt, _, _ = operands(cp, rng, m, n, k, 0)
+        d, d_lt = cp.empty((m, n), bt.dtype), cp.empty((m, n), bt.dtype)
+        cands = {"cuBLASLt none": lt_call(0, a, bt, d_lt, None, None)}
+        for var in sorted(map(Variant.parse, kernels)):
+            if var.epi == 0 and var.cluster == 1:
+                cands[var.label] = (var, launcher(cp, kernels, var, n_sm)(a, bt, d))
+        tiles, nk = (m // BM) * (n // Variant.BN), k // BK
+        stage = (BM + Variant.BN) * BK * 2
+        for r in range(rounds):
+            for name, c in cands.items():
+                var, fn = c if isinstance(c, tuple) else (None, c)
+                t = time_fn(fn, xp=cp, warmup=5, reps=reps)
+                loaded = (min(tiles, n_sm) * Variant.STAGES if var and var.part == 2 else tiles * nk) * stage
+                rows.append({"M": m, "N": n, "K": k, "round": r, "kernel": name, "ms": t.median_ms,
+                             "tflops": t.tflops(2.0 * m * n * k),
+                             "loaded_bytes": loaded if var else None,
+                             "load_tbps": loaded / t.median_ms / 1e9 if var and var.part != 2 else None})
+                x = rows[-1]
+                print(f"  {m:>6} x {n} x {k}  round {r}  {name:<38} {t.median_ms:8.4f} ms {x['tflops']:6.1f} "
+                      f"TFLOP/s" + (f"  loads {x['load_tbps']:5.2f} TB/s" if x["load_tbps"] else ""), flush=True)
     return rows
 
 
@@ -285,7 +327,7 @@ def main(argv=None) -> int:
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     rng = np.random.default_rng(0)
     checks = []
-    for var in sorted(map(Variant.parse, kernels)):
+    for var in gemms(kernels):
         prepare = launcher(cp, kernels, var, n_sm)
         checks += check(cp, prepare, var, rng)
     bad = [r for r in checks if not r["ok"]]
@@ -299,9 +341,11 @@ def main(argv=None) -> int:
         print(f"ceilings: cuBLAS bf16 8192³ {result['gemm_tflops']:.0f} TFLOP/s, copy {result['copy_gbps']:.0f} GB/s")
         result["timings"] = timing(cp, kernels, n_sm, rng, args.reps)
         result["max_active_clusters"] = {v.label: max_active_clusters(kernels, v, n_sm)
-                                         for v in sorted(map(Variant.parse, kernels)) if v.epi == 0}
+                                         for v in gemms(kernels) if v.epi == 0}
         print("clusters (or blocks) the GPU runs at once:", result["max_active_clusters"])
         result["grid_sweep"] = grid_sweep(cp, kernels, n_sm, rng, args.reps)
+        print("the plain GEMM's parts alone (PART 1-3 of the .cu):")
+        result["parts"] = parts(cp, kernels, n_sm, rng, args.reps)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{len(checks) - len(bad)}/{len(checks)} checks passed")
