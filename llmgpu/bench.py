@@ -46,7 +46,7 @@ import numpy as np
 
 from . import backend
 from .model import GPT, FastGPT, GPTConfig
-from .perf import timing
+from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
@@ -139,6 +139,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         xp.cuda.Device().synchronize()
     warmup_s = time.perf_counter() - t0
     times = []
+    t_begin = time.time()  # the timed steps' wall-clock window (to match the clock readings: perf.clocks)
     if gpu:
         evs = [(xp.cuda.Event(), xp.cuda.Event()) for _ in range(steps)]
         for a, b in evs:
@@ -152,6 +153,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
             t = time.perf_counter()
             rec = run()
             times.append((time.perf_counter() - t) * 1e3)
+    t_end = time.time()
     ms = statistics.median(times)
     final = float(backend.to_numpy(rec)[0])
     captured = run.train_step.graph
@@ -165,7 +167,8 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
            "final_loss": final, "peak_memory_bytes": peak, "static_memory_bytes": static_bytes,
            "checkpoint_every": checkpoint_every, "device": backend.device_info(xp).name,
            "vocab": model.config.padded_vocab_size,
-           "activation_bytes_peak": model.stats.get("activation_bytes_peak")}  # counted by the model
+           "activation_bytes_peak": model.stats.get("activation_bytes_peak"),  # counted by the model
+           "timed_window": [t_begin, t_end]}
     if captured is not None:
         res["graph_nodes"] = captured.node_counts()
     return res
@@ -179,7 +182,7 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
     torch.compile (the first torch-compile row), or the reason a mode did not run."""
     ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
     head = (f"{'mode':<15}{'B x T':>12}{'dtype':>6}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}"
-            f"{'vs compile':>12}")
+            f"{'vs compile':>12}{'SM MHz':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("error") or r.get("skipped"):
@@ -189,12 +192,16 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
         mem = r.get("peak_memory_bytes")
         m = r.get("mfu")
         ratio = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+        clk = (r.get("gpu_clocks") or {}).get("sm_mhz")
         lines.append(f"{r['mode']:<15}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['dtype']:>6}"
                      f"{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12,.0f}"
                      f"{'-' if m is None or m != m else f'{100 * m:.1f}%':>8}"
                      f"{'-' if mem is None else f'{mem / 2**30:.2f}':>10}"
-                     f"{'-' if ratio is None else f'{ratio:.2f}x':>12}")
+                     f"{'-' if ratio is None else f'{ratio:.2f}x':>12}"
+                     f"{'-' if clk is None else f'{clk:.0f}':>8}")
     lines.append("-" * len(head))
+    if any(r.get("gpu_clocks") for r in rows):
+        lines.append("SM MHz: the median SM clock over the timed steps (nvidia-smi; the power limit lowers it)")
     if ceiling_tflops:
         lines.append(f"{MFU_DEFINITION}; ceiling {ceiling_tflops:.3g} TFLOP/s")
     else:
@@ -320,6 +327,7 @@ def bench_main(args) -> int:
     fpt = cfg.flops_per_token(o["seq"])
     print(f"FLOPs per token: {fpt / 1e9:.3f} GFLOP (6N + 12LCT, N = {cfg.flop_parameters():,})")
 
+    monitor = clocks.ClockMonitor(device=backend.device_info(xp).pci_bus_id or 0).start() if gpu else None
     rows = []
     torch_reason = None
     try:
@@ -354,11 +362,21 @@ def bench_main(args) -> int:
             print(f"  {mode} failed: {type(e).__name__}: {str(e).strip()[:300]}")
             continue
         release_memory()
+        if monitor is not None and monitor.available:
+            r["gpu_clocks"] = c = monitor.summary(*r["timed_window"])
+            if c:
+                print(f"  SM clock {c['sm_mhz']:.0f} MHz (lowest {c['sm_mhz_min']:.0f}), {c['power_w']:.0f} W"
+                      + (f" of {c['power_limit_w']:.0f}" if c["power_limit_w"] else "")
+                      + f", power cap active in {100 * c['power_cap']:.0f} % of {c['samples']} readings")
         r["flops_per_token"] = f = replace(cfg, pad_vocab_to=0).flops_per_token(o["seq"]) if mode.endswith(
             "-unpadded") else fpt  # the FLOPs of the vocabulary this row trained
         r["mfu"] = mfu(f, r["tokens_per_s"], ceiling) if ceiling else None
         rows.append(r)
         print(f"  {r['ms_per_step']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']:.3f}")
+    if monitor is not None:
+        monitor.stop()
+        if not monitor.available:
+            print(f"(no clock readings: {monitor.reason})")
     print()
     print(format_results(rows, ceiling_tflops=ceiling))
     ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
@@ -385,6 +403,10 @@ def bench_main(args) -> int:
                    "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa,
                    "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt,
                    "results": rows}
+        if monitor is not None:  # every reading of the run, t in seconds from the first (timed_window: epoch s)
+            payload["clocks"] = {"reason": monitor.reason, "interval_ms": monitor.interval_ms,
+                                 "origin": monitor.samples[0].t if monitor.samples else None,
+                                 "trace": monitor.trace()}
         timing.save_results(out, payload, xp=xp)
         print(f"wrote {out}")
     return 0 if any(r.get("tokens_per_s") for r in rows) else 1

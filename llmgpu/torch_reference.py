@@ -319,6 +319,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
+    t_begin = time.time()  # the timed steps' wall-clock window (to match the clock readings: perf.clocks)
     if cuda:
         evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
         for a, b in evs:
@@ -332,6 +333,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
             t = time.perf_counter()
             loss = step()
             times.append((time.perf_counter() - t) * 1e3)
+    t_end = time.time()
     ms = statistics.median(times)
     res = {"framework": "pytorch", "mode": f"torch-{mode}", "batch": batch, "seq": seq,
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
@@ -339,7 +341,8 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
            "final_loss": float(loss.detach().float().cpu()), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
-           "vocab": config.padded_vocab_size, "sdpa_backend": sdpa, "checkpoint_every": int(checkpoint_every)}
+           "vocab": config.padded_vocab_size, "sdpa_backend": sdpa, "checkpoint_every": int(checkpoint_every),
+           "timed_window": [t_begin, t_end]}
     if mode == "compile":
         res["compile_mode"] = compile_mode
     return res

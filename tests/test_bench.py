@@ -53,7 +53,8 @@ def test_mfu():
 def test_format_results():
     rows = [
         {"mode": "llmgpu", "batch": 64, "seq": 1024, "dtype": "bf16", "ms_per_step": 120.0,
-         "tokens_per_s": 546_133.0, "mfu": 0.41, "peak_memory_bytes": 30 * 2**30},
+         "tokens_per_s": 546_133.0, "mfu": 0.41, "peak_memory_bytes": 30 * 2**30,
+         "gpu_clocks": {"sm_mhz": 1620.0}},
         {"mode": "torch-eager", "skipped": "PyTorch is not installed"},
         {"mode": "llmgpu-graph", "error": "GraphCaptureError: cuBLAS refused"},
         {"mode": "torch-compile", "batch": 64, "seq": 1024, "dtype": "bf16", "ms_per_step": 133.0,
@@ -64,12 +65,14 @@ def test_format_results():
     assert lines[0].split()[0] == "mode"
     ours = next(ln for ln in lines if ln.startswith("llmgpu "))
     assert "64 x 1024" in ours and "546,133" in ours and "41.0%" in ours and "30.00" in ours and "1.11x" in ours
+    assert ours.split()[-1] == "1620" and "median SM clock" in text
     assert "skipped: PyTorch is not installed" in text and "FAILED: GraphCaptureError" in text
     comp = next(ln for ln in lines if ln.startswith("torch-compile"))
-    assert "1.00x" in comp and comp.split()[-2] == "-"  # no peak memory known
+    assert "1.00x" in comp and comp.split()[-3] == "-" and comp.split()[-1] == "-"  # no peak memory, no clock
     assert "6·N + 12·L·C·T" in text and "790" in text
     assert "vs compile" in lines[0]
     assert "1.11x" not in bench.format_results(rows[:1])  # no torch.compile row: no ratio
+    assert "median SM clock" not in bench.format_results(rows[1:])  # no clock readings: no footnote
 
 
 # --------------------------------------------------------------------------- runners on NumPy
