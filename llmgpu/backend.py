@@ -247,7 +247,7 @@ class DeviceInfo:
     clock_mhz: float | None = None
     cuda_runtime: str | None = None
     cupy_version: str | None = None
-    pci_bus_id: str | None = None  # '0000:19:00.0': how nvidia-smi -i names the same GPU (perf.clocks)
+    pci_bus_id: str | None = None  # '00000000:19:00.0', as nvidia-smi prints it (perf.clocks: its -i)
 
     def as_dict(self):
         return asdict(self)
@@ -291,7 +291,7 @@ def _gpu_info(device_id: int) -> DeviceInfo:
         clock_mhz=props.get("clockRate", 0) / 1000 or None,
         cuda_runtime=f"{rt // 1000}.{(rt % 1000) // 10}",
         cupy_version=cp.__version__,
-        pci_bus_id=f"{props.get('pciDomainID', 0):04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}.0"
+        pci_bus_id=f"{props.get('pciDomainID', 0):08x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}.0"
         if "pciBusID" in props else None,
     )
 

@@ -66,8 +66,8 @@ def test_summarize_windows():
 
 
 def test_monitor_samples_a_window(fake_smi):
-    with clocks.ClockMonitor(interval_ms=20, nvidia_smi=fake_smi) as mon:
-        assert mon.available
+    with clocks.ClockMonitor(device="0000:19:00.0", interval_ms=20, nvidia_smi=fake_smi) as mon:
+        assert mon.available and mon.device == "0000:19:00.0"
         time.sleep(0.4)
         t_mid = time.time()
         time.sleep(0.4)
@@ -98,6 +98,10 @@ def test_monitor_without_nvidia_smi_says_why(fake_smi, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_BROKEN", "1")
     mon = clocks.ClockMonitor(nvidia_smi=fake_smi).start()
     assert not mon.available and "couldn't communicate" in mon.reason and mon.summary() is None
+    not_a_program = tmp_path / "not-a-program"
+    not_a_program.write_text("plain text")  # not executable: running it raises PermissionError
+    mon = clocks.ClockMonitor(nvidia_smi=str(not_a_program)).start()
+    assert not mon.available and "could not be run" in mon.reason and mon.stop() == []
     with pytest.raises(ValueError, match="interval_ms"):
         clocks.ClockMonitor(interval_ms=1)
 

@@ -73,13 +73,14 @@ def summarize(samples, t0: float | None = None, t1: float | None = None) -> dict
 
 
 class ClockMonitor:
-    """Sample the SM clock and power of GPU ``device`` (nvidia-smi's index) every ``interval_ms`` until ``stop``
+    """Sample the SM clock and power of GPU ``device`` (what ``nvidia-smi -i`` takes: an index, a PCI bus id such
+    as ``DeviceInfo.pci_bus_id``, a UUID) every ``interval_ms`` until ``stop``
     (or the end of a ``with`` block). ``samples`` holds the readings after ``stop``."""
 
-    def __init__(self, device: int = 0, interval_ms: int = 100, nvidia_smi: str | None = None):
+    def __init__(self, device: int | str = 0, interval_ms: int = 100, nvidia_smi: str | None = None):
         if interval_ms < 10:
             raise ValueError(f"interval_ms must be >= 10 (nvidia-smi's loop), got {interval_ms}")
-        self.device, self.interval_ms = int(device), int(interval_ms)
+        self.device, self.interval_ms = str(device), int(interval_ms)  # an index, a PCI bus id or a UUID
         self.exe = nvidia_smi or shutil.which("nvidia-smi")
         self.reason = None if self.exe else "nvidia-smi not found (no NVIDIA driver here): no clock readings"
         self.samples: list[Sample] = []
@@ -92,8 +93,12 @@ class ClockMonitor:
     def _query(self) -> tuple[str, ...] | None:
         """The field list this driver knows (the new spelling, else the old), or None (``reason`` says why)."""
         for q in (QUERY, QUERY_OLD):
-            r = subprocess.run([self.exe, f"--query-gpu={','.join(q)}", "--format=csv,noheader,nounits",
-                                "-i", str(self.device)], capture_output=True, text=True, timeout=30)
+            try:
+                r = subprocess.run([self.exe, f"--query-gpu={','.join(q)}", "--format=csv,noheader,nounits",
+                                    "-i", self.device], capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as e:  # a measurement aid must not stop what it measures
+                self.reason = f"nvidia-smi could not be run: {type(e).__name__}: {e}"
+                return None
             if r.returncode == 0 and parse_line(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""):
                 return q
             err = (r.stdout + r.stderr).strip().splitlines()
@@ -108,9 +113,14 @@ class ClockMonitor:
             return self
         fd, self._file = tempfile.mkstemp(prefix="llmgpu-clocks-", suffix=".csv")
         with os.fdopen(fd, "w") as out:  # the child keeps its own handle
-            self._proc = subprocess.Popen([self.exe, f"--query-gpu={','.join(q)}", "--format=csv,noheader,nounits",
-                                           "-i", str(self.device), "-lms", str(self.interval_ms)],
-                                          stdout=out, stderr=subprocess.DEVNULL)
+            try:
+                self._proc = subprocess.Popen([self.exe, f"--query-gpu={','.join(q)}",
+                                               "--format=csv,noheader,nounits", "-i", self.device,
+                                               "-lms", str(self.interval_ms)], stdout=out, stderr=subprocess.DEVNULL)
+            except OSError as e:
+                self.reason = f"nvidia-smi could not be started: {e}"
+                os.unlink(self._file)
+                self._file = None
         return self
 
     def stop(self) -> list[Sample]:
