@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
+import os
 import sys
 import time
 
@@ -81,6 +83,16 @@ def test_monitor_samples_a_window(fake_smi):
     assert trace[0]["t"] == 0.0 and trace[-1]["t"] > 0.5 and set(trace[0]) == {"t", "sm_mhz", "power_w",
                                                                                 "power_cap", "limit_w"}
     assert mon.stop() == mon.samples  # stopping twice is harmless
+
+
+def test_monitor_left_running_is_ended(fake_smi):
+    """A run that ends without stop (an exception, Ctrl-C) leaves no nvidia-smi behind: the finalizer ends it."""
+    mon = clocks.ClockMonitor(interval_ms=20, nvidia_smi=fake_smi).start()
+    proc, path = mon._proc, mon._file
+    assert proc.poll() is None
+    del mon
+    gc.collect()
+    assert proc.wait(timeout=10) is not None and not os.path.exists(path)
 
 
 def test_monitor_falls_back_to_the_old_field_name(fake_smi, monkeypatch):

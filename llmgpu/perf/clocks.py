@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass
 
 QUERY = ("timestamp", "clocks.sm", "power.draw", "clocks_event_reasons.sw_power_cap", "enforced.power.limit")
@@ -55,6 +56,19 @@ def parse_line(line: str) -> Sample | None:
         return Sample(t, float(parts[1]), float(parts[2]), parts[3] == "Active", limit)
     except ValueError:
         return None
+
+
+def _end_sampler(proc: subprocess.Popen, path: str) -> None:
+    """Stop the nvidia-smi child and remove its file (``stop``, or at exit when a run ended without ``stop``)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if os.path.exists(path):
+        os.unlink(path)
 
 
 def summarize(samples, t0: float | None = None, t1: float | None = None) -> dict | None:
@@ -121,6 +135,9 @@ class ClockMonitor:
                 self.reason = f"nvidia-smi could not be started: {e}"
                 os.unlink(self._file)
                 self._file = None
+                return self
+        # an exception or Ctrl-C between start and stop must not leave nvidia-smi running after the process
+        self._finalizer = weakref.finalize(self, _end_sampler, self._proc, self._file)
         return self
 
     def stop(self) -> list[Sample]:
@@ -130,11 +147,10 @@ class ClockMonitor:
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            pass  # the finalizer kills it
         with open(self._file) as f:
             self.samples = [s for s in map(parse_line, f) if s is not None]
-        os.unlink(self._file)
+        self._finalizer()  # ends the child if still there, removes the file
         self._proc = self._file = None
         return self.samples
 
