@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from llmgpu import backend
@@ -135,3 +136,47 @@ def test_gpu_monitor_reads_this_gpu(cp):
     busy = mon.summary(t0, t1)
     assert busy is not None and busy["samples"] >= 3, (busy, mon.samples[:3])
     assert busy["sm_mhz"] > 500 and busy["power_w"] > 0 and busy["power_limit_w"] and busy["power_limit_w"] > 100
+
+
+def _sustained_probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "probe_sustained_gemm.py"
+    spec = importlib.util.spec_from_file_location("probe_sustained_gemm", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def test_sustained_probe_groups_and_windows():
+    """tools/probe_sustained_gemm.py on NumPy with a stand-in clock (each reading 0.25 s later): groups until the
+    requested seconds have passed; the burst is the first group, the sustained rate the groups of the last second;
+    the clock windows are the first 0.2 s and that last second."""
+    probe = _sustained_probe()
+    now = iter(np.arange(0.0, 100.0, 0.25))
+    calls = []
+    rows = probe.sustained(lambda: calls.append(1), np, seconds=2.0, group=3, flops=1e9, clock=lambda: next(now))
+    # readings: 0 (the stop at 2.0), then per group a start and an end (and a check of the stop before each later
+    # group): groups 0.25-0.5, 1.0-1.25, 1.75-2.0
+    assert [(r["t0"], r["t"]) for r in rows] == [(0.25, 0.5), (1.0, 1.25), (1.75, 2.0)] and len(calls) == 3 * 3
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
+    for r, v in zip(rows, (4.0, 1.0, 1.0)):
+        r["tflops"] = v
+    samples = [clocks.Sample(t, 1980 if t < 0.5 else 1600, 600.0, t >= 0.5, 700.0) for t in np.arange(0, 3, 0.05)]
+
+    class Mon:
+        def summary(self, t0, t1):
+            return clocks.summarize(samples, t0, t1)
+
+    s = probe.summarize(rows, Mon())
+    assert s["burst_tflops"] == 4.0 and s["sustained_tflops"] == 1.0 and s["sustained_groups"] == 2
+    assert s["burst_clocks"]["sm_mhz"] == 1980 and s["sustained_clocks"]["sm_mhz"] == 1600
+    assert probe.summarize(rows, None)["burst_clocks"] is None
+
+
+def test_sustained_probe_without_a_gpu_says_so(capsys):
+    if backend.gpu_available():
+        pytest.skip("a GPU is here: the probe runs (the GPU suite times it)")
+    assert _sustained_probe().main([]) == 0
+    assert capsys.readouterr().out.startswith("no GPU")
