@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import json
 import os
 import sys
 import time
@@ -175,8 +176,18 @@ def test_sustained_probe_groups_and_windows():
     assert probe.summarize(rows, None)["burst_clocks"] is None
 
 
-def test_sustained_probe_without_a_gpu_says_so(capsys):
-    if backend.gpu_available():
-        pytest.skip("a GPU is here: the probe runs (the GPU suite times it)")
-    assert _sustained_probe().main([]) == 0
-    assert capsys.readouterr().out.startswith("no GPU")
+def test_sustained_probe_runs(capsys, tmp_path):
+    """Without a GPU: one line saying so. With one: a short run of both products, each with a burst and a
+    sustained rate and clock readings, written to JSON."""
+    probe = _sustained_probe()
+    if not backend.gpu_available():
+        assert probe.main([]) == 0 and capsys.readouterr().out.startswith("no GPU")
+        return
+    out = tmp_path / "sustained.json"
+    assert probe.main(["--seconds", "0.5", "--idle", "0.1", "--group", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [p["product"] for p in res["products"]] == ["cuBLAS bf16 8192³", "fc GEMM B=64 (cuBLASLt, bias)"]
+    for p in res["products"]:
+        assert p["burst_tflops"] > 50 and p["sustained_tflops"] > 50 and p["groups"] >= 2, p
+        assert p["sustained_clocks"] and p["sustained_clocks"]["sm_mhz"] > 300, p
+    assert res["clock_trace"] and "sustained" in capsys.readouterr().out
