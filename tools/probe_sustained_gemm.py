@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": info.summary(),
               "seconds": args.seconds, "group": args.group, "products": []}
     origin = time.time()  # every t in the file is seconds from here
+    clk = (lambda c: f" at {c['sm_mhz']:.0f} MHz, {c['power_w']:.0f} W" if c else "")
     with clocks.ClockMonitor(device=info.pci_bus_id or 0, interval_ms=50) as mon:
         if not mon.available:
             print(f"(no clock readings: {mon.reason})")
@@ -101,7 +102,6 @@ def main(argv=None) -> int:
             s = summarize(rows, mon if mon.available else None)
             series = [{**r, "t0": r["t0"] - origin, "t": r["t"] - origin} for r in rows]
             result["products"].append({"product": label, **s, "series": series})
-            clk = (lambda c: f" at {c['sm_mhz']:.0f} MHz, {c['power_w']:.0f} W" if c else "")
             print(f"{label:<34} burst {s['burst_tflops']:6.1f} TFLOP/s{clk(s['burst_clocks'])}; sustained "
                   f"{s['sustained_tflops']:6.1f}{clk(s['sustained_clocks'])} "
                   f"({s['sustained_tflops'] / s['burst_tflops']:.3f}x)", flush=True)

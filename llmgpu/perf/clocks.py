@@ -58,8 +58,14 @@ def parse_line(line: str) -> Sample | None:
         return None
 
 
-def _end_sampler(proc: subprocess.Popen, path: str) -> None:
-    """Stop the nvidia-smi child and remove its file (``stop``, or at exit when a run ended without ``stop``)."""
+def _read_samples(path: str) -> list[Sample]:
+    with open(path) as f:
+        return [s for s in map(parse_line, f) if s is not None]
+
+
+def _end_sampler(proc: subprocess.Popen, path: str | None) -> None:
+    """Stop the nvidia-smi child, and remove its file unless ``path`` is None (``stop``, or at exit when a run
+    ended without ``stop``)."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -67,7 +73,7 @@ def _end_sampler(proc: subprocess.Popen, path: str) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    if os.path.exists(path):
+    if path is not None and os.path.exists(path):
         os.unlink(path)
 
 
@@ -104,12 +110,15 @@ class ClockMonitor:
     def available(self) -> bool:
         return self.reason is None
 
+    def _argv(self, fields) -> list[str]:
+        """nvidia-smi's command line reading ``fields`` of this GPU once (the sampler adds its loop)."""
+        return [self.exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", self.device]
+
     def _query(self) -> tuple[str, ...] | None:
         """The field list this driver knows (the new spelling, else the old), or None (``reason`` says why)."""
         for q in (QUERY, QUERY_OLD):
             try:
-                r = subprocess.run([self.exe, f"--query-gpu={','.join(q)}", "--format=csv,noheader,nounits",
-                                    "-i", self.device], capture_output=True, text=True, timeout=30)
+                r = subprocess.run(self._argv(q), capture_output=True, text=True, timeout=30)
             except (OSError, subprocess.TimeoutExpired) as e:  # a measurement aid must not stop what it measures
                 self.reason = f"nvidia-smi could not be run: {type(e).__name__}: {e}"
                 return None
@@ -128,9 +137,8 @@ class ClockMonitor:
         fd, self._file = tempfile.mkstemp(prefix="llmgpu-clocks-", suffix=".csv")
         with os.fdopen(fd, "w") as out:  # the child keeps its own handle
             try:
-                self._proc = subprocess.Popen([self.exe, f"--query-gpu={','.join(q)}",
-                                               "--format=csv,noheader,nounits", "-i", self.device,
-                                               "-lms", str(self.interval_ms)], stdout=out, stderr=subprocess.DEVNULL)
+                self._proc = subprocess.Popen([*self._argv(q), "-lms", str(self.interval_ms)], stdout=out,
+                                              stderr=subprocess.DEVNULL)
             except OSError as e:
                 self.reason = f"nvidia-smi could not be started: {e}"
                 os.unlink(self._file)
@@ -143,23 +151,15 @@ class ClockMonitor:
     def stop(self) -> list[Sample]:
         if self._proc is None:
             return self.samples
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass  # the finalizer kills it
-        with open(self._file) as f:
-            self.samples = [s for s in map(parse_line, f) if s is not None]
-        self._finalizer()  # ends the child if still there, removes the file
+        _end_sampler(self._proc, None)  # the child ends first, so its last readings are in the file
+        self.samples = _read_samples(self._file)
+        self._finalizer()  # removes the file
         self._proc = self._file = None
         return self.samples
 
     def summary(self, t0: float | None = None, t1: float | None = None) -> dict | None:
         """``summarize`` over the samples so far (read from the running sampler's file without stopping it)."""
-        if self._proc is not None:
-            with open(self._file) as f:
-                return summarize([s for s in map(parse_line, f) if s is not None], t0, t1)
-        return summarize(self.samples, t0, t1)
+        return summarize(_read_samples(self._file) if self._proc is not None else self.samples, t0, t1)
 
     def trace(self, t_origin: float | None = None) -> list[dict]:
         """The samples as dictionaries, ``t`` in seconds from ``t_origin`` (default: the first sample)."""
