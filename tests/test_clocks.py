@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from repo_tools import load_tool
 
 from llmgpu import backend
 from llmgpu.perf import clocks
@@ -140,14 +141,7 @@ def test_gpu_monitor_reads_this_gpu(cp):
 
 
 def _sustained_probe():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "probe_sustained_gemm.py"
-    spec = importlib.util.spec_from_file_location("probe_sustained_gemm", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
+    return load_tool("probe_sustained_gemm")
 
 
 def test_sustained_probe_groups_and_windows():

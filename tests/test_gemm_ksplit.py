@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+from repo_tools import load_tool
 
 from llmgpu import backend
 from llmgpu.gemm import cublas, ksplit
@@ -223,14 +224,7 @@ def test_gpu_fast_model_wgrad_at_trap_k(cp, dtype, k):
 
 
 def _probe():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "probe_gemm_k.py"
-    spec = importlib.util.spec_from_file_location("probe_gemm_k", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("probe_gemm_k")
 
 
 def test_probe_sweep_covers_the_report_and_its_neighbours():

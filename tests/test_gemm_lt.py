@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from repo_tools import load_tool
 
 from llmgpu import backend
 from llmgpu.gemm import cublaslt as gemm_lt
@@ -666,13 +667,7 @@ def test_gpu_cudnn_bad_inputs(cp, cudnn_fa, rng):
 
 def test_gelu_epilogue_probe_runs(capsys):
     """tools/probe_gelu_epilogue.py: without a GPU one line saying so; with one, a small run of every case."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "probe_gelu_epilogue.py"
-    spec = importlib.util.spec_from_file_location("probe_gelu_epilogue", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_tool("probe_gelu_epilogue")
     gpu = backend.gpu_available() and gemm_lt.available()
     assert probe.main(["--batches", "1", "--reps", "3"] if gpu else []) == 0
     out = capsys.readouterr().out

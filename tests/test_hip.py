@@ -4,18 +4,14 @@ whole check runs in tools/test.sh."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
+from repo_tools import load_tool
 
 from llmgpu.kernels import loader
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("hip_compile_check", ROOT / "tools" / "hip_compile_check.py")
-hip = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hip)
+hip = load_tool("hip_compile_check")
 
 needs_hipcc = pytest.mark.skipif(shutil.which("hipcc") is None,
                                  reason="no hipcc on PATH (apt-get install hipcc): the HIP compile check needs it")

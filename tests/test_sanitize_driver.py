@@ -7,11 +7,11 @@ options name each of them, and gpu_check.sh runs it under memcheck and racecheck
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from repo_tools import load_tool
 
 from llmgpu import backend
 from llmgpu.kernels import loader
@@ -20,10 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("sanitize_kernels", ROOT / "tools" / "sanitize_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("sanitize_kernels")
 
 
 def test_driver_calls_run_on_numpy(capsys):
