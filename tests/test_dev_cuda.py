@@ -367,16 +367,29 @@ def _gemm_stand_in(var, *, drop_last_row=False):
     return body
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_gemm_wgmma_checks_on_a_stand_in_gpu(monkeypatch, capsys, broken):
-    """The script's check path on NumPy: stand-in kernels that compute the float64 reference pass every check; one
-    that leaves a row of D unwritten (NaN from the poisoned buffer) must fail, so the checks can fail."""
+def _gemm_on_a_stand_in_gpu(monkeypatch, broken=False):
+    """gemm_wgmma.py with every instantiation of the .cu as a stand-in (``broken``: the first one leaves the last
+    row of D unwritten), the fake GPU, and tensor maps that are the arrays themselves: (module, kernels, fake cp)."""
     gw = _dev_module("gemm_wgmma")
     exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
     kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e), drop_last_row=broken and i == 0))
                for i, e in enumerate(exprs)}
-    _fake_gpu(monkeypatch, gw, kernels)
+    cp = _fake_gpu(monkeypatch, gw, kernels)
     monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)  # the kernel gets the array itself
+    return gw, kernels, cp
+
+
+def _fixed_clock(fn, **kw):
+    """time_fn's stand-in: one call of fn, and 0.5 ms a call."""
+    fn()
+    return timing_mod.Timing(0.5, 0.5, 0.5, 1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gemm_wgmma_checks_on_a_stand_in_gpu(monkeypatch, capsys, broken):
+    """The script's check path on NumPy: stand-in kernels that compute the float64 reference pass every check; one
+    that leaves a row of D unwritten (NaN from the poisoned buffer) must fail, so the checks can fail."""
+    gw, kernels, _ = _gemm_on_a_stand_in_gpu(monkeypatch, broken)
     monkeypatch.setattr(gw, "CHECK_SHAPES", [(256, 256, 64), (512, 768, 192)])  # NumPy-sized
     assert gw.main(["--no-time"]) == (1 if broken else 0)
     text = capsys.readouterr().out
@@ -389,19 +402,9 @@ def test_gemm_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
     """The timing table's code path on NumPy (small shapes, a fixed clock): a row per kernel and epilogue, cuBLASLt's
     call (the NumPy reference of lt_gemm) beside ours, and ours compared with its output: the stand-ins compute the
     same function, so the comparison must come out at bf16 rounding."""
-    gw = _dev_module("gemm_wgmma")
-    exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
-    kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e))) for e in exprs}
-    cp = _fake_gpu(monkeypatch, gw, kernels)
-    monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)
+    gw, kernels, cp = _gemm_on_a_stand_in_gpu(monkeypatch)
     monkeypatch.setattr(gw, "TIME_SHAPES", [(512, 512, 128, (0, 1, 2, 3)), (256, 256, 64, (0,))])
-    clock = timing_mod.Timing(0.5, 0.5, 0.5, 1)  # a fixed clock: 0.5 ms a call
-
-    def time_fn(fn, **kw):
-        fn()
-        return clock
-
-    monkeypatch.setattr(gw, "time_fn", time_fn)
+    monkeypatch.setattr(gw, "time_fn", _fixed_clock)
     rows = gw.timing(cp, kernels, 132, np.random.default_rng(0), reps=1)
     ours = [r for r in rows if not r["kernel"].startswith("cuBLASLt")]
     assert len(rows) == 5 * 3 and len(ours) == 5 * 2  # (4 + 1 epilogues) x (cuBLASLt, ours, ours cluster 2)
@@ -413,13 +416,9 @@ def test_gemm_wgmma_timing_on_a_stand_in_gpu(monkeypatch, capsys):
 def test_gemm_wgmma_parts_on_a_stand_in_gpu(monkeypatch, capsys):
     """The parts' timing path on NumPy: every round times cuBLASLt and the four instantiations of the plain
     one-block kernel; the bytes the loads move are k-blocks x STAGE (the math-only part: STAGES per block)."""
-    gw = _dev_module("gemm_wgmma")
-    exprs = loader.expressions_in((DEV_CUDA / "gemm_wgmma.cu").read_text())
-    kernels = {e: _FakeKernel(_gemm_stand_in(gw.Variant.parse(e))) for e in exprs}
-    cp = _fake_gpu(monkeypatch, gw, kernels)
-    monkeypatch.setattr(gw, "tensor_map", lambda cp, x, box_rows: x)
+    gw, kernels, cp = _gemm_on_a_stand_in_gpu(monkeypatch)
     monkeypatch.setattr(gw, "PARTS_SHAPES", [(1024, 512, 128)])  # 16 tiles of 2 k-blocks
-    monkeypatch.setattr(gw, "time_fn", lambda fn, **kw: (fn(), timing_mod.Timing(0.5, 0.5, 0.5, 1))[1])
+    monkeypatch.setattr(gw, "time_fn", _fixed_clock)
     rows = gw.parts(cp, kernels, 132, np.random.default_rng(0), reps=1, rounds=2)
     assert len(rows) == 2 * 5 and [r["round"] for r in rows] == [0] * 5 + [1] * 5
     by = {r["kernel"]: r for r in rows if r["round"] == 1}
