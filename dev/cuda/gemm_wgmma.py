@@ -83,8 +83,12 @@ class Variant:
         return f"gemm_tma<{self.epi}, {self.cluster}, {self.part}>"
 
     @property
+    def stage_bytes(self) -> int:  # gw::STAGE: one k-block of A and B in the ring
+        return (BM + self.BN) * BK * 2
+
+    @property
     def smem(self) -> int:  # gw::SMEM: the ring, the staging area, the barriers
-        return 1024 + self.STAGES * (BM + self.BN) * BK * 2 + BM * self.BN * 2 + (2 * self.STAGES + 2) * 8
+        return 1024 + self.STAGES * self.stage_bytes + BM * self.BN * 2 + (2 * self.STAGES + 2) * 8
 
     def fits(self, m: int, n: int, k: int) -> bool:
         return m % (BM * self.cluster) == 0 and n % self.BN == 0 and k % BK == 0
@@ -293,20 +297,18 @@ def parts(cp, kernels, n_sm, rng, reps, rounds: int = 3) -> list[dict]:
     for m, n, k in PARTS_SHAPES:
         a, bt, _, _ = operands(cp, rng, m, n, k, 0)
         d, d_lt = cp.empty((m, n), bt.dtype), cp.empty((m, n), bt.dtype)
-        cands = {"cuBLASLt none": lt_call(0, a, bt, d_lt, None, None)}
+        cands = {"cuBLASLt none": (None, lt_call(0, a, bt, d_lt, None, None))}  # (our variant or None, launch)
         for var in sorted(map(Variant.parse, kernels)):
             if var.epi == 0 and var.cluster == 1:
                 cands[var.label] = (var, launcher(cp, kernels, var, n_sm)(a, bt, d))
         tiles, nk = (m // BM) * (n // Variant.BN), k // BK
-        stage = (BM + Variant.BN) * BK * 2
         for r in range(rounds):
-            for name, c in cands.items():
-                var, fn = c if isinstance(c, tuple) else (None, c)
+            for name, (var, fn) in cands.items():
                 t = time_fn(fn, xp=cp, warmup=5, reps=reps)
-                loaded = (min(tiles, n_sm) * Variant.STAGES if var and var.part == 2 else tiles * nk) * stage
+                loaded = None if var is None else (
+                    (min(tiles, n_sm) * var.STAGES if var.part == 2 else tiles * nk) * var.stage_bytes)
                 rows.append({"M": m, "N": n, "K": k, "round": r, "kernel": name, "ms": t.median_ms,
-                             "tflops": t.tflops(2.0 * m * n * k),
-                             "loaded_bytes": loaded if var else None,
+                             "tflops": t.tflops(2.0 * m * n * k), "loaded_bytes": loaded,
                              "load_tbps": loaded / t.median_ms / 1e9 if var and var.part != 2 else None})
                 x = rows[-1]
                 print(f"  {m:>6} x {n} x {k}  round {r}  {name:<38} {t.median_ms:8.4f} ms {x['tflops']:6.1f} "
