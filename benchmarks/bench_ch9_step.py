@@ -43,8 +43,8 @@ def comm_for(xp):
 def state_bytes(step) -> int:
     """Bytes of parameter-sized arrays this rank holds: master, working, gradient, moments (and shards)."""
     P, seen, total = step.params, set(), 0
-    arrays = [P.data, P.working, P.grad, P.m, P.v]
     sync = step.grad_sync
+    arrays = [P.data, P.working, P.grad] + ([P.m, P.v] if P.has_moments else [])
     if isinstance(sync, ZeroSync):
         sh = sync.shard
         arrays += [sh.data, sh.working, sh.grad, sh.m, sh.v, sync._tmp if sync.zero_stage == 2 else None]
@@ -58,11 +58,12 @@ def state_bytes(step) -> int:
 def run_case(case, cfg, xp, comm, batch, seq, reps):
     xp.get_default_memory_pool().free_all_blocks()
     m = FastGPT(cfg, dtype="bf16", xp=xp, seed=0, param_multiple=ALIGN * comm.world_size)
-    st = TrainStep(m, TrainConfig(lr=6e-4), graph=xp is not np)
+    sync = None
     if case == "dp":
-        st.grad_sync = DataParallelSync(comm, m.params)
+        sync = DataParallelSync(comm, m.params)
     elif case.startswith("zero"):
-        st.grad_sync = ZeroSync(comm, st, stage=int(case[-1]))
+        sync = ZeroSync(comm, m.params, stage=int(case[-1]))
+    st = TrainStep(m, TrainConfig(lr=6e-4), graph=xp is not np, grad_sync=sync)
     rng = np.random.default_rng(comm.rank)
     batches = [tuple(backend.to_device(rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32), xp)
                      for _ in range(2))]

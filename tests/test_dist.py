@@ -213,10 +213,9 @@ def test_zero2_keeps_less_gradient_than_the_whole_buffer():
 
     cfg = replace(TINY, n_layer=6)
     m = GPT(cfg, xp=np, param_multiple=ALIGN)
-    st = TrainStep(m, TrainConfig(lr=1e-3))
     before = m.params.grad.size
-    st.grad_sync = ZeroSync(LocalComm(np), st, stage=2, bucket_bytes=4096)
-    sync = st.grad_sync
+    sync = ZeroSync(LocalComm(np), m.params, stage=2, bucket_bytes=4096)
+    st = TrainStep(m, TrainConfig(lr=1e-3), grad_sync=sync)
     blocks = [k for k in sync._block_of]
     assert len(blocks) == cfg.n_layer  # one bucket per block, in two slots
     assert m.params.grad.size < before - (cfg.n_layer - 2) * sync._slot_len + 1

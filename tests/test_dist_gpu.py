@@ -55,10 +55,11 @@ def _steps(cp, seam, *, graph, zero=0, accum=1, n=5):
     from llmgpu.optim.params import ALIGN
 
     m = FastGPT(CFG, dtype="bf16", xp=cp, seed=2, param_multiple=ALIGN)
-    st = TrainStep(m, TrainConfig(lr=3e-3, grad_clip=0.5), graph=graph)
+    sync = None
     if seam is not None:
-        st.grad_sync = ZeroSync(seam, st, stage=zero, bucket_bytes=64 * 1024) if zero else \
+        sync = ZeroSync(seam, m.params, stage=zero, bucket_bytes=64 * 1024) if zero else \
             DataParallelSync(seam, m.params, bucket_bytes=64 * 1024)
+    st = TrainStep(m, TrainConfig(lr=3e-3, grad_clip=0.5), graph=graph, grad_sync=sync)
     rng = np.random.default_rng(5)
     out = []
     for _ in range(n):

@@ -58,13 +58,15 @@ def _live_bytes(*arrays):
 def test_llmgpu_formula_counts_the_buffers(dtype, stage):
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)  # every size a multiple of 16
     model = GPT(cfg, dtype=dtype, xp=np, seed=0)
-    step = TrainStep(model, TrainConfig(lr=1e-3))
     P = model.params
-    held = [P.working, P.data, P.grad, P.m, P.v]
+    sync = ZeroSync(LocalComm(np), P, stage=stage) if stage else None
+    TrainStep(model, TrainConfig(lr=1e-3), grad_sync=sync)
     if stage:
-        sync = ZeroSync(LocalComm(np), step, stage=stage)
+        assert not P.has_moments  # a ZeRO rank never allocates the whole optimizer state
         sh = sync.shard
-        held = [P.working, P.data, P.grad, P.m, P.v, sh.data, sh.grad, sh.m, sh.v, sh.working]
+        held = [P.working, P.data, P.grad, sh.data, sh.grad, sh.m, sh.v, sh.working]
+    else:
+        held = [P.working, P.data, P.grad, P.m, P.v]
     assert P.numel == cfg.num_parameters()  # no padding: the formula's ψ is the buffer's length
     want = zero_memory_bytes(P.numel, 1, stage, working=dtype, grad_split=zero2_gradient_split(cfg))["total"]
     assert _live_bytes(*held) == want

@@ -49,22 +49,24 @@ def test_grads_ready_names_every_gradient_once_when_it_is_final(rng, model_cls, 
 
 
 class _Recorder(LocalGradSync):
-    def __init__(self, zero_in_finish=False):
+    def __init__(self, params, zero_in_finish=False):
+        super().__init__(params)
         self.ready, self.finished, self.zero = [], 0, zero_in_finish
 
     def grads_ready(self, names):
         self.ready.extend(names)
 
-    def finish(self, params):
+    def finish(self):
         self.finished += 1
         if self.zero:
-            params.grad[...] = 0.0
+            self.params.grad[...] = 0.0
 
 
 def test_step_calls_the_sync_on_the_last_micro_batch_and_before_the_clip(rng):
     m = GPT(CFG, dtype="fp32", xp=np, seed=1)
-    sync = _Recorder()
+    sync = _Recorder(m.params)
     step = TrainStep(m, TrainConfig(lr=1e-3), grad_sync=sync)
+    assert step.opt is sync.opt  # the seam owns the optimizer the step built through it
     batches = [_batch(rng, CFG) for _ in range(3)]
     rec = step(batches, 1e-3)
     assert sync.finished == 1 and sorted(sync.ready) == sorted(m.params.names)  # once: the last micro-batch only
@@ -72,7 +74,7 @@ def test_step_calls_the_sync_on_the_last_micro_batch_and_before_the_clip(rng):
     # finish() runs before the norm kernel: a sync that zeroes the gradient gives norm 0 and no update
     m2 = GPT(CFG, dtype="fp32", xp=np, seed=1)
     before = m2.params.data.copy()
-    step2 = TrainStep(m2, TrainConfig(lr=1e-3, weight_decay=0.0), grad_sync=_Recorder(zero_in_finish=True))
+    step2 = TrainStep(m2, TrainConfig(lr=1e-3, weight_decay=0.0), grad_sync=_Recorder(m2.params, zero_in_finish=True))
     rec2 = step2(batches, 1e-3)
     assert rec2[1] == 0.0 and np.array_equal(m2.params.data, before)
 

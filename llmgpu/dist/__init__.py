@@ -7,6 +7,8 @@ module             what it holds
 ``comm``           one interface over NCCL (CuPy arrays) and MPI (NumPy arrays), and a one-rank one
 ``bootstrap``      the GPU of the local rank, NCCL's unique id (MPI broadcast or a TCP rendezvous),
                    the check that every rank runs the same configuration
+``seam``           ``GradSync``: the training step's gradient seam, every member with its one-process
+                   default (``LocalGradSync``); the two below are its data-parallel subclasses
 ``ddp``            gradient buckets reduced during the backward pass (ZeRO stage 0)
 ``zero``           ZeRO stages 1 and 2: sharded optimizer state (and gradients)
 ``ring``           the ring all-reduce written by hand, and its cost model
@@ -19,9 +21,10 @@ from .comm import DEFAULT_TIMEOUT, Communicator, LocalComm, MPIComm, NcclComm, m
 from .ddp import BUCKET_BYTES, DataParallelSync, plan_buckets
 from .env import DistEnv, DistError, from_environ
 from .ring import RingAllReduce, ring_all_reduce, ring_allreduce_seconds, simulate_ring_allreduce
+from .seam import GradSync, LocalGradSync
 from .zero import ZeroSync
 
-__all__ = ["BUCKET_BYTES", "DEFAULT_TIMEOUT", "Communicator", "DataParallelSync", "DistEnv", "DistError", "LocalComm",
-           "MPIComm", "NcclComm", "ZeroSync", "check_same", "from_environ", "init_process_group", "mpi_module",
-           "RingAllReduce", "nccl_module", "plan_buckets", "rendezvous", "ring_all_reduce", "ring_allreduce_seconds",
-           "select_device", "simulate_ring_allreduce"]
+__all__ = ["BUCKET_BYTES", "DEFAULT_TIMEOUT", "Communicator", "DataParallelSync", "DistEnv", "DistError", "GradSync",
+           "LocalComm", "LocalGradSync", "MPIComm", "NcclComm", "ZeroSync", "check_same", "from_environ",
+           "init_process_group", "mpi_module", "RingAllReduce", "nccl_module", "plan_buckets", "rendezvous",
+           "ring_all_reduce", "ring_allreduce_seconds", "select_device", "simulate_ring_allreduce"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..optim.params import ALIGN, FlatParams
+from .seam import GradSync
 
 BUCKET_BYTES = 25 * 2**20  # fp32 gradient bytes per bucket (PyTorch DDP's default size)
 
@@ -62,7 +63,7 @@ def tensors_of(params: FlatParams, buckets) -> list[list[str]]:
     return [[name for name, off, size, _ in segments if off < b and off + size > a] for a, b in buckets]
 
 
-class BucketedReduction:
+class BucketedReduction(GradSync):
     """The bookkeeping both data-parallel flavours share: which bucket is complete, and launching it.
 
     ``launch(k, lo, hi)`` (the subclass) issues bucket k's collective on the communication stream (GPU) or
@@ -72,7 +73,8 @@ class BucketedReduction:
 
     def __init__(self, comm, params: FlatParams, bucket_bytes: int = BUCKET_BYTES, multiple: int = ALIGN,
                  buckets=None):
-        self.comm, self.params, self.xp = comm, params, params.xp
+        super().__init__(params)
+        self.comm = comm
         self.world_size = comm.world_size
         self.grad_divisor = comm.world_size  # the step scales dloss by 1/(micro-batches × grad_divisor)
         if buckets is None:
@@ -117,7 +119,7 @@ class BucketedReduction:
             self.stream.wait_event(self._ready_ev[k])
         self.launch(k, lo, hi)
 
-    def finish(self, params=None):
+    def finish(self):
         """Launch the buckets not yet launched (a model that announced nothing: all of them), then make the
         compute stream wait for every collective (GPU) or wait for them (MPI)."""
         for k in range(len(self.buckets)):

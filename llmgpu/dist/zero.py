@@ -36,33 +36,28 @@ import numpy as np
 from .. import backend
 from ..instrument import region
 from ..model.config import LNF_W, WTE, block_param_names
-from ..optim import AdamW
-from ..optim.clip import GradNorm, grad_norm_fused
+from ..optim.clip import GradNorm, clip_scale, grad_norm_fused
 from ..optim.params import ALIGN, FlatParams
 from .ddp import BUCKET_BYTES, BucketedReduction, plan_buckets
 
 
 class ZeroSync(BucketedReduction):
-    """ZeRO stage 1 on the training step's seam: buckets reduce-scattered into this rank's shard, a
-    sharded update (``apply_update``), and the working weights all-gathered.
+    """ZeRO stages 1 and 2 on the training step's seam (``dist/seam.py``): buckets reduce-scattered into this
+    rank's shard, AdamW over the shard only (``bind_optimizer``), and the working weights all-gathered.
 
-    ``step``: the ``TrainStep`` whose optimizer, scaler and clipper this replaces; its AdamW state (restored
-    or fresh) becomes the shards, and the full-size moments (and, below fp32, the master weights) are freed.
+    ``params``: the model's ``FlatParams`` (built with ``param_multiple = world · ALIGN``), holding the weights
+    to start from: when the optimizer is bound, this rank keeps its shard of the fp32 master weights and, below
+    fp32, frees the whole master buffer (the working copy stays whole: the model reads it).
     """
 
-    zero_stage = 1
-
-    def __init__(self, comm, step, *, stage: int = 1, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, comm, params: FlatParams, *, stage: int = 1, bucket_bytes: int = BUCKET_BYTES):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
-        self.zero_stage = stage
-        P = step.params
-        W = comm.world_size
+        P, W = params, comm.world_size
         blocks = _block_ranges(P, W * ALIGN) if stage == 2 else None
         buckets = _stage2_buckets(P, blocks, bucket_bytes, W * ALIGN) if stage == 2 else None
         super().__init__(comm, P, bucket_bytes, multiple=W * ALIGN, buckets=buckets)
-        xp = self.xp
-        self.scaler, self.grad_clip, self.clipper = step.scaler, step.grad_clip, step.clipper
+        self.zero_stage = stage
         # rank r's piece of bucket k: P[lo + r·len : lo + (r+1)·len], at shard offset off
         self.pieces = []
         off = 0
@@ -71,31 +66,36 @@ class ZeroSync(BucketedReduction):
             self.pieces.append((lo + comm.rank * n, n, off))
             off += n
         self.shard_size = off
-        decay_end = sum(n for (lo, hi), (_, n, _) in zip(self.buckets, self.pieces) if hi <= P.decay_end)
-
-        def gather_own(full):
-            return xp.concatenate([full[src:src + n] for src, n, _ in self.pieces])
-
-        data = gather_own(P.data)
-        working = data if P.working is P.data else gather_own(P.working)
-        self.shard = FlatParams.over(data=data, grad=xp.zeros(self.shard_size, np.float32), m=gather_own(P.m),
-                                     v=gather_own(P.v), working=working, decay_end=decay_end)
-        old = step.opt
-        self.opt = AdamW(self.shard, lr=old.lr, betas=(old.beta1, old.beta2), eps=old.eps,
-                         weight_decay=old.weight_decay)
-        self.opt.step_count[...] = old.step_count
+        self.shard = None  # this rank's FlatParams, made with the optimizer (bind_optimizer)
+        xp = self.xp
         self._stats = xp.zeros(2, np.float32)  # [Σ g² of this shard, inf/nan flag], all-reduced
         self._local = GradNorm(*(xp.empty((), np.float32) for _ in range(3)))  # this shard's norm and inf flag
-        # the full-size optimizer state is the shards' now
-        P.m = P.v = None
-        if P.working is not P.data:
-            P.data = None
-        step.opt = self.opt
         self.every_micro_batch = stage == 2  # TrainStep then announces the gradients of every micro-batch
         self._block_of: dict[int, int] = {}  # stage 2: bucket → the block whose weight gradients it holds
         self._micro, self._last_micro = 0, True
         if stage == 2:
             self._repack_gradients(blocks)
+
+    def _own(self, full):
+        """This rank's pieces of a whole flat buffer, concatenated in bucket order (its shard of it)."""
+        return self.xp.concatenate([full[src:src + n] for src, n, _ in self.pieces])
+
+    def bind_optimizer(self, make_optimizer):
+        """The shard (this rank's master weights, a gradient and moments of ``shard_size``) and the optimizer
+        over it; the whole master buffer is freed below fp32 (the shard holds this rank's part of it)."""
+        if self.opt is not None:
+            raise ValueError(f"{self!r} already has an optimizer: a seam serves one TrainStep")
+        P, xp = self.params, self.xp
+        decay_end = sum(n for (lo, hi), (_, n, _) in zip(self.buckets, self.pieces) if hi <= P.decay_end)
+        data = self._own(P.data)
+        working = data if P.working is P.data else self._own(P.working)
+        self.shard = FlatParams.over(data=data, grad=xp.zeros(self.shard_size, np.float32),
+                                     m=xp.zeros(self.shard_size, np.float32), v=xp.zeros(self.shard_size, np.float32),
+                                     working=working, decay_end=decay_end)
+        if P.working is not P.data:
+            P.data = None
+        self.opt = make_optimizer(self.shard)
+        return self.opt
 
     # ------------------------------------------------------------------ stage 2: the gradient slots
 
@@ -200,18 +200,18 @@ class ZeroSync(BucketedReduction):
             self._slot_free[s].record(self.stream)
             self._slot_used[s] = True
 
-    def finish(self, params=None):
-        super().finish(params)
+    def finish(self):
+        super().finish()
         if self.zero_stage == 2 and self._gpu:
             self._slot_used = [False, False]
 
     # ------------------------------------------------------------------ the update
 
-    def apply_update(self, lr):
+    def apply_update(self, lr, scaler, clipper):
         """Global-norm clip over the shards, AdamW on this rank's shard, all-gather of the working weights,
-        loss-scaler update. Returns the ``GradNorm`` (norm, scale, found_inf) like ``train.step.apply_update``."""
-        xp, sh, P, sc = self.xp, self.shard, self.params, self.scaler
-        res = self.clipper.result
+        loss-scaler update. Returns the ``GradNorm`` (norm, scale, found_inf) like ``GradSync.apply_update``."""
+        xp, sh, P, sc = self.xp, self.shard, self.params, scaler
+        res = clipper.result
         with region("clip (grad norm, sharded)", bytes=sh.grad.nbytes, flops=2.0 * sh.numel):
             local = grad_norm_fused(sh.grad, 0.0, prescale=sc.inv_scale if sc.enabled else None, out=self._local)
             self._stats[0:1] = local.norm * local.norm
@@ -219,11 +219,7 @@ class ZeroSync(BucketedReduction):
             self.comm.all_reduce(self._stats)
             res.norm[...] = xp.sqrt(self._stats[0])
             res.found_inf[...] = xp.minimum(self._stats[1], np.float32(1.0))
-            coef = xp.float32(1.0)
-            if self.grad_clip > 0:
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    coef = xp.minimum(np.float32(1.0), np.float32(self.grad_clip) / (res.norm + np.float32(1e-6)))
-                coef = xp.where(xp.isnan(coef), np.float32(1.0), coef)
+            coef = clip_scale(res.norm, clipper.max_norm) if clipper.max_norm > 0 else xp.float32(1.0)
             res.scale[...] = coef * sc.inv_scale if sc.enabled else coef
         with region("adamw (shard)", bytes=sh.numel * (4 * 4 + 4 * 4 + sh.working.dtype.itemsize),
                     flops=15.0 * sh.numel):
@@ -250,10 +246,17 @@ class ZeroSync(BucketedReduction):
 
     def optimizer_state(self) -> dict:
         """AdamW's ``state_dict`` as if unsharded: m and v gathered per name, the step count, hyperparameters."""
-        st = {k: v for k, v in self.opt.state_dict().items() if k not in ("m", "v")}
+        st = self.opt.scalars_state()
         st["m"] = _split(self.params, self._full(self.shard.m))
         st["v"] = _split(self.params, self._full(self.shard.v))
         return st
+
+    def load_optimizer_state(self, state: dict):
+        """A whole ``state_dict`` (written on any number of ranks): this rank keeps its pieces of m and v."""
+        for key, buf in (("m", self.shard.m), ("v", self.shard.v)):
+            full = self.params.flatten(state[key], what=f"optimizer state {key}")
+            buf[...] = backend.to_device(np.concatenate([full[src:src + n] for src, n, _ in self.pieces]), self.xp)
+        self.opt.load_scalars_state(state)
 
     def weights_finite(self) -> bool:
         flag = self.xp.asarray([0.0 if bool(self.xp.isfinite(self.shard.data).all()) else 1.0], dtype=np.float32)

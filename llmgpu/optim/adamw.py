@@ -222,6 +222,7 @@ class AdamW:
         check_float("lr", lr, low=0.0, where="AdamW")
         self.params = params
         self.xp = params.xp
+        params.moments()  # the flat m and v exist from here on (FlatParams allocates them on first use)
         self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = float(lr), float(beta1), float(beta2), \
             float(eps), float(weight_decay)
         self.per_tensor = bool(per_tensor)
@@ -298,29 +299,25 @@ class AdamW:
         def split(buf):
             return {n: buf[P.offsets[n]: P.offsets[n] + P.sizes[n]].reshape(P.shapes[n]).copy() for n in P.names}
 
-        return {
-            "m": split(m), "v": split(v), "step": self.steps_taken(),
-            "lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay,
-        }
+        return {"m": split(m), "v": split(v), **self.scalars_state()}
+
+    def scalars_state(self) -> dict:
+        """The state without the moments: the step count and the hyperparameters."""
+        return {"step": self.steps_taken(), "lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps,
+                "weight_decay": self.weight_decay}
 
     def load_state_dict(self, state: dict):
         P = self.params
         for key, buf in (("m", P.m), ("v", P.v)):
-            host = np.zeros(P.numel, dtype=np.float32)
-            for n in P.names:
-                if n not in state[key]:
-                    raise KeyError(f"load_state_dict: {key} has no entry for {n!r}")
-                arr = np.asarray(state[key][n], dtype=np.float32)
-                if arr.shape != P.shapes[n]:
-                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {arr.shape}, expected {P.shapes[n]}")
-                host[P.offsets[n]: P.offsets[n] + P.sizes[n]] = arr.reshape(-1)
-            buf[...] = backend.to_device(host, self.xp)
+            buf[...] = backend.to_device(P.flatten(state[key], what=f"load_state_dict: {key}"), self.xp)
+        self.load_scalars_state(state)
+
+    def load_scalars_state(self, state: dict):
+        """The step count and the hyperparameters of a ``state_dict`` (checked), without the moments."""
         lr, (b1, b2) = state.get("lr", self.lr), state.get("betas", (self.beta1, self.beta2))
         eps, wd = state.get("eps", self.eps), state.get("weight_decay", self.weight_decay)
         _check_hyperparameters("AdamW.load_state_dict", beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
         check_float("lr", lr, low=0.0, where="AdamW.load_state_dict")
         self.step_count[...] = int(state["step"])
-        self.lr = float(state.get("lr", self.lr))
-        self.beta1, self.beta2 = (float(b) for b in state.get("betas", (self.beta1, self.beta2)))
-        self.eps = float(state.get("eps", self.eps))
-        self.weight_decay = float(state.get("weight_decay", self.weight_decay))
+        self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = float(lr), float(b1), float(b2), float(eps), \
+            float(wd)

@@ -104,8 +104,7 @@ class FlatParams:
         f32 = backend.float32
         self.data = xp_.zeros(self.numel, dtype=f32)
         self.grad = xp_.zeros(self.numel, dtype=f32)
-        self.m = xp_.zeros(self.numel, dtype=f32)
-        self.v = xp_.zeros(self.numel, dtype=f32)
+        self._m = self._v = None  # AdamW's moments: allocated when an optimizer first asks (``m``, ``v``)
         if self.working_dtype == f32:
             self.working = self.data
         else:
@@ -120,7 +119,7 @@ class FlatParams:
         self.working_dtype = working.dtype
         self.names, self.shapes, self.sizes, self.decay, self.offsets = [], {}, {}, {}, {}
         self.grad_offsets = self.offsets
-        self.data, self.grad, self.m, self.v, self.working = data, grad, m, v, working
+        self.data, self.grad, self._m, self._v, self.working = data, grad, m, v, working
         self.numel = self.num_parameters = int(data.size)
         self.decay_end = int(decay_end)
         return self
@@ -145,6 +144,39 @@ class FlatParams:
     def weight(self, name: str):
         """The working-precision weight ``name`` (a view into ``.working``): the model reads here."""
         return self._view(self.working, name)
+
+    # AdamW's first and second moments, one flat fp32 buffer each. They are allocated on first use, by the
+    # optimizer built over these parameters: a ZeRO rank (chapter 9) builds its optimizer over its shard
+    # instead, and so never holds the whole buffers.
+    @property
+    def m(self):
+        if self._m is None:
+            self._m = self.xp.zeros(self.numel, dtype=backend.float32)
+        return self._m
+
+    @m.setter
+    def m(self, buf):
+        self._m = buf
+
+    @property
+    def v(self):
+        if self._v is None:
+            self._v = self.xp.zeros(self.numel, dtype=backend.float32)
+        return self._v
+
+    @v.setter
+    def v(self, buf):
+        self._v = buf
+
+    @property
+    def has_moments(self) -> bool:
+        """Whether the moment buffers exist (an optimizer over these parameters asked for them)."""
+        return self._m is not None
+
+    def moments(self):
+        """(m, v), allocated now if they were not (an optimizer calls this when it is built, so the buffers
+        never appear inside a captured step)."""
+        return self.m, self.v
 
     def m_of(self, name: str):
         return self._view(self.m, name)
@@ -189,6 +221,19 @@ class FlatParams:
         host = backend.to_numpy(self.data)
         return {n: host[self.offsets[n] : self.offsets[n] + self.sizes[n]].reshape(self.shapes[n]).copy()
                 for n in self.names}
+
+    def flatten(self, d: Mapping[str, object], *, what: str = "flatten") -> np.ndarray:
+        """name → array (every name of these parameters, each of its shape) as one host fp32 buffer in this
+        layout (padding zero): the inverse of splitting a flat buffer by name."""
+        host = np.zeros(self.numel, dtype=np.float32)
+        for n in self.names:
+            if n not in d:
+                raise KeyError(f"{what} has no entry for {n!r}")
+            arr = np.asarray(backend.to_numpy(d[n]), dtype=np.float32)
+            if arr.shape != self.shapes[n]:
+                raise ValueError(f"{what}[{n!r}] has shape {arr.shape}, expected {self.shapes[n]}")
+            host[self.offsets[n]: self.offsets[n] + self.sizes[n]] = arr.reshape(-1)
+        return host
 
     def load_dict(self, d: Mapping[str, object], strict: bool = True):
         """Copy name → array into the master weights (NumPy or CuPy arrays, any float dtype), then

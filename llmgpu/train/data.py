@@ -370,8 +370,39 @@ def validation_loader(val_arrays, batch, seq, vocab_size):
     return BatchLoader(val_arrays, min(batch, n), seq, shuffle=False, name="validation", vocab_size=vocab_size)
 
 
+class ValidationSplit:
+    """The sequences one evaluation reads, the same however the ranks split the batch (chapter 9).
+
+    The first ``count`` windows of the validation data, in order, cut into chunks of ``batch`` rows (the last
+    may be shorter); chunk i is rank ``i mod world``'s. Each rank adds up ``mean loss × rows`` of its chunks, and
+    the sums over the ranks, divided by ``count``, give the mean loss per sequence: one number that depends only
+    on ``count``, never on the number of ranks, the batch or the micro-batches (to fp32 rounding).
+    """
+
+    def __init__(self, loader: BatchLoader, count: int, *, rank: int = 0, world: int = 1):
+        self.loader, self.rank, self.world = loader, rank, world
+        self.count = min(int(count), loader.n_windows)
+
+    def chunks(self):
+        """This rank's chunks, each an int32 ``[2, rows, seq]`` host array (inputs, targets)."""
+        b, seq = self.loader.batch, self.loader.seq
+        for i, lo in enumerate(range(0, self.count, b)):
+            if i % self.world != self.rank:
+                continue
+            rows = min(b, self.count - lo)
+            out = np.empty((2, rows, seq), dtype=np.int32)
+            for r in range(rows):
+                win = self.loader._window(lo + r)
+                out[0, r], out[1, r] = win[:-1], win[1:]
+            vocab = self.loader.vocab_size
+            if vocab is not None and int(out.max()) >= vocab:
+                raise DataError(f"the validation data has token id {int(out.max())} but the model's vocabulary is "
+                                f"{vocab}")
+            yield out
+
+
 # the tokenizers and DataError live in tokenizers.py; they are still importable from here
 __all__ = ["BYTE_VOCAB", "EMBEDDED", "GPT2_VOCAB", "PREPARE_INFO", "SHARD_MAGIC", "BatchLoader", "ByteTokenizer",
            "Corpus", "DataError", "DataStream", "GPT2Tokenizer", "GPUPrefetcher", "data_files", "embedded_corpus",
            "get_tokenizer", "load_corpus", "read_shard", "read_text", "shard_tokenizer", "stdlib_files",
-           "validation_loader", "write_shard"]
+           "ValidationSplit", "validation_loader", "write_shard"]

@@ -9,21 +9,30 @@ means the weights that produced it are already broken.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
-def check_step(state: dict, step: int, loss: float, skipped: bool, *, loss_scaled: bool, max_skipped: int):
-    """Count a skipped step in ``state`` (``skipped``, ``streak``); record the first failure in
-    ``state["failure"]`` as ``(reason, message)``: 'diverged' (a non-finite loss without loss scaling) or
-    'skipped' (``max_skipped`` skipped steps in a row; 0 = never)."""
-    state["skipped"] += skipped
-    state["streak"] = state["streak"] + 1 if skipped else 0
-    if state["failure"]:
-        return
-    if not math.isfinite(loss) and not loss_scaled:
-        state["failure"] = ("diverged", f"the loss is {loss} at step {step}: the run diverged")
-    elif max_skipped and state["streak"] >= max_skipped:
-        state["failure"] = ("skipped", f"{state['streak']} steps in a row (up to step {step}) were skipped for "
-                            f"inf/nan gradients (--max-skipped-steps {max_skipped}): the run diverged")
+@dataclass
+class RunHealth:
+    """The run's record of skipped steps (``skipped`` in all, ``streak`` in a row) and its first ``failure``,
+    ``(reason, message)``: 'diverged' (a non-finite loss without loss scaling) or 'skipped' (``max_skipped``
+    skipped steps in a row; 0 = never)."""
+
+    skipped: int = 0
+    streak: int = 0
+    failure: tuple[str, str] | None = None
+
+    def check(self, step: int, loss: float, skipped: bool, *, loss_scaled: bool, max_skipped: int):
+        """Count one step; record the first failure."""
+        self.skipped += skipped
+        self.streak = self.streak + 1 if skipped else 0
+        if self.failure:
+            return
+        if not math.isfinite(loss) and not loss_scaled:
+            self.failure = ("diverged", f"the loss is {loss} at step {step}: the run diverged")
+        elif max_skipped and self.streak >= max_skipped:
+            self.failure = ("skipped", f"{self.streak} steps in a row (up to step {step}) were skipped for inf/nan "
+                            f"gradients (--max-skipped-steps {max_skipped}): the run diverged")
 
 
-__all__ = ["check_step"]
+__all__ = ["RunHealth"]

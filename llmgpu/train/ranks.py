@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..dist import DataParallelSync, LocalComm, ZeroSync, check_same, from_environ, init_process_group
+from ..dist import DataParallelSync, LocalComm, LocalGradSync, ZeroSync, check_same, from_environ, init_process_group
 from ..dist.comm import MPIComm, NcclComm
 from ..dist.env import DistEnv
 from ..dist.launch import register_rank
@@ -58,13 +58,14 @@ def distributed(comm) -> bool:
     return not isinstance(comm, LocalComm)
 
 
-def gradient_seam(comm, cfg: TrainConfig, step):
-    """The ``TrainStep`` seam for this run, built after the optimizer state is restored (ZeRO shards it)."""
+def gradient_seam(comm, cfg: TrainConfig, params):
+    """The ``TrainStep`` seam of this run over the model's ``params`` (holding the weights to start from):
+    ``LocalGradSync`` for one process, ``DataParallelSync`` for ``--zero 0``, ``ZeroSync`` for 1 and 2."""
     if cfg.zero:
-        return ZeroSync(comm, step, stage=cfg.zero)
+        return ZeroSync(comm, params, stage=cfg.zero)
     if distributed(comm):
-        return DataParallelSync(comm, step.params)
-    return None  # TrainStep's LocalGradSync
+        return DataParallelSync(comm, params)
+    return LocalGradSync(params)
 
 
 def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int):

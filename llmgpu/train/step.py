@@ -20,24 +20,24 @@ cuBLASLt plans and cuDNN graphs; state some libraries create on a first call and
 settled by the second), the third is captured into a CUDA graph, and every call from then on copies its
 batches and learning rate into the graph's static inputs and replays it: one launch per step.
 
-**The seam of data-parallel training** is ``grad_sync`` (``LocalGradSync`` here, chapter 9 fills it in):
-``grads_ready(names)`` is handed to the model's backward pass on the last micro-batch, so a bucket's
-reduction can start as soon as its gradients are final; ``finish(params)`` runs after the backward
-pass and before clipping (every reduction issued and ordered before the norm kernel reads the
-gradient); ``mean_loss(loss)`` turns the local mean loss into the global one. ``grad_divisor`` (the
-world size) divides the loss gradient's seed; a seam with ``apply_update(lr)`` does the update itself
-(ZeRO: sharded), one with ``every_micro_batch`` hears about every micro-batch (``start_micro_batch(j, n)``
-and ``grads_ready`` each time: ZeRO-2 reduces each micro-batch's block gradients), and ``master_weights``,
-``optimizer_state``, ``weights_finite`` give the whole state a checkpoint needs (``llmgpu/dist``).
+**The seam of data-parallel training** is ``grad_sync``, a ``llmgpu.dist.GradSync`` (``dist/seam.py`` lists its
+members; ``LocalGradSync`` here, chapter 9's ``DataParallelSync`` and ``ZeroSync`` fill it in). The step builds its
+optimizer through the seam (``bind_optimizer``: ZeRO builds it over its shard), hands ``grads_ready`` to the
+model's backward pass (on the last micro-batch, or on every one when the seam asks), calls ``finish()`` after the
+backward pass and ``apply_update(lr, scaler, clipper)`` after that, and reports ``mean_loss``. The seam also gives
+the whole state a checkpoint needs (``master_weights``, ``optimizer_state``, ``load_optimizer_state``,
+``weights_finite``).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
 from .. import backend
 from ..amp import Policy
-from ..instrument import region
+from ..dist.seam import LocalGradSync, apply_update, check_seam
 from ..optim import AdamW, GradClipper
 from ..perf.graphs import capture
 from .config import TrainConfig
@@ -47,69 +47,39 @@ from .config import TrainConfig
 EAGER_WARMUP = 2
 
 
-class LocalGradSync:
-    """The gradient seam of a step on one process: nothing to reduce (see the module docstring).
-
-    ``grad_divisor``: the step seeds the backward pass with 1/(micro-batches × grad_divisor) (data
-    parallelism sums the ranks' gradients, so it divides by the world size). A seam with an
-    ``apply_update(lr)`` method (ZeRO, ``dist/zero.py``) performs the update itself.
-    """
-
-    grad_divisor = 1
-    world_size = 1
-
-    def grads_ready(self, names: list[str]):
-        """The gradients of ``names`` are final for this step (called during the last backward pass)."""
-
-    def finish(self, params):
-        """After the backward pass, before clipping: the gradient in ``params.grad`` is the one to apply."""
-
-    def mean_loss(self, loss):
-        """The loss to report: here the local mean."""
-        return loss
-
-
-def apply_update(P, opt, scaler, clipper, grad_clip: float, lr):
-    """After the backward pass: unscale + global-norm clip (one fused launch), AdamW with the working-copy
-    cast and the gradient zeroed (one launch), loss-scaler update. Returns the ``GradNorm`` result."""
-    with region("clip (grad norm)", bytes=P.grad.nbytes, flops=2.0 * P.numel):
-        if scaler.enabled:
-            res = scaler.check_and_clip(P.grad, grad_clip, out=clipper.result)
-        else:
-            res = clipper(P.grad)
-    with region("adamw", bytes=P.numel * (4 * 4 + 4 * 4 + P.working.dtype.itemsize), flops=15.0 * P.numel):
-        opt.step(lr=lr, grad_scale=res.scale, found_inf=res.found_inf, zero_grad=True)
-    scaler.update(res.found_inf)
-    return res
+def make_adamw(cfg: TrainConfig):
+    """The optimizer a step builds (through its seam) over the parameters it updates: AdamW with ``cfg``'s
+    hyperparameters."""
+    return partial(AdamW, lr=cfg.lr or 0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 class TrainStep:
     """Forward + backward over the micro-batches, clip, AdamW (+ cast), scaler update: eager or one CUDA graph.
 
-    ``model``: a ``GPT`` or ``FastGPT``. ``cfg``: the optimizer settings (``beta1``, ``beta2``, ``eps``,
+    ``model``: a ``GPT`` or ``FastGPT``. ``cfg``: the optimizer settings (``lr``, ``beta1``, ``beta2``, ``eps``,
     ``weight_decay``, ``grad_clip``) and ``graph`` of a ``TrainConfig`` (defaults: ``TrainConfig()``'s).
-    ``grad_sync``: the data-parallel seam (default ``LocalGradSync()``). ``step(batches, lr)`` takes a list
-    of ``(x, y)`` device arrays (one per micro-batch) and the learning rate (a float), and returns the
-    device array ``[mean loss, gradient norm (unscaled, before clipping), found_inf]`` without waiting.
-    The optimizer (``.opt``), loss scaler (``.scaler``) and clipper (``.clipper``) are its own.
+    ``grad_sync``: the data-parallel seam, a ``GradSync`` over ``model.params`` (default ``LocalGradSync``); the
+    step builds its optimizer through it. ``step(batches, lr)`` takes a list of ``(x, y)`` device arrays (one per
+    micro-batch) and the learning rate (a float), and returns the device array ``[mean loss, gradient norm
+    (unscaled, before clipping), found_inf]`` without waiting. The optimizer (``.opt``, the seam's), loss scaler
+    (``.scaler``) and clipper (``.clipper``) serve this step alone.
     """
 
     def __init__(self, model, cfg: TrainConfig | None = None, *, graph: bool | None = None, grad_sync=None):
         cfg = cfg or TrainConfig()
         self.model, self.xp = model, model.xp
         self.params = model.params
-        self.opt = AdamW(self.params, lr=cfg.lr or 0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                         weight_decay=cfg.weight_decay)
+        self.grad_sync = grad_sync if grad_sync is not None else LocalGradSync(self.params)
+        check_seam(self.grad_sync, self.params)
+        self.opt = self.grad_sync.bind_optimizer(make_adamw(cfg))
         compute = "fp32" if model.dtype == backend.float64 else backend.dtype_name(model.dtype)  # fp64: the reference
         self.scaler = Policy(compute).make_scaler(self.xp)
         self.clipper = GradClipper(cfg.grad_clip, xp=self.xp)
-        self.grad_clip = cfg.grad_clip
         self.graph_mode = bool(cfg.graph if graph is None else graph)
         if self.graph_mode and self.xp is np:
             raise ValueError("graph=True needs the GPU (CuPy) backend: CUDA graphs are a GPU feature")
         if self.graph_mode:
             model.check_capturable()  # a ValueError saying why (e.g. FastGPT in fp32), not a failed capture
-        self.grad_sync = grad_sync or LocalGradSync()
         self.graph = None  # the captured step (graph mode), after the second call
         self._inputs = self._lr = None
         self._eager_calls = 0
@@ -122,23 +92,18 @@ class TrainStep:
         return self._graph_step(batches, lr)
 
     def _body(self, batches, lr):
-        xp, model, P, sync = self.xp, self.model, self.params, self.grad_sync
+        xp, model, sync = self.xp, self.model, self.grad_sync
         n = len(batches)
         inv = 1.0 / (n * sync.grad_divisor)
         dloss = self.scaler.scale * np.float32(inv) if self.scaler.enabled else inv  # 0-d device array
         loss_sum = None
-        every = getattr(sync, "every_micro_batch", False)  # ZeRO-2 reduces every micro-batch's block gradients
         for j, (x, y) in enumerate(batches):
-            last = j == n - 1
-            if every:
-                sync.start_micro_batch(j, n)
-            loss = model.forward_backward(x, y, dloss=dloss, grads_ready=sync.grads_ready if last or every else None)
+            announce = j == n - 1 or sync.every_micro_batch  # ZeRO-2 reduces every micro-batch's block gradients
+            sync.start_micro_batch(j, n)
+            loss = model.forward_backward(x, y, dloss=dloss, grads_ready=sync.grads_ready if announce else None)
             loss_sum = loss if loss_sum is None else loss_sum + loss
-        sync.finish(P)
-        if hasattr(sync, "apply_update"):
-            res = sync.apply_update(lr)
-        else:
-            res = apply_update(P, self.opt, self.scaler, self.clipper, self.grad_clip, lr)
+        sync.finish()
+        res = sync.apply_update(lr, self.scaler, self.clipper)
         mean = loss_sum if n == 1 else loss_sum * np.float32(1.0 / n)
         mean = sync.mean_loss(mean.astype(np.float32).reshape(()))
         return xp.stack([mean, res.norm, res.found_inf])
@@ -146,18 +111,19 @@ class TrainStep:
     # the state a checkpoint needs, whole, also when the seam shards it (ZeRO)
     def master_weights(self) -> dict:
         """name → NumPy fp32 master weight."""
-        f = getattr(self.grad_sync, "master_weights", None)
-        return f() if f else self.params.to_dict()
+        return self.grad_sync.master_weights()
 
     def optimizer_state(self) -> dict:
         """AdamW's ``state_dict`` (m and v per name, step count, hyperparameters)."""
-        f = getattr(self.grad_sync, "optimizer_state", None)
-        return f() if f else self.opt.state_dict()
+        return self.grad_sync.optimizer_state()
+
+    def load_optimizer_state(self, state: dict):
+        """Restore what ``optimizer_state`` gave (on any world size and ZeRO stage)."""
+        self.grad_sync.load_optimizer_state(state)
 
     def weights_finite(self) -> bool:
         """Whether every master weight is finite (one reduction, one host sync)."""
-        f = getattr(self.grad_sync, "weights_finite", None)
-        return f() if f else bool(self.xp.isfinite(self.params.data).all())
+        return self.grad_sync.weights_finite()
 
     def _graph_step(self, batches, lr):
         xp = self.xp
@@ -185,4 +151,4 @@ class TrainStep:
         return self.graph.outputs.copy()  # the graph rewrites its output buffer at every replay
 
 
-__all__ = ["LocalGradSync", "TrainStep", "apply_update"]
+__all__ = ["EAGER_WARMUP", "LocalGradSync", "TrainStep", "apply_update", "make_adamw"]

@@ -30,10 +30,11 @@ data = np.random.default_rng(0).integers(0, 61, size=(steps, W * accum, 2, 3, 16
 
 def run(split: bool):
     m = GPT(cfg, xp=np, seed=1, param_multiple=W * ALIGN)
-    st = TrainStep(m, tc)
+    sync = None
     if split:
-        st.grad_sync = (ZeroSync(comm, st, stage=zero, bucket_bytes=8000) if zero
-                        else DataParallelSync(comm, m.params, bucket_bytes=8000, multiple=W * ALIGN))
+        sync = (ZeroSync(comm, m.params, stage=zero, bucket_bytes=8000) if zero
+                else DataParallelSync(comm, m.params, bucket_bytes=8000, multiple=W * ALIGN))
+    st = TrainStep(m, tc, grad_sync=sync)
     out = []
     for s in range(steps):
         ids = range(r * accum, (r + 1) * accum) if split else range(W * accum)

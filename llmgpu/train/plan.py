@@ -1,0 +1,130 @@
+"""Planning a run (chapter 7): what the run will be, decided from the configuration before anything is built.
+
+``Trainer`` (``trainer.py``) plans, then builds. The plan is pure: it reads the configuration, the saved run it
+continues (``SavedRun``: its checkpoint's ``meta.json``), the configuration of ``--init``'s weights and two facts
+of the data (its vocabulary and tokenizer), and returns a ``RunPlan``: the effective configuration, where the run
+writes, the model's configuration and the notes (one line for each thing the run does differently from what was
+asked). It writes no file, allocates nothing and needs no GPU, so tests plan runs that could never be built here
+(``tests/test_plan.py``). In order:
+
+    resume merge   the checkpoint's configuration, with what this command may change (``config.resume_config``)
+    fast path      a run saved with --fast, resumed where the fast step cannot run, continues on the book step
+    resolve        the device's defaults filled in, every setting validated (``config.resolve``)
+    model          the checkpoint's model, the pretrained weights' (``--init``), or the preset with the data's
+                   vocabulary (``plan_model``, once the data is known)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..model import GPTConfig
+from .checkpoint import META_FILE, CheckpointError
+from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config
+from .rundir import default_out_dir, resume_target
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What a checkpoint says about the run it belongs to (its ``meta.json``): read before planning a resume."""
+
+    directory: Path  # the checkpoint directory
+    meta: dict
+    train_config: TrainConfig  # with the model's block size
+    model_config: GPTConfig
+    world_size: int
+
+    @classmethod
+    def from_meta(cls, directory, meta: dict) -> SavedRun:
+        """The saved run of ``meta``, or a ``CheckpointError`` naming ``directory``'s meta file."""
+        try:
+            model = GPTConfig.from_dict(meta["model_config"])
+            train = replace(TrainConfig.from_dict(meta["train_config"]), block_size=model.block_size)
+            world = meta.get("world_size", 1)
+            if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+                raise ValueError(f"world_size {world!r} is not a positive integer")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{Path(directory) / META_FILE}: no usable training configuration "
+                                  f"({type(e).__name__}: {e})") from None
+        return cls(Path(directory), meta, train, model, world)
+
+    def global_batch(self) -> int:
+        """Tokens per optimizer step of the saved run (over all its ranks)."""
+        c = self.train_config
+        return c.batch * c.seq * c.grad_accum * self.world_size
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run, decided: ``cfg`` (every default filled in), where it writes (``out``; ``forked``: a resumed run
+    writing to a new directory, ``fork_from`` the run directory it came from), ``model_config`` (None until the
+    data is known: ``plan_model``) and ``notes``."""
+
+    cfg: TrainConfig
+    out: Path
+    resumed: bool
+    forked: bool = False
+    fork_from: Path | None = None
+    model_config: GPTConfig | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def new_directory(self) -> bool:
+        """Whether the run writes into a directory that must not already hold another run."""
+        return not self.resumed or self.forked
+
+
+def plan_config(cfg: TrainConfig, xp, *, explicit=None, saved: SavedRun | None = None) -> RunPlan:
+    """The run's configuration on backend ``xp``: resumed from ``saved`` (the fields in ``explicit`` are the ones
+    the user set; see ``config.resume_config``), else as given; then resolved and validated (``ConfigError``)."""
+    notes = []
+    if saved is not None:
+        out, forked, fork_from = resume_target(cfg.resume, cfg.out)
+        cfg = replace(resume_config(saved.train_config, cfg, explicit), out=str(out))
+        fast_ok, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every) if cfg.fast else (True, "")
+        if not fast_ok:
+            # the run used the fast step, which this machine cannot run: continue on the book step (same model and
+            # state; the losses will differ from an uninterrupted run in the last bits)
+            notes.append(f"the checkpointed run used the fast step (--fast), unavailable here: {why}; resuming with "
+                         "the book step")
+            cfg = replace(cfg, fast=False, graph=False)
+    else:
+        out, forked, fork_from = Path(cfg.out or default_out_dir()), False, None
+        cfg = replace(cfg, out=str(out))
+    return RunPlan(resolve(cfg, xp), out, saved is not None, forked, fork_from, notes=tuple(notes))
+
+
+def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: SavedRun | None = None,
+               init=None, world_size: int = 1) -> RunPlan:
+    """``plan`` with the model's configuration: the checkpoint's (``saved``), the pretrained weights' (``init``,
+    a ``pretrained.Pretrained``), or the preset's with the data's vocabulary (``data_vocab`` tokens of
+    ``data_tokenizer``) unless ``--vocab-size`` sets it. ``world_size``: the ranks this run trains on."""
+    cfg, notes = plan.cfg, list(plan.notes)
+    if saved is not None:
+        mcfg = saved.model_config
+        if saved.world_size != world_size:
+            now = cfg.batch * cfg.seq * cfg.grad_accum * world_size
+            notes.append(f"the run was saved on {saved.world_size} rank(s) and continues on {world_size}: {now} "
+                         f"tokens per step (it had {saved.global_batch()}; --grad-accum keeps it)")
+    elif init is not None:
+        mcfg = init.run_model_config(data_tokenizer, cfg)
+    else:
+        base = GPTConfig.preset(cfg.preset)
+        vocab = cfg.vocab_size or data_vocab
+        if cfg.vocab_size is None and vocab != base.vocab_size:
+            notes.append(f"the {cfg.preset} preset's vocabulary {base.vocab_size} becomes the data's {vocab} "
+                         f"({data_tokenizer} tokens; --vocab-size sets it)")
+        mcfg = replace(base, vocab_size=vocab, block_size=model_block_size(cfg), pad_vocab_to=cfg.pad_vocab)
+    if cfg.seq > mcfg.block_size:
+        raise ConfigError(f"--seq {cfg.seq} exceeds the model's block size {mcfg.block_size}")
+    return replace(plan, model_config=mcfg, notes=tuple(notes))
+
+
+def warmup_note(warmup: int, total_steps: int) -> str:
+    """The note for a warm-up longer than the run."""
+    return (f"--warmup {warmup} is longer than the run ({total_steps} steps): it warms up over all {total_steps}, "
+            "never decays")
+
+
+__all__ = ["RunPlan", "SavedRun", "plan_config", "plan_model", "warmup_note"]
