@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import traceback
 from dataclasses import fields
 
 from . import backend
@@ -182,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(a) -> int:
+    from .dist import from_environ
     from .train import TrainConfig, train
+    from .train.stop import exit_code
 
     given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)}  # the explicit flags
     if given.get("nproc", 1) > 1:
@@ -191,9 +195,10 @@ def cmd_train(a) -> int:
     if "error" in summary:  # diverged: stopped, the last good checkpoint kept
         raise UsageError(summary["error"])
     if summary["stop_reason"] == "interrupted":
-        print(f"llmgpu: interrupted at step {summary['steps']}; checkpoint saved in {summary['checkpoint']} "
-              f"(continue with: llmgpu train --resume {summary['out']})", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        if from_environ().is_main:
+            print(f"llmgpu: interrupted at step {summary['steps']} ({summary['signal']}); checkpoint saved in "
+                  f"{summary['checkpoint']} (continue with: llmgpu train --resume {summary['out']})", file=sys.stderr)
+        return exit_code(getattr(signal, summary["signal"]))
     if "sample" in summary and given.get("progress", True):
         print("--- sample ---")
         print(summary["sample"])
@@ -334,8 +339,7 @@ def cmd_bench(a) -> int:
 def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
     from .dist import DistError
-    from .dist.comm import abort_mpi
-    from .dist.launch import ERROR_MARK, report_rank_error
+    from .dist.launch import ERROR_MARK
     from .interop import InteropError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
@@ -350,35 +354,51 @@ def main(argv=None) -> int:
             return EXIT_USAGE
         return {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "prepare": cmd_prepare,
                 "export": cmd_export, "info": cmd_info, "bench": cmd_bench}[a.command](a)
-    except DistError as e:
-        line = f"{ERROR_MARK}{e}"
-        print(line, file=sys.stderr)
-        report_rank_error(line)  # mpiexec may drop the line above when it stops the run
-        abort_mpi(EXIT_USAGE)  # the other ranks of an MPI run stop too (one may hang in a collective)
-        return EXIT_USAGE
-    except (UsageError, ConfigError, DataError, CheckpointError, InteropError) as e:
-        print(f"{ERROR_MARK}{e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (backend.GPUUnavailableError, backend.DeviceSettingError) as e:
-        print(f"{ERROR_MARK}{e}", file=sys.stderr)
-        return EXIT_USAGE
+    except (DistError, UsageError, ConfigError, DataError, CheckpointError, InteropError, backend.GPUUnavailableError,
+            backend.DeviceSettingError) as e:
+        return _fail(f"{ERROR_MARK}{e}")
     except MemoryError as e:
-        print(f"{ERROR_MARK}out of host memory ({e}); lower --batch/--seq or use a smaller --preset",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(f"{ERROR_MARK}out of host memory ({e}); lower --batch/--seq or use a smaller --preset")
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         where = f": {e.filename}" if e.filename else ""
-        print(f"{ERROR_MARK}{e.strerror or e}{where}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(f"{ERROR_MARK}{e.strerror or e}{where}")
     except Exception as e:
         if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
-            print(f"{ERROR_MARK}out of GPU memory ({e}); lower --batch, use --checkpoint-every 1 or a smaller "
-                  "--preset", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+            return _fail(f"{ERROR_MARK}out of GPU memory ({e}); lower --batch, use --checkpoint-every 1 or a smaller "
+                         "--preset")
+        if not _several_ranks():
+            raise
+        traceback.print_exc()  # this rank's traceback, then the end of the run: the others must not wait for it
+        _abort_run(1)
+        return 1
     except KeyboardInterrupt:  # outside the training loop (which saves and returns): nothing to save
         print("llmgpu: interrupted", file=sys.stderr)
+        _abort_run(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
+
+
+def _several_ranks() -> bool:
+    from .dist.env import from_environ
+
+    return from_environ().world_size > 1
+
+
+def _abort_run(code: int):
+    if _several_ranks():
+        from .dist.comm import abort_run
+
+        abort_run(code)
+
+
+def _fail(line: str) -> int:
+    """The one line of an error, and in a run of several ranks the end of every rank (``dist.abort_run``): a
+    refusal on one rank must not leave the others waiting in a collective for --dist-timeout."""
+    from .dist.launch import report_rank_error
+
+    print(line, file=sys.stderr)
+    report_rank_error(line)  # the --nproc launcher shows it even if mpiexec drops the line above
+    _abort_run(EXIT_USAGE)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 
 import numpy as np
 
@@ -111,6 +112,19 @@ def mpi_module():
         raise DistError("training on several CPU ranks needs MPI: pip install 'llmgpu[dist]' (mpi4py and the "
                         "mpich wheel, which brings mpiexec)") from None
     return MPI
+
+
+_LIVE_NCCL = weakref.WeakSet()  # this process's NCCL communicators (abort_run ends them)
+
+
+def abort_run(code: int = 2) -> None:
+    """After an error on one rank of a run of several: end the run now instead of leaving the other ranks waiting
+    in a collective. This process's NCCL communicators are aborted (so it exits without waiting for its peers;
+    the launcher, ``torchrun`` or ``llmgpu train --nproc``, stops the others when it exits), and an MPI run is
+    stopped with MPI_Abort (every rank ends at once)."""
+    for c in list(_LIVE_NCCL):
+        c.abort()
+    abort_mpi(code)
 
 
 def abort_mpi(code: int = 2) -> None:
@@ -235,6 +249,7 @@ class NcclComm(Communicator):
         cp = backend.require_gpu()
         super().__init__(rank, world_size, cp, timeout)
         self.comm = self.nccl.NcclCommunicator(world_size, unique_id, rank)
+        _LIVE_NCCL.add(self)
         n = self.nccl
         self._types = {np.dtype(np.float32): n.NCCL_FLOAT32, np.dtype(np.float16): n.NCCL_FLOAT16,
                        np.dtype(backend.bfloat16): n.NCCL_BFLOAT16, np.dtype(np.float64): n.NCCL_FLOAT64,
@@ -309,4 +324,5 @@ class NcclComm(Communicator):
             pass
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Communicator", "abort_mpi", "LocalComm", "MPIComm", "NcclComm", "mpi_module", "nccl_module"]
+__all__ = ["DEFAULT_TIMEOUT", "Communicator", "LocalComm", "MPIComm", "NcclComm", "abort_mpi", "abort_run", "mpi_module",
+           "nccl_module"]

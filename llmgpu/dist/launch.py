@@ -19,6 +19,7 @@ The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` r
 from __future__ import annotations
 
 import os
+import ctypes
 import re
 import select
 import shutil
@@ -33,9 +34,10 @@ from pathlib import Path
 
 from .env import DistError
 
-GRACE_S = 10.0
+GRACE_S = 3.0  # seconds the other ranks get after one failed (SIGTERM), before SIGKILL
 RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register their PIDs
 ERROR_MARK = "llmgpu: error: "  # how the command's error lines start (cli.main prints them with it)
+MPICH_ABORT = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
 
 
 def register_rank(rank: int):
@@ -107,7 +109,12 @@ def find_mpiexec() -> str:
 
 
 def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
-    """Run ``python -m llmgpu <args>`` as ``nproc`` ranks; returns the exit code for the whole run."""
+    """Run ``python -m llmgpu <args>`` as ``nproc`` ranks; returns the exit code for the whole run.
+
+    The ranks run in a session of their own, so a signal reaches them once, through the launcher: SIGINT (Ctrl-C)
+    or SIGTERM to the launcher is passed to every rank, which stop together after the same step, save one
+    checkpoint and exit 130 / 143 (``train/stop.py``); a second signal stops them at once. A rank that refuses
+    the run (an error line) ends every rank with that line alone."""
     if nproc < 2:
         raise DistError(f"--nproc must be at least 2 to launch ranks, got {nproc}")
     cmd = [sys.executable, "-m", "llmgpu", *args]
@@ -116,33 +123,43 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             import mpi4py  # noqa: F401  (fail here, once, rather than in every rank)
         except ImportError:
             raise DistError("--nproc on CPU ranks needs mpi4py: pip install 'llmgpu[dist]'") from None
-        with tempfile.TemporaryDirectory(prefix="llmgpu-ranks-") as d:
-            env = dict(os.environ, **{RANK_DIR_VAR: d})
-            if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
-                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            watch = _FirstDeath(d)
-            rc, reports, passed = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env)
-            first = watch.first()
-            errors = rank_errors(d)
-            for _, line in errors:
-                if line not in passed:  # mpiexec dropped it when it stopped the run
-                    say(line, file=sys.stderr)
-        if rc not in (0, 130):
-            who = sorted({watch.rank_of.get(pid, "?") for pid, _ in errors}, key=_rank_order)
-            if who:  # a rank stopped the run on an error it printed (then the others were killed: not "died")
-                what = f"rank{'s' if len(who) > 1 else ''} {', '.join(who)} stopped the run on an error (above)"
-            else:
-                what = name_dead_rank(first, reports, watch.rank_of, rc)
-            say(f"llmgpu: {what}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
-        return rc
+    with tempfile.TemporaryDirectory(prefix="llmgpu-ranks-") as d:
+        env = dict(os.environ, **{RANK_DIR_VAR: d})
+        if gpu:
+            return _launch_gpu(nproc, cmd, env, d, say)
+        return _launch_mpi(nproc, cmd, env, d, say)
+
+
+def _launch_mpi(nproc, cmd, env, d, say) -> int:
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    watch = _FirstDeath(d)
+    # a signal to the launcher goes to the ranks themselves, not to mpiexec (which would kill them unsaved)
+    relay = _Relay(lambda: [int(pid) for pid in watch.rank_pids()])
+    with relay:
+        rc, reports, passed = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env, relay)
+    first = watch.first()
+    errors = rank_errors(d)
+    for _, line in errors:
+        if line not in passed:  # mpiexec dropped it when it stopped the run
+            say(line, file=sys.stderr)
+    if rc not in (0, 130, 143) and not errors:  # a rank that stopped the run on an error said so (above)
+        what = name_dead_rank(first, reports, watch.rank_of, rc)
+        say(f"llmgpu: {what}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
+    return rc
+
+
+def _launch_gpu(nproc, cmd, env, d, say) -> int:
     port = free_port()
     procs = []
     for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(cmd, env=env))
-    return _watch(procs, say)
+        env_r = dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=env_r, start_new_session=True, preexec_fn=_parent_death_signal()))
+    relay = _Relay(lambda: [p.pid for p in procs if p.poll() is None])
+    with relay:
+        return _watch(procs, say, d, relay)
 
 
 def name_dead_rank(first: list, reports: list, rank_of: dict, rc: int) -> str:
@@ -213,6 +230,10 @@ class _FirstDeath:
                     if h >= 0:
                         os.close(h)
 
+    def rank_pids(self) -> list[str]:
+        """The PIDs the ranks registered so far."""
+        return list(self.rank_of)
+
     def first(self) -> list:
         """[(rank, pid), ...] of the first processes seen ending: one, or several that ended too close together
         to order (mpiexec stops the others within milliseconds; a loaded machine may wake this thread later)."""
@@ -232,20 +253,31 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _wait_mpiexec(cmd, env) -> tuple[int, list, str]:
-    """Run mpiexec, passing its output through and reading it for a dead process (Hydra, on stdout: 'PID n
-    RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on stderr: 'process rank r with PID n ... exited on signal
-    s'). Returns mpiexec's exit code, the deaths it reported (('rank', r, pid, code) or (pid, code) each) and the
-    ``ERROR_MARK`` lines it passed through (only those: a long run prints a line per step)."""
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
+    """Run mpiexec (in a session of its own: signals reach the ranks through ``relay``), passing its output through
+    and reading it for a dead process (Hydra, on stdout: 'PID n RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on
+    stderr: 'process rank r with PID n ... exited on signal s'). Returns mpiexec's exit code, the deaths it reported
+    (('rank', r, pid, code) or (pid, code) each) and the ``ERROR_MARK`` lines it passed through (only those: a long
+    run prints a line per step)."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                         start_new_session=True, preexec_fn=_parent_death_signal())
+    relay.fallback = lambda sig: os.killpg(p.pid, sig)  # before any rank registered: nothing to save yet
     found: list = []
     passed: list = []
 
     def pump(src, dst):
-        pid = None
+        pid, in_banner = None, False
         for line in src:
             if ERROR_MARK in line:
+                if line in passed:  # every rank hit the same error (a bad setting): say it once
+                    continue
                 passed.append(line)
+            # MPI's own words for MPI_Abort (MPICH: one line; Open MPI: a banner between dashed lines): the rank
+            # that aborted printed its error line first, which says why
+            in_banner = in_banner or line.startswith("MPI_ABORT was invoked")
+            if in_banner or MPICH_ABORT.match(line):
+                in_banner = in_banner and not line.startswith("-----")
+                continue
             dst.write(line)
             dst.flush()
             m = re.search(r"process rank (\d+) with PID (\d+) on node \S+ exited on signal (\d+)", line)
@@ -261,42 +293,105 @@ def _wait_mpiexec(cmd, env) -> tuple[int, list, str]:
                threading.Thread(target=pump, args=(p.stderr, sys.stderr), daemon=True)]
     for t in threads:
         t.start()
-    try:
-        rc = p.wait()
-    except KeyboardInterrupt:  # mpiexec forwards the signal to the ranks; let them save and stop
-        rc = p.wait()
+    rc = relay.wait(p)
     for t in threads:
         t.join(5)
     return rc, found, "".join(passed)
 
 
-def _watch(procs, say) -> int:
-    failed = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        return 130
-    r, c = failed
-    how = f"was killed by signal {-c}" if c < 0 else _how(c)
-    say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
+def _watch(procs, say, rank_dir, relay) -> int:
+    """Wait for the GPU ranks; when one fails, stop the others (and name it, unless it left its error line)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        if relay.signum is not None:  # the ranks were asked to stop: let them save, then report their exit
+            codes = [relay.wait(p) for p in procs]
+            codes = [128 - c if c < 0 else c for c in codes]  # killed by a signal: the shell's code
+            return max(codes)
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            break
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+    r, c = bad[0]
+    if not rank_errors(rank_dir):  # a rank that refused the run printed its one line; else say who ended it
+        how = f"was killed by signal {-c}" if c < 0 else _how(c)
+        say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
     _stop(procs)
     return c if c > 0 else 1
 
 
+class _Relay:
+    """The launcher's SIGINT/SIGTERM handlers: the first signal is passed to every rank (``targets()``: their
+    PIDs; ``fallback(sig)`` before there are any), a second one kills them. ``wait(p)`` waits for a process,
+    however many signals arrive meanwhile."""
+
+    def __init__(self, targets):
+        self.targets, self.fallback, self.signum, self._old = targets, None, None, {}
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            pids = self.targets()
+            for pid in pids:
+                _signal(pid, signum)
+            if not pids and self.fallback is not None:
+                _try(self.fallback, signum)
+        else:  # the second time: now
+            for pid in self.targets():
+                _signal(pid, signal.SIGKILL)
+            if self.fallback is not None:
+                _try(self.fallback, signal.SIGKILL)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        return False
+
+    @staticmethod
+    def wait(p) -> int:
+        while True:
+            try:
+                return p.wait()
+            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for other Pythons
+                continue
+
+
+def _signal(pid: int, sig):
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _try(f, sig):
+    try:
+        f(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` that makes a rank get SIGTERM (stop and save) when the launcher dies, so that none trains on
+    unseen (Linux's PR_SET_PDEATHSIG); None elsewhere. libc is loaded here, in the launcher: the child, forked from
+    a process with threads, must not import or load anything before exec."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _stop(procs):
+    """After a rank failed: the others cannot finish a step or save without it, so SIGKILL after a short grace."""
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -9,6 +9,8 @@ ranks never disagree about how many collectives there will be. Only rank 0 print
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 
 from .. import backend
@@ -76,16 +78,22 @@ def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int):
     check_same(comm, "starting step", step)
 
 
-def agree(comm, total_steps: int | None, stop: bool) -> tuple[int | None, bool]:
-    """Rank 0's schedule length and stop decision, on every rank (one tiny broadcast)."""
+def agree(comm, total_steps: int | None, time_up: bool, signum: int | None = None):
+    """At a log sync: rank 0's schedule length and time-up decision, and the signal any rank was asked to stop by
+    (``stop.StopRequests``; SIGTERM over SIGINT), the same on every rank (one tiny all-reduce). Returns
+    ``(total_steps, time_up, signum)``."""
     if comm.world_size == 1:
-        return total_steps, stop
-    buf = backend.to_device(np.array([-1 if total_steps is None else total_steps, int(stop)], np.int32), comm.xp)
-    comm.broadcast(buf, root=0)
+        return total_steps, time_up, signum
+    main = comm.rank == 0
+    mine = [(0 if total_steps is None else total_steps + 1) if main else 0, int(time_up) if main else 0,
+            int(signum == signal.SIGINT), int(signum == signal.SIGTERM)]
+    buf = backend.to_device(np.array(mine, np.int32), comm.xp)
+    comm.all_reduce(buf)
     if comm.xp is not np:
         comm.wait_device(what="the other ranks' schedule")
-    t, s = (int(x) for x in backend.to_numpy(buf))
-    return (None if t < 0 else t), bool(s)
+    t, up, sigint, sigterm = (int(x) for x in backend.to_numpy(buf))
+    sig = signal.SIGTERM if sigterm else signal.SIGINT if sigint else None
+    return (None if t == 0 else t - 1), bool(up), sig
 
 
 def wait_for_ranks(comm, what: str):

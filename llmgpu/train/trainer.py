@@ -15,6 +15,7 @@ on the host (a float, no sync); the loss, the gradient norm and the overflow fla
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ from .report import Progress, read_log
 from .rundir import check_out, default_out_dir, open_run_dir, write_config
 from .sampling import prompt_ids
 from .step import TrainStep
+from .stop import StopRequests
 from .stream import DataStream
 
 
@@ -280,6 +282,10 @@ class Trainer:
         Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
         """
         s = self._open_session()
+        with StopRequests(defer=self.world > 1) as s.stop:  # several ranks stop together (stop.py)
+            return self._loop(s, stop_at)
+
+    def _loop(self, s: _Session, stop_at: int | None) -> dict:
         try:
             while (reason := self._stop_reason(s, stop_at)) is None:
                 lr = self.lr_at(self.step)
@@ -296,7 +302,7 @@ class Trainer:
             else:  # the loop ended before a step, not by a break
                 s.stop_reason = reason
         except KeyboardInterrupt:
-            s.stop_reason = "interrupted"
+            s.stop_reason, s.signal = "interrupted", s.stop.signum or signal.SIGINT
             s.bar.message(f"interrupted at step {self.step}: saving a checkpoint (continue with --resume {s.out})")
         return self._close_session(s)
 
@@ -379,9 +385,13 @@ class Trainer:
         time_up = False
         if self.world > 1:  # rank 0's clock sets the schedule and the stop, the same on every rank
             time_up = self.cfg.max_time is not None and now - s.t0 >= self.cfg.max_time
-            self.total_steps, time_up = agree(self.comm, self.total_steps, time_up)
+            self.total_steps, time_up, sig = agree(self.comm, self.total_steps, time_up, s.stop.signum)
             s.bar.total = self.total_steps
             s.stop_reason = "max_time" if time_up else s.stop_reason
+            if sig is not None:  # a rank was asked to stop: every rank stops after this step, saving together
+                s.stop_reason, s.signal, time_up = "interrupted", sig, True
+                s.bar.message(f"{signal.Signals(sig).name} at step {self.step}: saving a checkpoint (continue with "
+                              f"--resume {s.out})")
         eta = None
         if self.total_steps and self.step > 1:
             eta = (now - s.probe_start) / (self.step - 1) * (self.total_steps - self.step)
@@ -437,6 +447,8 @@ class Trainer:
                    "first_val_loss": s.first_val, "val_loss": s.last_val, "train_loss": s.last_loss,
                    "skipped_steps": s.health.skipped, "tokens": self.step * self.tokens_per_step,
                    "checkpoint": str(ckpt) if ckpt else None, "out": str(s.out), "notes": self.notes}
+        if s.stop_reason == "interrupted":
+            summary["signal"] = signal.Signals(s.signal).name
         if failed:
             summary["error"] = s.health.failure[1] + (f"; the last good checkpoint is {ckpt}" if ckpt else
                                                       "; no checkpoint was saved (--save-every N keeps some)")
@@ -495,6 +507,8 @@ class _Session:
     refit: bool  # a time-bounded run fits its schedule to the clock; a resumed one keeps the saved schedule
     pending: list = field(default_factory=list)  # (step, lr, device record) since the last sync
     stop_reason: str = "steps"
+    stop: StopRequests | None = None  # the signals received (stop.py)
+    signal: int | None = None  # the signal that stopped the run
     first_val: float | None = None
     last_val: float | None = None
     last_loss: float | None = None
