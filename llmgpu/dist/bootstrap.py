@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import struct
 import time
@@ -55,12 +56,33 @@ def init_process_group(xp=None, env: DistEnv | None = None, *, timeout: float = 
     return NcclComm(uid, env.rank, env.world_size, timeout=timeout)
 
 
+MULTI_RANK_NCCL = 23000  # NCCL 2.30.0: several ranks of one communicator may share a GPU (experimental)
+
+
+def ranks_may_share_gpus() -> str | None:
+    """None when several ranks may share one GPU, else why not. NCCL 2.30 allows it, experimentally, with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (about two ranks a GPU by default, ``NCCL_MAX_CTAS`` lowers each rank's
+    channels; NVLink SHARP is off then): enough to run chapter 9's code paths for real on one GPU, never to
+    measure scaling (the ranks share one GPU's SMs and memory bandwidth). Older NCCLs refuse a duplicate GPU."""
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        return "NCCL_MULTI_RANK_GPU_ENABLE=1 is not set"
+    version = nccl_module().get_version()
+    if version < MULTI_RANK_NCCL:
+        return (f"NCCL {version // 10000}.{version // 100 % 100}.{version % 100} refuses several ranks on one GPU "
+                "(NCCL 2.30 or newer does: tools/nccl_multirank.sh builds it)")
+    return None
+
+
 def select_device(env: DistEnv) -> int:
-    """Make the local rank's GPU current (``local_rank`` modulo the visible GPUs); returns its index."""
+    """Make the local rank's GPU current (``local_rank`` modulo the visible GPUs); returns its index. More local
+    ranks than GPUs need ``ranks_may_share_gpus``."""
     cp = backend.require_gpu()
     n = cp.cuda.runtime.getDeviceCount()
     if env.local_world_size > n:
-        raise DistError(f"{env.local_world_size} ranks on this node but {n} visible GPU(s): one rank per GPU")
+        why = ranks_may_share_gpus()
+        if why:
+            raise DistError(f"{env.local_world_size} ranks on this node but {n} visible GPU(s): one rank per GPU "
+                            f"({why})")
     dev = env.local_rank % n
     cp.cuda.Device(dev).use()
     return dev
@@ -157,4 +179,4 @@ def check_same(comm, what: str, value) -> None:
                         "configuration")
 
 
-__all__ = ["check_same", "init_process_group", "rendezvous", "select_device"]
+__all__ = ["MULTI_RANK_NCCL", "check_same", "init_process_group", "ranks_may_share_gpus", "rendezvous", "select_device"]
