@@ -384,11 +384,13 @@ def test_scale_table_tries_in_their_own_processes(tmp_path, monkeypatch):
 
 
 def test_profile_step_tool_prints_and_saves_the_per_op_table(tmp_path, capsys):
-    """tools/profile_step.py (chapter 8's per-op table for any preset; on the GPU for d36 beside gpt2), on NumPy."""
+    """tools/probes/profile_step.py (chapter 8's per-op table for any preset; on the GPU for d36 beside gpt2),
+    on NumPy."""
     import runpy
     from pathlib import Path
 
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"), run_name="tool")
+    path = Path(__file__).resolve().parents[1] / "tools" / "probes" / "profile_step.py"
+    tool = runpy.run_path(str(path), run_name="tool")
     js = tmp_path / "p.json"
     assert tool["main"](["--preset", "tiny", "--batch", "2", "--seq", "16", "--reps", "1", "--top", "5",
                          "--device", "cpu", "--json", str(js)]) == 0

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "llmgpu"
 
 # Each floor imports only from floors below it (or from its own floor, without cycles).
 FLOORS = [
-    ("ground", ("backend", "checks", "testing", "plotting", "instrument", "version")),
+    ("ground", ("backend", "checks", "testing", "plotting", "instrument", "results", "version")),
     ("kernels", ("kernels",)),
     ("ops/gemm", ("ops", "gemm")),
     ("optim", ("optim",)),
