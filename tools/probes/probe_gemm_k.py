@@ -44,6 +44,9 @@ Output: JSON lines at ``--out`` (``meta``, ``case``, ``lt_algo``, ``gemmex_algo`
 ``--budget-s`` (default 110 s; an H200 needs ~40-80 s for the full sweep, ~15 s with ``--quick``);
 a section out of time stops and says so (``truncated``). ``--cpu-smoke`` runs the plumbing on NumPy
 at tiny sizes (no GPU paths) for the CPU tests.
+
+This script is long because it is one sweep over every GEMM path we have, each measured against the same float64
+reference and judged by the same verdict: split into several scripts, the paths would no longer be compared alike.
 """
 
 from __future__ import annotations
