@@ -33,6 +33,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -327,8 +328,8 @@ def format_scale_table(rows) -> str:
         ratio = row.get("llmgpu_over_torch")
         lines.append(f"{row['preset']:<7}{row['parameters'] / 1e6:>7.0f}M | {cells(row['llmgpu'])} | "
                      f"{cells(row['torch'])} | {'-' if ratio is None else f'{ratio:.2f}x':>6}")
-    lines.append("B: the largest power-of-two batch that fit (cK: with checkpointing every K blocks); ratio: llmgpu / "
-                 "PyTorch tokens/s")
+    lines += textwrap.wrap("B: the largest power-of-two batch that fit (cK: with checkpointing every K blocks); ratio: "
+                           "llmgpu / PyTorch tokens/s", len(head))
     return "\n".join(lines)
 
 
