@@ -3,6 +3,9 @@ the roofline, step breakdowns, fusion speed-ups and loss curves.
 
 Kept in one module so every chapter draws measurements the same way and notebook cells stay short.
 matplotlib is imported on first use.
+
+This module is long because it is every plot of the book in one place (the reason above); each function is one
+figure and stays short.
 """
 
 from __future__ import annotations
@@ -101,10 +104,8 @@ def spread_positions(targets, gap: float, lo: float = 0.0, hi: float = 1.0) -> l
         pos[j] = max(pos[j], pos[j - 1] + gap)
     for j in range(len(pos) - 1, -1, -1):
         pos[j] = min(pos[j], hi if j == len(pos) - 1 else pos[j + 1] - gap)
-    out = [0.0] * len(order)
-    for j, i in enumerate(order):
-        out[i] = pos[j]
-    return out
+    rank = {i: j for j, i in enumerate(order)}
+    return [pos[rank[i]] for i in range(len(targets))]
 
 
 ROOFLINE_LABEL_PT = 7
@@ -333,15 +334,12 @@ def plot_scale_table(table, png_path=None, *, title=None):
 
 
 def series_colors(n: int) -> list:
-    """``n`` colours, all different: matplotlib's ten (tab10) while they suffice, then tab20 (ten hues, dark and
-    light), then evenly spaced along a continuous map. The default cycle repeats after ten, so an eleventh series
-    would look like the first."""
+    """``n`` colours, all different: tab10 while they suffice (the default cycle, which repeats after ten), then
+    tab20 (ten hues, dark and light), then evenly spaced along a continuous map."""
     from matplotlib import colormaps
 
-    if n <= 10:
-        return list(colormaps["tab10"].colors[:n])
     if n <= 20:
-        return list(colormaps["tab20"].colors[:n])
+        return list(colormaps["tab10" if n <= 10 else "tab20"].colors[:n])
     return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, n)]
 
 
