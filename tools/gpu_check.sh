@@ -8,8 +8,8 @@
 #     GEMMs excluded); a missing compute-sanitizer is a failure (SANITIZE_TIMEOUT: seconds per tool, 150)
 # 3. `llmgpu bench` against PyTorch (benchmarks/results/ch8/ch8_bench*.json, read by the chapter 8 notebook), its
 #    scale table, the step and cuBLASLt probes, the 300-step bf16/fp16 comparison (tools/recipes/fp16_vs_bf16.sh)
-# 4. the benchmarks (each writes benchmarks/results/<chapter>/*.json), the LayerNorm backward probe and dev/cuda's wgmma probe
-#    and wgmma flash forward
+# 4. the benchmarks (each writes benchmarks/results/<chapter>/*.json), the LayerNorm backward probe and dev/cuda's
+#    wgmma probe and wgmma flash forward
 # 5. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 6. the notebooks executed in place, so their committed outputs come from this GPU (and read step 3-4's results)
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
