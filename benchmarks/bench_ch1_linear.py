@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chapter 1 benchmark: the linear layer's GEMMs and bias kernels at GPT-2 sizes.
 
-    python benchmarks/bench_ch1_linear.py            # GPU: full run, writes benchmarks/results/ch1_linear.json
+    python benchmarks/bench_ch1_linear.py            # GPU: full run, writes benchmarks/results/ch1/ch1_linear.json
     python benchmarks/bench_ch1_linear.py --quick    # fewer shapes (the default on CPU: NumPy, tiny sizes)
     python benchmarks/bench_ch1_linear.py --out x.json
 
@@ -36,7 +36,7 @@ from llmgpu.perf import timing
 from llmgpu.perf.sweeps import measure_linear
 from llmgpu.testing import assert_close
 
-RESULTS = _common.RESULTS_DIR / "ch1_linear.json"
+RESULTS = _common.RESULTS_DIR / "ch1" / "ch1_linear.json"
 GPT2_LAYERS = [
     ("attn.c_proj", 768, 768),
     ("attn.c_attn", 768, 2304),

@@ -11,7 +11,7 @@ Also rows of vocabulary length (50257, and 50304 = padded to a multiple of 64 as
 lets the block kernel use 16-byte loads), and a sweep of short rows that checks the ``auto`` threshold
 between the warp and block kernels. Attention at B=8, H=12, T=1024, D=64, bf16, causal: our math path
 (cuBLAS GEMMs + our softmax) vs PyTorch's math path (matmul + softmax with autograd) and PyTorch's
-flash SDPA. Results go to benchmarks/results/ch2_softmax_attention.json on a GPU (or to --out).
+flash SDPA. Results go to benchmarks/results/ch2/ch2_softmax_attention.json on a GPU (or to --out).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from llmgpu.perf.sweeps import attention_stage_times
 from llmgpu.perf.timing import time_fn, time_torch, torch_cuda
 from llmgpu.testing import random_array
 
-RESULTS = _common.RESULTS_DIR / "ch2_softmax_attention.json"
+RESULTS = _common.RESULTS_DIR / "ch2" / "ch2_softmax_attention.json"
 KERNELS = ("naive", "warp", "block")
 TARGET = 0.85  # fraction of the copy ceiling the optimized softmax backward should reach
 

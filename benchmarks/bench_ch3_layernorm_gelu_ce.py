@@ -11,7 +11,7 @@ embedding with B = 64, T = 1024, C = 768. Naive and optimized kernels, bf16 and 
 on CUDA importable, its equivalents (F.layer_norm + autograd, F.gelu(approximate='tanh'),
 F.cross_entropy, F.embedding) are timed in the same run and the speed ratio reported.
 
-On the GPU the results go to benchmarks/results/ch3_layernorm_gelu_ce.json; on the CPU (NumPy, a
+On the GPU the results go to benchmarks/results/ch3/ch3_layernorm_gelu_ce.json; on the CPU (NumPy, a
 smoke test of the script) nothing is written unless --out is given.
 """
 
@@ -29,7 +29,7 @@ from llmgpu.ops import gelu as ge
 from llmgpu.ops import layernorm as ln
 from llmgpu.perf import timing
 
-RESULTS = _common.RESULTS_DIR / "ch3_layernorm_gelu_ce.json"
+RESULTS = _common.RESULTS_DIR / "ch3" / "ch3_layernorm_gelu_ce.json"
 TARGET_PCT = 85.0  # goal for the optimized LayerNorm, GELU and cross-entropy kernels
 
 FULL = {"ln": (64 * 1024, 768), "gelu": (64 * 1024, 3072), "ce": (8 * 1024, 50257),

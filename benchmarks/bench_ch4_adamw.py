@@ -9,7 +9,7 @@ fp32 gradients, bf16 working copy. Bandwidth counts the minimum bytes per parame
     torch.optim.AdamW(fused=True): 28 B (no working copy)
 
 and compares with the device-to-device copy ceiling measured in the same run. Writes
-benchmarks/results/ch4_adamw.json on a GPU (or to --out). On the CPU it runs tiny sizes on NumPy
+benchmarks/results/ch4/ch4_adamw.json on a GPU (or to --out). On the CPU it runs tiny sizes on NumPy
 (a smoke test) and writes nothing unless --out is given.
 
     python benchmarks/bench_ch4_adamw.py [--quick] [--out PATH]
@@ -28,7 +28,7 @@ from llmgpu.optim import AdamW, GradClipper
 from llmgpu.optim.params import FlatParams
 from llmgpu.perf import timing
 
-RESULTS = _common.RESULTS_DIR / "ch4_adamw.json"
+RESULTS = _common.RESULTS_DIR / "ch4" / "ch4_adamw.json"
 
 
 def make_params(shapes, xp, working="bf16", seed=0):

@@ -8,7 +8,7 @@ is importable, the same sweep runs on a nanoGPT-style PyTorch GPT-2 (bf16 autoca
 
 The article's claim to check: "about half the memory for 30–40 % more compute".
 
-    python benchmarks/bench_ch6_checkpointing.py            # GPU: writes benchmarks/results/ch6_checkpointing.json
+    python benchmarks/bench_ch6_checkpointing.py            # GPU: writes benchmarks/results/ch6/ch6_checkpointing.json
     python benchmarks/bench_ch6_checkpointing.py --quick    # small sizes (the default on a CPU; nothing written)
 
 On a CPU (NumPy backend) it runs the tiny model, reports counted activation bytes instead of pool
@@ -26,7 +26,7 @@ import numpy as np
 from llmgpu.model import GPTConfig
 from llmgpu.perf.sweeps import checkpointing_sweep
 
-RESULTS = _common.RESULTS_DIR / "ch6_checkpointing.json"
+RESULTS = _common.RESULTS_DIR / "ch6" / "ch6_checkpointing.json"
 KS = (0, 1, 2, 4)
 
 

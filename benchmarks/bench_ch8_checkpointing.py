@@ -1,6 +1,6 @@
 """Chapter 8 benchmark: activation checkpointing on the fast step, peak memory against step time.
 
-    python benchmarks/bench_ch8_checkpointing.py            # GPU: writes benchmarks/results/ch8_checkpointing.json
+    python benchmarks/bench_ch8_checkpointing.py            # GPU: writes benchmarks/results/ch8/ch8_checkpointing.json
     python benchmarks/bench_ch8_checkpointing.py --quick    # small sizes (the default on a CPU; nothing written)
 
 For ``checkpoint_every`` k ∈ {off, 1, 2, 4}: the whole training step of ``llmgpu train --fast`` (``FastGPT``
@@ -26,7 +26,7 @@ from llmgpu.bench import release_memory, run_llmgpu
 from llmgpu.model import GPTConfig
 from llmgpu.model.config import training_flops
 
-RESULTS = _common.RESULTS_DIR / "ch8_checkpointing.json"
+RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_checkpointing.json"
 KS = (0, 1, 2, 4)
 TARGET_MEMORY, TARGET_TIME = 0.50, 1.30  # k = 1 against off (issue 19)
 

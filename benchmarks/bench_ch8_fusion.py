@@ -19,7 +19,7 @@ CUDA, its equivalents (``F.gelu(F.linear)``, ``torch._addmm_activation``, ``aten
 ``mm + sum``) are timed on the same data (DLPack) and the ratio reported. Then launch overhead: host µs
 per RawKernel launch, eager vs replayed from a CUDA graph (``llmgpu.perf.profile.launch_overhead``).
 
-On the GPU the results go to benchmarks/results/ch8_fusion.json; on the CPU (NumPy, a smoke test of
+On the GPU the results go to benchmarks/results/ch8/ch8_fusion.json; on the CPU (NumPy, a smoke test of
 the script) nothing is written unless --out is given.
 """
 
@@ -38,7 +38,7 @@ from llmgpu.ops.linear import add_bias, bias_grad
 from llmgpu.perf import timing
 from llmgpu.testing import rel_error
 
-RESULTS = _common.RESULTS_DIR / "ch8_fusion.json"
+RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_fusion.json"
 FULL = {"N": 65536, "C": 768, "O": 3072}
 QUICK = {"N": 128, "C": 64, "O": 256}
 

@@ -1,6 +1,6 @@
 """Chapter 8 benchmark (issue 19): the fused cross-entropy of the LM head and the embedding backward into fp32.
 
-    python benchmarks/bench_ch8_head_items.py            # GPU: writes benchmarks/results/ch8_head_items.json
+    python benchmarks/bench_ch8_head_items.py            # GPU: writes benchmarks/results/ch8/ch8_head_items.json
     python benchmarks/bench_ch8_head_items.py --quick    # B = 16 only, fewer steps (the default on a CPU: a
                                                          # NumPy smoke test of the four settings; nothing written)
 
@@ -35,7 +35,7 @@ from llmgpu.bench import make_train_step, release_memory
 from llmgpu.model import FastGPT, GPTConfig, fast
 from llmgpu.perf import timing
 
-RESULTS = _common.RESULTS_DIR / "ch8_head_items.json"
+RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_head_items.json"
 COMBOS = ((False, False), (True, False), (False, True), (True, True))  # (FUSED_CROSS_ENTROPY, EMBEDDING_GRAD_INTO_FP32)
 
 

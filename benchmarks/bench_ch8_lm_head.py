@@ -1,6 +1,6 @@
 """Chapter 8 benchmark: the LM head and cross-entropy in chunks of rows against all rows at once.
 
-    python benchmarks/bench_ch8_lm_head.py            # GPU: writes benchmarks/results/ch8_lm_head.json
+    python benchmarks/bench_ch8_lm_head.py            # GPU: writes benchmarks/results/ch8/ch8_lm_head.json
     python benchmarks/bench_ch8_lm_head.py --quick    # small sizes (the default on a CPU; nothing written)
 
 ``FastGPT.forward_backward`` makes the logits ``lm_head_rows`` rows at a time (``LM_HEAD_ROWS``), so the
@@ -21,7 +21,7 @@ import _common
 from llmgpu.bench import release_memory, run_llmgpu
 from llmgpu.model import GPTConfig, fast
 
-RESULTS = _common.RESULTS_DIR / "ch8_lm_head.json"
+RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_lm_head.json"
 
 
 def main(argv=None):

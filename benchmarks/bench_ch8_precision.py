@@ -1,6 +1,6 @@
 """Chapter 8 benchmark: the fast step in bf16 against fp16 with the dynamic loss scaler, same model and batch.
 
-    python benchmarks/bench_ch8_precision.py            # GPU: writes benchmarks/results/ch8_precision.json
+    python benchmarks/bench_ch8_precision.py            # GPU: writes benchmarks/results/ch8/ch8_precision.json
     python benchmarks/bench_ch8_precision.py --quick    # small sizes (the default on a CPU; nothing written)
 
 The whole training step of ``llmgpu train --fast`` (``FastGPT`` through ``TrainStep``; as one CUDA graph on a
@@ -8,7 +8,7 @@ GPU) on GPT-2 124M, B = 64, T = 1024, vocabulary padded to 50304, synthetic toke
 median ms per step and tokens/s. fp16 adds the loss scaler's work to the step (the scaled loss, the inf/NaN
 check of the gradient, the conditional update and scale change, all on the device). Issue 19's target: fp16
 within 3 % of bf16's throughput. The loss curves of the two (300 steps of real training) come from
-``llmgpu train`` and ``tools/compare_runs.py`` instead.
+``llmgpu train`` and ``tools/recipes/compare_runs.py`` instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import _common
 from llmgpu.bench import release_memory, run_llmgpu
 from llmgpu.model import GPTConfig
 
-RESULTS = _common.RESULTS_DIR / "ch8_precision.json"
+RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_precision.json"
 TARGET = 0.97  # fp16 tokens/s at least this fraction of bf16's
 
 

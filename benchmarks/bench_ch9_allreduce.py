@@ -15,7 +15,7 @@ times NCCL's one-rank all-reduce and our ring's building block, the reduction ke
     python benchmarks/bench_ch9_allreduce.py --nproc 4              # starts 4 local ranks itself
     mpiexec -n 2 python benchmarks/bench_ch9_allreduce.py --device cpu --max-bytes 1MiB   # CPU ranks (MPI)
 
-Writes benchmarks/results/ch9_allreduce.json (world size 1) or ch9_allreduce_<N>gpu.json, with a PNG of the
+Writes benchmarks/results/ch9/ch9_allreduce.json (world size 1) or ch9_allreduce_<N>gpu.json, with a PNG of the
 bandwidth curves next to it, on GPUs; on CPU ranks only with ``--out``.
 """
 
@@ -201,7 +201,7 @@ def main(argv=None):
                               "formula": "2(N-1)/N * bytes / link + 2(N-1) * chunks * latency"},
                "busbw_definition": "algbw * 2(N-1)/N (nccl-tests doc/PERFORMANCE.md); none at N = 1 (no link)",
                **environment(xp), "rows": rows}
-    default = _common.RESULTS_DIR / ("ch9_allreduce.json" if N == 1 else f"ch9_allreduce_{N}gpu.json")
+    default = _common.RESULTS_DIR / "ch9" / ("ch9_allreduce.json" if N == 1 else f"ch9_allreduce_{N}gpu.json")
     out = args.out or (default if gpu and not args.quick else None)
     if main_rank and _common.save(out, payload, xp):
         from llmgpu.plotting import plot_allreduce

@@ -9,8 +9,8 @@ memory: the CuPy pool's peak and the bytes of parameter-sized state (weights, gr
 
 Run it on a machine with several GPUs under a launcher for the scaling figures (tokens/s per world size):
 
-    python benchmarks/bench_ch9_step.py                       # one GPU: writes benchmarks/results/ch9_step.json
-    torchrun --nproc-per-node 2 benchmarks/bench_ch9_step.py --out benchmarks/results/ch9_step_2gpu.json
+    python benchmarks/bench_ch9_step.py                       # one GPU: writes benchmarks/results/ch9/ch9_step.json
+    torchrun --nproc-per-node 2 benchmarks/bench_ch9_step.py --out benchmarks/results/ch9/ch9_step_2gpu.json
     python benchmarks/bench_ch9_step.py --quick               # a small model (the default on a CPU)
 """
 
@@ -30,7 +30,7 @@ from llmgpu.train.config import TrainConfig
 from llmgpu.train.ranks import connect
 from llmgpu.train.step import TrainStep
 
-RESULTS = _common.RESULTS_DIR / "ch9_step.json"
+RESULTS = _common.RESULTS_DIR / "ch9" / "ch9_step.json"
 CASES = ("plain", "dp", "zero1", "zero2")
 
 

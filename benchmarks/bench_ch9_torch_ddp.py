@@ -6,7 +6,7 @@ buckets, gradients reduced during the backward pass), compiled with ``torch.comp
 autocast, fused AdamW, global-norm clip 1.0. Each rank trains on its own synthetic batch; rank 0 prints
 the median step time and the tokens/s of all ranks together, and writes JSON with ``--out``.
 
-    torchrun --nproc-per-node 8 benchmarks/bench_ch9_torch_ddp.py --out benchmarks/results/ch9_ddp_8gpu.json
+    torchrun --nproc-per-node 8 benchmarks/bench_ch9_torch_ddp.py --out benchmarks/results/ch9/ch9_ddp_8gpu.json
     python benchmarks/bench_ch9_torch_ddp.py --mode eager --steps 5      # one GPU, world size 1 (a check)
 
 The llmgpu side of the same comparison is ``benchmarks/bench_ch9_step.py`` under the same launcher.

@@ -16,7 +16,7 @@ share of the positions, the rest uniform), ``zipf`` (text-like: p(rank) ~ 1/(ran
 token ~3%). GB/s counts the minimum bytes (``traffic_bytes``: dx and idx read once, dwte and dwpe
 written once) against the copy ceiling measured in the same run.
 
-On the GPU the results go to benchmarks/results/ch3_embedding_hot.json; on the CPU (NumPy, a
+On the GPU the results go to benchmarks/results/ch3/ch3_embedding_hot.json; on the CPU (NumPy, a
 smoke test of the script) nothing is written unless --out is given.
 """
 
@@ -32,7 +32,7 @@ from llmgpu.ops import embedding as em
 from llmgpu.perf import timing
 from llmgpu.testing import assert_close
 
-RESULTS = _common.RESULTS_DIR / "ch3_embedding_hot.json"
+RESULTS = _common.RESULTS_DIR / "ch3" / "ch3_embedding_hot.json"
 FULL = (64, 1024, 768, 50257, 1024)  # B, T, C, V, maxT
 QUICK = (2, 128, 768, 50257, 1024)
 DISTS = ("uniform", "hot20", "hot50", "hot100", "zipf")

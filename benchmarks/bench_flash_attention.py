@@ -15,7 +15,7 @@ per head, the regime where FlashAttention-2 reports its numbers). FLOPs by ``fla
 * ``cudnn``       cuDNN's fused attention (deterministic backward), when the cuDNN frontend is installed
 * ``torch flash`` PyTorch SDPA with the flash backend (``--no-torch`` skips it)
 
-Results go to benchmarks/results/flash_attention.json on a GPU (or to --out), with device, date and versions.
+Results go to benchmarks/results/ch2b/flash_attention.json on a GPU (or to --out), with device, date and versions.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from llmgpu.ops import flash_attention as fa
 from llmgpu.perf.timing import time_fn, time_torch
 from llmgpu.testing import random_array
 
-RESULTS = _common.RESULTS_DIR / "flash_attention.json"
+RESULTS = _common.RESULTS_DIR / "ch2b" / "flash_attention.json"
 SHAPES = [  # (B, H, T, D, causal)
     (16, 12, 1024, 64, True),
     (64, 12, 1024, 64, True),

@@ -11,7 +11,7 @@ its kernels alone, and the kernels' registers as loaded on this GPU. Correctness
 variant against the default kernels on each benchmark shape (relative error of dq, dk, dv) and against float64 on
 two small shapes (T=257, D=64 and T=300, D=128, causal). A variant that fails a check is reported and the script
 exits with status 1 (after writing what it measured). FLOPs by ``flash_attention_flops`` (backward 2.5 × the
-forward's 4·B·H·T²·D, halved when causal). Results go to benchmarks/results/flash_backward_variants.json (full runs
+forward's 4·B·H·T²·D, halved when causal). Results go to benchmarks/results/ch2b/flash_backward_variants.json (full runs
 on a GPU only, or to --out).
 """
 
@@ -32,7 +32,7 @@ from llmgpu.ops import flash_reference as ref
 from llmgpu.perf.timing import time_fn
 from llmgpu.testing import random_array, rel_error
 
-RESULTS = _common.RESULTS_DIR / "flash_backward_variants.json"
+RESULTS = _common.RESULTS_DIR / "ch2b" / "flash_backward_variants.json"
 SHAPES = [(16, 12, 1024, 64, True), (64, 12, 1024, 64, True), (4, 16, 4096, 128, True)]  # (B, H, T, D, causal)
 CHECK_SHAPES = [(2, 3, 257, 64, True), (1, 2, 300, 128, True)]  # against float64
 TOL_VS_DEFAULT = 1e-2  # bf16: half of the float64 tolerance of tests/test_flash_kernels.py

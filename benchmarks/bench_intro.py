@@ -1,6 +1,6 @@
 """Introduction benchmark: vector add vs the copy ceiling, and naive → tiled → blocked GEMM vs cuBLAS.
 
-    python benchmarks/bench_intro.py            # on a GPU: writes benchmarks/results/intro.json
+    python benchmarks/bench_intro.py            # on a GPU: writes benchmarks/results/ch0/intro.json
     python benchmarks/bench_intro.py --out x.json
 
 On a machine without a GPU it runs the NumPy path at small sizes and writes nothing unless --out
@@ -21,7 +21,7 @@ from llmgpu.ops.matmul import METHODS
 from llmgpu.perf import timing
 from llmgpu.perf.sweeps import matmul_sweep
 
-RESULTS = _common.RESULTS_DIR / "intro.json"
+RESULTS = _common.RESULTS_DIR / "ch0" / "intro.json"
 
 
 def main(argv=None):

@@ -6,7 +6,8 @@ decide the path: CuPy arrays run the kernels, NumPy arrays the reference. CuPy i
 
 The package tree is the book's table of contents:
 
-    backend, checks, testing, plotting, instrument   the ground floor: dispatch, argument checks, hooks
+    backend, checks, testing, plotting, instrument, results   the ground floor: dispatch, argument checks,
+                test helpers, plots, hooks, the measured results the notebooks read
     kernels/    every CUDA C source, the NVRTC loader, launch arithmetic       (all chapters)
     ops/        one module per layer, forward + backward + NumPy reference    introduction, chapters 1-3
     gemm/       row-major cuBLAS (chapter 1) and cuBLASLt with epilogues (chapter 8)
@@ -14,8 +15,9 @@ The package tree is the book's table of contents:
     amp         casts, the loss scaler, precision policies                    chapter 5
     model/      GPT-2: configuration, the book step with checkpointing, the fast step   chapters 6, 8
     perf/       timing, profiling, occupancy, CUDA graphs, fusion, sweeps     chapter 8 (and the measurements of all)
+    dist/       several GPUs: launchers, NCCL / MPI, data parallelism, ZeRO-1/2, our ring all-reduce   chapter 9
     interop/    safetensors, Hugging Face GPT-2 directories in and out
-    train/      the configuration, THE training step, the trainer, data, checkpoints   chapter 7
+    train/      the configuration, THE training step, the trainer, data, checkpoints   chapter 7 (9: ranks)
     bench, cli  ``llmgpu bench`` and the ``llmgpu`` command
 
 ``llmgpu.from_pretrained(path)``: a model from a local Hugging Face GPT-2 directory or an llmgpu run.

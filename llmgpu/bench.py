@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import replace
 
@@ -179,33 +180,33 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
 
 def format_results(rows, *, ceiling_tflops=None) -> str:
     """The benchmark table: mode, batch × seq, dtype, ms/step, tokens/s, MFU, peak memory, ratio to
-    torch.compile (the first torch-compile row), or the reason a mode did not run."""
+    torch.compile (the first torch-compile row), or the reason a mode did not run. The mode column is as wide
+    as the longest mode (``torch-compile-unpadded``), and the notes below the table wrap at its width."""
     ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
-    head = (f"{'mode':<15}{'B x T':>12}{'dtype':>6}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}"
+    w = max(len("mode"), *(len(r["mode"]) for r in rows)) + 2
+    head = (f"{'mode':<{w}}{'B x T':>11}{'dtype':>6}{'ms/step':>9}{'tokens/s':>10}{'MFU':>7}{'peak GiB':>10}"
             f"{'vs compile':>12}{'SM MHz':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("error") or r.get("skipped"):
-            lines.append(f"{r['mode']:<15}  {'skipped' if r.get('skipped') else 'FAILED'}: "
+            lines.append(f"{r['mode']:<{w}}{'skipped' if r.get('skipped') else 'FAILED'}: "
                          f"{r.get('skipped') or r.get('error')}")
             continue
         mem = r.get("peak_memory_bytes")
         m = r.get("mfu")
         ratio = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
         clk = (r.get("gpu_clocks") or {}).get("sm_mhz")
-        lines.append(f"{r['mode']:<15}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['dtype']:>6}"
-                     f"{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12,.0f}"
-                     f"{'-' if m is None or m != m else f'{100 * m:.1f}%':>8}"
+        lines.append(f"{r['mode']:<{w}}{str(r['batch']) + ' x ' + str(r['seq']):>11}{r['dtype']:>6}"
+                     f"{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10,.0f}"
+                     f"{'-' if m is None or m != m else f'{100 * m:.1f}%':>7}"
                      f"{'-' if mem is None else f'{mem / 2**30:.2f}':>10}"
                      f"{'-' if ratio is None else f'{ratio:.2f}x':>12}"
                      f"{'-' if clk is None else f'{clk:.0f}':>8}")
     lines.append("-" * len(head))
-    if any(r.get("gpu_clocks") for r in rows):
-        lines.append("SM MHz: the median SM clock over the timed steps (nvidia-smi; the power limit lowers it)")
-    if ceiling_tflops:
-        lines.append(f"{MFU_DEFINITION}; ceiling {ceiling_tflops:.3g} TFLOP/s")
-    else:
-        lines.append(MFU_DEFINITION)
+    notes = ["SM MHz: the median SM clock over the timed steps (nvidia-smi; the power limit lowers it)"
+             ] if any(r.get("gpu_clocks") for r in rows) else []
+    notes.append(f"{MFU_DEFINITION}; ceiling {ceiling_tflops:.3g} TFLOP/s" if ceiling_tflops else MFU_DEFINITION)
+    lines += [ln for note in notes for ln in textwrap.wrap(note, max(len(head), 72), break_on_hyphens=False)]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ memory), and this process only searches, prints and saves; ``--same-process`` ru
 Each framework's row is saved as soon as it is measured and the rows of one preset merge, so the table can
 also be measured one framework per command (``--modes llmgpu-fast-graph`` / ``--modes torch-compile``).
 
-Results are merged by preset into ``--json`` (default ``benchmarks/results/scale_table.json`` when that
+Results are merged by preset into ``--json`` (default ``benchmarks/results/ch8/scale_table.json`` when that
 folder exists), so the table can be measured one preset per command; ``llmgpu.plotting.plot_scale_table``
 draws MFU and peak memory against model size.
 """
@@ -33,6 +33,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -45,6 +46,7 @@ from .model import GPTConfig
 from .model.config import activation_bytes
 from .perf import timing
 from .perf.timing import MFU_DEFINITION, mfu, mfu_ceiling
+from .results import RESULTS
 from .torch_reference import import_torch, run_torch
 
 STATE_BYTES = 18  # per parameter in bf16 training: fp32 master, gradient, m, v + the bf16 copy
@@ -219,8 +221,8 @@ def scale_main(args, xp) -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
 
-    out = getattr(args, "json", None) or (str(Path("benchmarks/results/scale_table.json"))
-                                          if Path("benchmarks/results").is_dir() and gpu else None)
+    default = RESULTS / "ch8" / "scale_table.json"  # in a checkout, run from its root
+    out = getattr(args, "json", None) or (str(default) if RESULTS.is_dir() and gpu else None)
     table = {}
     for name in presets:
         cfg = GPTConfig.preset(name)
@@ -326,8 +328,8 @@ def format_scale_table(rows) -> str:
         ratio = row.get("llmgpu_over_torch")
         lines.append(f"{row['preset']:<7}{row['parameters'] / 1e6:>7.0f}M | {cells(row['llmgpu'])} | "
                      f"{cells(row['torch'])} | {'-' if ratio is None else f'{ratio:.2f}x':>6}")
-    lines.append("B: the largest power-of-two batch that fit (cK: with checkpointing every K blocks); ratio: llmgpu / "
-                 "PyTorch tokens/s")
+    lines += textwrap.wrap("B: the largest power-of-two batch that fit (cK: with checkpointing every K blocks); ratio: "
+                           "llmgpu / PyTorch tokens/s", len(head))
     return "\n".join(lines)
 
 

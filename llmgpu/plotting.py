@@ -3,6 +3,9 @@ the roofline, step breakdowns, fusion speed-ups and loss curves.
 
 Kept in one module so every chapter draws measurements the same way and notebook cells stay short.
 matplotlib is imported on first use.
+
+This module is long because it is every plot of the book in one place (the reason above); each function is one
+figure and stays short.
 """
 
 from __future__ import annotations
@@ -88,19 +91,40 @@ def rate_vs_size(rows, *, x="size", y="tflops", group="method", ylabel="TFLOP/s"
 
 
 
+def spread_positions(targets, gap: float, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    """Positions for labels in one column: each as near its target as the others allow, neighbours at least ``gap``
+    apart, all within [lo, hi] (the gap shrinks when the column is too short for all), in the order of
+    ``targets``. A forward pass pushes labels up past their lower neighbour, a backward pass pulls them under
+    the top and their upper neighbour."""
+    order = sorted(range(len(targets)), key=lambda i: targets[i])
+    if len(order) > 1:
+        gap = min(gap, (hi - lo) / (len(order) - 1))
+    pos = [min(max(targets[i], lo), hi) for i in order]
+    for j in range(1, len(pos)):
+        pos[j] = max(pos[j], pos[j - 1] + gap)
+    for j in range(len(pos) - 1, -1, -1):
+        pos[j] = min(pos[j], hi if j == len(pos) - 1 else pos[j + 1] - gap)
+    rank = {i: j for j, i in enumerate(order)}
+    return [pos[rank[i]] for i in range(len(targets))]
+
+
+ROOFLINE_LABEL_PT = 7
+
+
 def roofline_plot(rows, peak_tflops: float, peak_gbps: float, *, ax=None, path=None, title=None):
     """Log-log roofline: one point per kernel at (FLOP/byte, achieved TFLOP/s) under the roofs.
 
     ``rows``: dicts with ``name``, ``flops`` and ``bytes`` per call, and ``ms`` per call (or
     ``tflops`` directly); rows without positive flops and bytes are skipped (no place on a log axis).
     The roofs: ``peak_gbps · intensity`` (memory-bound) and ``peak_tflops`` (compute-bound), meeting
-    at the ridge point ``peak_tflops / peak_gbps`` FLOP/byte. Returns the axes; saves to ``path``.
+    at the ridge point ``peak_tflops / peak_gbps`` FLOP/byte. The kernels' names stand in a column right of the
+    plot, at their point's height as far as the column allows, each joined to its point by a thin line: a
+    step's GEMMs sit close together, and names written next to their points would cover each other.
+    Returns the axes; saves to ``path``.
     """
     if peak_tflops <= 0 or peak_gbps <= 0:
         raise ValueError("peak_tflops and peak_gbps must be positive")
     plt = _plt()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.6))
     pts = []
     for r in rows:
         fl, by = r.get("flops"), r.get("bytes")
@@ -109,7 +133,10 @@ def roofline_plot(rows, peak_tflops: float, peak_gbps: float, *, ax=None, path=N
         tf = r.get("tflops")
         if tf is None:
             tf = fl / (r["ms"] * 1e-3) / 1e12
-        pts.append((r.get("name", r.get("op", "?")), fl / by, tf))
+        if tf > 0:
+            pts.append((r.get("name", r.get("op", "?")), fl / by, tf))
+    if ax is None:  # tall enough for a column of every name
+        _, ax = plt.subplots(figsize=(9, max(4.6, 1.4 + len(pts) * 1.3 * ROOFLINE_LABEL_PT / 72 / 0.85)))
     ridge = peak_tflops * 1e3 / peak_gbps  # (TFLOP/s · 1e12) / (GB/s · 1e9) FLOP per byte
     xs = [p[1] for p in pts] + [ridge]
     lo, hi = min(xs) / 4, max(xs) * 4
@@ -117,18 +144,27 @@ def roofline_plot(rows, peak_tflops: float, peak_gbps: float, *, ax=None, path=N
     ax.plot(grid, np.minimum(peak_tflops, grid * peak_gbps / 1e3), color="#c44e52", lw=1.8,
             label=f"roof: {peak_gbps:,.0f} GB/s, {peak_tflops:,.0f} TFLOP/s")
     ax.axvline(ridge, color="#c44e52", ls=":", lw=1)
-    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak_tflops), textcoords="offset points", xytext=(4, -12),
-                fontsize=8, color="#c44e52")
-    for name, x, y in pts:
-        ax.scatter([x], [y], s=28, zorder=3)
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak_tflops), textcoords="offset points", xytext=(-4, -12),
+                ha="right", fontsize=8, color="#c44e52")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    y_lo = min([p[2] for p in pts] + [peak_tflops]) / 3
+    y_hi = max([p[2] for p in pts] + [peak_tflops]) * 2.5  # a ceiling measured low leaves points above its roof
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(y_lo, y_hi)
+    if pts:
+        ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=24, color="#4c72b0", zorder=3)
+        height_pt = ax.figure.get_figheight() * ax.get_position().height * 72
+        frac = [np.log(y / y_lo) / np.log(y_hi / y_lo) for _, _, y in pts]
+        for (name, x, y), f in zip(pts, spread_positions(frac, 1.3 * ROOFLINE_LABEL_PT / height_pt)):
+            ax.annotate(name, (x, y), xytext=(1.03, f), textcoords="axes fraction", fontsize=ROOFLINE_LABEL_PT,
+                        va="center", ha="left", annotation_clip=False,
+                        arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5, "shrinkA": 1, "shrinkB": 3})
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title(title or "roofline")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")  # above the memory roof: no kernel can be there
     ax.figure.tight_layout()
     if path is not None:
         ax.figure.savefig(path, dpi=120)
@@ -179,7 +215,7 @@ def plot_fusions(rows, ax=None, title=None):
     ax.set_yticks(yy, names)
     ax.invert_yaxis()
     ax.set_xlabel("ms (median)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars: they reach the edge
     if title:
         ax.set_title(title)
     return ax
@@ -297,18 +333,30 @@ def plot_scale_table(table, png_path=None, *, title=None):
     return fig
 
 
+def series_colors(n: int) -> list:
+    """``n`` colours, all different: tab10 while they suffice (the default cycle, which repeats after ten), then
+    tab20 (ten hues, dark and light), then evenly spaced along a continuous map."""
+    from matplotlib import colormaps
+
+    if n <= 20:
+        return list(colormaps["tab10" if n <= 10 else "tab20"].colors[:n])
+    return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, n)]
+
+
 def grouped_bars(values: dict, groups, series, *, ylabel="", title=None, ax=None, group_label=str, legend=True):
     """Vertical bars, one group per entry of ``groups`` (left to right), one bar per entry of ``series`` in each:
     ``values[(series, group)]`` is the height (a missing pair draws nothing). ``group_label(group)`` is the tick
-    text. Chapter 2b's TFLOP/s per attention shape and implementation."""
+    text; every series has its own colour (``series_colors``). Chapter 2b's TFLOP/s per attention shape and
+    implementation."""
     plt = _plt()
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3.6))
     groups, series = list(groups), list(series)
     w = 0.8 / max(1, len(series))
-    for j, name in enumerate(series):
+    for j, (name, color) in enumerate(zip(series, series_colors(len(series)))):
         xs = [i for i, g in enumerate(groups) if (name, g) in values]
-        ax.bar(np.array(xs) + (j - (len(series) - 1) / 2) * w, [values[name, groups[i]] for i in xs], w, label=name)
+        ax.bar(np.array(xs) + (j - (len(series) - 1) / 2) * w, [values[name, groups[i]] for i in xs], w, label=name,
+               color=color)
     ax.set_xticks(np.arange(len(groups)), [group_label(g) for g in groups], fontsize=8)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)

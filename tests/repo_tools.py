@@ -9,9 +9,9 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
-def load_tool(name: str):
-    """``tools/<name>.py`` as a fresh module."""
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+def load_tool(path: str):
+    """``tools/<path>.py`` as a fresh module, e.g. ``load_tool("probes/probe_gemm_k")``."""
+    spec = importlib.util.spec_from_file_location(Path(path).name, TOOLS / f"{path}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -75,6 +75,23 @@ def test_format_results():
     assert "median SM clock" not in bench.format_results(rows[1:])  # no clock readings: no footnote
 
 
+def test_format_results_keeps_its_columns_for_long_mode_names():
+    """Chapter 8's table: modes longer than any fixed width (torch-compile-unpadded) keep every column aligned,
+    and the notes under the table wrap at its width (the book's page holds ~100 characters)."""
+    row = {"batch": 64, "seq": 1024, "dtype": "bf16", "ms_per_step": 109.15, "tokens_per_s": 600_410.0,
+           "mfu": 0.647, "peak_memory_bytes": 33 * 2**30, "gpu_clocks": {"sm_mhz": 1658.0}}
+    modes = ["llmgpu-fast-graph", "torch-compile", "torch-compile-unpadded", "llmgpu"]
+    text = bench.format_results([{**row, "mode": m} for m in modes], ceiling_tflops=794.0)
+    lines = text.splitlines()
+    head, data = lines[0], [ln for ln in lines if ln.split()[0] in modes]
+    assert len(data) == 4 and {len(ln) for ln in data} == {len(head)}  # every column ends where its header ends
+    for name in ("tokens/s", "vs compile", "SM MHz"):
+        end = head.index(name) + len(name)
+        assert all(ln[end - 1] != " " and (end == len(ln) or ln[end] == " ") for ln in data), name
+    assert max(len(ln) for ln in lines) == len(head) <= 100
+    assert "6·N + 12·L·C·T" in text and "794 TFLOP/s" in text
+
+
 # --------------------------------------------------------------------------- runners on NumPy
 
 
@@ -349,6 +366,25 @@ def test_grouped_bars_draws_one_bar_per_present_pair():
     assert grouped_bars(vals, ["a"], ["ours"], legend=False).get_legend() is None
 
 
+@pytest.mark.parametrize("n", [3, 13, 27])
+def test_grouped_bars_gives_every_series_its_own_colour(n):
+    """Chapter 2b's wgmma tile shapes: 13 series, more than the ten colours of the default cycle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from llmgpu.plotting import grouped_bars
+
+    series = [f"variant {i}" for i in range(n)]
+    ax = grouped_bars({(s, "g"): 1.0 + i for i, s in enumerate(series)}, ["g"], series)
+    colours = [tuple(p.get_facecolor()) for p in ax.patches]
+    assert len(colours) == n and len(set(colours)) == n
+    legend = [tuple(h.get_facecolor()) for h in ax.get_legend().legend_handles]
+    assert legend == colours  # the legend's swatches are the bars' colours
+    plt.close(ax.figure)
+
+
 def test_scale_table_tries_in_their_own_processes(tmp_path, monkeypatch):
     """On a GPU each try (framework, batch) runs in a fresh process (`python -m llmgpu.bench_scale`): here forced
     on the CPU. The result comes back whole; an out-of-memory exit halves the batch; any other failure says why."""
@@ -384,11 +420,13 @@ def test_scale_table_tries_in_their_own_processes(tmp_path, monkeypatch):
 
 
 def test_profile_step_tool_prints_and_saves_the_per_op_table(tmp_path, capsys):
-    """tools/profile_step.py (chapter 8's per-op table for any preset; on the GPU for d36 beside gpt2), on NumPy."""
+    """tools/probes/profile_step.py (chapter 8's per-op table for any preset; on the GPU for d36 beside gpt2),
+    on NumPy."""
     import runpy
     from pathlib import Path
 
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"), run_name="tool")
+    path = Path(__file__).resolve().parents[1] / "tools" / "probes" / "profile_step.py"
+    tool = runpy.run_path(str(path), run_name="tool")
     js = tmp_path / "p.json"
     assert tool["main"](["--preset", "tiny", "--batch", "2", "--seq", "16", "--reps", "1", "--top", "5",
                          "--device", "cpu", "--json", str(js)]) == 0

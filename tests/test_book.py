@@ -66,3 +66,23 @@ def test_local_mathjax_detects_a_missing_file():
     cfg = dict(sphinx_config())
     cfg["mathjax_path"] = "../mathjax/no-such-component.js"
     assert local_mathjax(cfg) is None
+
+
+def _css_rules(text: str) -> dict:
+    """selector -> declarations of a flat stylesheet (comments dropped; @media blocks are left out)."""
+    import re
+
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"@media[^{]*\{(?:[^{}]*\{[^}]*\})*\s*\}", "", text)
+    return {sel.strip(): body.strip() for sels, body in re.findall(r"([^{}]+)\{([^}]*)\}", text)
+            for sel in sels.split(",")}
+
+
+def test_code_and_outputs_wrap_instead_of_running_off_the_page():
+    """Every <pre> of a chapter (input code, printed outputs, the prose's code blocks) wraps at the article's edge:
+    at 1280 px 69 blocks were wider than the page (2026-12-05, headless Chromium), their ends behind a scroll bar."""
+    rules = _css_rules((ROOT / "_static" / "llmgpu.css").read_text())
+    wrap = rules["article.bd-article pre"]
+    assert "white-space: pre-wrap" in wrap and "overflow-wrap: anywhere" in wrap
+    assert not any("white-space: pre;" in body or "overflow-x" in body for body in rules.values())
+    assert _css_rules("a, b { x: 1; } /* c { y: 2; } */ @media (w) { d { z: 3; } }") == {"a": "x: 1;", "b": "x: 1;"}

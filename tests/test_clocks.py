@@ -141,11 +141,11 @@ def test_gpu_monitor_reads_this_gpu(cp):
 
 
 def _sustained_probe():
-    return load_tool("probe_sustained_gemm")
+    return load_tool("probes/probe_sustained_gemm")
 
 
 def test_sustained_probe_groups_and_windows():
-    """tools/probe_sustained_gemm.py on NumPy with a stand-in clock (each reading 0.25 s later): groups until the
+    """tools/probes/probe_sustained_gemm.py on NumPy with a stand-in clock (each reading 0.25 s later): groups until the
     requested seconds have passed; the burst is the first group, the sustained rate the groups of the last second;
     the clock windows are the first 0.2 s and that last second."""
     probe = _sustained_probe()

@@ -220,11 +220,11 @@ def test_gpu_fast_model_wgrad_at_trap_k(cp, dtype, k):
     assert _rel(out, ref) <= TOL
 
 
-# --------------------------------------------------------------------------- tools/probe_gemm_k.py
+# --------------------------------------------------------------------------- tools/probes/probe_gemm_k.py
 
 
 def _probe():
-    return load_tool("probe_gemm_k")
+    return load_tool("probes/probe_gemm_k")
 
 
 def test_probe_sweep_covers_the_report_and_its_neighbours():

@@ -347,7 +347,7 @@ def test_gpu_less_aligned_views(cp, lt, rng):
 
 @pytest.mark.gpu
 def test_gpu_plan_key_names_the_cached_plan(cp, lt, rng):
-    """``plan_key`` (what tools/probe_lt_algos.py finds plans by) is the cache's key: a repeated call reuses its
+    """``plan_key`` (what tools/probes/probe_lt_algos.py finds plans by) is the cache's key: a repeated call reuses its
     plan; a view aligned to 32 bytes instead of 256 gets a plan of its own, under a key that says so."""
     x, w = _dev(cp, rng, (88, 56), "bf16"), _dev(cp, rng, (40, 56), "bf16")  # a shape no other test uses
     dev, n0 = cp.cuda.Device().id, gemm_lt.plan_count()
@@ -666,8 +666,8 @@ def test_gpu_cudnn_bad_inputs(cp, cudnn_fa, rng):
 
 
 def test_gelu_epilogue_probe_runs(capsys):
-    """tools/probe_gelu_epilogue.py: without a GPU one line saying so; with one, a small run of every case."""
-    probe = load_tool("probe_gelu_epilogue")
+    """tools/probes/probe_gelu_epilogue.py: without a GPU one line saying so; with one, a small run of every case."""
+    probe = load_tool("probes/probe_gelu_epilogue")
     gpu = backend.gpu_available() and gemm_lt.available()
     assert probe.main(["--batches", "1", "--reps", "3"] if gpu else []) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The HIP compile check (tools/hip_compile_check.py): the portable kernels compile for an AMD GPU
+"""The HIP compile check (tools/checks/hip_compile_check.py): the portable kernels compile for an AMD GPU
 (gfx90a) with hipcc, the NVIDIA-only ones are listed with their reason. Skipped without hipcc; the
 whole check runs in tools/test.sh."""
 
@@ -11,7 +11,7 @@ from repo_tools import load_tool
 
 from llmgpu.kernels import loader
 
-hip = load_tool("hip_compile_check")
+hip = load_tool("checks/hip_compile_check")
 
 needs_hipcc = pytest.mark.skipif(shutil.which("hipcc") is None,
                                  reason="no hipcc on PATH (apt-get install hipcc): the HIP compile check needs it")

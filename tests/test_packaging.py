@@ -128,7 +128,7 @@ def test_extras_named_in_workflows_exist():
 def test_readme_points_inside_the_repository():
     readme = (ROOT / "README.md").read_text()
     assert "../" not in readme, "the README must not point outside the repository"
-    for script in sorted(set(re.findall(r"tools/[\w-]+\.(?:sh|py)", readme))):
+    for script in sorted(set(re.findall(r"tools/[\w/-]+\.(?:sh|py)", readme))):
         assert (ROOT / script).is_file(), f"the README names {script}, which is not in the repository"
     assert "../shared" not in (ROOT / "tools" / "gpu_check.sh").read_text()
 

@@ -140,12 +140,62 @@ def test_roofline_plot_saves_png(tmp_path):
     ax = plotting.roofline_plot(rows, peak_tflops=790.0, peak_gbps=4200.0, path=path, title="test")
     assert path.is_file() and path.stat().st_size > 5000
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
-    assert len(ax.collections) == 2  # one scatter per placed kernel
+    assert len(ax.collections[0].get_offsets()) == 2  # the two kernels with FLOPs and bytes, in one scatter
     with pytest.raises(ValueError, match="positive"):
         plotting.roofline_plot(rows, peak_tflops=0.0, peak_gbps=1.0)
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_roofline_names_do_not_cover_each_other():
+    """A step's GEMMs sit within a few percent of each other (chapter 8's roofline): 30 kernels on three spots still
+    get 30 names that do not overlap, each joined to its own point."""
+    rng = np.random.default_rng(0)
+    rows = [{"name": f"kernel {i:02d} {'gemm' if i % 3 else 'norm'}", "flops": f, "bytes": b,
+             "ms": f / (t * 1e9)} for i, (f, b, t) in enumerate(
+                 (2e11 * (1 + 0.01 * rng.random()), 4e8, 700.0) if i % 3 else (4e7, 4e7, 4.0) for i in range(30))]
+    ax = plotting.roofline_plot(rows, peak_tflops=790.0, peak_gbps=4200.0)
+    fig = ax.figure
+    fig.canvas.draw()
+    names = [a for a in ax.texts if a.get_text().startswith("kernel")]
+    assert len(names) == 30
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(a) for a in names]  # the words only (an Annotation's own box has its line)
+    overlaps = [(names[i].get_text(), names[j].get_text()) for i in range(30) for j in range(i + 1, 30)
+                if boxes[i].overlaps(boxes[j])]
+    assert not overlaps, overlaps[:5]
+    by_name = {r["name"]: (r["flops"] / r["bytes"], r["flops"] / r["ms"] / 1e9) for r in rows}
+    for a in names:  # each name points at its own kernel
+        assert np.allclose(a.xy, by_name[a.get_text()])
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_fusion_bars_legend_covers_no_bar():
+    """Chapter 8's fusion plot: the longest bar is the last one (attention), where a legend in the corner sat."""
+    rows = [{"comparison": c, "variant": v, "ms": ms, "speedup": sp}
+            for c, sep, fus in (("bias+GELU", 0.22, 0.15), ("LayerNorm", 0.08, 0.03), ("attention", 1.62, 0.45))
+            for v, ms, sp in (("separate", sep, 1.0), ("fused", fus, sep / fus))]
+    ax = plotting.plot_fusions(rows, title="separate vs fused")
+    ax.figure.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert not any(legend.overlaps(p.get_window_extent()) for p in ax.patches)
+    import matplotlib.pyplot as plt
+
+    plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("targets", [[0.5, 0.5, 0.5], [0.99, 1.0, 0.98, 0.0], [0.2, 0.9, 0.21, 0.5, 0.22], [0.3]])
+def test_spread_positions_keep_the_gap_and_the_order(targets):
+    pos = plotting.spread_positions(targets, 0.1)
+    by_target = [pos[i] for i in sorted(range(len(targets)), key=lambda i: targets[i])]
+    assert all(b - a >= 0.1 - 1e-12 for a, b in zip(by_target, by_target[1:]))  # in order, a gap apart
+    assert all(0.0 <= p <= 1.0 for p in pos)
+    assert plotting.spread_positions([0.1, 0.6], 0.1) == [0.1, 0.6]  # far enough apart: where they are
+    assert plotting.spread_positions([0.5] * 21, 0.1) == pytest.approx([j / 20 for j in range(21)])  # too many: packed
 
 
 def test_gpu_only_helpers_say_so_on_cpu():

@@ -1,4 +1,4 @@
-"""tools/sanitize_kernels.py, the program tools/gpu_check.sh runs under compute-sanitizer (issue 13).
+"""tools/checks/sanitize_kernels.py, the program tools/gpu_check.sh runs under compute-sanitizer (issue 13).
 
 On the CPU: its calls run on NumPy (``--cpu-dry``: every op, method and dtype it will launch on the GPU
 takes these arguments), it names every kernel our .cu files declare, its compute-sanitizer filter
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _driver():
-    return load_tool("sanitize_kernels")
+    return load_tool("checks/sanitize_kernels")
 
 
 def test_driver_calls_run_on_numpy(capsys):
@@ -51,4 +51,4 @@ def test_gpu_check_runs_memcheck_and_racecheck_by_default():
     sh = (ROOT / "tools" / "gpu_check.sh").read_text()
     assert "sanitize" in re.search(r'STEPS=\$\{STEPS:-"([^"]*)"\}', sh).group(1).split()
     assert "--find-sanitizer" in sh and "for tool in memcheck racecheck" in sh
-    assert '--error-exitcode 1' in sh and "tools/sanitize_kernels.py" in sh
+    assert '--error-exitcode 1' in sh and "tools/checks/sanitize_kernels.py" in sh

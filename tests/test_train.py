@@ -162,12 +162,13 @@ def test_gpu_fp16_checkpointed_training_runs(cp, tmp_path):
 
 
 def test_compare_runs_tool_on_a_bf16_and_an_fp16_run(tmp_path, capsys):
-    """tools/compare_runs.py (the bf16-vs-fp16 comparison of the fast step on the GPU), here on CPU runs."""
+    """tools/recipes/compare_runs.py (the bf16-vs-fp16 comparison of the fast step on the GPU), here on CPU runs."""
     import runpy
 
     for dt in ("bf16", "fp16"):
         train(TrainConfig(**{**FAST, "eval_every": 0}, steps=6, dtype=dt, out=str(tmp_path / dt)))
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"), run_name="tool")
+    path = Path(__file__).resolve().parents[1] / "tools" / "recipes" / "compare_runs.py"
+    tool = runpy.run_path(str(path), run_name="tool")
     png, js = tmp_path / "c.png", tmp_path / "c.json"
     assert tool["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp16"), "--window", "3", "--png", str(png),
                          "--json", str(js)]) == 0

@@ -19,7 +19,7 @@ python -m llmgpu.kernels.compile_check
 
 step "HIP compile check (hipcc, AMD gfx90a, no GPU needed)"
 if command -v hipcc >/dev/null; then
-    python tools/hip_compile_check.py
+    python tools/checks/hip_compile_check.py
 else
     echo "skipped: no hipcc on PATH (apt-get install hipcc; .ci/run installs it where it can)"
 fi

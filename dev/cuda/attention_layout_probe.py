@@ -12,7 +12,7 @@ Hypothesis (written before the run): the packed layout is most of the gap: "pack
 "BHTD" for cuDNN, "BTHD" (each tensor its own [B, T, H, D] array) in between; ours, which reads 64-element
 rows either way, within 3 % across layouts.
 
-Outcome (H200, 2026-12-03, ``benchmarks/results/attention_layout_probe.json``): no. cuDNN 0.297 / 0.298 / 0.299 ms
+Outcome (H200, 2026-12-03, ``benchmarks/results/ch8/attention_layout_probe.json``): no. cuDNN 0.297 / 0.298 / 0.299 ms
 forward and 1.066 / 1.090 / 1.096 ms backward (BHTD / BTHD / packed), ours 0.359 / 0.367 / 0.371 and
 1.324 / 1.336 / 1.351: the packed views cost cuDNN 1 % and 3 %, not 10-15 %. The per-op table's extra time is
 not the layout (chapter 8).

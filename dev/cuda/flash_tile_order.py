@@ -13,7 +13,7 @@ level or above: predicted 273 -> 290-310 TFLOP/s forward (0.84-0.89x cuDNN), the
 B = 16 within +-3 % with one input set (it fits the L2 anyway), more with rotating inputs.
 
 First run (H200, 2026-12-03, groups of as many heads as fit a quarter of the L2: 60 at T = 1024, 7 at D = 128,
-T = 4096; ``benchmarks/results/flash_tile_order_first.json``), rotating inputs, forward TFLOP/s plain -> grouped:
+T = 4096; ``benchmarks/results/ch2b/flash_tile_order_first.json``), rotating inputs, forward TFLOP/s plain -> grouped:
 B = 64 268 -> 281 (+5 %, best 282 at 128 heads), dQ +3 %, dK/dV +5 %: the direction predicted, half the size.
 But B = 16 lost 8 % (260 -> 239) and D = 128 5 % (351 -> 335), and "same" and "rotating" hardly differ anywhere:
 the L2 is not where most of it comes from. What decides is the end of the grid: the plain order runs every head's

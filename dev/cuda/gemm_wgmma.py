@@ -1,7 +1,7 @@
 """Check and time gemm_wgmma.cu (a TMA-fed Hopper GEMM with the MLP's epilogues) against float64 and cuBLASLt.
 
     python dev/cuda/gemm_wgmma.py                          # checks, then the timings at GPT-2's MLP shapes
-    python dev/cuda/gemm_wgmma.py --json benchmarks/results/gemm_wgmma.json
+    python dev/cuda/gemm_wgmma.py --json benchmarks/results/ch8/gemm_wgmma.json
     python dev/cuda/gemm_wgmma.py --no-time
 
 Steps 1-3 of ``gemm_epilogue_plan.md``. Every instantiation the .cu declares (``gemm_tma<EPI, CLUSTER>``: the

@@ -1,7 +1,7 @@
 """Pin the wgmma facts the Hopper flash attention needs (issue 16, step 1 of flash_wgmma_plan.md), on the GPU.
 
     python dev/cuda/wgmma_probe.py                 # every hypothesis, nk = 1 and 4; prints a table
-    python dev/cuda/wgmma_probe.py --json benchmarks/results/wgmma_probe.json
+    python dev/cuda/wgmma_probe.py --json benchmarks/results/ch2b/wgmma_probe.json
 
 ``wgmma_probe.cu`` runs ``nk`` chained ``wgmma.mma_async.m64n64k16.f32.bf16.bf16`` on shared-memory images,
 descriptors and (``A_REGS``) register fragments that this script builds, and returns the 32 raw accumulators of

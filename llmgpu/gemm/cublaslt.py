@@ -85,7 +85,7 @@ CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
-HEURISTIC_RESULTS = 1  # algorithms asked of the heuristic per plan; the first is used (tools/probe_lt_algos.py)
+HEURISTIC_RESULTS = 1  # algorithms asked of the heuristic per plan; the first is used (tools/probes/probe_lt_algos.py)
 _MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
@@ -367,7 +367,7 @@ gemm = lt_gemm  # drop-in name: same arguments as llmgpu.gemm.gemm (plus the epi
 
 def plan_key(device_id, a, b, trans_a, trans_b, out, bias, epilogue, dbias, m, n, k, batch) -> tuple:
     """The key of a call's cached plan: device, epilogue, dtypes, flags, the problem's sizes and the pointers'
-    alignment (not alpha, beta or the pointers themselves). ``tools/probe_lt_algos.py`` finds plans by it."""
+    alignment (not alpha, beta or the pointers themselves). ``tools/probes/probe_lt_algos.py`` finds plans by it."""
     ptrs = (int(a.data.ptr), int(b.data.ptr), int(out.data.ptr))
     return _plan_key(device_id, a, b, trans_a, trans_b, out, bias if bias is not None else dbias, epilogue, m, n, k,
                      batch, ptrs)

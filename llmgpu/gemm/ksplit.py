@@ -18,7 +18,7 @@ The protection splits the reduction so that no GEMM sees a K with a ragged tail:
   add exact zeros): every GEMM then has a K that is a multiple of 64, the case the H200 found right.
   Cost: one memset, two copies of ``tail`` rows and one K = 64 GEMM, a few microseconds.
 * ``K < K_ALIGN`` (tests, toy batches): one GEMM, as without protection (there is no main part to
-  protect; small K is not in the reported trigger set, and ``tools/probe_gemm_k.py`` sweeps it).
+  protect; small K is not in the reported trigger set, and ``tools/probes/probe_gemm_k.py`` sweeps it).
 
 Why a split and not an algorithm choice: the same trap shows in cuBLAS (``gemmEx``, whose algorithm
 we cannot pick on Hopper) and in PyTorch, i.e. in the heuristics' choice for these K; avoiding the
@@ -27,7 +27,7 @@ for ``FastGPT``) right the same way, whatever algorithm the heuristic picks. Wit
 the split rounds the partial result once more (two roundings instead of one); weight gradients in
 mixed precision are fp32, where that is invisible.
 
-``PROTECT`` (module-level) switches the protection off, so ``tools/probe_gemm_k.py`` can measure
+``PROTECT`` (module-level) switches the protection off, so ``tools/probes/probe_gemm_k.py`` can measure
 protected against unprotected in one process. NumPy arrays never split (the reference is exact in
 float32 at any K); :func:`run_pieces` runs the split on any backend, which is how the CPU tests
 check it.

@@ -185,7 +185,7 @@ __device__ __forceinline__ float pack_elem(const Packed<T, W>& p, int k) {
 
 // 2^z with one MUFU.EX2 (ex2.approx.ftz.f32: ~2 ulp, denormal results flushed to zero), for the fast
 // kernels whose arithmetic budget per element has no room for exp2f's range reduction.
-// NVIDIA-only fast path (inline PTX); HIP builds (tools/hip_compile_check.py) get the library exp2f.
+// NVIDIA-only fast path (inline PTX); HIP builds (tools/checks/hip_compile_check.py) get the library exp2f.
 __device__ __forceinline__ float fast_exp2(float z) {
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
     return exp2f(z);

@@ -400,7 +400,8 @@ def backward_fast_plan(n_rows, c, dtype, *, residual=False, xp=None):
     ``(kernel, blocks, threads, shared_mem)`` of layernorm_backward_fast, or None when the rows do not
     suit it (C not a multiple of the pack width, rows too long, row indices past 32 bits). The second
     stage, layernorm_param_grad_finish, then adds ``blocks`` partial rows. The launcher's plan with the
-    default accumulators (``_fast_backward_plan`` takes the choice); used by tools/probe_layernorm_backward.py."""
+    default accumulators (``_fast_backward_plan`` takes the choice); used by
+    tools/probes/probe_layernorm_backward.py."""
     return _fast_backward_plan(n_rows, c, dtype, residual, None, xp)
 
 

@@ -1,6 +1,6 @@
 """Compare the loss curves of training runs (e.g. ``--dtype bf16`` against ``--dtype fp16``).
 
-    python tools/compare_runs.py RUN_A RUN_B [...] [--png losses.png] [--json out.json]
+    python tools/recipes/compare_runs.py RUN_A RUN_B [...] [--png losses.png] [--json out.json]
 
 For each run directory (``llmgpu train --out DIR``): steps, skipped steps (fp16 overflows the loss scaler
 skipped), the mean loss of the first and the last ``--window`` steps, and the final validation loss; for
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from llmgpu.train import read_log  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine without a package index (the lab's H200: Python 3.12, CuPy, CUDA 13 and
 # nvidia-cudnn-cu13 already installed). Run this where pip can reach the index, in the repository:
-#   bash tools/gpu_wheels.sh [MORE_PACKAGES...]
+#   bash tools/maintenance/gpu_wheels.sh [MORE_PACKAGES...]
 # It downloads Python 3.12 manylinux x86_64 wheels into ./.whl: what tools/gpu_check.sh needs beyond the
 # machine's own packages (nbval, nbclient, nbformat, ipykernel and their dependencies for the notebooks;
 # nvmath-python and nvidia-cudnn-frontend for the fast path; pytest-xdist and execnet for `pytest -n 8`),
@@ -11,7 +11,7 @@
 # /tmp/site, put on PYTHONPATH), or install them by hand:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEST=${WHL_DIR:-.whl}
 PY=${PY_VERSION:-3.12}
 PACKAGES=${PACKAGES:-"nbval nbclient nbformat ipykernel nvmath-python==1.0.* nvidia-cudnn-frontend>=1.32 pytest-xdist execnet"}

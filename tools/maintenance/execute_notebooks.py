@@ -1,6 +1,6 @@
 """Execute notebooks in place (refreshing their committed outputs), one kernel each.
 
-    python tools/execute_notebooks.py book/*.ipynb [--timeout 900]
+    python tools/maintenance/execute_notebooks.py book/*.ipynb [--timeout 900]
 
 Used by tools/gpu_check.sh on a GPU machine so the rendered book shows GPU numbers. Prints the time
 per notebook and exits non-zero if any cell raised (the notebook is still written, with the error).

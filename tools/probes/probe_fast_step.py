@@ -1,6 +1,6 @@
 """Probe the chapter 8 step on a GPU: speed of book / fast / graph steps, determinism, host synchronisation.
 
-    python tools/probe_fast_step.py [--batch 16] [--seq 1024] [--json out.json]
+    python tools/probes/probe_fast_step.py [--batch 16] [--seq 1024] [--json out.json]
 
 Prints, for GPT-2 small (vocabulary padded to 50304) in bf16:
 * ms per step and tokens/s of the book step, the fast step, and the fast step replayed as a CUDA graph;

@@ -1,6 +1,6 @@
 """Where the "fast" LayerNorm backward's time goes, next to a copy of the same bytes (GPU only).
 
-    python tools/probe_layernorm_backward.py [--json benchmarks/results/probe_layernorm_backward.json]
+    python tools/probes/probe_layernorm_backward.py [--json benchmarks/results/ch3/probe_layernorm_backward.json]
 
 At [65536, 768] (GPT-2's B=64, T=1024), bf16 and fp32, against the copy ceiling of the same run:
 * the per-call floor of the timing (a one-element kernel between two events);

@@ -1,6 +1,6 @@
 """Probe: does a measured cuBLASLt algorithm beat the heuristic's first choice on the fast step's GEMMs?
 
-    python tools/probe_lt_algos.py [--preset gpt2] [--batch 16] [--seq 1024] [--candidates 16] [--json out.json]
+    python tools/probes/probe_lt_algos.py [--preset gpt2] [--batch 16] [--seq 1024] [--candidates 16] [--json out.json]
 
 Runs a preset's fast training step (GPT-2 small by default; bf16, vocabulary padded to a multiple of 64) once
 with every cuBLASLt plan holding the heuristic's first ``--candidates`` algorithms, records the operands of each

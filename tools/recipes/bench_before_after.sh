@@ -2,14 +2,14 @@
 # Before/after throughput in one call: `llmgpu bench` of another checkout (BEFORE, e.g. a `git archive` of
 # the previous commit) and of this one, alternated ROUNDS times, so a change is judged against the spread of
 # repeated runs on the same GPU, not against a number from another day.
-#   bash tools/bench_before_after.sh BEFORE_DIR OUTDIR [ROUNDS] [-- extra llmgpu bench arguments]
+#   bash tools/recipes/bench_before_after.sh BEFORE_DIR OUTDIR [ROUNDS] [-- extra llmgpu bench arguments]
 # Default bench arguments: --pad-vocab 64 --modes llmgpu-fast-graph (GPT-2 124M, B=64, T=1024, bf16 on a GPU).
 # Writes OUTDIR/{before,after}_<round>.json and prints one line per run and the medians.
 set -uo pipefail
 before=$1; out=$2; rounds=${3:-2}
 shift $(( $# >= 3 ? 3 : $# )); [ "${1:-}" = "--" ] && shift
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--pad-vocab 64 --modes llmgpu-fast-graph)
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$out"
 for r in $(seq 1 "$rounds"); do
   for side in before after; do

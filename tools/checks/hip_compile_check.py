@@ -1,13 +1,13 @@
 """Compile the kernels for an AMD GPU with HIP, without a GPU: which ones are portable, which NVIDIA-only.
 
-    python tools/hip_compile_check.py                 # every kernel file, gfx90a (MI200)
-    python tools/hip_compile_check.py cast gelu -v    # some files, with the compiler's messages
-    python tools/hip_compile_check.py --arch gfx942   # another target
+    python tools/checks/hip_compile_check.py                 # every kernel file, gfx90a (MI200)
+    python tools/checks/hip_compile_check.py cast gelu -v    # some files, with the compiler's messages
+    python tools/checks/hip_compile_check.py --arch gfx942   # another target
 
 Needs ``hipcc`` (Debian/Ubuntu: ``apt-get install hipcc``, ROCm 5.2 in Debian 12) and no GPU. Each
 ``llmgpu/kernels/<name>.cu`` is compiled as HIP for the device only (``hipcc -x hip --cuda-device-only
---offload-arch=gfx90a -std=c++17``), with ``tools/hip/`` first on the include path (stand-ins for
-``cuda_fp16.h`` and ``cuda_bf16.h``) and ``tools/hip/hip_compat.h`` force-included (CUDA's ``*_sync``
+--offload-arch=gfx90a -std=c++17``), with ``tools/checks/hip/`` first on the include path (stand-ins for
+``cuda_fp16.h`` and ``cuda_bf16.h``) and ``tools/checks/hip/hip_compat.h`` force-included (CUDA's ``*_sync``
 warp shuffles as HIP shuffles of width 32). Every ``// llmgpu:kernel`` instantiation is referenced, so
 each template is compiled exactly as the loader would ask for it at run time. CuPy's ROCm build compiles
 the same sources at run time with hiprtc.
@@ -34,12 +34,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from llmgpu.kernels import loader  # noqa: E402
 
-COMPAT = ROOT / "tools" / "hip"
+COMPAT = Path(__file__).resolve().parent / "hip"
 DEFAULT_ARCH = "gfx90a"
 
 # file -> why it does not compile for an AMD GPU (the NVIDIA-only fast paths)

@@ -1,8 +1,8 @@
 """Chapter 8's per-op table for any preset: where the time of one training step goes.
 
-    python tools/profile_step.py --preset d36 --batch 16            # the fast step on the GPU, bf16
-    python tools/profile_step.py --preset gpt2 --book --top 30        # the book step instead
-    python tools/profile_step.py --preset tiny --batch 2 --seq 32     # on NumPy where there is no GPU (fp32)
+    python tools/probes/profile_step.py --preset d36 --batch 16            # the fast step on the GPU, bf16
+    python tools/probes/profile_step.py --preset gpt2 --book --top 30        # the book step instead
+    python tools/probes/profile_step.py --preset tiny --batch 2 --seq 32     # on NumPy where there is no GPU (fp32)
 
 One row per ``instrument.region`` of the step (``perf.profile.profile_step``): calls, ms per step, % of the
 step, GB/s and TFLOP/s against the copy and GEMM ceilings measured in the same run. The scale table of

@@ -1,6 +1,6 @@
 """GPU memory per preset, from ``llmgpu.model.config`` alone (no GPU needed); the README's table.
 
-    python tools/memory_table.py [--batch 16] [--seq 1024]
+    python tools/maintenance/memory_table.py [--batch 16] [--seq 1024]
 
 State per parameter in bf16 training (``llmgpu.optim.params.FlatParams``): fp32 master weights (4 B),
 fp32 gradients (4 B), fp32 AdamW moments m and v (8 B) and the bf16 working copy (2 B) = 18 B

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runs of the multi-GPU issue (chapter 9 on several H200s), one command on a machine with N GPUs:
-#   NCCL_NVLS_ENABLE=0 bash tools/multi_gpu_runs.sh [OUT_DIR]        (default benchmarks/results/multi_gpu)
+#   NCCL_NVLS_ENABLE=0 bash tools/recipes/multi_gpu_runs.sh [OUT_DIR]        (default benchmarks/results/ch9/multi_gpu)
 # Steps (STEPS="topo correct scale ddp zero allreduce book" selects; each is bounded by STEP_TIMEOUT s):
 #   topo       nvidia-smi topo -m, NCCL and CuPy versions
 #   correct    N ranks vs 1 rank at the same global batch (bf16 fast step and fp32 book step; DP, ZeRO-1, ZeRO-2):
@@ -10,12 +10,13 @@
 #              communication (the ceiling that shows how much of the all-reduce hides behind the backward pass)
 #   ddp        benchmarks/bench_ch9_torch_ddp.py (PyTorch DDP + torch.compile, same model and batch) on the same counts
 #   zero       the largest preset that trains per ZeRO stage (d48 = GPT-2 1.5B first), peak memory per rank
-#   allreduce  benchmarks/bench_ch9_allreduce.py (our ring vs NCCL, 4 KiB - 1 GiB) on N GPUs
-#   book       chapter 9 re-executed on this machine (tools/execute_notebooks.py)
+#   allreduce  benchmarks/bench_ch9_allreduce.py (our ring vs NCCL, 4 KiB - 1 GiB) on N GPUs, into the script's own
+#              benchmarks/results/ch9/ch9_allreduce_<N>gpu.json, where chapter 9 (the book step) reads it
+#   book       chapter 9 re-executed on this machine (tools/maintenance/execute_notebooks.py)
 # NCCL_NVLS_ENABLE=0 must stay set on the multi-GPU hosts (NVLink multicast off); every launched rank inherits it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:-benchmarks/results/multi_gpu}
+cd "$(dirname "$0")/../.."
+OUT=${1:-benchmarks/results/ch9/multi_gpu}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1 LLMGPU_DEVICE=gpu
 N=$(nvidia-smi -L | wc -l)
@@ -77,10 +78,10 @@ if has zero; then
 fi
 
 if has allreduce && [[ -f benchmarks/bench_ch9_allreduce.py ]]; then
-  timeout "$T" torchrun --nproc-per-node "$N" benchmarks/bench_ch9_allreduce.py --out "$OUT/ch9_allreduce_${N}gpu.json"
+  timeout "$T" torchrun --nproc-per-node "$N" benchmarks/bench_ch9_allreduce.py
 fi
 
 if has book; then
-  timeout "$T" python3 tools/execute_notebooks.py book/09_multi_gpu.ipynb
+  timeout "$T" python3 tools/maintenance/execute_notebooks.py book/09_multi_gpu.ipynb
 fi
 echo "==> done: $OUT"

@@ -1,4 +1,4 @@
-// Force-included before every kernel source by tools/hip_compile_check.py (hipcc -include).
+// Force-included before every kernel source by tools/checks/hip_compile_check.py (hipcc -include).
 //
 // What it maps, and what that means on an AMD GPU:
 // * CUDA's *_sync warp shuffles -> HIP's shuffles with width 32. A gfx90a wavefront has 64 lanes;

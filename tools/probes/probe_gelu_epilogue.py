@@ -1,6 +1,6 @@
 """Probe: what the MLP's GELU epilogues cost cuBLASLt, and what an inference forward saves by not keeping aux.
 
-    python tools/probe_gelu_epilogue.py [--batches 16,64] [--reps 30] [--json out.json]
+    python tools/probes/probe_gelu_epilogue.py [--batches 16,64] [--reps 30] [--json out.json]
 
 Chapter 8's floor puts 5.9 ms of the GPT-2 step at B = 64 above the floor in two GEMMs: the fc forward with
 GELU_AUX_BIAS (writes the pre-activation ``f`` and ``GELU(f)``) and the projection's dgrad with DGELU (reads ``f``):
@@ -17,7 +17,7 @@ Prediction written before the first run: GELU_BIAS between the two, ~0.51 ms at 
 0.61 (GELU_AUX_BIAS), i.e. the cost is the bytes, not the tanh; the inference forward ~1.2 ms faster at B = 64
 (12 layers x 0.1 ms of a ~35 ms forward).
 
-Measured on the H200 (2026-12-03, ``benchmarks/results/gelu_epilogue_probe.json``), B = 64: BIAS 0.440 ms, GELU_BIAS
+Measured on the H200 (2026-12-03, ``benchmarks/results/ch8/gelu_epilogue_probe.json``), B = 64: BIAS 0.440 ms, GELU_BIAS
 0.503, GELU_AUX_BIAS 0.567; the dgrad 0.438 plain, 0.567 with DGELU. Half of the epilogue's cost is the GELU
 itself (no more bytes than BIAS), half the pre-activation's bytes; both are epilogue time the main loop does not
 hide. The inference trunk forward: 26.01 -> 25.21 ms at B = 64 (-0.8 ms), 6.73 -> 6.47 ms at B = 16, the same bits.

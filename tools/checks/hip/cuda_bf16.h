@@ -1,4 +1,4 @@
-// HIP stand-in for <cuda_bf16.h> (tools/hip_compile_check.py).
+// HIP stand-in for <cuda_bf16.h> (tools/checks/hip_compile_check.py).
 //
 // ROCm 5.2, Debian's HIP, has only `hip_bfloat16` (hip/hip_bfloat16.h), not CUDA's __nv_bfloat16 API
 // (ROCm 6 has it as __hip_bfloat16 in hip/hip_bf16.h). This is the part of that API our kernels use, in

@@ -1,13 +1,13 @@
 """Run every one of our CUDA kernels once at small sizes: the program compute-sanitizer checks (issue 13).
 
-    S=$(python3 tools/sanitize_kernels.py --find-sanitizer)
-    $S --tool memcheck --error-exitcode 1 $(python3 tools/sanitize_kernels.py --filter-args memcheck) \\
-        python3 tools/sanitize_kernels.py
-    $S --tool racecheck --error-exitcode 1 $(python3 tools/sanitize_kernels.py --filter-args racecheck) \\
-        python3 tools/sanitize_kernels.py --no-library    # cuBLAS kernels crash racecheck itself
-    python3 tools/sanitize_kernels.py --find-sanitizer    # where compute-sanitizer is (tools/gpu_check.sh uses it)
-    python3 tools/sanitize_kernels.py --list-kernels      # our kernels' names (no GPU needed)
-    python3 tools/sanitize_kernels.py --cpu-dry           # the same calls on NumPy: the driver's own check
+    S=$(python3 tools/checks/sanitize_kernels.py --find-sanitizer)
+    $S --tool memcheck --error-exitcode 1 $(python3 tools/checks/sanitize_kernels.py --filter-args memcheck) \\
+        python3 tools/checks/sanitize_kernels.py
+    $S --tool racecheck --error-exitcode 1 $(python3 tools/checks/sanitize_kernels.py --filter-args racecheck) \\
+        python3 tools/checks/sanitize_kernels.py --no-library    # cuBLAS kernels crash racecheck itself
+    python3 tools/checks/sanitize_kernels.py --find-sanitizer    # where compute-sanitizer is (gpu_check.sh uses it)
+    python3 tools/checks/sanitize_kernels.py --list-kernels      # our kernels' names (no GPU needed)
+    python3 tools/checks/sanitize_kernels.py --cpu-dry           # the same calls on NumPy: the driver's own check
 
 Every kernel of ``llmgpu/kernels/*.cu`` runs through its ops module, each method and dtype, at sizes
 that hit the vector and the scalar (tail) paths: vector_add, the chapter-0 matmuls, bias add and
@@ -47,7 +47,7 @@ import traceback
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -84,7 +84,7 @@ def filter_args(tool: str = "memcheck") -> list[str]:
 def find_sanitizer() -> str | None:
     """compute-sanitizer's path: $COMPUTE_SANITIZER, PATH, the CUDA toolkit (/usr/local/cuda*), or the
     ``nvidia-cuda-sanitizer-api`` wheel (``nvidia/cu13/compute-sanitizer/``, e.g. installed into /tmp/site
-    from .whl by tools/gpu_check.sh; ``bash tools/gpu_wheels.sh 'nvidia-cuda-sanitizer-api==13.*'``)."""
+    from .whl by tools/gpu_check.sh; ``bash tools/maintenance/gpu_wheels.sh 'nvidia-cuda-sanitizer-api==13.*'``)."""
     import glob
     import shutil
 

@@ -1,6 +1,6 @@
 """Probe: a GEMM's rate in a burst and sustained for seconds, with the GPU's clock and power (chapter 8, the power cap).
 
-    python tools/probe_sustained_gemm.py [--seconds 4] [--group 20] [--json out.json]
+    python tools/probes/probe_sustained_gemm.py [--seconds 4] [--group 20] [--json out.json]
 
 Every MFU in this project divides by a GEMM ceiling measured in a burst (``timing.gemm_ceiling``: ten 8192³
 products after two warm-ups), and a training step is not a burst: it keeps the GPU busy for minutes, at the clock

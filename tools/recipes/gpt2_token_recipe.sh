@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's "GPT-2 tokens" recipe end to end on one GPU: prepare -> train -> eval -> sample -> export,
 # and the export reloaded by transformers with the same logits (where transformers is installed).
-#   bash tools/gpt2_token_recipe.sh [WORKDIR] [STEPS]
+#   bash tools/recipes/gpt2_token_recipe.sh [WORKDIR] [STEPS]
 # Text: the Python standard library's *.py files (the embedded corpus, here tokenized with GPT-2's BPE).
 # Offline, GPT-2's vocabulary comes from TIKTOKEN_CACHE_DIR or LLMGPU_GPT2_RANKS (llmgpu/train/tokenizers.py).
 set -euo pipefail

@@ -1,6 +1,6 @@
 """Probe cuBLAS' precision trap at reduction lengths K = 2ⁿ + 1 (issue 13) on a GPU.
 
-    python tools/probe_gemm_k.py --out gemm_k.jsonl [--quick] [--budget-s 110]
+    python tools/probes/probe_gemm_k.py --out gemm_k.jsonl [--quick] [--budget-s 110]
 
 The report: on the H200 (CUDA 13 cuBLAS), bf16/fp16 GEMMs whose K is 2ⁿ + 1 give ~4e-3 relative
 error against float64, the size of dropping the last of the K rows, where K = 2ⁿ gives ~4e-5. This
@@ -44,6 +44,9 @@ Output: JSON lines at ``--out`` (``meta``, ``case``, ``lt_algo``, ``gemmex_algo`
 ``--budget-s`` (default 110 s; an H200 needs ~40-80 s for the full sweep, ~15 s with ``--quick``);
 a section out of time stops and says so (``truncated``). ``--cpu-smoke`` runs the plumbing on NumPy
 at tiny sizes (no GPU paths) for the CPU tests.
+
+This script is long because it is one sweep over every GEMM path we have, each measured against the same float64
+reference and judged by the same verdict: split into several scripts, the paths would no longer be compared alike.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # python tools/probe_gemm_k.py from a checkout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # python tools/probes/probe_gemm_k.py from a checkout
     sys.path.insert(0, ROOT)
 
 from llmgpu import backend  # noqa: E402
