@@ -91,10 +91,6 @@ _MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (by
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
                 "(brings nvmath-python==1.0.*, whose nvmath.bindings.cublasLt this module calls)")
 
-# tanh-GELU constants: the same function as llmgpu.ops.gelu and cuBLASLt's GELU epilogues
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_CUBIC = 0.044715
-
 
 class LtUnavailableError(backend.GPUUnavailableError):
     """The cuBLASLt path was asked for but nvmath-python (or a GPU) is missing."""
