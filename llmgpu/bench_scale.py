@@ -42,12 +42,11 @@ import numpy as np
 from . import backend
 from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
 from .model import GPTConfig
-from .model.config import activation_bytes
+from .model.config import activation_bytes, state_bytes_per_parameter
 from .perf import timing
 from .perf.timing import MFU_DEFINITION, mfu, mfu_ceiling
 from .torch_reference import import_torch, run_torch
 
-STATE_BYTES = 18  # per parameter in bf16 training: fp32 master, gradient, m, v + the bf16 copy
 MAX_BATCH = 1024
 
 
@@ -81,7 +80,7 @@ def largest_batch(run, start: int, *, min_batch: int = 1, log=print) -> tuple[in
 def estimated_batch(cfg: GPTConfig, seq: int, free_bytes: int, checkpoint_every: int = 0) -> int:
     """The largest power-of-two batch whose parameter state, activations (``activation_bytes``, flash) and
     bf16 logits with their gradient fit in ``free_bytes`` (1 if none)."""
-    n = cfg.num_parameters() * STATE_BYTES
+    n = cfg.num_parameters() * sum(state_bytes_per_parameter("bf16").values())
     b = 1
     while b < MAX_BATCH:
         nb = 2 * b
