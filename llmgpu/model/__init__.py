@@ -16,8 +16,8 @@ from .config import (
                      gpt2_param_shapes,
                      training_flops,
 )
-from .fast import FastGPT
+from .fast import FastGPT, FastOptions
 from .gpt import GPT
 
-__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "GPTBase", "GPTConfig", "activation_bytes",
+__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "activation_bytes",
            "block_activation_bytes", "block_param_names", "gpt2_param_shapes", "sample_token", "training_flops"]
