@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..model import GPT, FastGPT, GPTConfig
+from ..model import GPT, FastGPT, FastOptions, GPTConfig
 from ..optim import lr_at
 from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -124,10 +124,10 @@ class Trainer:
                        f"{self.val_loader.batch}, all the validation data holds (--eval-batches {cfg.eval_batches})")
 
         # model, optimizer, precision
-        model_cls = FastGPT if cfg.fast else GPT
+        model_cls, opts = (FastGPT, {"options": FastOptions(cfg.attention_kernel)}) if cfg.fast else (GPT, {})
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=xp, seed=cfg.seed,
                                init=meta is None and self.init is None,
-                               param_multiple=ALIGN * (self.world if cfg.zero else 1))
+                               param_multiple=ALIGN * (self.world if cfg.zero else 1), **opts)
         if self.init is not None:
             self.model.load_state_dict(self.init.weights)
         self.params = self.model.params
@@ -230,6 +230,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "rng": self.rng.bit_generator.state,
             "world_size": self.world,
+            ckpt_files.ATTENTION_KERNELS_KEY: ckpt_files.attention_kernels_of(self.model),
             "llmgpu": __version__,
         }
         path = save_checkpoint(d, model=sd, optim=optim, meta=meta) if self.is_main else d
@@ -258,6 +259,7 @@ class Trainer:
             self.scaler.load_state_dict(meta["scaler"])
             self.stream.load_state_dict(meta["data"])
             self.rng.bit_generator.state = meta["rng"]
+            ckpt_files.pin_attention_kernels(self.model, meta, note=self._note)
         except (KeyError, TypeError, ValueError) as e:  # arrays or state that do not fit this run
             raise CheckpointError(f"checkpoint {d} does not match its own configuration ({type(e).__name__}: "
                                   f"{e})") from None
