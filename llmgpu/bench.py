@@ -46,7 +46,7 @@ import numpy as np
 
 from . import backend
 from .model import GPT, FastGPT, FastOptions, GPTConfig
-from .model.fast import ATTENTION_KERNELS
+from .model.fast import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
@@ -248,7 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "0: unpadded, except FastGPT, which always pads)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="activation checkpointing, both frameworks (0 = off; scale table: where needed)")
-    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+    p.add_argument("--attention-kernel", choices=FLASH_KERNELS, default="auto",
                    help="flash attention of llmgpu's fast modes (auto: ours or cuDNN, whichever is faster here, per "
                         "shape; the result says which ran)")
     p.add_argument("--modes", default=None,

@@ -143,7 +143,7 @@ def test_embedding_grads_into_fp32_match_the_cast_and_add(rng, dtype):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("attention_kernel", "flash", "attention_kernel must be one of auto, ours, cudnn, got 'flash'"),
+    ("attention_kernel", "flash", "attention_kernel must be one of auto, ours, cudnn, math, got 'flash'"),
     ("attention_kernel", "scalar", "attention_kernel must be one of"),  # forward-only: the backward has no such
     ("fused_cross_entropy", 1, "fused_cross_entropy must be True or False, got 1"),
     ("embedding_grad_into_fp32", "yes", "embedding_grad_into_fp32 must be True or False"),
@@ -175,6 +175,18 @@ def test_fast_options_are_frozen_and_the_models_own():
         m.options = FastOptions()  # fixed for the model's life
     with pytest.raises(TypeError, match="options must be a FastOptions, got dict"):
         FastGPT(CFG, dtype="fp32", xp=np, options={"lm_head_rows": 3})
+
+
+def test_math_attention_option_runs_chapter_2s_attention(rng):
+    """attention_kernel="math": the chapter 2 kernels (probabilities kept, contiguous q, k, v copies) inside the
+    fast step; the same function and gradients as the flash path (fp64 NumPy)."""
+    idx, tgt = _batch(rng, CFG, B=2, T=7)
+    flash = FastGPT(CFG, dtype="fp64", xp=np, seed=4)
+    math_ = FastGPT(CFG, dtype="fp64", xp=np, seed=4, options=FastOptions(attention_kernel="math"))
+    assert flash.flash and not math_.flash and math_.attention == "math-copy"
+    assert abs(float(flash.forward_backward(idx, tgt)) - float(math_.forward_backward(idx, tgt))) < 1e-12
+    assert _rel(math_.params.grad, flash.params.grad) < 1e-10
+    assert "runs on NumPy" in math_.capture_blocker()
 
 
 def test_fast_model_passes_its_attention_kernel_and_choices(monkeypatch, rng):

@@ -96,7 +96,8 @@ from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
 
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
-ATTENTION_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # what FastOptions.attention_kernel takes (both directions run it)
+FLASH_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # flash attention, both directions: a run's choices (TrainConfig, bench)
+ATTENTION_KERNELS = (*FLASH_KERNELS, "math")  # FastOptions.attention_kernel: also chapter 2's kernels
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class FastOptions:
     are what measured best on the H200. A bad value is a ValueError naming the field."""
 
     # flash attention: "auto" (per shape the faster of ours and cuDNN, recorded in FastGPT.kernel_choices), "ours"
-    # (chapter 2b's kernels) or "cudnn"
+    # (chapter 2b's kernels) or "cudnn"; "math": chapter 2's attention instead (the B·H·T·T probabilities written;
+    # CuPy's cuBLAS GEMMs, so no CUDA graph; what fp32 on the GPU always runs)
     attention_kernel: str = "auto"
     # issue 19, both on by default (False: the step before, for A/B benchmarks)
     fused_cross_entropy: bool = True  # the LM head's cross-entropy forward + backward as one pass over the logits
@@ -156,7 +158,8 @@ class FastGPT(GPTBase):
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
         on_np = self.xp is np
         # flash attention (ours or cuDNN's) takes fp16/bf16; the NumPy reference runs any float type
-        self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
+        self.flash = self.options.attention_kernel != "math" and (on_np or self.dtype in (backend.float16,
+                                                                                           backend.bfloat16))
         self.attention = "flash" if self.flash else "math-copy"
 
     def capture_blocker(self) -> str | None:
@@ -164,6 +167,10 @@ class FastGPT(GPTBase):
         falls back to chapter 2's kernels, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
+        if self.options.attention_kernel == "math":
+            return ("FastGPT with attention_kernel='math' runs chapter 2's attention, whose GEMMs are CuPy's cuBLAS "
+                    "calls, which refuse stream capture; use a flash attention kernel for a graph step, or "
+                    "graph=False")
         return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash attention "
                 "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
                 "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
@@ -494,4 +501,4 @@ class FastGPT(GPTBase):
         return loss
 
 
-__all__ = ["ATTENTION_KERNELS", "FastGPT", "FastOptions"]
+__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FastGPT", "FastOptions"]

@@ -19,7 +19,7 @@ from .. import backend
 from ..amp import Policy
 from ..gemm import cublaslt
 from ..model import PRESETS
-from ..model.fast import ATTENTION_KERNELS
+from ..model.fast import FLASH_KERNELS
 from ..ops import cudnn_attention, flash_attention
 
 
@@ -58,7 +58,7 @@ class TrainConfig:
     graph: bool | None = _opt(None, "replay each step as one CUDA graph (default: with --fast)", "model")
     attention_kernel: str = _opt("auto", "flash attention of the fast model: ours (chapter 2b), cudnn, or auto: "
                                  "whichever is faster here, timed once per shape and kept in the checkpoint, so a "
-                                 "resumed run runs the same kernels", "model", choices=list(ATTENTION_KERNELS))
+                                 "resumed run runs the same kernels", "model", choices=list(FLASH_KERNELS))
     block_size: int | None = _opt(None, "context length, the rows of the position embedding (default: the "
                                   "preset's; --seq may not exceed it)", "model")
     init: str | None = _opt(None, "start a new run from trained weights: a Hugging Face GPT-2 directory (config.json "
@@ -295,8 +295,8 @@ def validate(cfg: TrainConfig):
     need(cfg.dist_backend in ("auto", "nccl", "mpi"), f"--dist-backend must be auto, nccl or mpi, got "
          f"{cfg.dist_backend!r}")
     need(finite(cfg.dist_timeout) and cfg.dist_timeout > 0, f"--dist-timeout must be positive, got {cfg.dist_timeout}")
-    need(cfg.attention_kernel in ATTENTION_KERNELS, f"--attention-kernel must be one of "
-         f"{', '.join(ATTENTION_KERNELS)}, got {cfg.attention_kernel!r}")
+    need(cfg.attention_kernel in FLASH_KERNELS, f"--attention-kernel must be one of "
+         f"{', '.join(FLASH_KERNELS)}, got {cfg.attention_kernel!r}")
     need(cfg.schedule in ("cosine", "linear", "constant"),
          f"--schedule must be cosine, linear or constant, got {cfg.schedule!r}")
     try:
