@@ -74,3 +74,21 @@ def test_wgmma_shared_memory_matches_the_compiler():
         f' "block of D={d}");\n' for d in (64, 128))
     r = _nvrtc_compile(f'#include "{fl.WGMMA_FILE}.cu"\n' + checks, "sm_90a")
     assert r.ok, r.log
+
+
+def test_layernorm_fast_block_matches_the_compiler():
+    """The host launches layernorm_backward_fast with _FAST_WARPS (_FAST_SACC_WARPS with shared accumulators)
+    warps: LnFastPlan::threads in the .cu, for every instantiated pack count; the packs the host may ask for are
+    the ones the .cu declares."""
+    from llmgpu.ops import layernorm as ln
+
+    checks = "".join(
+        f'static_assert(LnFastPlan<{t}, {p}, 0, {sacc}>::threads == {32 * warps}, "{t} P={p} SACC={sacc}");\n'
+        for t, size in (("__half", 2), ("float", 4)) for p in ln._FAST_PACKS[size]
+        for sacc, warps in ((0, ln._FAST_WARPS), (1, ln._FAST_SACC_WARPS)) if size == 2 or sacc == 0)
+    r = _nvrtc_compile('#include "layernorm.cu"\n' + checks, "sm_90")
+    assert r.ok, r.log
+    declared = loader.name_expressions("layernorm")
+    for p in ln._REGISTER_PACKS:
+        assert f"add_layernorm_forward_warp<float, {p}>" in declared and \
+            f"layernorm_backward_warp<__nv_bfloat16, 1, {p}>" in declared

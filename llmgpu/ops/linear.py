@@ -34,12 +34,12 @@ from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..gemm.ksplit import wgrad_gemm
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import stride_grid, vector_width
 
 # Bias-gradient launch shape (see bias.cu). The number of row chunks depends on the shape only, never
 # on the device, so the reduction order, and therefore db, is the same on every GPU and every run.
-ROW_THREADS = 8  # blockDim.y of both bias_grad kernels
+ROW_THREADS = loader.constant("bias", "BIAS_ROW_THREADS")  # blockDim.y of both bias_grad kernels
 MIN_ROWS_PER_CHUNK = 64  # at least 8 rows per thread in stage 1
 TARGET_BLOCKS = 1024  # enough blocks to fill a large GPU several times over
 MAX_CHUNKS = 1024  # bounds the fp32 scratch and stage 2's work
