@@ -46,7 +46,7 @@ import numpy as np
 
 from . import backend
 from .model import GPT, FastGPT, FastOptions, GPTConfig
-from .model.fast import FLASH_KERNELS
+from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.model import GPT, GPTConfig
-from llmgpu.model.fast import FastGPT, FastOptions
+from llmgpu.model import GPT, FastOptions, GPTConfig
+from llmgpu.model.fast import FastGPT
 from llmgpu.testing import assert_close
 from llmgpu.train import ConfigError, TrainConfig, Trainer, fast_path_available, read_log
 

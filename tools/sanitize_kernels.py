@@ -362,8 +362,8 @@ def _scaler(s, g):
 
 
 def models(d: Driver):
-    from llmgpu.model import GPT, GPTConfig
-    from llmgpu.model.fast import FastGPT, FastOptions
+    from llmgpu.model import GPT, FastOptions, GPTConfig
+    from llmgpu.model.fast import FastGPT
     from llmgpu.optim.adamw import AdamW
     from llmgpu.optim.clip import GradClipper
 

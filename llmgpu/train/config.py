@@ -19,7 +19,7 @@ from .. import backend
 from ..amp import Policy
 from ..gemm import cublaslt
 from ..model import PRESETS
-from ..model.fast import FLASH_KERNELS
+from ..model.options import FLASH_KERNELS
 from ..ops import cudnn_attention, flash_attention
 
 
