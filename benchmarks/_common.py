@@ -97,18 +97,16 @@ def save(path, payload: dict, xp) -> bool:
     return True
 
 
-def alternating_step_times(settings: dict, make_step, xp, rounds: int, steps: int) -> dict:
+def alternating_step_times(settings: dict, xp, rounds: int, steps: int) -> dict:
     """ms per step of several settings of one training step, timed in alternating rounds.
 
-    ``settings`` maps a label to a function that switches the setting on (module flags); ``make_step()``
-    builds a step with whatever is switched on (``llmgpu.bench.make_train_step``: ``(run, ...)``). Each setting
-    gets its own step, run three times while it is on (two eager steps, then the capture of its CUDA graph, so
-    the graph keeps that setting); then rounds of ``steps`` timed steps per setting alternate, so drift (clocks,
-    heat) falls on all alike. Each round is ``timing.time_fn`` with launch cost included (``host_ahead=False``).
+    ``settings`` maps a label to a function that builds that setting's step (``llmgpu.bench.make_train_step`` with
+    its options: ``(run, ...)``). Each setting's step runs three times first (two eager steps, then the capture of
+    its CUDA graph); then rounds of ``steps`` timed steps per setting alternate, so drift (clocks, heat) falls on
+    all alike. Each round is ``timing.time_fn`` with launch cost included (``host_ahead=False``).
     Returns {label: [ms, ...]}."""
     runs = {}
-    for label, switch_on in settings.items():
-        switch_on()
+    for label, make_step in settings.items():
         run = make_step()[0]
         for _ in range(3):
             run()

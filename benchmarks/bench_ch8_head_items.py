@@ -4,12 +4,12 @@
     python benchmarks/bench_ch8_head_items.py --quick    # B = 16 only, fewer steps (the default on a CPU: a
                                                          # NumPy smoke test of the four settings; nothing written)
 
-Two switches of ``llmgpu/model/fast.py``, A/B in one process: ``FUSED_CROSS_ENTROPY`` (each chunk's
+Two fields of ``FastOptions`` (``llmgpu/model/fast.py``), A/B in one process: ``fused_cross_entropy`` (each chunk's
 cross-entropy forward and backward as one kernel, ``cross_entropy_forward_backward``: one read of the logits
-instead of two) and ``EMBEDDING_GRAD_INTO_FP32`` (the counting-sort embedding backward adds its fp32 row sums
+instead of two) and ``embedding_grad_into_fp32`` (the counting-sort embedding backward adds its fp32 row sums
 into the fp32 gradients, touched rows only, instead of a bf16 ``[Vp, C]`` array that is cast and added).
 GPT-2 124M, bf16, T = 1024, vocabulary 50304, the fast step as one CUDA graph: each of the four settings gets
-its own model and graph (the switches are read while the step is captured), and the graphs' replays are
+its own model and graph (built with its options), and the graphs' replays are
 timed in alternating rounds, so drift (clocks, heat) falls on all four alike. Reported: median ms/step and
 tokens/s per setting (B = 16, and B = 64 for both off and both on unless ``--quick``), the isolated kernels at
 the step's shapes (CE forward + backward vs the fused kernel on one chunk of 8192 x 50304; embedding backward
@@ -32,11 +32,11 @@ import numpy as np
 
 from llmgpu import backend
 from llmgpu.bench import make_train_step, release_memory
-from llmgpu.model import FastGPT, GPTConfig, fast
+from llmgpu.model import FastGPT, FastOptions, GPTConfig
 from llmgpu.perf import timing
 
 RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_head_items.json"
-COMBOS = ((False, False), (True, False), (False, True), (True, True))  # (FUSED_CROSS_ENTROPY, EMBEDDING_GRAD_INTO_FP32)
+COMBOS = ((False, False), (True, False), (False, True), (True, True))  # (fused_cross_entropy, embedding_grad_into_fp32)
 
 
 def _label(combo):
@@ -44,8 +44,8 @@ def _label(combo):
     return f"fused CE {'on ' if f else 'off'} / emb->fp32 {'on ' if e else 'off'}"
 
 
-def _set(combo):
-    fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32 = combo
+def _options(combo):
+    return FastOptions(fused_cross_entropy=combo[0], embedding_grad_into_fp32=combo[1])
 
 
 def _correctness(cfg, batch, seq, dtype, xp, combos):
@@ -56,8 +56,7 @@ def _correctness(cfg, batch, seq, dtype, xp, combos):
     tgt = backend.to_device(rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32), xp)
     out, ref = {}, None
     for combo in combos:
-        _set(combo)
-        m = FastGPT(cfg, dtype=dtype, xp=xp, seed=0)
+        m = FastGPT(cfg, dtype=dtype, xp=xp, seed=0, options=_options(combo))
         loss = float(m.forward_backward(idx, tgt))
         g = m.params.grad.astype(np.float64)
         if ref is None:
@@ -77,8 +76,8 @@ def _correctness(cfg, batch, seq, dtype, xp, combos):
 def _steps(cfg, batch, seq, dtype, xp, on_gpu, combos, rounds, steps):
     """Median ms per step of each setting's step (one CUDA graph on a GPU), timed in alternating rounds."""
     by_label = _common.alternating_step_times(
-        {_label(c): (lambda c=c: _set(c)) for c in combos},
-        lambda: make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu), xp, rounds, steps)
+        {_label(c): (lambda c=c: make_train_step(cfg, batch, seq, dtype=dtype, xp=xp, fast=True, graph=on_gpu,
+                                                 options=_options(c))) for c in combos}, xp, rounds, steps)
     times = {c: by_label[_label(c)] for c in combos}
     rows = []
     for combo in combos:
@@ -150,7 +149,6 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     a = ap.parse_args(argv)
     xp, on_gpu, quick = _common.setup(a)
-    default = (fast.FUSED_CROSS_ENTROPY, fast.EMBEDDING_GRAD_INTO_FP32)
     if on_gpu:
         preset, dtype, seq = "gpt2", "bf16", 1024
         batches = [(16, COMBOS)] + ([] if quick else [(64, (COMBOS[0], COMBOS[3]))])
@@ -162,27 +160,24 @@ def main(argv=None):
     cfg = GPTConfig.preset(preset, pad_vocab_to=64)
     payload = {"benchmark": "ch8_head_items", "preset": preset, "dtype": dtype, "seq": seq, "graph": on_gpu,
                "vocab": 50304 if on_gpu else None, "rows": [], "correctness": {}, "kernels": []}
-    try:
-        if on_gpu:
-            payload["kernels"] = _kernels(xp, _common.copy_ceiling(xp, 2**30), quick)
-            release_memory()
-        for batch, combos in batches:
-            rows = _steps(cfg, batch, seq, dtype, xp, on_gpu, combos, rounds, steps)
-            base = rows[0]["ms_per_step"]
-            for r in rows:
-                r["speedup_vs_both_off"] = base / r["ms_per_step"]
-                print(f"B={batch:<3} {r['case']}: {r['ms_per_step']:8.2f} ms/step  {r['tokens_per_s']:10,.0f} tok/s  "
-                      f"{r['speedup_vs_both_off']:.4f}x", flush=True)
-            payload["rows"] += rows
-            if payload["correctness"]:
-                continue
-            corr = _correctness(cfg, batch, seq, dtype, xp, combos)
-            payload["correctness"][f"B={batch}"] = corr
-            for label, c in corr.items():
-                print(f"   {label}: loss {c['loss']:.6f} (rel diff {c['loss_rel_diff']:.1e}), grads rel diff "
-                      f"{c['grad_rel_diff']:.1e}, max {c['grad_max_rel_diff']:.1e}", flush=True)
-    finally:
-        _set(default)
+    if on_gpu:
+        payload["kernels"] = _kernels(xp, _common.copy_ceiling(xp, 2**30), quick)
+        release_memory()
+    for batch, combos in batches:
+        rows = _steps(cfg, batch, seq, dtype, xp, on_gpu, combos, rounds, steps)
+        base = rows[0]["ms_per_step"]
+        for r in rows:
+            r["speedup_vs_both_off"] = base / r["ms_per_step"]
+            print(f"B={batch:<3} {r['case']}: {r['ms_per_step']:8.2f} ms/step  {r['tokens_per_s']:10,.0f} tok/s  "
+                  f"{r['speedup_vs_both_off']:.4f}x", flush=True)
+        payload["rows"] += rows
+        if payload["correctness"]:
+            continue
+        corr = _correctness(cfg, batch, seq, dtype, xp, combos)
+        payload["correctness"][f"B={batch}"] = corr
+        for label, c in corr.items():
+            print(f"   {label}: loss {c['loss']:.6f} (rel diff {c['loss_rel_diff']:.1e}), grads rel diff "
+                  f"{c['grad_rel_diff']:.1e}, max {c['grad_max_rel_diff']:.1e}", flush=True)
     r16 = [r for r in payload["rows"] if r["batch"] == payload["rows"][0]["batch"]]
     print(f"both on / both off: {r16[-1]['ms_per_step'] / r16[0]['ms_per_step']:.4f}x time at B={r16[0]['batch']}"
           + ("" if on_gpu and not quick else " (smoke test)"))

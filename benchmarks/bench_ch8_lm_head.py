@@ -3,7 +3,7 @@
     python benchmarks/bench_ch8_lm_head.py            # GPU: writes benchmarks/results/ch8/ch8_lm_head.json
     python benchmarks/bench_ch8_lm_head.py --quick    # small sizes (the default on a CPU; nothing written)
 
-``FastGPT.forward_backward`` makes the logits ``lm_head_rows`` rows at a time (``LM_HEAD_ROWS``), so the
+``FastGPT.forward_backward`` makes the logits ``FastOptions.lm_head_rows`` rows at a time (8192), so the
 ``[B·T, 50304]`` logits never exist whole. This times the fast training step (one CUDA graph, GPT-2 124M, bf16,
 B = 64, T = 1024, vocabulary 50304) with the default chunk and with one chunk of all rows (the step before the
 change), alternating the two twice in one process, and reports ms per step and the peak of CuPy's pool plus the
@@ -19,7 +19,7 @@ import sys
 import _common
 
 from llmgpu.bench import release_memory, run_llmgpu
-from llmgpu.model import GPTConfig, fast
+from llmgpu.model import FastOptions, GPTConfig
 
 RESULTS = _common.RESULTS_DIR / "ch8" / "ch8_lm_head.json"
 
@@ -33,23 +33,19 @@ def main(argv=None):
     steps = a.steps or steps
     cfg = GPTConfig.preset(preset, pad_vocab_to=64)
     whole = batch * seq
-    cases = {f"chunks of {fast.LM_HEAD_ROWS} rows": fast.LM_HEAD_ROWS, f"all {whole} rows at once": whole}
+    chunk = FastOptions().lm_head_rows  # the default
+    cases = {f"chunks of {chunk} rows": chunk, f"all {whole} rows at once": whole}
     rows = []
-    default = fast.FastGPT.lm_head_rows
-    try:
-        for _ in range(2):
-            for label, r in cases.items():
-                fast.FastGPT.lm_head_rows = r
-                res = run_llmgpu(cfg, batch, seq, steps, warmup=3 if on_gpu else 1, dtype=dtype, xp=xp, fast=True,
-                                 graph=on_gpu)
-                release_memory()
-                res["case"], res["lm_head_rows"] = label, r
-                rows.append(res)
-                mem = res.get("peak_memory_bytes")
-                print(f"{label:>26}: {res['ms_per_step']:8.2f} ms/step, peak "
-                      + ("-" if mem is None else f"{mem / 2**30:.2f} GiB"), flush=True)
-    finally:
-        fast.FastGPT.lm_head_rows = default
+    for _ in range(2):
+        for label, r in cases.items():
+            res = run_llmgpu(cfg, batch, seq, steps, warmup=3 if on_gpu else 1, dtype=dtype, xp=xp, fast=True,
+                             graph=on_gpu, options=FastOptions(lm_head_rows=r))
+            release_memory()
+            res["case"], res["lm_head_rows"] = label, r
+            rows.append(res)
+            mem = res.get("peak_memory_bytes")
+            print(f"{label:>26}: {res['ms_per_step']:8.2f} ms/step, peak "
+                  + ("-" if mem is None else f"{mem / 2**30:.2f} GiB"), flush=True)
     summary = {}
     for label in cases:
         rs = [r for r in rows if r["case"] == label]

@@ -46,7 +46,8 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
-from .model import GPT, FastGPT, GPTConfig
+from .model import GPT, FastGPT, FastOptions, GPTConfig
+from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
@@ -91,14 +92,19 @@ def release_memory():
 
 
 def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=None, checkpoint_every: int = 0,
-                    seed: int = 0, fast: bool = False, graph: bool = False):
+                    seed: int = 0, fast: bool = False, graph: bool = False, options: FastOptions | None = None):
     """``(step, model)``: ``step()`` runs ``llmgpu train``'s step (``TrainStep``) on one fixed synthetic batch and
     returns its device record ``[loss, grad norm, found_inf]`` without waiting for the GPU. ``fast=True``
-    uses ``FastGPT``; ``graph=True`` (with ``fast``) replays the step as one CUDA graph from the second call on.
-    ``step.train_step`` is the ``TrainStep`` (its ``.graph`` once captured)."""
+    uses ``FastGPT`` (with ``options``, a ``FastOptions``; None: the defaults); ``graph=True`` (with ``fast``)
+    replays the step as one CUDA graph from the second call on. ``step.train_step`` is the ``TrainStep`` (its
+    ``.graph`` once captured)."""
     xp = xp or backend.default_xp()
-    model_cls = FastGPT if fast else GPT
-    model = model_cls(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
+    if options is not None and not fast:
+        raise ValueError("options= are the fast model's (FastOptions): pass fast=True")
+    if fast:
+        model = FastGPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed, options=options)
+    else:
+        model = GPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
     settings = optimizer_settings(xp)
     train_step = TrainStep(model, settings, graph=graph)
     rng = np.random.default_rng(seed)
@@ -113,9 +119,11 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
 
 
 def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3, dtype: str = "bf16", xp=None,
-               checkpoint_every: int = 0, seed: int = 0, graph: bool = False, fast: bool = False) -> dict:
-    """Train ``llmgpu.model.GPT`` (``fast=True``: the chapter 8 ``FastGPT``) for ``warmup + steps`` steps on
-    synthetic tokens through ``TrainStep``; returns the metrics.
+               checkpoint_every: int = 0, seed: int = 0, graph: bool = False, fast: bool = False,
+               options: FastOptions | None = None) -> dict:
+    """Train ``llmgpu.model.GPT`` (``fast=True``: the chapter 8 ``FastGPT`` with ``options``) for ``warmup + steps``
+    steps on synthetic tokens through ``TrainStep``; returns the metrics (with the fast model: the attention kernels
+    its "auto" resolved to, ``attention_kernels``).
 
     ``graph=True`` replays the step as one CUDA graph (``TrainStep``: the first warm-up step eager, the
     second captured) and times its replays: this needs every GEMM of the step routed through
@@ -131,7 +139,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         xp.cuda.Device().synchronize()
         pool.free_all_blocks()
     run, model = make_train_step(config, batch, seq, dtype=dtype, xp=xp, checkpoint_every=checkpoint_every,
-                                 seed=seed, fast=fast, graph=graph)
+                                 seed=seed, fast=fast, graph=graph, options=options)
     static_bytes = int(pool.used_bytes()) if gpu else None
     t0 = time.perf_counter()
     for _ in range(max(warmup, EAGER_WARMUP + 1 if graph else 0)):  # graph: the eager warm-up, then the capture
@@ -172,6 +180,9 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
            "timed_window": [t_begin, t_end]}
     if captured is not None:
         res["graph_nodes"] = captured.node_counts()
+    if fast:
+        res["attention_kernel"] = model.options.attention_kernel
+        res["attention_kernels"] = model.kernel_choices.as_dict()
     return res
 
 
@@ -238,6 +249,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "0: unpadded, except FastGPT, which always pads)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="activation checkpointing, both frameworks (0 = off; scale table: where needed)")
+    p.add_argument("--attention-kernel", choices=FLASH_KERNELS, default="auto",
+                   help="flash attention of llmgpu's fast modes (auto: ours or cuDNN, whichever is faster here, per "
+                        "shape; the result says which ran)")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
                         "llmgpu-fast instead of llmgpu-fast-graph on the CPU; scale table: llmgpu* and/or torch* pick "
@@ -343,8 +357,13 @@ def bench_main(args) -> int:
         print(f"running {mode} ...", flush=True)
         try:
             if mode.startswith("llmgpu"):
+                fast = "-fast" in mode
+                opts = FastOptions(attention_kernel=getattr(args, "attention_kernel", None) or "auto") if fast else None
                 r = run_llmgpu(cfg, o["batch"], o["seq"], o["steps"], warmup=o["warmup"], dtype=o["dtype"], xp=xp,
-                               checkpoint_every=ckpt, seed=seed, graph=mode.endswith("-graph"), fast="-fast" in mode)
+                               checkpoint_every=ckpt, seed=seed, graph=mode.endswith("-graph"), fast=fast, options=opts)
+                if r.get("attention_kernels"):  # what "auto" resolved to, per (direction, shape)
+                    print(f"  attention ({r['attention_kernel']}): " + ", ".join(
+                        f"{key.split(' ')[0]} {choice}" for key, choice in r["attention_kernels"].items()))
             else:
                 tm = mode.split("-")[1]
                 why = torch_reason or ("--compile-mode none" if tm == "compile" and compile_mode == "none" else None)

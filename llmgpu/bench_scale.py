@@ -42,14 +42,13 @@ import numpy as np
 
 from . import backend
 from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
-from .model import GPTConfig
-from .model.config import activation_bytes
+from .model import FastOptions, GPTConfig
+from .model.config import activation_bytes, state_bytes_per_parameter
 from .perf import timing
 from .perf.timing import MFU_DEFINITION, mfu, mfu_ceiling
 from .results import RESULTS
 from .torch_reference import import_torch, run_torch
 
-STATE_BYTES = 18  # per parameter in bf16 training: fp32 master, gradient, m, v + the bf16 copy
 MAX_BATCH = 1024
 
 
@@ -83,7 +82,7 @@ def largest_batch(run, start: int, *, min_batch: int = 1, log=print) -> tuple[in
 def estimated_batch(cfg: GPTConfig, seq: int, free_bytes: int, checkpoint_every: int = 0) -> int:
     """The largest power-of-two batch whose parameter state, activations (``activation_bytes``, flash) and
     bf16 logits with their gradient fit in ``free_bytes`` (1 if none)."""
-    n = cfg.num_parameters() * STATE_BYTES
+    n = cfg.num_parameters() * sum(state_bytes_per_parameter("bf16").values())
     b = 1
     while b < MAX_BATCH:
         nb = 2 * b
@@ -122,7 +121,8 @@ def _one_try(kind: str, spec: dict) -> dict:
     b, seq, steps, k = spec["batch"], spec["seq"], spec["steps"], spec["checkpoint_every"]
     if kind == "llmgpu":
         return run_llmgpu(cfg, b, seq, steps, warmup=spec["warmup"], dtype=spec["dtype"], xp=xp, checkpoint_every=k,
-                          seed=spec["seed"], fast=True, graph=gpu)
+                          seed=spec["seed"], fast=True, graph=gpu,
+                          options=FastOptions(attention_kernel=spec.get("attention_kernel", "auto")))
     if kind == "torch":
         return run_torch(cfg, b, seq, steps, spec["mode"], dtype=spec["dtype"], settings=optimizer_settings(xp),
                          warmup=spec["warmup"], device="cuda" if gpu else "cpu", seed=spec["seed"],
@@ -238,7 +238,7 @@ def scale_main(args, xp) -> int:
             start = d["batch"]
 
         base = {"device": "gpu" if gpu else "cpu", "config": asdict(cfg), "seq": seq, "steps": steps, "dtype": dtype,
-                "seed": seed}
+                "seed": seed, "attention_kernel": getattr(args, "attention_kernel", None) or "auto"}
 
         def ours(b, k, base=base):
             return try_one("llmgpu", {**base, "batch": b, "checkpoint_every": k, "warmup": warmup})

@@ -105,6 +105,21 @@ def test_run_llmgpu_on_numpy():
         bench.run_llmgpu(SMALL, batch=1, seq=8, steps=1, warmup=0, dtype="fp32", xp=np, graph=True)
 
 
+def test_run_llmgpu_passes_the_fast_models_options():
+    from llmgpu.model import FastOptions
+
+    opts = FastOptions(attention_kernel="ours", lm_head_rows=5)
+    step, model = bench.make_train_step(SMALL, 2, 8, dtype="fp32", xp=np, fast=True, options=opts)
+    assert model.options is opts
+    r = bench.run_llmgpu(SMALL, batch=2, seq=8, steps=1, warmup=0, dtype="fp32", xp=np, fast=True, options=opts)
+    assert r["attention_kernel"] == "ours" and r["attention_kernels"] == {}  # NumPy: the reference, nothing resolved
+    assert "attention_kernel" not in bench.run_llmgpu(SMALL, batch=2, seq=8, steps=1, warmup=0, dtype="fp32", xp=np)
+    with pytest.raises(ValueError, match="options= are the fast model's"):
+        bench.make_train_step(SMALL, 2, 8, dtype="fp32", xp=np, options=opts)
+    assert bench.add_arguments(argparse.ArgumentParser()).parse_args(["--attention-kernel", "cudnn"]).attention_kernel \
+        == "cudnn"
+
+
 def _args(**kw):
     p = bench.add_arguments(argparse.ArgumentParser())
     ns = p.parse_args([])

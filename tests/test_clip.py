@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from llmgpu import backend
-from llmgpu.optim import GradClipper, clip_scale, global_grad_norm, grad_norm_fused
+from llmgpu.optim import GradClipper, clip_coefficient, clip_scale, global_grad_norm, grad_norm_fused
+from llmgpu.optim.clip import CLIP_EPS
 
 pytestmark = pytest.mark.ch4
 
@@ -35,6 +36,22 @@ def test_clip_factor_numpy(rng):
     np.testing.assert_allclose(float(res.scale), 0.25 / (true / 4 + 1e-6), rtol=1e-6)
     np.testing.assert_allclose(float(clip_scale(np.array(true, np.float32), 1.0)), 1 / (true + 1e-6), rtol=1e-6)
     np.testing.assert_allclose(float(clip_scale(np.array(0.5, np.float32), 1.0)), 1.0)
+
+
+def test_clip_coefficient_is_the_kernels_formula(rng):
+    """min(1, max_norm / (norm + eps)) in fp32 element by element, as grad_norm.cu's fminf: a nan norm gives 1."""
+    norms = np.concatenate([rng.exponential(2.0, 50), [0.0, 1e-7, np.inf, np.nan]]).astype(np.float32)
+    max_norm = float(rng.uniform(0.1, 3.0))
+    got = clip_coefficient(norms, max_norm)
+    assert got.dtype == np.float32 and got.shape == norms.shape
+    want = [1.0 if np.isnan(n) else min(np.float32(1.0), np.float32(max_norm) / (n + np.float32(CLIP_EPS)))
+            for n in norms]
+    np.testing.assert_array_equal(got, np.array(want, np.float32))
+    assert float(clip_coefficient(np.array(0.0, np.float32), max_norm)) == 1.0 and got[-2] == 0.0  # inf: all clipped
+    one = clip_coefficient(np.array(2 * max_norm, np.float32), max_norm)  # a 0-d array stays 0-d (a device scalar)
+    assert one.shape == () and float(one) == pytest.approx(0.5, rel=1e-6)
+    assert float(grad_norm_fused(np.full(4, max_norm, np.float32), max_norm).scale) == clip_coefficient(
+        np.float32(2 * max_norm), max_norm)  # the fused norm's NumPy path takes the same function
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
@@ -98,6 +115,10 @@ def test_found_inf_and_prescale_gpu(cp, rng):
     np.testing.assert_allclose(c.last_norm(), ref, rtol=1e-5)
     np.testing.assert_allclose(float(r.scale), (1 / 1024) / (ref + 1e-6), rtol=1e-5)
     np.testing.assert_allclose(float(clip_scale(r.norm, 0.5)), min(1, 0.5 / (ref + 1e-6)), rtol=1e-5)
+    coef = clip_coefficient(r.norm, 0.5)  # on the device, 0-d, the kernel's bits
+    assert isinstance(coef, cp.ndarray) and coef.shape == () and coef.dtype == np.float32
+    assert float(coef) == float(clip_coefficient(np.float32(float(r.norm)), 0.5))
+    assert float(GradClipper(0.5, xp=cp)(cp.asarray(g)).scale) == float(clip_coefficient(c(cp.asarray(g)).norm, 0.5))
     for pos, bad in ((0, np.nan), (12345, np.inf), (10**5, -np.inf)):  # first, middle, scalar tail
         h = g.copy()
         h[pos] = bad

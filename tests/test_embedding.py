@@ -301,10 +301,13 @@ def _ids(rng, kind, n, v, piece=em.PIECE):
     raise ValueError(kind)
 
 
-def test_counting_constants_match_kernel_source():
+def test_counting_constants_come_from_the_kernel_source():
+    """The host's launch constants are the .cu's #defines (read by the loader), and the widest KP the host asks for
+    is the widest the // llmgpu:kernel line instantiates."""
     src = loader.source("embedding")
     for name, value in (("EMB_CHUNK", em.COUNT_CHUNK), ("EMB_SCAN_BLOCK", em.SCAN_BLOCK),
-                        ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH), ("EMB_PIECE", em.PIECE)):
+                        ("EMB_ROWS", em.ROWS_PER_WARP), ("EMB_BATCH", em.BATCH), ("EMB_PIECE", em.PIECE),
+                        ("EMB_WTE_POS_THREADS", 32 * em.WARPS_PER_BLOCK)):
         m = re.search(rf"^#define {name} (\d+)", src, re.MULTILINE)
         assert m and int(m.group(1)) == value, name
     kps = re.search(r"embedding_backward_wte_pos<[^>]*\{([\d,]+)\}, \{0,1\}>", src).group(1)  # then ACC

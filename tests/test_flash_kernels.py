@@ -222,6 +222,41 @@ def test_auto_cache_file_round_trip_and_damage(tmp_path, monkeypatch):
     assert not fa.write_auto_choice("k", "ours", ro / "x" / "flash_auto.json")  # cannot write: False, no crash
 
 
+def test_kernel_choices_round_trip_through_json(rng):
+    """A run's record of what "auto" resolved goes into a checkpoint's meta.json and back unchanged."""
+    import json
+
+    entries = {(d, int(rng.integers(1, 64)), int(rng.integers(1, 16)), int(rng.integers(1, 4096)), D, dt, c):
+               str(rng.choice(fa.AUTO_RESOLVES_TO))
+               for d in ("fwd", "bwd") for D in (64, 128) for dt in ("bf16", "fp16") for c in (True, False)}
+    rec = fa.KernelChoices(entries)
+    text = json.dumps(rec.as_dict())
+    back = fa.KernelChoices.from_dict(json.loads(text))
+    assert back == rec and len(back) == len(entries) and dict(back.items()) == entries
+    assert "fwd B=" in text and " causal" in text and " full" in text
+    assert fa.KernelChoices.from_dict({}) == fa.KernelChoices()
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"fwd B=1 H=2 T=3 D=64 bf16 causal": "torch"}, "one of"),
+    ({"sideways B=1 H=2 T=3 D=64 bf16 causal": "ours"}, "not of the form"),
+    ({"fwd B=1 H=2 T=3 bf16 causal": "ours"}, "not of the form"),
+    (["fwd"], "must be a dict"),
+])
+def test_kernel_choices_refuse_a_bad_record(bad, match):
+    with pytest.raises(ValueError, match=match):
+        fa.KernelChoices.from_dict(bad)
+
+
+def test_choices_argument_is_checked(rng):
+    q = random_array(rng, (1, 2, 9, 64), "fp64")
+    with pytest.raises(TypeError, match="choices must be a KernelChoices"):
+        fa.flash_attention_forward(q, q, q, choices={})
+    o, st = fa.flash_attention_forward(q, q, q, choices=fa.KernelChoices())
+    with pytest.raises(TypeError, match="choices must be a KernelChoices"):
+        fa.flash_attention_backward(q, q, q, q, o, st, choices="auto")
+
+
 def test_auto_prefers_cudnn_within_the_margin():
     assert fa.pick_faster({"ours": 1.0, "cudnn": 1.02}) == "cudnn"  # 2 % faster: inside the margin
     assert fa.pick_faster({"ours": 1.0, "cudnn": 1.0 + fa.AUTO_MARGIN}) == "ours"
@@ -598,7 +633,35 @@ def test_gpu_auto_choice_survives_a_new_process(cp, rng, tmp_path, monkeypatch):
     assert cached[disk_key] == choice
     other = "cudnn" if choice == "ours" else "ours"
     fa.write_auto_choice(disk_key, other)  # as if another process had decided the other way
-    monkeypatch.setattr(fa, "_AUTO", {})  # a new process: nothing in memory
+    monkeypatch.setattr(fa, "_PROCESS_CHOICES", {})  # a new process: nothing in memory
     monkeypatch.setattr(fa, "_time_ms", lambda *a: pytest.fail("the cached choice must be used, not re-timed"))
-    fa.flash_attention_forward(q, k, v)
-    assert fa.auto_choices()[key] == other
+    run = fa.KernelChoices()  # a new run's own record
+    fa.flash_attention_forward(q, k, v, choices=run)
+    assert fa.auto_choices()[key] == other and run.get(key[1:]) == other
+
+
+@pytest.mark.gpu
+def test_gpu_auto_writes_the_callers_record_and_keeps_to_it(cp, rng, monkeypatch, tmp_path):
+    """choices=: "auto" records what it resolved, per direction, in the caller's record; a record given back (a
+    resumed run's, pinned from its checkpoint) is run as it says, the process record and the machine's cache file
+    notwithstanding, and nothing is timed."""
+    monkeypatch.setenv("LLMGPU_CACHE_DIR", str(tmp_path))
+    shape = (1, 3, 160, 64)
+    q, k, v, do = (_dev(cp, rng, shape, "bf16") for _ in range(4))
+    run = fa.KernelChoices()
+    o, st = fa.flash_attention_forward(q, k, v, choices=run)
+    fa.flash_attention_backward(do, q, k, v, o, st, choices=run)
+    fwd, bwd = ("fwd", *shape, "bf16", True), ("bwd", *shape, "bf16", True)
+    assert {key for key, _ in run.items()} == {fwd, bwd} and run.get(fwd) in fa.AUTO_RESOLVES_TO
+    assert fa.choices_unavailable(run) == {}
+    if fa.cudnn_attention.unavailable_reason() is not None:
+        assert run.get(fwd) == run.get(bwd) == "ours"
+        assert fa.choices_unavailable(fa.KernelChoices({fwd: "cudnn"})).keys() == {"cudnn"}
+        return
+    pinned = fa.KernelChoices.from_dict(run.as_dict())
+    flip = {"ours": "cudnn", "cudnn": "ours"}
+    pinned.record(fwd, flip[run.get(fwd)])  # as if the checkpointed run had resolved the other way
+    monkeypatch.setattr(fa, "_time_ms", lambda *a: pytest.fail("a pinned choice is run, not re-timed"))
+    o2, _ = fa.flash_attention_forward(q, k, v, choices=pinned)
+    o3, _ = fa.flash_attention_forward(q, k, v, kernel=pinned.get(fwd))
+    assert cp.array_equal(o2, o3) and pinned.get(fwd) == flip[run.get(fwd)]

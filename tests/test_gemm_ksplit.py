@@ -61,11 +61,9 @@ def test_ragged_k_is_split_into_an_aligned_main_part_and_a_padded_tail(k):
 
 
 @pytest.mark.parametrize("k", [16385, 100, 65536])
-def test_switch_and_alignment(k, monkeypatch):
+def test_switch_and_alignment(k):
     assert pieces(k, protect=False) == [(0, k, k)]
-    monkeypatch.setattr(ksplit, "PROTECT", False)
-    assert pieces(k) == [(0, k, k)]
-    monkeypatch.setattr(ksplit, "PROTECT", True)
+    assert pieces(k) == ([(0, k, k)] if k % 64 == 0 else [(0, k - k % 64, k - k % 64), (k - k % 64, k, 64)])
     parts = pieces(k, align=16)
     assert parts[0][1] % 16 == 0 and parts[-1][1] == k
     with pytest.raises(ValueError):
@@ -127,16 +125,17 @@ class _FakeDevice:
                                       (37, [37])])
 def test_wgrad_gemm_gpu_dispatch(rng, monkeypatch, k, calls):
     """The GPU branch: K % 64 == 0 is exactly one call with the caller's arguments (no extra launch);
-    a ragged K is the main GEMM plus the padded tail; PROTECT=False is one call again."""
+    a ragged K is the main GEMM plus the padded tail (pad_tail=False: the tail's own K); protect=False is one call
+    again."""
     monkeypatch.setattr(ksplit, "array_module", lambda **kw: _FakeDevice)
     a, b = random_array(rng, (k, 6)), random_array(rng, (k, 5))
     c0 = random_array(rng, (6, 5))
     ref = a.astype(np.float64).T @ b.astype(np.float64) + c0.astype(np.float64)
-    for protect, want in ((True, calls), (False, [k])):
-        monkeypatch.setattr(ksplit, "PROTECT", protect)
+    unpadded = calls[:1] + [k % 64] if len(calls) > 1 else calls
+    for kw, want in (({}, calls), ({"protect": False}, [k]), ({"pad_tail": False}, unpadded)):
         rec = Recorder()
         out = c0.copy()
-        assert wgrad_gemm(a, b, out=out, beta=1.0, gemm=rec) is out
+        assert wgrad_gemm(a, b, out=out, beta=1.0, gemm=rec, **kw) is out
         assert [c["k"] for c in rec.calls] == want
         assert [c["beta"] for c in rec.calls] == [1.0] * len(want)
         assert_close(out, ref, "fp32")
@@ -191,6 +190,10 @@ def test_gpu_linear_backward_wgrad_at_trap_k(cp, dtype, k):
     linear_backward(dy, x, w, bias=False, dw_out=dw2, accumulate=True)
     err2 = _rel(dw2 - 1.0, ref)
     assert err2 <= TOL, f"accumulating dW at K={k} {dtype}: relative error {err2:.2e}"
+    # protect_k=False: one GEMM over all K rows, bit for bit the unsplit cuBLAS call (the probe's baseline)
+    dw3 = cp.empty((COUT, CIN), dtype=np.float32)
+    linear_backward(dy, x, w, bias=False, dw_out=dw3, protect_k=False)
+    assert bool(cp.array_equal(dw3, cublas.gemm(dy, x, trans_a=True, out_dtype="fp32")))
 
 
 @pytest.mark.gpu

@@ -367,6 +367,29 @@ def test_gpu_plan_key_names_the_cached_plan(cp, lt, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_plan_asks_the_heuristic_for_more_candidates(cp, lt, rng):
+    """``_Plan.ask_heuristic(n)`` (tools/probe_lt_algos.py, instead of a module switch): the plan keeps running the
+    heuristic's first choice, bit for bit, and every candidate ``use(i)`` switches to computes the product."""
+    x, w = _dev(cp, rng, (136, 72), "bf16"), _dev(cp, rng, (48, 72), "bf16")  # a shape no other test uses
+    out = cp.empty((136, 48), dtype=np.float32)
+    first = lt_gemm(x, w, trans_b=True, out=out).copy()
+    plan = gemm_lt._PLANS[gemm_lt.plan_key(cp.cuda.Device().id, x, w, False, True, out, None, "none", None, 136,
+                                           48, 72, ())]
+    assert plan.n_algos == 1
+    plan.ask_heuristic(8)
+    assert 1 <= plan.n_algos <= 8
+    assert cp.array_equal(lt_gemm(x, w, trans_b=True, out=out), first)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    for i in range(plan.n_algos):
+        try:
+            plan.use(i)
+        except IndexError:  # a candidate the heuristic marks unusable
+            continue
+        assert_close(lt_gemm(x, w, trans_b=True, out=out), want, "bf16")
+    plan.use(0)
+
+
+@pytest.mark.gpu
 def test_gpu_mixed_numpy_cupy_refused(cp, lt, rng):
     a = _dev(cp, rng, (4, 8), "bf16")
     with pytest.raises(TypeError, match="b=ndarray"):

@@ -8,6 +8,8 @@ import pytest
 from llmgpu.dist import LocalComm, ZeroSync
 from llmgpu.dist.memory import zero2_gradient_split, zero_memory_bytes
 from llmgpu.model import GPT, GPTConfig
+from llmgpu.model.config import state_bytes_per_parameter
+from llmgpu.optim import FlatParams
 from llmgpu.train import TrainConfig, TrainStep
 
 pytestmark = pytest.mark.ch9
@@ -23,6 +25,19 @@ def test_paper_formulas(N):
     assert total[1] == pytest.approx(4 * PSI + K * PSI / N)
     assert total[2] == pytest.approx(2 * PSI + (2 + K) * PSI / N)
     assert total[3] == pytest.approx((2 + 2 + K) * PSI / N)
+
+
+@pytest.mark.parametrize("working", ["bf16", "fp16", "fp32"])
+def test_state_bytes_per_parameter_counts_the_buffers(rng, working):
+    """The one statement of the state per parameter (18 B in 16-bit training, 16 in fp32) is what FlatParams
+    allocates (master, gradient, m, v, working copy), and the stage-0 parts of zero_memory_bytes are it."""
+    parts = state_bytes_per_parameter(working)
+    assert sum(parts.values()) == (16 if working == "fp32" else 18)
+    shapes = {f"w{i}": tuple(int(d) for d in rng.integers(1, 40, size=int(rng.integers(1, 3)))) for i in range(5)}
+    P = FlatParams(shapes, xp=np, working_dtype=working)  # padding included: every buffer holds numel
+    assert _live_bytes(P.working, P.data, P.grad, P.m, P.v) == sum(parts.values()) * P.numel
+    stage0 = zero_memory_bytes(PSI, 4, 0, working=working)
+    assert {k: v for k, v in stage0.items() if k != "total"} == {k: v * PSI for k, v in parts.items()}
 
 
 def test_llmgpu_bytes_per_parameter():

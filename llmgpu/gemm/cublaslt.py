@@ -85,15 +85,10 @@ CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
-HEURISTIC_RESULTS = 1  # algorithms asked of the heuristic per plan; the first is used (tools/probes/probe_lt_algos.py)
 _MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
                 "(brings nvmath-python==1.0.*, whose nvmath.bindings.cublasLt this module calls)")
-
-# tanh-GELU constants: the same function as llmgpu.ops.gelu and cuBLASLt's GELU epilogues
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_CUBIC = 0.044715
 
 
 class LtUnavailableError(backend.GPUUnavailableError):
@@ -185,17 +180,15 @@ class _Plan:
     """One cublasLtMatmul problem: descriptor, layouts and the chosen algorithm, reused every call."""
 
     __slots__ = ("desc", "layouts", "la", "lb", "lc", "algos", "n_algos", "algo_ptr", "ws_need", "ptr_buf",
-                 "ptr_addr", "last_bias", "last_aux", "has_bias", "has_aux", "describe")
+                 "ptr_addr", "last_bias", "last_aux", "has_bias", "has_aux", "describe", "handle", "ws_size", "align")
 
     def __init__(self, lt, st: _DeviceState, spec: dict, bias_ptr: int, aux_ptr: int):
         A = lt.MatmulDescAttribute
         L = lt.MatrixLayoutAttribute
-        P = lt.MatmulPreferenceAttribute
         set_desc = functools.partial(_set_attr, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
         set_lay = functools.partial(_set_attr, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
-        set_pref = functools.partial(_set_attr, lt.matmul_preference_set_attribute,
-                                     lt.get_matmul_preference_attribute_dtype)
         self.describe = spec["describe"]
+        self.handle, self.ws_size, self.align = st.handle, st.ws_size, spec["align"]
         self.desc = None
         self.layouts = []
         self.ptr_buf = np.zeros(2, dtype=np.int64)  # [bias ptr, aux ptr] staging for attribute writes
@@ -228,33 +221,41 @@ class _Plan:
                 for lay, stride in ((self.la, spec["b_stride"]), (self.lb, ar * ac), (self.lc, m * n)):
                     set_lay(lay, L.BATCH_COUNT, count)
                     set_lay(lay, L.STRIDED_BATCH_OFFSET, stride)
-            pref = lt.matmul_preference_create()
-            try:
-                set_pref(pref, P.MAX_WORKSPACE_BYTES, st.ws_size)
-                al_a, al_b, al_c = spec["align"]
-                set_pref(pref, P.MIN_ALIGNMENT_A_BYTES, al_b)  # cuBLASLt A = our b
-                set_pref(pref, P.MIN_ALIGNMENT_B_BYTES, al_a)
-                set_pref(pref, P.MIN_ALIGNMENT_C_BYTES, al_c)
-                set_pref(pref, P.MIN_ALIGNMENT_D_BYTES, al_c)
-                self.algos = np.zeros(HEURISTIC_RESULTS, dtype=lt.matmul_heuristic_result_dtype)
-                cnt = np.zeros(1, dtype=np.int32)
-                try:
-                    lt.matmul_algo_get_heuristic(st.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref,
-                                                 HEURISTIC_RESULTS, self.algos.ctypes.data, cnt.ctypes.data)
-                except Exception as e:
-                    raise RuntimeError(f"cuBLASLt has no algorithm for {self.describe}: {type(e).__name__}: {e}") \
-                        from e
-            finally:
-                lt.matmul_preference_destroy(pref)
-            if int(cnt[0]) < 1 or int(self.algos["state"][0]) != 0:
-                raise RuntimeError(f"cuBLASLt heuristic returned no usable algorithm for {self.describe} "
-                                   f"(count {int(cnt[0])}, state {int(self.algos['state'][0])})")
-            self.n_algos = int(cnt[0])
-            self.use(0)
+            self.ask_heuristic(1, lt)  # its first choice is what runs
         except BaseException:
             self.destroy(lt)
             raise
         self.last_bias, self.last_aux = bias_ptr, aux_ptr
+
+    def ask_heuristic(self, n: int, lt=None):
+        """Ask cuBLASLt's heuristic for its first ``n`` algorithms for this problem (the plan runs the first, 0;
+        ``use(i)`` switches: tools/probe_lt_algos.py times the candidates of every GEMM of the step)."""
+        lt = lt or _import_lt()[0]
+        P = lt.MatmulPreferenceAttribute
+        set_pref = functools.partial(_set_attr, lt.matmul_preference_set_attribute,
+                                     lt.get_matmul_preference_attribute_dtype)
+        pref = lt.matmul_preference_create()
+        try:
+            set_pref(pref, P.MAX_WORKSPACE_BYTES, self.ws_size)
+            al_a, al_b, al_c = self.align
+            set_pref(pref, P.MIN_ALIGNMENT_A_BYTES, al_b)  # cuBLASLt A = our b
+            set_pref(pref, P.MIN_ALIGNMENT_B_BYTES, al_a)
+            set_pref(pref, P.MIN_ALIGNMENT_C_BYTES, al_c)
+            set_pref(pref, P.MIN_ALIGNMENT_D_BYTES, al_c)
+            algos = np.zeros(max(1, int(n)), dtype=lt.matmul_heuristic_result_dtype)
+            cnt = np.zeros(1, dtype=np.int32)
+            try:
+                lt.matmul_algo_get_heuristic(self.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref,
+                                             len(algos), algos.ctypes.data, cnt.ctypes.data)
+            except Exception as e:
+                raise RuntimeError(f"cuBLASLt has no algorithm for {self.describe}: {type(e).__name__}: {e}") from e
+        finally:
+            lt.matmul_preference_destroy(pref)
+        if int(cnt[0]) < 1 or int(algos["state"][0]) != 0:
+            raise RuntimeError(f"cuBLASLt heuristic returned no usable algorithm for {self.describe} "
+                               f"(count {int(cnt[0])}, state {int(algos['state'][0])})")
+        self.algos, self.n_algos = algos, int(cnt[0])
+        self.use(0)
 
     def use(self, i: int):
         """Launch with the heuristic's ``i``-th algorithm from now on (0, its first choice, by default)."""

@@ -13,7 +13,7 @@ The protection splits the reduction so that no GEMM sees a K with a ragged tail:
   launch, no extra work.
 * otherwise ``K = K_main + tail`` with ``K_main = K - K % K_ALIGN`` and ``0 < tail < K_ALIGN``: one GEMM
   over the first ``K_main`` rows (the caller's ``beta``), then one over the ``tail`` rows with
-  ``beta = 1``. With ``PAD_TAIL`` (default) the tail rows are first copied into zero-padded
+  ``beta = 1``. With ``pad_tail=True`` (default) the tail rows are first copied into zero-padded
   ``[K_ALIGN, M]`` / ``[K_ALIGN, N]`` buffers, so the second GEMM also has K = ``K_ALIGN`` (zero rows
   add exact zeros): every GEMM then has a K that is a multiple of 64, the case the H200 found right.
   Cost: one memset, two copies of ``tail`` rows and one K = 64 GEMM, a few microseconds.
@@ -27,8 +27,9 @@ for ``FastGPT``) right the same way, whatever algorithm the heuristic picks. Wit
 the split rounds the partial result once more (two roundings instead of one); weight gradients in
 mixed precision are fp32, where that is invisible.
 
-``PROTECT`` (module-level) switches the protection off, so ``tools/probes/probe_gemm_k.py`` can measure
-protected against unprotected in one process. NumPy arrays never split (the reference is exact in
+``protect=False`` (an argument of ``pieces``, ``wgrad_gemm`` and ``ops.linear.linear_backward``) switches the
+protection off, so ``tools/probes/probe_gemm_k.py`` can measure protected against unprotected in one process. NumPy
+arrays never split (the reference is exact in
 float32 at any K); :func:`run_pieces` runs the split on any backend, which is how the CPU tests
 check it.
 """
@@ -39,21 +40,19 @@ import numpy as np
 
 from ..checks import array_module
 
-PROTECT = True  # split K when K % K_ALIGN != 0 (GPU only); False: always one GEMM (the probe's baseline)
 K_ALIGN = 64  # every GEMM of a protected reduction has K divisible by this
-PAD_TAIL = True  # the tail GEMM runs on zero-padded K_ALIGN rows (False: on the tail's own K)
 
 
-def pieces(k: int, *, align: int | None = None, protect: bool | None = None, pad_tail: bool | None = None):
+def pieces(k: int, *, align: int | None = None, protect: bool = True, pad_tail: bool = True):
     """The GEMMs of a K-row reduction: a list of ``(start, stop, k_gemm)``.
 
     Rows ``start:stop`` of both operands go into one GEMM whose reduction length is ``k_gemm``
-    (``stop - start``, or ``align`` for a zero-padded tail). The pieces tile ``0:k`` exactly, in order.
-    One piece (``[(0, k, k)]``) when protection is off, when ``k % align == 0`` or when ``k < align``.
+    (``stop - start``, or ``align`` for a zero-padded tail; ``pad_tail=False``: the tail's own length). The
+    pieces tile ``0:k`` exactly, in order. One piece (``[(0, k, k)]``) when protection is off
+    (``protect=False``: the probe's baseline), when ``k % align == 0`` or when ``k < align``.
     """
     align = K_ALIGN if align is None else int(align)
-    protect = PROTECT if protect is None else bool(protect)
-    pad_tail = PAD_TAIL if pad_tail is None else bool(pad_tail)
+    protect, pad_tail = bool(protect), bool(pad_tail)
     k = int(k)
     if k < 0 or align < 1:
         raise ValueError(f"need k >= 0 and align >= 1, got k={k}, align={align}")
@@ -100,20 +99,21 @@ def run_pieces(gemm, a, b, parts, *, out=None, alpha=1.0, beta=0.0, out_dtype=No
     return out
 
 
-def wgrad_gemm(a, b, *, out=None, alpha=1.0, beta=0.0, out_dtype=None, gemm=None):
+def wgrad_gemm(a, b, *, out=None, alpha=1.0, beta=0.0, out_dtype=None, gemm=None, protect: bool = True,
+               pad_tail: bool = True):
     """``out = alpha · aᵀ b + beta · out`` for ``a [K, M]``, ``b [K, N]``: a weight gradient, right at every K.
 
     ``gemm`` is the GEMM to call (default :func:`llmgpu.gemm.gemm`, cuBLAS; ``FastGPT`` passes
-    ``lt_gemm``). On the GPU with ``PROTECT`` and ``K % K_ALIGN != 0`` the reduction is split
-    (module docstring); otherwise this is exactly ``gemm(a, b, trans_a=True, ...)``.
+    ``lt_gemm``). On the GPU with ``protect`` (default) and ``K % K_ALIGN != 0`` the reduction is split
+    (module docstring; ``pad_tail`` as for ``pieces``); otherwise this is exactly ``gemm(a, b, trans_a=True, ...)``.
     """
     if gemm is None:
         from .cublas import gemm
     if a.ndim == 2 and b.ndim == 2 and array_module(a=a, b=b, out=out) is not np:
-        parts = pieces(a.shape[0])
+        parts = pieces(a.shape[0], protect=protect, pad_tail=pad_tail)
         if len(parts) > 1 and a.shape[0] == b.shape[0]:
             return run_pieces(gemm, a, b, parts, out=out, alpha=alpha, beta=beta, out_dtype=out_dtype)
     return gemm(a, b, trans_a=True, out=out, alpha=alpha, beta=beta, out_dtype=out_dtype)
 
 
-__all__ = ["K_ALIGN", "PAD_TAIL", "PROTECT", "needs_split", "pieces", "run_pieces", "wgrad_gemm"]
+__all__ = ["K_ALIGN", "needs_split", "pieces", "run_pieces", "wgrad_gemm"]

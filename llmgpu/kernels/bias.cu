@@ -61,12 +61,15 @@ __global__ void bias_add(T* __restrict__ y, const T* __restrict__ b, long long r
     }
 }
 
+#define BIAS_ROW_THREADS 8  // blockDim.y of both bias_grad kernels (the host launches (32, BIAS_ROW_THREADS))
+
 // Stage 1 of db = sum over rows of dy: partial[chunk, c] = sum of dy[r, c] over the chunk's rows.
 // Block (32, 8); grid (ceil(C / (32 W)), chunks). Rows of chunk j: [j * rows_per_chunk, ...).
 template <typename T, int W>
-__global__ void __launch_bounds__(256) bias_grad_partial(const T* __restrict__ dy, float* __restrict__ partial,
-                                                         long long rows, int C, long long rows_per_chunk) {
-    constexpr int ROW_THREADS = 8;
+__global__ void __launch_bounds__(32 * BIAS_ROW_THREADS) bias_grad_partial(const T* __restrict__ dy,
+                                                                           float* __restrict__ partial, long long rows,
+                                                                           int C, long long rows_per_chunk) {
+    constexpr int ROW_THREADS = BIAS_ROW_THREADS;
     constexpr int TILE = 32 * W;  // columns per block
     // sums[ty][k][tx] holds column c0 + tx * W + k of row-thread ty; +1 padding against bank conflicts
     __shared__ float sums[ROW_THREADS * W * 33];
@@ -116,21 +119,22 @@ __global__ void __launch_bounds__(256) bias_grad_partial(const T* __restrict__ d
 // Stage 2: db[c] = sum over chunks of partial[chunk, c] (+ db[c] when accumulate), rounded once to
 // the output type. Block (32, 8): 32 columns per block, 8 threads share the chunks of a column.
 template <typename TO>
-__global__ void __launch_bounds__(256) bias_grad_final(const float* __restrict__ partial, TO* __restrict__ db,
-                                                       int chunks, int C, int accumulate) {
-    __shared__ float sums[8][33];
+__global__ void __launch_bounds__(32 * BIAS_ROW_THREADS) bias_grad_final(const float* __restrict__ partial,
+                                                                         TO* __restrict__ db, int chunks, int C,
+                                                                         int accumulate) {
+    __shared__ float sums[BIAS_ROW_THREADS][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int c = blockIdx.x * 32 + tx;
     float s = 0.0f;
     if (c < C) {
-        for (int j = ty; j < chunks; j += 8) s += partial[(long long)j * C + c];
+        for (int j = ty; j < chunks; j += BIAS_ROW_THREADS) s += partial[(long long)j * C + c];
     }
     sums[ty][tx] = s;
     __syncthreads();
     if (ty == 0 && c < C) {
         float total = 0.0f;
 #pragma unroll
-        for (int y = 0; y < 8; ++y) total += sums[y][tx];
+        for (int y = 0; y < BIAS_ROW_THREADS; ++y) total += sums[y][tx];
         if (accumulate) total += to_float(db[c]);
         db[c] = from_float<TO>(total);
     }

@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(256) embedding_backward_wpe(const T* __restric
 #define EMB_ROWS 8           // token rows per warp in embedding_backward_wte_pos
 #define EMB_BATCH 4          // dx rows in flight per lane in embedding_backward_wte_pos
 #define EMB_PIECE 128        // slots per piece of a hot row; rows with more positions are "hot"
+#define EMB_WTE_POS_THREADS 128  // the block of embedding_backward_wte_pos: 4 warps
 #define EMB_PIECE_BATCH 8    // dx rows in flight per thread when a piece of a hot row is summed
 #define EMB_COMBINE 8        // carry partials in flight per thread when a hot row's parts are added
 static_assert(EMB_CHUNK % 256 == 0, "the scatter splits a chunk over blocks of 256 threads");
@@ -614,7 +615,7 @@ __device__ __forceinline__ void emb_hot_piece(const T* __restrict__ dx, const vo
 // aligned dx and dwte (the host checks). idx64: idx is int64 (else int32); carry: fp32
 // [2 * npieces, C]; counters: [npieces * ntiles] ints, zero on entry.
 template <typename T, int VEC, int KP, int ACC>
-__global__ void __launch_bounds__(128, 4) embedding_backward_wte_pos(const T* __restrict__ dx,
+__global__ void __launch_bounds__(EMB_WTE_POS_THREADS, 4) embedding_backward_wte_pos(const T* __restrict__ dx,
                                                                   const void* __restrict__ idx, int idx64,
                                                                   const int* __restrict__ pos,
                                                                   const int* __restrict__ local,

@@ -60,13 +60,15 @@ template <> struct fa_is_half<__half> { static constexpr bool value = true; };
 
 // --------------------------------------------------------------------------- shared helpers
 
-// Tile shapes of the tensor-core kernels (the host mirrors them: THREADS_FWD, ... in ops/flash_attention.py).
+// Tile shapes of the tensor-core kernels (the host's launches and shared memory need them too: FA_CFG in
+// ops/flash_launch.py, which tests/test_kernel_constants.py checks against this struct with the compiler).
 // Every warp owns 16 rows of its kernel's outer tile (queries in flash_fwd and flash_bwd_dq, keys in
 // flash_bwd_dkdv); the inner tile is what the loop walks over, double-buffered in shared memory.
 template <int HD> struct fa_cfg {
     static constexpr int FWD_MT = HD == 64 ? 2 : 1;     // flash_fwd: 16-row tiles per warp
     static constexpr int FWD_WARPS = 8 / FWD_MT;        //   128 query rows per block
     static constexpr int FWD_BN = 64;                   //   keys per inner tile
+    static constexpr int FWD_BUFS = 3;                  //   a ring of K, V tiles: two in flight while one is used
     static constexpr int FWD_MIN_BLOCKS = HD == 64 ? 2 : 1;  // resident blocks
     static constexpr int DKDV_WARPS = 4;                // flash_bwd_dkdv: 64 keys per block
     static constexpr int DKDV_BM = HD == 128 ? 16 : 64;  //   queries per inner tile (registers: HD = 128's dK, dV
@@ -300,10 +302,11 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int MT = fa_cfg<HD>::FWD_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * WQ, BN = fa_cfg<HD>::FWD_BN;
-    constexpr int LD = HD + FA_PAD;
+    constexpr int LD = HD + FA_PAD, NBUF = fa_cfg<HD>::FWD_BUFS;
+    static_assert(NBUF == 3, "two tiles in flight: tile j + 2 takes tile j - 1's buffer");
     T* sQ = reinterpret_cast<T*>(fa_smem);
-    T* sK = sQ + BM * LD;      // a ring of three buffers of BN rows
-    T* sV = sK + 3 * BN * LD;  // a ring of three buffers of BN rows
+    T* sK = sQ + BM * LD;         // a ring of NBUF buffers of BN rows
+    T* sV = sK + NBUF * BN * LD;  // a ring of NBUF buffers of BN rows
     const int bh = fa_block_head(), b = bh / H, h = bh % H;
     if (bh >= n_bh) return;  // the last group's blocks beyond the heads
     const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
@@ -334,14 +337,14 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BN;
-        const T* cK = sK + (j % 3) * BN * LD;
-        const T* cV = sV + (j % 3) * BN * LD;
+        const T* cK = sK + (j % NBUF) * BN * LD;
+        const T* cV = sV + (j % NBUF) * BN * LD;
         if (j + 1 < n_tiles) fa_cp_wait<1>();  // tile j (and Q) landed; tile j + 1 may still be in flight
         else fa_cp_wait<0>();
         __syncthreads();  // tile j is visible to every warp, and every warp is done with tile j − 1
         if (j + 2 < n_tiles) {  // so tile j + 2 can take tile j − 1's buffer
-            fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % 3) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
-            fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % 3) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sK + ((j + 2) % NBUF) * BN * LD, kb, k_st, k0 + 2 * BN, T_len);
+            fa_load_tile<T, BN, HD, NT>(sV + ((j + 2) % NBUF) * BN * LD, vb, v_st, k0 + 2 * BN, T_len);
             fa_cp_commit();
         }
         // a warp whose rows are all past T, or (causal) whose rows all lie before the tile's first key, skips it

@@ -11,7 +11,7 @@
 // threadFenceReduction sample; float atomicAdd would make the last bits depend on timing.)
 // The last block writes
 //     norm      = sqrt(sum of squares) * prescale             (prescale = 1/loss_scale, or 1)
-//     scale     = prescale * min(1, max_norm / (norm + 1e-6))  (max_norm <= 0: no clipping)
+//     scale     = prescale * min(1, max_norm / (norm + GN_CLIP_EPS))  (max_norm <= 0: no clipping)
 //     found_inf = 1 if any element was inf or nan, else 0
 // so the optimizer can take `scale` as its grad_scale and `found_inf` as its skip flag directly.
 // The inf/nan test is on the bits (exponent all ones), not on the sum: a sum of squares can also
@@ -20,6 +20,9 @@
 
 // llmgpu:kernel grad_norm_kernel<{float,__half,__nv_bfloat16}>
 
+#define GN_THREADS 256     // the block (the host launches exactly this)
+#define GN_CLIP_EPS 1e-6f  // the clip coefficient's guard against a zero norm (optim/clip.py reads it)
+
 __device__ __forceinline__ bool not_finite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
 
 __device__ __forceinline__ double warp_sum_d(double v) {
@@ -27,9 +30,9 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
-// blockDim.x == 256 (the host launches exactly that); gridDim.x <= max_partials.
+// blockDim.x == GN_THREADS; gridDim.x <= max_partials.
 template <typename T>
-__global__ void __launch_bounds__(256) grad_norm_kernel(
+__global__ void __launch_bounds__(GN_THREADS) grad_norm_kernel(
     const T* __restrict__ x, long long n, int vec,
     float* partial_sq, unsigned int* partial_bad, unsigned int* done,
     const float* __restrict__ prescale_ptr, int has_prescale, float max_norm,
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(256) grad_norm_kernel(
         for (int w = 0; w < nwarps; ++w) total += scratch_d[w];
         const float pre = has_prescale ? prescale_ptr[0] : 1.0f;
         const float norm = (float)sqrt(total) * pre;
-        const float coef = (max_norm > 0.0f) ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+        const float coef = (max_norm > 0.0f) ? fminf(1.0f, max_norm / (norm + GN_CLIP_EPS)) : 1.0f;
         norm_out[0] = norm;
         scale_out[0] = pre * coef;
         found_out[0] = b_any ? 1.0f : 0.0f;

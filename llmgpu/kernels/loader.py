@@ -16,6 +16,12 @@ A file that uses instructions of one architecture only (Hopper's ``wgmma`` exist
 target ``sm_90a``, not ``sm_90``) says so with ``// llmgpu:arch sm_90a``: it is compiled for that target
 alone (CuPy's ``RawModule`` would pick the device's generic ``sm_90``), and only on a GPU of that
 architecture (``arch_unsupported``).
+
+A number that a kernel and its host code both rely on (a block size the kernel assumes, a flag bit, a tile
+shape) is written once, in the ``.cu``, as ``#define NAME <number>`` or a file-scope
+``constexpr int NAME = <number>;``, and the host reads it from there (``constants``, ``constant``) instead of
+typing it again. Numbers that C computes (template structs such as ``fa_cfg<HD>``) stay in C; the Python
+that mirrors them is checked against the compiler (``tests/test_kernel_constants.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ KERNEL_DIR = Path(__file__).resolve().parent
 _DIRECTIVE = re.compile(r"^\s*//\s*llmgpu:kernel\s+(.+?)\s*$", re.MULTILINE)
 _ARCH = re.compile(r"^\s*//\s*llmgpu:arch\s+(sm_\d+a?)\s*$", re.MULTILINE)
 _BRACES = re.compile(r"\{([^{}]*)\}")
+# `#define NAME 256`, `#define NAME 1e-6f`, `constexpr int NAME = 3;` (file scope: the line starts with it)
+_CONSTANT = re.compile(r"^(?:#define\s+(\w+)\s+|constexpr\s+(?:unsigned\s+)?(?:int|long|float|double)\s+(\w+)\s*=\s*)"
+                       r"(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)([uUlLfF]*)\s*;?\s*(?://.*)?$", re.MULTILINE)
 
 # Why these flags: C++17 for `if constexpr`; -I so that .cu files can include common.cuh;
 # no --use_fast_math: every kernel decides for itself where an approximate intrinsic is fine.
@@ -86,6 +95,36 @@ def name_expressions(name: str) -> list[str]:
     if not exprs:
         raise ValueError(f"{name}.cu declares no kernels (add '// llmgpu:kernel <expr>' lines)")
     return exprs
+
+
+def constants_in(text: str) -> dict:
+    """The numbers a CUDA source defines at file scope: ``{NAME: int or float}`` from its ``#define NAME <number>``
+    and ``constexpr <int|float ...> NAME = <number>;`` lines (a literal with a point, an exponent or an ``f``
+    suffix is a float). Macros with other bodies (expressions, bit patterns) are not numbers and are left out."""
+    out = {}
+    for define, const, number, suffix in _CONSTANT.findall(text):
+        is_float = any(c in number for c in ".eE") or "f" in suffix.lower()
+        out[define or const] = float(number) if is_float else int(number)
+    return out
+
+
+@functools.cache
+def _constants(name: str) -> dict:
+    return constants_in(source(name))
+
+
+def constants(name: str) -> dict:
+    """The numbers ``<name>.cu`` defines (``constants_in``); what host code reads instead of retyping them."""
+    return dict(_constants(name))
+
+
+def constant(name: str, key: str):
+    """The number ``<name>.cu`` defines as ``key`` (``#define key <number>`` or ``constexpr ... key = <number>;``)."""
+    found = _constants(name)
+    if key not in found:
+        raise KeyError(f"{name}.cu defines no number {key} (as '#define {key} <number>' or 'constexpr int {key} = "
+                       f"<number>;'); it defines {sorted(found)}")
+    return found[key]
 
 
 def cuda_include_dirs() -> list[str]:

@@ -4,6 +4,7 @@
 * ``base.py``: ``GPTBase``: parameters, initialization, state dict, input checks, loss, sampling.
 * ``gpt.py``: ``GPT``, the book's step from the chapter 1–3 ops, with activation checkpointing (chapter 6).
 * ``fast.py``: ``FastGPT``, the chapter 8 step: cuBLASLt epilogues, fused residual + LayerNorm, flash attention.
+* ``options.py``: ``FastOptions``, every choice of that step (attention kernel, fusions, LM-head rows), one value.
 """
 
 from .base import PAD_LOGIT, GPTBase, sample_token
@@ -18,6 +19,7 @@ from .config import (
 )
 from .fast import FastGPT
 from .gpt import GPT
+from .options import FastOptions
 
-__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "GPTBase", "GPTConfig", "activation_bytes",
+__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "activation_bytes",
            "block_activation_bytes", "block_param_names", "gpt2_param_shapes", "sample_token", "training_flops"]

@@ -1,6 +1,6 @@
 """The GPT-2 configuration and every fact derived from it: presets, parameter names and shapes, FLOPs,
-and the activation memory of the two model paths (chapters 6 and 8). One source for the model, the
-trainer, ``llmgpu bench`` and the chapters.
+the training state per parameter and the activation memory of the two model paths (chapters 4, 6 and 8). One
+source for the model, the trainer, ``llmgpu bench``, the README's memory table and the chapters.
 """
 
 from __future__ import annotations
@@ -140,6 +140,22 @@ def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return gpt2_param_shapes(config.n_layer, config.n_embd, config.padded_vocab_size, config.block_size)
 
 
+# --------------------------------------------------------------------------- training state (chapters 4, 5)
+
+
+def state_bytes_per_parameter(working="bf16") -> dict[str, int]:
+    """Bytes of training state per parameter, by part, as ``FlatParams`` and ``AdamW`` hold it: fp32 master
+    weights, the fp32 gradient, AdamW's fp32 moments m and v and, in 16-bit training, the working copy the
+    forward and backward passes read (in fp32 training the master weights are the working copy). The sum is
+    18 bytes in bf16 or fp16, 16 in fp32."""
+    w = backend.resolve_dtype(working)
+    f32 = backend.float32.itemsize
+    parts = {"fp32 master weights": f32, "fp32 gradient": f32, "fp32 AdamW m, v": 2 * f32}
+    if w != backend.float32:
+        parts[f"{backend.dtype_name(w)} working copy"] = w.itemsize
+    return parts
+
+
 # --------------------------------------------------------------------------- activation memory (chapters 6, 8)
 
 
@@ -213,4 +229,4 @@ def training_flops(config: GPTConfig, batch: int, seq: int, checkpoint_every: in
 
 
 __all__ = ["LNF_B", "LNF_W", "PRESETS", "WPE", "WTE", "GPTConfig", "activation_bytes", "block_activation_bytes",
-           "block_param_names", "gpt2_param_shapes", "param_shapes", "training_flops"]
+           "block_param_names", "gpt2_param_shapes", "param_shapes", "state_bytes_per_parameter", "training_flops"]

@@ -18,19 +18,23 @@ and why (chapter 8 measures each item):
   ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
   added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
   the fp32 gradient buffer (``accumulate_params=True``).
-* **Flash attention** (``llmgpu.ops.flash_attention``: our kernel of chapter 2b or cuDNN's, whichever is
-  faster on the machine, chosen once per shape and remembered) on strided views of the QKV buffer: no
-  ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32 working
-  precision on the GPU (both take fp16/bf16) the chapter 2 kernels run instead.
+* **Flash attention** (``llmgpu.ops.flash_attention``: our kernel of chapter 2b or cuDNN's,
+  ``FastOptions.attention_kernel``; "auto", the default, takes whichever is faster on the machine, chosen once per
+  shape and kept in the model's ``kernel_choices``, which a training run saves in its checkpoint) on strided views
+  of the QKV buffer: no ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32
+  working precision on the GPU (both take fp16/bf16) the chapter 2 kernels run instead.
 
-**The LM head in chunks of rows** (``LM_HEAD_ROWS``): in ``forward_backward`` the logits are made, turned
+Every choice of this step is a field of one frozen ``FastOptions`` (``FastGPT(..., options=...)``), fixed for
+the model's life; to compare two settings, build two models.
+
+**The LM head in chunks of rows** (``lm_head_rows``): in ``forward_backward`` the logits are made, turned
 into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
-``LM_HEAD_ROWS`` rows at a time, so the ``[N, Vp]`` logits — 6.6 GB at GPT-2's B = 64, T = 1024, more than
+``lm_head_rows`` rows at a time, so the ``[N, Vp]`` logits — 6.6 GB at GPT-2's B = 64, T = 1024, more than
 any other activation — never exist whole. The loss is the chunks' sums over the batch's target count.
-With ``FUSED_CROSS_ENTROPY`` (default) a chunk's cross-entropy forward and backward are one kernel
+With ``fused_cross_entropy`` (default) a chunk's cross-entropy forward and backward are one kernel
 (``cross_entropy_forward_backward``): it reads each row of logits once, writes the row's gradient over it
 (divided by the batch's target count, a device scalar) and adds the chunk's loss sum into one device scalar.
-With ``EMBEDDING_GRAD_INTO_FP32`` (default) the embedding backward adds its fp32 row sums straight into the
+With ``embedding_grad_into_fp32`` (default) the embedding backward adds its fp32 row sums straight into the
 fp32 gradients of ``wte`` (only the rows of tokens in the batch) and ``wpe``, instead of writing a bf16
 ``[Vp, C]`` array (zeros included) that is then cast and added.
 
@@ -76,44 +80,46 @@ from ..ops.cross_entropy import (
     cross_entropy_forward_backward,
 )
 from ..ops.embedding import embedding_backward, embedding_forward
-from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view, split_qkv
+from ..ops.flash_attention import (
+    KernelChoices,
+    flash_attention_backward,
+    flash_attention_forward,
+    heads_view,
+    split_qkv,
+)
 from ..ops.layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from ..ops.linear import bias_grad
 from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
+from .options import FastOptions
 
-# kernel variants of chapter 3 this path uses (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
-EMBEDDING_BACKWARD_METHOD = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
-LAYERNORM_BACKWARD_METHOD = "fast"  # two rows in flight per warp; residual gradient and fp32 accumulation fused
-CROSS_ENTROPY_METHOD = "fast"
-# issue 19, both on by default; False gives the step before (a benchmark can A/B them in one process,
-# capturing one graph per setting: the switches are read when the step runs, i.e. when it is captured)
-FUSED_CROSS_ENTROPY = True  # the LM head's cross-entropy forward + backward as one pass over each chunk's logits
-EMBEDDING_GRAD_INTO_FP32 = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
-# rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
-# against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
-LM_HEAD_ROWS = 8192
 
 
 class FastGPT(GPTBase):
     """GPT-2 with the chapter 8 step: cuBLASLt GEMMs with fused epilogues, fused residual + LayerNorm,
     flash attention. Same constructor as ``GPT``; ``checkpoint_every``: 0 (off) or k ≥ 1 (keep every k-th
-    block's input state, recompute the rest in backward; module docstring)."""
+    block's input state, recompute the rest in backward; module docstring); ``options``: a ``FastOptions``
+    (None: the defaults). ``kernel_choices``: what ``attention_kernel="auto"`` resolved to per attention call
+    shape (a ``KernelChoices``: a training run saves it in its checkpoint and pins it on resume)."""
 
     keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
-    lm_head_rows = LM_HEAD_ROWS  # rows of logits made at a time in forward_backward (tests set it small)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
-                 init: bool = True, param_multiple: int = ALIGN):
+                 init: bool = True, param_multiple: int = ALIGN, options: FastOptions | None = None):
+        if options is not None and not isinstance(options, FastOptions):
+            raise TypeError(f"options must be a FastOptions, got {type(options).__name__}")
+        self._options = FastOptions() if options is None else options
+        self.kernel_choices = KernelChoices()
         self.checkpoint_every = checkpoint_every
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
         on_np = self.xp is np
         # flash attention (ours or cuDNN's) takes fp16/bf16; the NumPy reference runs any float type
-        self.flash = on_np or self.dtype in (backend.float16, backend.bfloat16)
+        self.flash = self.options.attention_kernel != "math" and (on_np or self.dtype in (backend.float16,
+                                                                                           backend.bfloat16))
         self.attention = "flash" if self.flash else "math-copy"
 
     def capture_blocker(self) -> str | None:
@@ -121,9 +127,18 @@ class FastGPT(GPTBase):
         falls back to chapter 2's kernels, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
+        if self.options.attention_kernel == "math":
+            return ("FastGPT with attention_kernel='math' runs chapter 2's attention, whose GEMMs are CuPy's cuBLAS "
+                    "calls, which refuse stream capture; use a flash attention kernel for a graph step, or "
+                    "graph=False")
         return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash attention "
                 "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
                 "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
+
+    @property
+    def options(self) -> FastOptions:
+        """The step's choices (fixed for the model's life: a captured graph holds them)."""
+        return self._options
 
     @property
     def checkpoint_every(self) -> int:
@@ -182,7 +197,7 @@ class FastGPT(GPTBase):
         with region(name, bytes=(3 if dres is None else 4) * x.nbytes + 8 * x.shape[0], flops=12.0 * x.size):
             dx, _, _ = layernorm_backward(dh, x, self.weight(ln + ".weight"), mean, rstd, dresidual=dres, dx_out=dres,
                                           dgamma_out=G(ln + ".weight"), dbeta_out=G(ln + ".bias"),
-                                          accumulate_params=True, method=LAYERNORM_BACKWARD_METHOD)
+                                          accumulate_params=True, method=self.options.layernorm_backward_method)
         return dx
 
     def _attention_forward(self, qkv, B, T):
@@ -195,7 +210,8 @@ class FastGPT(GPTBase):
             q, k, v = split_qkv(qkv.reshape(B, T, 3 * C), H)
             if self.flash:
                 y = xp.empty((B, T, C), dtype=qkv.dtype)
-                o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H))
+                o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H),
+                                                   kernel=self.options.attention_kernel, choices=self.kernel_choices)
                 return y.reshape(B * T, C), (q, k, v, o, stats)
             qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
             o, stats = attention_forward(qc, kc, vc, causal=True)
@@ -214,7 +230,8 @@ class FastGPT(GPTBase):
             if self.flash:
                 dq, dk, dv = split_qkv(dqkv, H)
                 flash_attention_backward(heads_view(dy.reshape(B, T, C), H), q, k, v, o, stats, causal=True,
-                                         dq=dq, dk=dk, dv=dv)
+                                         dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
+                                         choices=self.kernel_choices)
             else:
                 do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
                 grads = attention_backward(do, q, k, v, o, stats, causal=True)
@@ -338,8 +355,9 @@ class FastGPT(GPTBase):
         N, C = hf.shape
         Vp = self.config.padded_vocab_size
         it, xp = self.dtype.itemsize, self.xp
-        R = min(N, max(1, int(self.lm_head_rows)))
-        fused = FUSED_CROSS_ENTROPY
+        opts = self.options
+        R = min(N, opts.lm_head_rows)
+        fused = opts.fused_cross_entropy
         if R < N or fused:
             n_total = (targets != IGNORE_INDEX).sum(dtype=np.int32)
         dhf = xp.empty((N, C), dtype=hf.dtype)
@@ -357,7 +375,8 @@ class FastGPT(GPTBase):
                 del dlogits
                 continue
             with region("cross_entropy fwd", bytes=logits.nbytes + 8 * n, flops=4.0 * logits.size):
-                loss_c, ce = cross_entropy_forward(logits, t, ignore_index=IGNORE_INDEX, method=CROSS_ENTROPY_METHOD)
+                loss_c, ce = cross_entropy_forward(logits, t, ignore_index=IGNORE_INDEX,
+                                                   method=opts.cross_entropy_method)
             del logits
             if R < N:  # the chunk's mean, weighted back to a sum; its gradient scaled by the whole batch
                 part = loss_c * ce.n_valid.astype(loss_c.dtype)
@@ -426,8 +445,8 @@ class FastGPT(GPTBase):
                     ready(list(block_param_names(j).values()))
                 inputs[s] = None
 
-        method = EMBEDDING_BACKWARD_METHOD if self.xp is not np else "optimized"
-        if EMBEDDING_GRAD_INTO_FP32:  # fp32 row sums added into the fp32 gradients, touched rows only
+        method = self.options.embedding_backward_method if self.xp is not np else "optimized"
+        if self.options.embedding_grad_into_fp32:  # fp32 row sums added into the fp32 gradients, touched rows only
             with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
                 embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
                                    dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
@@ -442,4 +461,4 @@ class FastGPT(GPTBase):
         return loss
 
 
-__all__ = ["FastGPT"]
+__all__ = ["FastGPT", "FastOptions"]

@@ -50,7 +50,7 @@ import numpy as np
 
 from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import device_limits, opt_in_shared_memory, stride_grid
 
 METHODS = ("naive", "optimized", "fast")
@@ -58,8 +58,8 @@ IGNORE_INDEX = -100  # the default target that takes no part in the loss (PyTorc
 FUSED_METHODS = ("optimized", "fast")  # keep lse, share cross_entropy_backward_fused
 TARGET_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-FAST_THREADS = 256  # CE_FAST_THREADS in cross_entropy.cu: the fast forward assumes exactly this
-FB_THREADS = 512  # CE_FB_THREADS: the fused forward + backward kernel's block
+FAST_THREADS = loader.constant("cross_entropy", "CE_FAST_THREADS")  # the fast forward assumes exactly this block
+FB_THREADS = loader.constant("cross_entropy", "CE_FB_THREADS")  # the fused forward + backward kernel's block
 FB_STATIC_SMEM = 512  # its static shared memory (block_logsumexp's, 272 B) rounded up
 
 

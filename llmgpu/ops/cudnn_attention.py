@@ -127,12 +127,11 @@ class _Entry:
     __slots__ = ("graph", "ws", "ws_ptr", "form", "describe", "deterministic")
 
 
-# The backward graph asks cuDNN for its deterministic algorithm (``use_deterministic_algorithm``): the
-# default one accumulates dQ with atomics, so two runs from the same inputs differ in the last bits
-# (seen on the H200: every weight gradient of the blocks below the first attention then differs), and
-# a resumed training run could not reproduce the uninterrupted one bit for bit. A frontend without the
-# option builds the default graph; ``backward_is_deterministic()`` says which one ran.
-DETERMINISTIC_BACKWARD = True
+# The backward graph asks cuDNN for its deterministic algorithm (``use_deterministic_algorithm``, ``backward``'s
+# ``deterministic=True``): the default one accumulates dQ with atomics, so two runs from the same inputs differ in
+# the last bits (seen on the H200: every weight gradient of the blocks below the first attention then differs),
+# and a resumed training run could not reproduce the uninterrupted one bit for bit. A frontend without the option
+# builds the default graph; ``backward_is_deterministic()`` says which one ran.
 
 
 def _mask_variants(cudnn, causal):
@@ -220,17 +219,16 @@ def _execute(cudnn, dev, entry, arrays: dict):
     entry.form = "arrays"
 
 
-def _entry(cudnn, cp, dev, which, arrays, dtype, scale, causal):
+def _entry(cudnn, cp, dev, which, arrays, dtype, scale, causal, deterministic=False):
     dims = tuple(int(s) for s in arrays["q"].shape)
     strides = {n: _elem_strides(a) for n, a in arrays.items() if n != "stats"}
     io_name = backend.dtype_name(dtype)
-    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())),
-           which == "bwd" and DETERMINISTIC_BACKWARD)
+    det = which == "bwd" and bool(deterministic)
+    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())), det)
     e = _GRAPHS.get(key)
     if e is None:
         describe = (f"B,H,T,D={list(dims)} {io_name} causal={causal} scale={scale:.6g} strides "
                     + ", ".join(f"{n}{list(s)}" for n, s in strides.items()))
-        det = which == "bwd" and DETERMINISTIC_BACKWARD
         try:
             e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, det)
         except RuntimeError:
@@ -273,8 +271,9 @@ def forward(q, k, v, o, lse, scale, causal):
     _execute(cudnn, dev, _entry(cudnn, cp, dev, "fwd", arrays, q.dtype, scale, causal), arrays)
 
 
-def backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
-    """dq, dk, dv = cuDNN SDPA backward (deterministic algorithm when ``DETERMINISTIC_BACKWARD``)."""
+def backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, *, deterministic=True):
+    """dq, dk, dv = cuDNN SDPA backward (``deterministic``: cuDNN's deterministic algorithm where it has one for the
+    shape, see above; False: its default, faster one, whose dQ differs run to run in the last bits)."""
     if q.shape[2] == 1:
         # One position: softmax over a single score is 1, so o = v and the scores get no gradient
         # (dS = P ⊙ (dP − Σ P⊙dP) = 0): dq = dk = 0, dv = dO. cuDNN (frontend 1.32, seen on the H200)
@@ -287,8 +286,8 @@ def backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv):
     cudnn = _cudnn()
     dev = _device(cudnn, cp)
     arrays = {"q": q, "k": k, "v": v, "o": o, "dO": do, "stats": lse, "dQ": dq, "dK": dk, "dV": dv}
-    _execute(cudnn, dev, _entry(cudnn, cp, dev, "bwd", arrays, q.dtype, scale, causal), arrays)
+    _execute(cudnn, dev, _entry(cudnn, cp, dev, "bwd", arrays, q.dtype, scale, causal, deterministic), arrays)
 
 
-__all__ = ["CudnnUnavailableError", "DETERMINISTIC_BACKWARD", "INSTALL_HINT", "available", "backward",
+__all__ = ["CudnnUnavailableError", "INSTALL_HINT", "available", "backward",
            "backward_is_deterministic", "check_layout", "forward", "graph_count", "unavailable_reason"]

@@ -87,21 +87,24 @@ from ..checks import (
     check_same_dtype,
     reference_dtype,
 )
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import stride_grid, vector_width
 
 METHODS = ("naive", "optimized", "counting")
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _C_INDEX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 THREADS = 256
-# The counting sort's constants, as #defined in kernels/embedding.cu (a test compares them).
-COUNT_CHUNK = 1024  # EMB_CHUNK: positions per chunk of the histogram table
-SCAN_BLOCK = 256  # EMB_SCAN_BLOCK: tokens per block of the prefix kernel
-ROWS_PER_WARP = 8  # EMB_ROWS: token rows per warp in embedding_backward_wte_pos
-BATCH = 4  # EMB_BATCH: dx rows in flight per lane in embedding_backward_wte_pos
-WARPS_PER_BLOCK = 4  # embedding_backward_wte_pos runs 128-thread blocks
-MAX_PACKS_PER_LANE = 3  # the KP instantiations of embedding_backward_wte_pos: 1, 2, 3
-PIECE = 128  # EMB_PIECE: slots per piece of a hot row; a token with more positions is "hot"
+# The counting sort's constants, read from the #defines of kernels/embedding.cu (written there once)
+_EMB = loader.constants("embedding")
+COUNT_CHUNK = _EMB["EMB_CHUNK"]  # positions per chunk of the histogram table
+SCAN_BLOCK = _EMB["EMB_SCAN_BLOCK"]  # tokens per block of the prefix kernel
+ROWS_PER_WARP = _EMB["EMB_ROWS"]  # token rows per warp in embedding_backward_wte_pos
+BATCH = _EMB["EMB_BATCH"]  # dx rows in flight per lane in embedding_backward_wte_pos (the tests model its walk)
+WARPS_PER_BLOCK = _EMB["EMB_WTE_POS_THREADS"] // 32  # embedding_backward_wte_pos's block
+PIECE = _EMB["EMB_PIECE"]  # slots per piece of a hot row; a token with more positions is "hot"
+# the KP (packs per lane) instantiations of embedding_backward_wte_pos its // llmgpu:kernel line declares: 1 .. this
+MAX_PACKS_PER_LANE = max(int(e.split(",")[2]) for e in loader.name_expressions("embedding")
+                         if e.startswith("embedding_backward_wte_pos<"))
 
 
 _compute_dtype = reference_dtype

@@ -28,11 +28,14 @@ Implementations (``kernel=``), on CuPy arrays:
 * ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
   extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
 * ``"auto"``   (default, ``DEFAULT_KERNEL``) whichever of ours and cuDNN is faster here, timed once per shape (B, H,
-  T, D, dtype, causal, direction) on the first call and remembered in the process and on disk (``auto_cache_path``,
-  keyed by GPU name, CUDA and cuDNN versions and our kernel source), so a run resumed in a new process picks the
-  same kernel and stays bit-exact; cuDNN unless ours is at least ``AUTO_MARGIN`` faster; ours where cuDNN is not
-  installed or cannot take the shape, cuDNN for head dims ours lacks. The first call of a shape syncs the device
-  (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without a decision, ours runs).
+  T, D, dtype, causal, direction) on the first call; cuDNN unless ours is at least ``AUTO_MARGIN`` faster; ours where
+  cuDNN is not installed or cannot take the shape, cuDNN for head dims ours lacks. What it resolved to is written
+  into ``choices=`` (a ``KernelChoices`` the caller owns: ``FastGPT`` keeps one per model, and a training run saves
+  it in its checkpoint and pins it on resume, so the resumed steps run the same kernels, bit-exact), else into this
+  process's record (``auto_choices()``); a record is read before anything is timed, then the machine's cache file
+  (``auto_cache_path``, keyed by GPU name, CUDA and cuDNN versions and our kernel source). The first call of a shape
+  syncs the device (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without a
+  decision, ours runs).
 
 NumPy arrays run the reference of the same algorithm (``llmgpu.ops.flash_reference``, tiled online softmax;
 float32 math, float64 stays float64), so the math is checked on any machine.
@@ -61,7 +64,15 @@ from ..checks import array_module, check_array, check_choice, check_gpu_dtype
 from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
-from .flash_auto_cache import AUTO_MARGIN, auto_cache_path, pick_faster, read_auto_cache, write_auto_choice
+from .flash_auto_cache import (
+    AUTO_MARGIN,
+    AUTO_RESOLVES_TO,
+    KernelChoices,
+    auto_cache_path,
+    pick_faster,
+    read_auto_cache,
+    write_auto_choice,
+)
 from .flash_launch import (
     BWD_VARIANTS,
     DEFAULT_BWD_VARIANT,
@@ -173,6 +184,12 @@ def _check_inputs(q, k, v):
     return xp
 
 
+def _check_choices(choices):
+    if choices is not None and not isinstance(choices, KernelChoices):
+        raise TypeError(f"choices must be a KernelChoices (or None: the process's record), got "
+                        f"{type(choices).__name__}")
+
+
 def _check_gpu_layout(**arrays):
     for n, a in arrays.items():
         if a.data.ptr % 16:
@@ -207,12 +224,22 @@ def _require_ours(q, *arrays):
 
 # --------------------------------------------------------------------------- choosing ("auto")
 
-_AUTO: dict = {}  # (device, direction, B, H, T, D, dtype, causal) -> "ours" | "cudnn"
+_PROCESS_CHOICES: dict = {}  # device id -> KernelChoices: what "auto" resolved in this process, for every caller
 
 
 def auto_choices() -> dict:
-    """What ``kernel="auto"`` picked so far, per (device, direction, B, H, T, D, dtype, causal)."""
-    return dict(_AUTO)
+    """What ``kernel="auto"`` resolved to so far in this process, per (device, direction, B, H, T, D, dtype,
+    causal): the process's record, which also holds what callers' own records (``choices=``) got."""
+    return {(dev, *key): c for dev, rec in _PROCESS_CHOICES.items() for key, c in rec.items()}
+
+
+def choices_unavailable(choices: KernelChoices) -> dict[str, str]:
+    """{kernel: why it cannot run here} for the kernels a record holds that this process cannot run (a record made
+    where cuDNN was installed, read where it is not); {} when all can."""
+    used = {c for _, c in choices.items()}
+    why = {"cudnn": cudnn_attention.unavailable_reason() if "cudnn" in used else None,
+           "ours": unavailable_reason() if "ours" in used else None}
+    return {k: w for k, w in why.items() if w}
 
 
 def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma") -> str:
@@ -258,29 +285,39 @@ def _time_ms(cp, fn) -> float:
     return cp.cuda.get_elapsed_time(start, end) / AUTO_REPS
 
 
-def _resolve(kernel, direction, q, arrays, causal, run):
-    """The implementation to run: ``kernel`` itself, or for "auto" the remembered / freshly timed faster one.
-    ``run(name)`` launches implementation ``name`` on the caller's buffers (timing writes them too)."""
-    check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", "ours", "cudnn"))
+def _resolve(kernel, direction, q, arrays, causal, run, choices):
+    """The implementation to run: ``kernel`` itself, or for "auto" the recorded / cached / freshly timed faster one
+    (module docstring), written into ``choices`` (None: the process's record). ``run(name)`` launches
+    implementation ``name`` on the caller's buffers (timing writes them too)."""
+    check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", *AUTO_RESOLVES_TO))
     if kernel != "auto":
         return kernel
     cp = backend.cupy_module()
-    key = (cp.cuda.Device().id, direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
-    if key in _AUTO:
-        return _AUTO[key]
+    key = (direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
+    process = _PROCESS_CHOICES.setdefault(cp.cuda.Device().id, KernelChoices())
+    record = process if choices is None else choices
+
+    def decided(name):
+        for r in (record, process):
+            r.record(key, name)
+        return name
+
+    hit = record.get(key)
+    if hit is not None:  # recorded (or pinned from a checkpoint): the same kernel again, nothing timed
+        return hit
+    if (hit := process.get(key)) is not None:
+        return decided(hit)
     cands = [n for n, ok in (("ours", ours_unsupported(q, *arrays) is None),
                              ("cudnn", cudnn_attention.available() and q.shape[-1] % 8 == 0)) if ok]
     if not cands:
         _require_ours(q, *arrays)  # raises with ours' reason
     if len(cands) == 1:  # nothing to compare: the same choice in every process
-        _AUTO[key] = cands[0]
-        return cands[0]
+        return decided(cands[0])
     disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal,
                             forward_impl(q) if direction == "fwd" else "mma")
     cached = read_auto_cache().get(disk_key)
     if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
-        _AUTO[key] = cached
-        return cached
+        return decided(cached)
     if _capturing(cp):
         return cands[0]
     times = {}
@@ -291,16 +328,16 @@ def _resolve(kernel, direction, q, arrays, causal, run):
             continue
     if not times:
         return cands[0]
-    _AUTO[key] = pick_faster(times)
+    best = decided(pick_faster(times))
     if len(times) == len(cands):  # a real comparison: worth remembering across processes
-        write_auto_choice(disk_key, _AUTO[key])
-    return _AUTO[key]
+        write_auto_choice(disk_key, best)
+    return best
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None, kernel=None):
+def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None, kernel=None, choices=None):
     """``O = softmax(scale · q kᵀ, causal) v`` without materialising the scores; returns ``(o, stats)``.
 
     q, k, v ``[B, H, T, D]`` (strided views allowed, unit stride along D). ``stats`` is an
@@ -308,9 +345,11 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
     ``out`` ([B, H, T, D], may be a view such as ``heads_view(y, H)``) and ``lse`` (contiguous fp32
     [B, H, T]) are written when given (static buffers for CUDA graphs), else allocated.
     ``kernel``: "auto" (default: ``DEFAULT_KERNEL``), "ours", "mma", "wgmma", "scalar" or "cudnn" (GPU only; see
-    the module).
+    the module). ``choices``: the ``KernelChoices`` record "auto" reads first and writes what it resolved into
+    (None: the process's record).
     """
     xp = _check_inputs(q, k, v)
+    _check_choices(choices)
     B, H, T, D = q.shape
     scale = default_scale(D) if scale is None else float(scale)
     o = _out("out", out, q.shape, q.dtype, xp)
@@ -338,25 +377,26 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
             _require_ours(q, k, v, o)
             ours_forward(q, k, v, o, lse, scale, causal, impl=name)
 
-    run(_resolve(kernel, "fwd", q, (k, v, o), causal, run))
+    run(_resolve(kernel, "fwd", q, (k, v, o), causal, run, choices))
     return o, AttentionStats(lse=lse, scale=scale, causal=causal)
 
 
 def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None,
-                             variant=None):
+                             variant=None, choices=None):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
     All of do, q, k, v, o are ``[B, H, T, D]`` (strided views allowed); ``dq``/``dk``/``dv`` are written
     when given (e.g. ``split_qkv(dqkv, H)``, so the gradient lands in the [B, T, 3C] layout the QKV
     projection's backward reads), else allocated contiguous. ``kernel``: "auto" (default), "ours" or "cudnn".
     ``variant``: which of our backward kernels (``BWD_VARIANTS``, see ``flash_launch``; default
-    ``DEFAULT_BWD_VARIANT``), only with ``kernel="ours"``.
+    ``DEFAULT_BWD_VARIANT``), only with ``kernel="ours"``. ``choices``: as for the forward.
     """
     if variant is not None:
         check_choice("variant", variant, BWD_VARIANTS)
         if kernel != "ours":
             raise ValueError(f"variant= picks among our backward kernels: pass kernel='ours' (got kernel={kernel!r})")
     xp = _check_inputs(q, k, v)
+    _check_choices(choices)
     array_module(q=q, do=do, o=o)
     _check_bhtd("do", do, shape=q.shape, dtype=q.dtype)
     _check_bhtd("o", o, shape=q.shape, dtype=q.dtype)
@@ -392,7 +432,7 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
             ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, variant or DEFAULT_BWD_VARIANT)
         _BACKWARD_RAN.add(name)
 
-    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run))
+    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run, choices))
     return dq, dk, dv
 
 
@@ -411,9 +451,10 @@ def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
     return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
 
 
-__all__ = ["AUTO_MARGIN", "BWD_VARIANTS", "CudnnUnavailableError", "DEFAULT_BWD_VARIANT", "DEFAULT_KERNEL",
-           "HEAD_DIMS", "INSTALL_HINT", "KERNELS",
-           "auto_cache_path", "auto_choices", "pick_faster", "read_auto_cache", "write_auto_choice",
+__all__ = ["AUTO_MARGIN", "AUTO_RESOLVES_TO", "BWD_VARIANTS", "CudnnUnavailableError", "DEFAULT_BWD_VARIANT",
+           "DEFAULT_KERNEL", "HEAD_DIMS", "INSTALL_HINT", "KERNELS", "KernelChoices",
+           "auto_cache_path", "auto_choices", "choices_unavailable", "pick_faster", "read_auto_cache",
+           "write_auto_choice",
            "available", "backward_is_deterministic", "flash_attention_backward", "flash_attention_flops",
            "flash_attention_forward", "flash_traffic_bytes", "graph_count", "heads_view", "ours_unsupported",
            "smem_bytes", "split_qkv", "unavailable_reason"]

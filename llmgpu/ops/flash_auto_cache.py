@@ -1,18 +1,81 @@
-"""Where ``flash_attention``'s ``kernel="auto"`` keeps its choices between processes (chapter 2b).
+"""Where ``flash_attention``'s ``kernel="auto"`` keeps its choices (chapter 2b).
 
-A training run resumed in a new process must pick the same attention kernel as the run it continues, or the
-resumed steps are not bit-exact. So "auto" writes each measured choice to a small JSON file, keyed by what the
-timing depends on (GPU name, CUDA and cuDNN versions, our kernels' source, dtype, B, H, T, D, causal, direction),
-and reads it before timing anything. The file is written atomically; a missing, unreadable or damaged file reads
-as empty (and is rewritten on the next choice), never as an error.
+**In a run**: a ``KernelChoices`` record, {(direction, B, H, T, D, dtype, causal): "ours" | "cudnn"}, owned by
+whoever calls (``FastGPT`` keeps one, ``model.kernel_choices``) and passed as ``choices=``. "auto" looks there first
+and writes there what it resolved. A training run saves its record in the checkpoint and a resumed run pins it
+(loads it before its first step: no timing, the same kernels, so the resumed steps are bit-exact).
+
+**On a machine**: a small JSON file (``auto_cache_path``), keyed by what the timing depends on (GPU name, CUDA
+and cuDNN versions, our kernels' source, dtype, B, H, T, D, causal, direction), read before timing anything, so
+a new run on the same machine takes the choice an earlier one measured. A cache only: a run's choice is its
+record's. The file is written atomically; a missing, unreadable or damaged file reads as empty (and is rewritten
+on the next choice), never as an error.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
+
+AUTO_RESOLVES_TO = ("ours", "cudnn")  # what "auto" picks between
+DIRECTIONS = ("fwd", "bwd")
+_KEY_TEXT = re.compile(r"^(fwd|bwd) B=(\d+) H=(\d+) T=(\d+) D=(\d+) (\w+) (causal|full)$")
+
+
+class KernelChoices:
+    """What ``kernel="auto"`` resolved to, per call: {(direction, B, H, T, D, dtype name, causal): "ours" |
+    "cudnn"}. ``as_dict()`` / ``from_dict()`` give and take the JSON form a checkpoint keeps
+    (``"fwd B=16 H=12 T=1024 D=64 bf16 causal": "cudnn"``)."""
+
+    def __init__(self, entries: dict | None = None):
+        self._by_key: dict = {}
+        for key, choice in (entries or {}).items():
+            self.record(key, choice)
+
+    def get(self, key: tuple) -> str | None:
+        return self._by_key.get(key)
+
+    def record(self, key: tuple, choice: str):
+        direction, B, H, T, D, dtype, causal = key
+        if direction not in DIRECTIONS or choice not in AUTO_RESOLVES_TO:
+            raise ValueError(f"a kernel choice is a direction in {DIRECTIONS} and one of {AUTO_RESOLVES_TO}, got "
+                             f"{direction!r}: {choice!r}")
+        self._by_key[(direction, int(B), int(H), int(T), int(D), str(dtype), bool(causal))] = choice
+
+    def items(self):
+        return self._by_key.items()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KernelChoices) and self._by_key == other._by_key
+
+    def __repr__(self) -> str:
+        return f"KernelChoices({self.as_dict()})"
+
+    def as_dict(self) -> dict[str, str]:
+        """JSON form, sorted: {"fwd B=16 H=12 T=1024 D=64 bf16 causal": "cudnn", ...}."""
+        return {f"{d} B={B} H={H} T={T} D={D} {dt} {'causal' if c else 'full'}": choice
+                for (d, B, H, T, D, dt, c), choice in sorted(self._by_key.items())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KernelChoices:
+        """The record of ``as_dict()``'s form; a key or choice of another form is a ValueError naming it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"kernel choices must be a dict, got {type(d).__name__}")
+        out = cls()
+        for text, choice in d.items():
+            m = _KEY_TEXT.match(str(text))
+            if m is None:
+                raise ValueError(f"kernel choice key {text!r} is not of the form 'fwd B=16 H=12 T=1024 D=64 bf16 "
+                                 "causal'")
+            d_, B, H, T, D, dt, c = m.groups()
+            out.record((d_, B, H, T, D, dt, c == "causal"), choice)
+        return out
 
 # "auto" picks ours only when it is at least 3 % faster than cuDNN: closer than that, three timed calls cannot tell
 # them apart, and a fixed preference keeps the choice the same on machines and runs that time them a little
@@ -35,7 +98,7 @@ def read_auto_cache(path: Path | None = None) -> dict:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: c for k, c in data.items() if isinstance(k, str) and c in ("ours", "cudnn")}
+    return {k: c for k, c in data.items() if isinstance(k, str) and c in AUTO_RESOLVES_TO}
 
 
 def write_auto_choice(key: str, choice: str, path: Path | None = None) -> bool:

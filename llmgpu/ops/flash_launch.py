@@ -1,7 +1,8 @@
 """How our flash attention kernels are launched (``kernels/flash_attention.cu``; the API is ``ops.flash_attention``).
 
-Tile shapes mirror ``fa_cfg<HD>`` in the .cu, shared memory is computed from them, and the backward comes in
-variants (``BWD_VARIANTS``), so that one process can time them side by side before one becomes the default:
+Tile shapes are ``fa_cfg<HD>`` of the .cu (``FA_CFG``, checked against the compiler), shared memory is computed
+from them, and the backward comes in variants (``BWD_VARIANTS``), so that one process can time them side by side
+before one becomes the default:
 
 * ``"wide"``    (``DEFAULT_BWD_VARIANT``) ``flash_bwd_dq_wide`` (32 query rows per warp, 128 per block, key tiles
   of 32, three blocks per SM; it also computes D = rowsum(dO ⊙ O) and writes each row's (lse · log2 e, D) as one
@@ -39,20 +40,35 @@ from ..checks import check_choice
 from ..kernels import get_kernel, loader
 from ..kernels.launch import opt_in_shared_memory, resident_blocks
 
-THREADS = 128  # FA_THREADS in flash_attention.cu (the scalar forward)
-PAD = 8  # FA_PAD
-# fa_cfg<HD> in flash_attention.cu: warps per block (each warp owns 16 rows of the block's tile, or 32 in the wide
-# kernels and the D = 64 forward) and inner tiles
-FWD_BN = 64
-DKDV_WARPS, DQ_WARPS = 4, 4
-WIDE_KV_BM, WIDE_DQ_BN = 32, 32  # fa_cfg<HD>::WIDE_KV_BM, WIDE_DQ_BN
-FWD_BUFS = 3  # flash_fwd's ring of K, V tiles
-FWD_ROWS = 128  # query rows per flash_fwd block (fa_cfg<HD>::FWD_WARPS · 16 · FWD_MT)
+THREADS = loader.constant("flash_attention", "FA_THREADS")  # the scalar forward's block
+PAD = loader.constant("flash_attention", "FA_PAD")  # elements of padding per shared-memory row
+# fa_cfg<HD> of flash_attention.cu, the tile shapes of the tensor-core kernels per head dim: warps per block (each
+# warp owns 16 rows of the block's tile per MT, so 32 in the wide kernels and the D = 64 forward), inner tiles and
+# their buffers. C computes them from HD, so they are written here again: tests/test_kernel_constants.py checks
+# every entry against the compiler (NVRTC static_asserts), so the two cannot drift apart.
+FA_CFG = {
+    64: {"FWD_MT": 2, "FWD_WARPS": 4, "FWD_BN": 64, "FWD_BUFS": 3, "DKDV_WARPS": 4, "DKDV_BM": 64, "DQ_WARPS": 4,
+         "DQ_BN": 64, "WIDE_MT": 2, "WIDE_KV_BM": 32, "WIDE_DQ_BN": 32, "WIDE_DQ_BUFS": 3},
+    128: {"FWD_MT": 1, "FWD_WARPS": 8, "FWD_BN": 64, "FWD_BUFS": 3, "DKDV_WARPS": 4, "DKDV_BM": 16, "DQ_WARPS": 4,
+          "DQ_BN": 32, "WIDE_MT": 1, "WIDE_KV_BM": 32, "WIDE_DQ_BN": 32, "WIDE_DQ_BUFS": 2},
+}
 
-# flash_fwd_wgmma's shipped tiles (fw_cfg<HD, BN, WG> in flash_attention_wgmma.cu): K/V tiles of WGMMA_BN keys,
-# WGMMA_WG warpgroups of 64 query rows (128 threads each) per block, PIPE (the MMA/softmax overlap) on
-WGMMA_BN, WGMMA_WG, WGMMA_PIPE = 64, 2, 1
 WGMMA_FILE = "flash_attention_wgmma"
+FW_BUFS = loader.constant(WGMMA_FILE, "FW_BUFS")  # flash_fwd_wgmma's ring of K/V tiles
+
+
+def _wgmma_shipped() -> tuple[int, int, int]:
+    """(PIPE, BN, WG) of the flash_fwd_wgmma instantiations its .cu declares (the last three template arguments of
+    its ``// llmgpu:kernel`` line): K/V tiles of BN keys, WG warpgroups of 64 query rows (128 threads each) per
+    block, PIPE (the MMA/softmax overlap) on or off."""
+    shipped = {tuple(int(a) for a in e[e.index("<") + 1:-1].split(",")[-3:])
+               for e in loader.name_expressions(WGMMA_FILE) if e.startswith("flash_fwd_wgmma<")}
+    if len(shipped) != 1:
+        raise RuntimeError(f"{WGMMA_FILE}.cu should ship one (PIPE, BN, WG) of flash_fwd_wgmma, found {shipped}")
+    return shipped.pop()
+
+
+WGMMA_PIPE, WGMMA_BN, WGMMA_WG = _wgmma_shipped()
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
 
@@ -63,24 +79,10 @@ BWD_VARIANTS = ("wide", "base")
 DEFAULT_BWD_VARIANT = "wide"
 
 
-def _fwd_warps(D):
-    return 8 if D == 128 else 4  # fa_cfg<HD>::FWD_WARPS (FWD_MT = 1 or 2 row tiles of 16 per warp)
-
-
-def _dkdv_bm(D):
-    return 16 if D == 128 else 64  # fa_cfg<HD>::DKDV_BM
-
-
-def _dq_bn(D):
-    return 32 if D == 128 else 64  # fa_cfg<HD>::DQ_BN
-
-
-def _wide_mt(D):
-    return 1 if D == 128 else 2  # fa_cfg<HD>::WIDE_MT: 16-row tiles per warp in the wide kernels
-
-
-def _wide_dq_bufs(D):
-    return 2 if D == 128 else 3  # fa_cfg<HD>::WIDE_DQ_BUFS
+def fwd_rows(D) -> int:
+    """Query rows per flash_fwd block: FWD_WARPS · 16 · FWD_MT (128 for both head dims)."""
+    c = FA_CFG[D]
+    return c["FWD_WARPS"] * 16 * c["FWD_MT"]
 
 
 def _strides(a):
@@ -101,18 +103,21 @@ def smem_bytes(function: str, D: int, itemsize: int = 2) -> int:
     The inner tiles are double-buffered (two copies of Q, dO and the row statistics in dK, dV; of K, V in the base
     dQ) or come through a ring of three (K, V in the forward and, head dim 64, in the wide dQ)."""
     row = (D + PAD) * itemsize
-    bm, bn, wide = _dkdv_bm(D), _dq_bn(D), 16 * _wide_mt(D)
-    return {"flash_fwd": (FWD_ROWS + FWD_BUFS * 2 * FWD_BN) * row,
-            "flash_bwd_dkdv": (2 * 16 * DKDV_WARPS + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
-            "flash_bwd_dq": (2 * 16 * DQ_WARPS + 2 * 2 * bn) * row,
-            "flash_bwd_dkdv_wide": (2 * wide * DKDV_WARPS + 2 * 2 * WIDE_KV_BM) * row + 2 * WIDE_KV_BM * 8,
-            "flash_bwd_dq_wide": (2 * wide * DQ_WARPS + _wide_dq_bufs(D) * 2 * WIDE_DQ_BN) * row}.get(function, 0)
+    c = FA_CFG[D]
+    bm, bn, wide = c["DKDV_BM"], c["DQ_BN"], 16 * c["WIDE_MT"]
+    return {"flash_fwd": (fwd_rows(D) + c["FWD_BUFS"] * 2 * c["FWD_BN"]) * row,
+            "flash_bwd_dkdv": (2 * 16 * c["DKDV_WARPS"] + 2 * 2 * bm) * row + 2 * 2 * bm * 4,
+            "flash_bwd_dq": (2 * 16 * c["DQ_WARPS"] + 2 * 2 * bn) * row,
+            "flash_bwd_dkdv_wide": (2 * wide * c["DKDV_WARPS"] + 2 * 2 * c["WIDE_KV_BM"]) * row
+            + 2 * c["WIDE_KV_BM"] * 8,
+            "flash_bwd_dq_wide": (2 * wide * c["DQ_WARPS"] + c["WIDE_DQ_BUFS"] * 2 * c["WIDE_DQ_BN"]) * row,
+            }.get(function, 0)
 
 
 def wgmma_smem_bytes(D: int, bn: int = WGMMA_BN, wg: int = WGMMA_WG) -> int:
     """fw_cfg::SMEM of flash_fwd_wgmma: 1 KiB of alignment slack (its tiles start on 1024-byte boundaries), the
     padded Q rows of 64·wg queries, a ring of three K/V tiles of bn keys (unpadded, swizzled)."""
-    return 1024 + 64 * wg * (D + PAD) * 2 + FWD_BUFS * 2 * bn * D * 2
+    return 1024 + 64 * wg * (D + PAD) * 2 + FW_BUFS * 2 * bn * D * 2
 
 
 def wgmma_unsupported(q) -> str | None:
@@ -162,11 +167,12 @@ def plan(name: str, q, group: int | None = None) -> Launch:
     else:
         smem = smem_bytes(name, D)
         kern = _kernel(name, smem, q.dtype, D)
+        c = FA_CFG[D]
         if name == "flash_fwd":
-            rows, threads = FWD_ROWS, 32 * _fwd_warps(D)
+            rows, threads = fwd_rows(D), 32 * c["FWD_WARPS"]
         else:
-            warps = DKDV_WARPS if "dkdv" in name else DQ_WARPS
-            rows, threads = 16 * (_wide_mt(D) if name.endswith("_wide") else 1) * warps, 32 * warps
+            warps = c["DKDV_WARPS"] if "dkdv" in name else c["DQ_WARPS"]
+            rows, threads = 16 * (c["WIDE_MT"] if name.endswith("_wide") else 1) * warps, 32 * warps
     return Launch(kern, launch_grid(kern, threads, smem, B * H, -(-T // rows), group), (threads,), smem)
 
 

@@ -23,14 +23,15 @@ import numpy as np
 
 from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_method, check_out, check_same_dtype
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import VECTOR_BYTES, is_aligned, stride_grid
 
 METHODS = ("naive", "optimized", "fast")
 SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-CUBIC = 0.044715
+CUBIC = loader.constant("gelu", "GELU_CUBIC")  # the tanh approximation's, as the kernels use it
 THREADS = 256
-FAST_UNROLL = 2  # packs per thread in the fast kernels (GELU_FAST_UNROLL in gelu.cu)
+FAST_THREADS = loader.constant("gelu", "GELU_FAST_THREADS")  # the fast kernels' block
+FAST_UNROLL = loader.constant("gelu", "GELU_FAST_UNROLL")  # packs per thread in the fast kernels
 
 
 def _compute_dtype(dtype):
@@ -66,8 +67,8 @@ def _launch(xp, n, arrays, dtype, method, name, args):
     vec = is_aligned(VECTOR_BYTES, *arrays)  # the kernels handle the tail past the last pack
     if method == "fast":  # one pass: enough blocks to cover every pack once
         packs = n // width if vec else n
-        blocks = max(1, -(-packs // (THREADS * FAST_UNROLL)))
-        get_kernel("gelu", f"{name}_fast", dtype, int(vec))((blocks,), (THREADS,), args)
+        blocks = max(1, -(-packs // (FAST_THREADS * FAST_UNROLL)))
+        get_kernel("gelu", f"{name}_fast", dtype, int(vec))((blocks,), (FAST_THREADS,), args)
         return
     packs = n // width if vec else n
     blocks = stride_grid(packs, THREADS, xp)  # a grid-stride loop: enough blocks to fill the GPU

@@ -54,20 +54,38 @@ from ..checks import (
     check_same_dtype,
     reference_dtype,
 )
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, persistent_grid, resident_blocks, vector_width
 
 METHODS = ("naive", "optimized", "fast")
 ACCUMULATORS = ("registers", "shared")  # where the backward kernels sum dgamma/dbeta (``accumulators=``)
 
-# Packs per lane (of 16 bytes each) the register variants are instantiated for; see layernorm.cu.
-_REGISTER_PACKS = (1, 2, 3, 4, 6, 8)
+
+
+def _declared(function: str, index: int) -> dict[str, list[int]]:
+    """{C type (the first template argument): sorted values of template argument ``index``} over the instantiations
+    of ``function`` that layernorm.cu's ``// llmgpu:kernel`` lines declare."""
+    out: dict = {}
+    for e in loader.name_expressions("layernorm"):
+        if e.startswith(function + "<"):
+            args = [a.strip() for a in e[len(function) + 1:-1].split(",")]
+            out.setdefault(args[0], set()).add(int(args[index]))
+    return {t: sorted(v) for t, v in out.items()}
+
+
+# Packs per lane (of 16 bytes each) the register variants are instantiated for (forward, backward, add + LN: the
+# packs all three declare; 0 and -1 are the shared-memory and re-read variants)
+_REGISTER_PACKS = tuple(sorted(set.intersection(*(
+    {p for ps in _declared(f, i).values() for p in ps if p > 0}
+    for f, i in (("layernorm_forward_warp", 2), ("layernorm_backward_warp", 2), ("add_layernorm_forward_warp", 1))))))
 _SMEM_DEFAULT = SMEM_WITHOUT_OPT_IN
 _FWD_WARPS = 4  # rows (warps) per block in the forward
 _BWD_WARPS = 8  # rows (warps) per block in the backward
 # "fast" backward: packs per lane it is instantiated for, by element size (C <= 32 * W * P_max), and warps
 # per block (layernorm_backward_fast assumes 8: its launch bounds and shared-memory plan are written for it).
-_FAST_PACKS = {2: (1, 2, 3, 4, 5, 6, 7, 8), 4: (1, 2, 3, 4, 6)}
+_C_SIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
+_FAST_PACKS = {size: tuple(sorted(set.intersection(*(set(p) for t, p in _declared("layernorm_backward_fast", 1).items()
+                                                      if _C_SIZE[t] == size)))) for size in (2, 4)}
 _FAST_WARPS = 8
 # 16-bit "fast" backward: dgamma/dbeta accumulators in shared memory by default (SACC, blocks of 4 warps,
 # <= 80 registers: 6 blocks per SM) instead of registers (blocks of 8 warps, ~128 registers: 2 per SM);

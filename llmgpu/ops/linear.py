@@ -34,12 +34,12 @@ from .. import backend
 from ..checks import array_module, check_array, check_gpu_dtype, check_out, check_same_dtype, reference_dtype
 from ..gemm.cublas import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUDA_DATA_TYPES, gemm
 from ..gemm.ksplit import wgrad_gemm
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import stride_grid, vector_width
 
 # Bias-gradient launch shape (see bias.cu). The number of row chunks depends on the shape only, never
 # on the device, so the reduction order, and therefore db, is the same on every GPU and every run.
-ROW_THREADS = 8  # blockDim.y of both bias_grad kernels
+ROW_THREADS = loader.constant("bias", "BIAS_ROW_THREADS")  # blockDim.y of both bias_grad kernels
 MIN_ROWS_PER_CHUNK = 64  # at least 8 rows per thread in stage 1
 TARGET_BLOCKS = 1024  # enough blocks to fill a large GPU several times over
 MAX_CHUNKS = 1024  # bounds the fp32 scratch and stage 2's work
@@ -72,14 +72,16 @@ def linear_forward(x, w, b=None, out=None):
     return out
 
 
-def linear_backward(dy, x, w, bias=True, *, dx_out=None, dw_out=None, db_out=None, accumulate=False):
+def linear_backward(dy, x, w, bias=True, *, dx_out=None, dw_out=None, db_out=None, accumulate=False,
+                    protect_k: bool = True):
     """Gradients of ``y = x wᵀ + b``: returns ``(dx, dw, db)``; ``db`` is None when ``bias=False``.
 
     ``dy [..., Cout]`` and ``x [..., Cin]`` share their leading axes; all three inputs share a dtype.
     ``dx`` has x's shape and dtype. ``dw [Cout, Cin]`` and ``db [Cout]`` have dy's dtype unless
     ``dw_out``/``db_out`` are given, which may be fp32 or dy's dtype (fp32 gradient buffers for
     mixed precision). With ``accumulate=True`` the new gradients are *added* to ``dw_out``/``db_out``
-    (both required) instead of overwriting them.
+    (both required) instead of overwriting them. ``protect_k=False``: the weight gradient as one GEMM whatever
+    the row count (``gemm.ksplit``'s protection off: the unprotected baseline of ``tools/probe_gemm_k.py``).
     """
     xp = array_module(dy=dy, x=x, w=w, dx_out=dx_out, dw_out=dw_out, db_out=db_out)
     c_out, c_in = _check_weight(x, w, xp)
@@ -106,7 +108,7 @@ def linear_backward(dy, x, w, bias=True, *, dx_out=None, dw_out=None, db_out=Non
 
     gemm(dy2, w, out=dx2)  # dx = dy W
     # dW = dyᵀ x (+ dW), a sum over the N rows: wgrad_gemm splits N when it is not a multiple of 64 (issue 13)
-    wgrad_gemm(dy2, x2, out=dw, beta=1.0 if accumulate else 0.0, gemm=gemm)
+    wgrad_gemm(dy2, x2, out=dw, beta=1.0 if accumulate else 0.0, gemm=gemm, protect=protect_k)
     if bias:
         bias_grad(dy2, out=db, accumulate=accumulate)
     return dx, dw, db

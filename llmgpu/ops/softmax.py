@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import backend
 from ..checks import GPU_DTYPES, array_module, check_array, check_gpu_dtype, check_method, check_out, reference_dtype
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import VECTOR_BYTES, elements_aligned
 
 METHODS = ("naive", "warp", "block", "auto")
@@ -53,7 +53,7 @@ AUTO_WARP_MAX_COLS = 128
 NAIVE_THREADS = 128
 WARP_ROWS_PER_BLOCK = 8  # 256 threads
 BLOCK_MAX_THREADS = 1024
-BLOCK_VECTORS_PER_THREAD = 2  # = SOFTMAX_CACHE in softmax.cu: vectors a thread keeps in registers
+BLOCK_VECTORS_PER_THREAD = loader.constant("softmax", "SOFTMAX_CACHE")  # vectors a thread keeps in registers
 
 
 def _pick_method(method, cols):

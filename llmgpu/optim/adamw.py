@@ -21,15 +21,17 @@ import numpy as np
 
 from .. import backend
 from ..checks import GPU_DTYPES, array_module, check_array, check_float
-from ..kernels import get_kernel
+from ..kernels import get_kernel, loader
 from ..kernels.launch import elements_aligned, resident_grid
 from .params import FlatParams
 
 THREADS = 256
 _F32 = backend.float32
 
-# flag bits of adamw_kernel (keep in sync with adamw.cu)
-LR_PTR, GS_PTR, FOUND_INF, STEP_PTR, INCREMENT, ZERO_GRAD, WRITE_WORKING, VEC = (1 << k for k in range(8))
+# flag bits of adamw_kernel, read from the #defines of kernels/adamw.cu (ADAMW_LR_PTR, ...)
+LR_PTR, GS_PTR, FOUND_INF, STEP_PTR, INCREMENT, ZERO_GRAD, WRITE_WORKING, VEC = (
+    loader.constant("adamw", "ADAMW_" + name)
+    for name in ("LR_PTR", "GS_PTR", "FOUND_INF", "STEP_PTR", "INCREMENT", "ZERO_GRAD", "WRITE_WORKING", "VEC"))
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,7 +1,7 @@
 """Global-norm gradient clipping without a host synchronisation.
 
-Clipping by the global norm rescales every gradient by ``min(1, max_norm / (‖g‖ + 1e-6))``, where
-‖g‖ is the L2 norm over *all* parameters. The textbook code reads the norm on the host
+Clipping by the global norm rescales every gradient by ``min(1, max_norm / (‖g‖ + ε))`` (``clip_coefficient``,
+ε = ``CLIP_EPS``, 1e-6), where ‖g‖ is the L2 norm over *all* parameters. The textbook code reads the norm on the host
 (``if norm > max_norm: ...``), which stalls the CPU until the GPU has finished the backward pass:
 the next step's kernels cannot be queued in the meantime and the GPU idles while Python catches up.
 Here the norm and the clip coefficient never leave the device: the kernel writes a 0-d array that
@@ -26,10 +26,25 @@ import numpy as np
 
 from .. import backend
 from ..checks import GPU_DTYPES, array_module, check_array
+from ..kernels import loader
 
-THREADS = 256
+THREADS = loader.constant("grad_norm", "GN_THREADS")  # the kernel's block
+CLIP_EPS = loader.constant("grad_norm", "GN_CLIP_EPS")  # keeps the clip coefficient finite at a zero norm
 MAX_BLOCKS = 1024  # fixed cap: the grid (hence the summation order) depends only on n
 _F32 = backend.float32
+
+
+def clip_coefficient(norm, max_norm: float):
+    """``min(1, max_norm / (norm + CLIP_EPS))``: the factor global-norm clipping multiplies the gradient by.
+
+    ``norm``: a NumPy or CuPy array (0-d: a device scalar) or a number; the result is fp32 on the same device,
+    element-wise, computed there (no host sync), in fp32 exactly as ``kernels/grad_norm.cu`` computes it
+    (``fminf``: a nan norm gives 1; such a step is skipped anyway, its ``found_inf`` is set). ``max_norm`` > 0.
+    """
+    xp = backend.cupy_module() if backend.is_gpu_array(norm) else np
+    norm = xp.asarray(norm, dtype=_F32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return xp.fmin(np.float32(1.0), np.float32(max_norm) / (norm + np.float32(CLIP_EPS)))
 
 
 @dataclass
@@ -96,11 +111,9 @@ def grad_norm_fused(grad, max_norm: float = 0.0, *, prescale=None, out: GradNorm
         bad = not np.all(np.isfinite(g))
         with np.errstate(over="ignore", invalid="ignore"):
             norm = np.float32(np.sqrt(np.sum(g * g)) * pre)
-            coef = min(1.0, max_norm / (float(norm) + 1e-6)) if max_norm > 0 else 1.0
-            if np.isnan(coef):
-                coef = 1.0
+        coef = clip_coefficient(norm, max_norm) if max_norm > 0 else np.float32(1.0)
         out.norm[...] = norm
-        out.scale[...] = np.float32(pre * coef)
+        out.scale[...] = np.float32(pre) * coef
         out.found_inf[...] = np.float32(1.0 if bad else 0.0)
         return out
 
@@ -139,7 +152,8 @@ def global_grad_norm(grad_flat, *, prescale=None, out=None):
 
 
 def clip_scale(norm, max_norm: float, *, prescale=None):
-    """min(1, max_norm / (norm + 1e-6)) as a 0-d fp32 array on norm's device (no host sync).
+    """``clip_coefficient(norm, max_norm)`` (× ``prescale``) as a 0-d fp32 array on norm's device (no host sync),
+    with its arguments checked: the ``grad_scale`` to pass AdamW.
 
     ``grad_norm_fused`` computes the same factor inside the norm kernel; this is the standalone
     version (a few tiny element-wise launches on CuPy).
@@ -148,7 +162,7 @@ def clip_scale(norm, max_norm: float, *, prescale=None):
     _check_scalar("norm", norm, xp)
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
-    coef = xp.minimum(xp.float32(1.0), xp.float32(max_norm) / (norm + xp.float32(1e-6))).astype(_F32)
+    coef = clip_coefficient(norm, max_norm)
     if prescale is not None:
         _check_scalar("prescale", prescale, xp)
         coef = (coef * prescale.reshape(())).astype(_F32)

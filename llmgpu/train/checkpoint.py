@@ -6,7 +6,9 @@ A checkpoint is a directory::
                          ``safetensors.numpy.load_file`` or ``safetensors.torch.load_file`` reads as a state dict
     optim.npz            AdamW's moments, keys 'm/<name>' and 'v/<name>'
     meta.json            everything else: model config, step, optimizer step count and hyperparameters,
-                         loss-scaler state, data-loader position, RNG state, the tokenizer, the training configuration
+                         loss-scaler state, data-loader position, RNG state, the tokenizer, the training configuration,
+                         the attention kernels flash attention's "auto" resolved to (``attention_kernels_of``;
+                         ``pin_attention_kernels`` puts them back, so a resumed run runs the same kernels)
 
 Weights are safetensors, the format the models people share use (``interop/safetensors.py`` writes it with
 NumPy); the optimizer state is only ever read back by llmgpu, so it stays in NumPy's ``.npz``. Checkpoints of
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..interop import safetensors
+from ..ops.flash_attention import KernelChoices, choices_unavailable
 
 FORMAT = "llmgpu-checkpoint-2"  # -1: the same with the weights in model.npz
 FORMATS = ("llmgpu-checkpoint-1", FORMAT)  # what load_checkpoint reads
@@ -190,3 +193,38 @@ def json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+# --------------------------------------------------------------------------- the kernels a run resolved to
+
+ATTENTION_KERNELS_KEY = "attention_kernels"  # meta.json's entry
+
+
+def attention_kernels_of(model) -> dict:
+    """What the model's flash attention ``kernel="auto"`` resolved to, per call shape, in JSON form
+    (``KernelChoices.as_dict``; {} for a model without flash attention): what a checkpoint keeps under
+    ``ATTENTION_KERNELS_KEY``."""
+    record = getattr(model, "kernel_choices", None)
+    return record.as_dict() if record is not None else {}
+
+
+def pin_attention_kernels(model, meta: dict, *, note=None) -> list[str]:
+    """Put a checkpoint's attention kernels back into the model's record before its first step: "auto" then runs
+    them as the interrupted run did, nothing is timed, and the resumed steps are the uninterrupted run's bit for
+    bit. Returns notes, one line each (and hands each to ``note``, when given): a kernel this machine cannot run
+    (cuDNN missing) is left out, its shapes are decided anew, and the losses then differ from the uninterrupted
+    run's in the last bits. A malformed record is a ValueError."""
+    record = getattr(model, "kernel_choices", None)
+    pinned = KernelChoices.from_dict(meta.get(ATTENTION_KERNELS_KEY) or {})  # checked also where nothing is pinned
+    if record is None or not len(pinned):
+        return []
+    missing = choices_unavailable(pinned)
+    for key, choice in pinned.items():
+        if choice not in missing:
+            record.record(key, choice)
+    notes = [f"the checkpointed run's attention ran {kernel} for {sum(c == kernel for _, c in pinned.items())} "
+             f"shape(s), unavailable here ({why}): they are decided anew, so the losses will differ from an "
+             "uninterrupted run's in the last bits" for kernel, why in missing.items()]
+    for text in notes if note else ():
+        note(text)
+    return notes

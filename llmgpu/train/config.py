@@ -19,7 +19,8 @@ from .. import backend
 from ..amp import Policy
 from ..gemm import cublaslt
 from ..model import PRESETS
-from ..ops import flash_attention
+from ..model.options import FLASH_KERNELS
+from ..ops import cudnn_attention, flash_attention
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,9 @@ class TrainConfig:
                              "residual+LayerNorm, flash attention (default: on when the GPU, bf16/fp16 and the "
                              "'fast' extra allow it)", "model")
     graph: bool | None = _opt(None, "replay each step as one CUDA graph (default: with --fast)", "model")
+    attention_kernel: str = _opt("auto", "flash attention of the fast model: ours (chapter 2b), cudnn, or auto: "
+                                 "whichever is faster here, timed once per shape and kept in the checkpoint, so a "
+                                 "resumed run runs the same kernels", "model", choices=list(FLASH_KERNELS))
     block_size: int | None = _opt(None, "context length, the rows of the position embedding (default: the "
                                   "preset's; --seq may not exceed it)", "model")
     init: str | None = _opt(None, "start a new run from trained weights: a Hugging Face GPT-2 directory (config.json "
@@ -132,11 +136,13 @@ class TrainConfig:
 
 # what a resumed run may take from the command line: its length and schedule, its cadences, the machine's
 # settings (ranks, ZeRO stage, and --grad-accum, so that a run moved to another number of ranks can keep its
-# global batch) and the presentation; everything else (model, data, optimizer, seed) is the checkpoint's
+# global batch; the step's kernels: --fast, --graph, --attention-kernel, whose change costs bit-exactness) and the
+# presentation; everything else (model, data, optimizer, seed) is the checkpoint's
 RESUME_OVERRIDES = ("steps", "max_time", "lr", "min_lr_ratio", "warmup", "schedule", "eval_every", "eval_batches",
                     "log_every", "save_every", "max_skipped_steps", "out", "overwrite", "progress", "plot",
                     "sample_tokens", "prompt", "temperature", "top_k", "device", "cpu_threads", "async_copy", "fast",
-                    "graph", "resume", "nproc", "zero", "dist_backend", "dist_timeout", "grad_accum")
+                    "graph", "attention_kernel", "resume", "nproc", "zero", "dist_backend", "dist_timeout",
+                    "grad_accum")
 # taken from the command line on resume even when not given: this invocation's, never the saved run's
 _RESUME_ALWAYS = ("resume", "overwrite", "device", "async_copy", "nproc", "dist_backend", "dist_timeout")
 
@@ -211,6 +217,8 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
                           "captured into a CUDA graph")
     if cfg.graph is None:
         cfg = replace(cfg, graph=bool(cfg.fast))
+    if cfg.fast and cfg.attention_kernel == "cudnn" and (why := cudnn_attention.unavailable_reason()):
+        raise ConfigError(f"--attention-kernel cudnn: {why}")
     return cfg
 
 
@@ -287,6 +295,8 @@ def validate(cfg: TrainConfig):
     need(cfg.dist_backend in ("auto", "nccl", "mpi"), f"--dist-backend must be auto, nccl or mpi, got "
          f"{cfg.dist_backend!r}")
     need(finite(cfg.dist_timeout) and cfg.dist_timeout > 0, f"--dist-timeout must be positive, got {cfg.dist_timeout}")
+    need(cfg.attention_kernel in FLASH_KERNELS, f"--attention-kernel must be one of "
+         f"{', '.join(FLASH_KERNELS)}, got {cfg.attention_kernel!r}")
     need(cfg.schedule in ("cosine", "linear", "constant"),
          f"--schedule must be cosine, linear or constant, got {cfg.schedule!r}")
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..model import GPT, FastGPT
+from ..model import GPT, FastGPT, FastOptions
 from ..optim import lr_at
 from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -125,10 +125,10 @@ class Trainer:
     def _build_model(self, plan: RunPlan, ckpt):
         """The model with its starting weights, the gradient seam, the step, and a checkpoint's state."""
         cfg, mcfg = plan.cfg, plan.model_config
-        model_cls = FastGPT if cfg.fast else GPT
+        model_cls, opts = (FastGPT, {"options": FastOptions(cfg.attention_kernel)}) if cfg.fast else (GPT, {})
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=self.xp,
                                seed=cfg.seed, init=ckpt is None and self.init is None,
-                               param_multiple=ALIGN * (self.world if cfg.zero else 1))
+                               param_multiple=ALIGN * (self.world if cfg.zero else 1), **opts)
         self.params = self.model.params
         self.rng = np.random.default_rng(cfg.seed)
         self.step, self.total_steps, self.budget_fitted = 0, cfg.steps, False
@@ -172,6 +172,7 @@ class Trainer:
             self.scaler.load_state_dict(meta["scaler"])
             self.stream.load_state_dict(meta["data"])
             self.rng.bit_generator.state = meta["rng"]
+            ckpt_files.pin_attention_kernels(self.model, meta, note=self._note)
         except (KeyError, TypeError, ValueError) as e:  # arrays or state that do not fit this run
             raise CheckpointError(f"checkpoint {d} does not match its own configuration ({type(e).__name__}: "
                                   f"{e})") from None
@@ -253,6 +254,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "rng": self.rng.bit_generator.state,
             "world_size": self.world,
+            ckpt_files.ATTENTION_KERNELS_KEY: ckpt_files.attention_kernels_of(self.model),
             "llmgpu": __version__,
         }
         path = save_checkpoint(d, model=sd, optim=optim, meta=meta) if self.is_main else d

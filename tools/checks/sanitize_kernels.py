@@ -19,8 +19,8 @@ layernorm (naive / optimized / fast, register and shared accumulators, residual,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
 optimized / counting), cast, AdamW (flat, per tensor, with working copy, skipped step), the fused
 gradient norm / clip, the loss scaler's update, the timing spin kernel; then one tiny training step
-of ``GPT`` and of ``FastGPT`` with cuDNN's flash attention switched off (``model.flash = False``, the
-chapter 2 kernels instead) followed by clipping and an AdamW step. Ends with a device synchronisation.
+of ``GPT`` and of ``FastGPT`` with cuDNN's flash attention switched off (``FastOptions(attention_kernel="math")``,
+the chapter 2 kernels instead) followed by clipping and an AdamW step. Ends with a device synchronisation.
 
 Library kernels (cuBLAS / cuBLASLt GEMMs, CuPy's own element-wise kernels) are not ours to fix:
 ``--filter-args`` prints compute-sanitizer options that restrict checking to our kernels
@@ -362,7 +362,7 @@ def _scaler(s, g):
 
 
 def models(d: Driver):
-    from llmgpu.model import GPT, GPTConfig
+    from llmgpu.model import GPT, FastOptions, GPTConfig
     from llmgpu.model.fast import FastGPT
     from llmgpu.optim.adamw import AdamW
     from llmgpu.optim.clip import GradClipper
@@ -374,10 +374,9 @@ def models(d: Driver):
     variants = [("GPT", GPT, "fp32", 0), ("GPT", GPT, "bf16", 1), ("FastGPT", FastGPT, "bf16", 0),
                 ("FastGPT", FastGPT, "fp32", 0)]
     for name, cls, dt, ckpt in variants:
-        m = cls(cfg, dtype=dt, checkpoint_every=ckpt, xp=xp, seed=1)
-        if cls is FastGPT:
-            m.flash = False  # chapter 2's attention kernels instead of cuDNN's (excluded from the check)
-            m.attention = "math-copy"
+        # FastGPT: chapter 2's attention kernels instead of cuDNN's (excluded from the check)
+        opts = {"options": FastOptions(attention_kernel="math")} if cls is FastGPT else {}
+        m = cls(cfg, dtype=dt, checkpoint_every=ckpt, xp=xp, seed=1, **opts)
         d.run(f"{name} {dt} checkpoint_every={ckpt} training step", _train_step, m, idx, tgt, AdamW, GradClipper)
         d.run(f"{name} {dt} forward (sampling path)", m.forward, idx, None, last_only=True)
 

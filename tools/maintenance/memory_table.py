@@ -2,9 +2,9 @@
 
     python tools/maintenance/memory_table.py [--batch 16] [--seq 1024]
 
-State per parameter in bf16 training (``llmgpu.optim.params.FlatParams``): fp32 master weights (4 B),
-fp32 gradients (4 B), fp32 AdamW moments m and v (8 B) and the bf16 working copy (2 B) = 18 B
-(fp32 training: 16 B, the working copy is the master). Activations: the bytes the blocks keep for the
+State per parameter (``llmgpu.model.config.state_bytes_per_parameter``, what ``FlatParams`` and ``AdamW`` hold):
+fp32 master weights (4 B), fp32 gradients (4 B), fp32 AdamW moments m and v (8 B) and the bf16 working copy
+(2 B) = 18 B (fp32 training: 16 B, the working copy is the master). Activations: the bytes the blocks keep for the
 backward pass at --batch x --seq in bf16 (``activation_bytes``): the book step (``math`` attention,
 B*H*T*T probabilities) and the chapter 8 step (``flash``), without and with checkpointing every block.
 Not counted: the logits (B*T*V), cuBLAS/cuDNN workspaces, CuPy's memory pool slack.
@@ -12,10 +12,10 @@ Not counted: the logits (B*T*V), cuBLAS/cuDNN workspaces, CuPy's memory pool sla
 
 import argparse
 
-from llmgpu.model.config import PRESETS, activation_bytes
+from llmgpu.model.config import PRESETS, activation_bytes, state_bytes_per_parameter
 
 GIB = 2**30
-STATE_BYTES = {"bf16": 4 + 4 + 8 + 2, "fp32": 4 + 4 + 8}
+STATE_BYTES = {dtype: sum(state_bytes_per_parameter(dtype).values()) for dtype in ("bf16", "fp32")}
 
 
 def rows(batch: int, seq: int):

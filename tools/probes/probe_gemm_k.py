@@ -17,7 +17,7 @@ shapes (M, N) and K swept around powers of two (2ⁿ + d, n = 10..17, d in {-1, 
 * ``prot.*``: the protection, ``llmgpu.gemm.ksplit.wgrad_gemm`` (K split into a multiple of 64 plus a
   zero-padded tail; ``.nopad``: the tail GEMM on the tail's own K) over cuBLAS and cuBLASLt,
 * ``linbwd``: ``llmgpu.ops.linear.linear_backward`` (protected; ``linbwd.unprot`` with
-  ``ksplit.PROTECT = False``), dW into fp32 and (``.nat``) the input dtype,
+  ``protect_k=False``), dW into fp32 and (``.nat``) the input dtype,
 * ``torch``: ``torch.matmul`` (native output; ``.norpr``: reduced-precision reductions off;
   ``.f32``: ``torch.mm(..., out_dtype=float32)`` where PyTorch has it), when torch imports.
 
@@ -206,30 +206,27 @@ class Paths:
         f32 = backend.float32
         P = {}
 
-        def direct(gemm, **kw):
+        def direct(gemm, **kw):  # the GEMM itself: no protection
             def run(a, b, k):
-                with protection(False):
-                    return gemm(a, b, trans_a=True, **kw), None
+                return gemm(a, b, trans_a=True, **kw), None
             return run
 
         def direct_b1(gemm):
             def run(a, b, k):
                 c0 = self._c0(a, b)
                 out = c0.copy()
-                with protection(False):
-                    gemm(a, b, trans_a=True, out=out, beta=1.0)
+                gemm(a, b, trans_a=True, out=out, beta=1.0)
                 return out, c0.astype(np.float64)
             return run
 
         def prot(gemm, beta1=False, pad=True, native=False):
             def run(a, b, k):
-                with protection(True, pad):
-                    if beta1:
-                        c0 = self._c0(a, b)
-                        out = c0.copy()
-                        ksplit.wgrad_gemm(a, b, out=out, beta=1.0, gemm=gemm)
-                        return out, c0.astype(np.float64)
-                    return ksplit.wgrad_gemm(a, b, out_dtype=None if native else "fp32", gemm=gemm), None
+                if beta1:
+                    c0 = self._c0(a, b)
+                    out = c0.copy()
+                    ksplit.wgrad_gemm(a, b, out=out, beta=1.0, gemm=gemm, pad_tail=pad)
+                    return out, c0.astype(np.float64)
+                return ksplit.wgrad_gemm(a, b, out_dtype=None if native else "fp32", gemm=gemm, pad_tail=pad), None
             return run
 
         def linbwd(protect, native=False):
@@ -238,8 +235,7 @@ class Paths:
             def run(a, b, k):
                 w = xp.zeros((a.shape[1], b.shape[1]), dtype=a.dtype)
                 dw = None if native else xp.empty((a.shape[1], b.shape[1]), dtype=f32)
-                with protection(protect):
-                    _, dw, _ = linear_backward(a, b, w, bias=False, dw_out=dw)
+                _, dw, _ = linear_backward(a, b, w, bias=False, dw_out=dw, protect_k=protect)
                 return dw, None
             return run
 
@@ -284,20 +280,6 @@ class Paths:
                 return cublas.gemm(a[:kk], b[:kk], trans_a=True, out_dtype="fp32"), None
             P["emul.trap"] = ("fp32", drop_last_at_2n_plus_1)
         return P
-
-
-class protection:
-    """Context: ``ksplit.PROTECT`` / ``PAD_TAIL`` set for the duration, restored after."""
-
-    def __init__(self, on: bool, pad: bool = True):
-        self.on, self.pad = on, pad
-
-    def __enter__(self):
-        self.saved = (ksplit.PROTECT, ksplit.PAD_TAIL)
-        ksplit.PROTECT, ksplit.PAD_TAIL = self.on, self.pad
-
-    def __exit__(self, *exc):
-        ksplit.PROTECT, ksplit.PAD_TAIL = self.saved
 
 
 def with_math_mode(cp, mode, fn):

@@ -2,9 +2,10 @@
 
     python tools/probes/probe_lt_algos.py [--preset gpt2] [--batch 16] [--seq 1024] [--candidates 16] [--json out.json]
 
-Runs a preset's fast training step (GPT-2 small by default; bf16, vocabulary padded to a multiple of 64) once
-with every cuBLASLt plan holding the heuristic's first ``--candidates`` algorithms, records the operands of each
-distinct GEMM and how often a step calls it, then times every candidate on those operands (medians of CUDA-event
+Runs a preset's fast training step (GPT-2 small by default; bf16, vocabulary padded to a multiple of 64) once,
+records the operands of each distinct GEMM and how often a step calls it, asks each of those cuBLASLt plans for
+the heuristic's first ``--candidates`` algorithms (``_Plan.ask_heuristic``), then times every candidate on those
+operands (medians of CUDA-event
 timings) and reports, per GEMM, the heuristic's pick against the fastest candidate, the step time those savings
 predict, and the step time measured with the fastest candidates switched in (with ``--min-speedup S``, only
 those at least S times faster alone). Issue 19 names "heuristics vs a measured pick per shape" as a candidate
@@ -42,7 +43,6 @@ def main(argv=None) -> int:
     xp = backend.require_gpu()
     print(backend.device_info(xp).summary(), flush=True)
     cublaslt.clear_plans()
-    cublaslt.HEURISTIC_RESULTS = a.candidates
 
     first_args, calls = {}, Counter()  # plan -> operands of its first call; plan -> calls per step
     launch = cublaslt._lt_cupy
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
 
     rows, saved_ms = [], 0.0
     for p, args in first_args.items():
+        p.ask_heuristic(a.candidates)  # still runs the first (the heuristic's pick) until use(i) switches
         times = []
         for i in range(p.n_algos):
             try:

@@ -1,0 +1,60 @@
+"""``FastOptions``: every choice of the chapter 8 step (``model/fast.py``), one frozen value per model.
+
+A choice that lives in a module switch is hidden state: a model built here behaves differently from one built
+there, a captured CUDA graph keeps whichever setting was on while it was captured, and a checkpoint does not
+record it. So ``FastGPT(..., options=FastOptions(...))`` takes them as one value, checked when it is made, fixed
+for the model's life (to compare two settings, build two models); ``llmgpu train --attention-kernel`` and
+``llmgpu bench --attention-kernel`` set its attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..ops import cross_entropy, embedding, layernorm
+from ..ops.flash_attention import AUTO_RESOLVES_TO
+
+FLASH_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # flash attention, both directions: a run's choices (TrainConfig, bench)
+ATTENTION_KERNELS = (*FLASH_KERNELS, "math")  # FastOptions.attention_kernel: also chapter 2's kernels
+
+
+@dataclass(frozen=True)
+class FastOptions:
+    """The choices of the chapter 8 step, one frozen value per model (``FastGPT(..., options=...)``); the defaults
+    are what measured best on the H200. A bad value is a ValueError naming the field."""
+
+    # flash attention: "auto" (per shape the faster of ours and cuDNN, recorded in FastGPT.kernel_choices), "ours"
+    # (chapter 2b's kernels) or "cudnn"; "math": chapter 2's attention instead (the B·H·T·T probabilities written;
+    # CuPy's cuBLAS GEMMs, so no CUDA graph; what fp32 on the GPU always runs)
+    attention_kernel: str = "auto"
+    # issue 19, both on by default (False: the step before, for A/B benchmarks)
+    fused_cross_entropy: bool = True  # the LM head's cross-entropy forward + backward as one pass over the logits
+    embedding_grad_into_fp32: bool = True  # the embedding backward adds its fp32 row sums into the fp32 gradients
+    # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
+    # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
+    lm_head_rows: int = 8192
+    # kernel variants of chapter 3 (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
+    embedding_backward_method: str = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
+    layernorm_backward_method: str = "fast"  # two rows in flight per warp; residual gradient, fp32 accumulation fused
+    cross_entropy_method: str = "fast"  # the unfused head's forward (fused_cross_entropy=False)
+
+    def __post_init__(self):
+        allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,
+                   "layernorm_backward_method": layernorm.METHODS, "cross_entropy_method": cross_entropy.METHODS}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in allowed and v not in allowed[f.name]:
+                raise ValueError(f"FastOptions.{f.name} must be one of {', '.join(allowed[f.name])}, got {v!r}")
+            if f.type == "bool" and not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"FastOptions.{f.name} must be True or False, got {v!r}")
+        rows = self.lm_head_rows
+        if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) or rows < 1:
+            raise ValueError(f"FastOptions.lm_head_rows must be an int >= 1, got {rows!r}")
+        if self.embedding_grad_into_fp32 and self.embedding_backward_method != "counting":
+            raise ValueError("FastOptions.embedding_grad_into_fp32 adds into the fp32 gradients with the 'counting' "
+                             f"embedding backward; got embedding_backward_method={self.embedding_backward_method!r}")
+
+
+__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FastOptions"]
