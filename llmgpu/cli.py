@@ -226,13 +226,10 @@ def cmd_sample(a) -> int:
     from .train import select_xp
     from .train.sampling import load_for_sampling, prompt_ids, sampling_settings
 
-    sampling_settings(a.temperature, a.top_k)
+    sampling_settings(a.temperature, a.top_k, a.seed)
     xp = select_xp(a.device)
     model, tok, _ = load_for_sampling(a.src, xp, a.dtype)
-    cfg = model.config
-    ids = prompt_ids(tok, a.prompt)
-    if max(ids) >= cfg.vocab_size:
-        raise UsageError(f"the prompt has token id {max(ids)} >= the model's vocabulary {cfg.vocab_size}")
+    ids = prompt_ids(tok, a.prompt, model.config.vocab_size)
     rng = np.random.default_rng(a.seed)
     for k in range(a.num_samples):
         out = model.generate(ids, a.tokens, temperature=a.temperature, top_k=a.top_k, rng=rng)

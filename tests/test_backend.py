@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -144,6 +146,17 @@ def test_cpu_threads_above_the_cores_are_capped_with_a_note(monkeypatch):
     backend.use_cpu(np, "cpu", 0, notes.append)  # the BLAS default: untouched
     backend.use_cpu(object(), "gpu", 99, notes.append)  # not NumPy: nothing
     assert set_to == [cores, cores, 1] and len(notes) == 1
+
+
+def test_a_run_with_too_many_cpu_threads_notes_the_cap(tmp_path):
+    from llmgpu.train import TrainConfig, Trainer
+
+    n = backend.cpu_cores() + 100
+    t = Trainer(TrainConfig(preset="tiny", device="cpu", batch=2, seq=16, steps=1, cpu_threads=n, progress=False,
+                            plot=False, sample_tokens=0, eval_every=0, out=str(tmp_path / "r")))
+    assert any(f"--cpu-threads {n} is more than the {backend.cpu_cores()} CPU core" in x for x in t.notes)
+    t.run()
+    assert any("--cpu-threads" in x for x in json.loads((tmp_path / "r" / "config.json").read_text())["notes"])
 
 
 class _FakeRuntime:

@@ -29,6 +29,7 @@ from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceilin
 from ..plotting import plot_losses
 from ..version import __version__
 from . import checkpoint as ckpt_files
+from . import rundir
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config, select_xp
 from .data import BatchLoader, Corpus, get_tokenizer, load_corpus, validation_loader
@@ -36,8 +37,8 @@ from .divergence import check_step
 from .pretrained import init_run
 from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_ranks
 from .report import Progress, read_log
-from .rundir import check_out, default_out_dir, open_run_dir, resume_target, write_config
-from .sampling import prompt_ids
+from .rundir import check_target, default_out_dir, open_run_dir, resume_target, with_log_figures, write_config
+from .sampling import check_run_sample, prompt_ids
 from .step import TrainStep
 from .stream import DataStream
 
@@ -85,14 +86,9 @@ class Trainer:
             cfg = replace(cfg, out=default_out_dir())
         cfg = resolve(cfg, xp)
         self.cfg, self.xp = cfg, xp
-        if (not cfg.resume or self.forked) and self.is_main:  # a new directory: never over another run
-            check_out(Path(cfg.out), cfg.overwrite)
-        if cfg.device == "auto" and xp is np and backend.cupy_module() is not None:
-            # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
-            self._note(f"no usable GPU, so this run trains on the CPU with NumPy (expected on a machine without a "
-                       f"GPU; --device cpu skips the check): {backend.gpu_unavailable_reason()}")
-        if xp is np and cfg.cpu_threads != 0:
-            backend.blas_threads(cfg.cpu_threads or 1)
+        if self.is_main:  # a directory no other process writes; a new one never over another run
+            check_target(Path(cfg.out), cfg.overwrite, new=not cfg.resume or self.forked)
+        backend.use_cpu(xp, cfg.device, cfg.cpu_threads, self._note)  # on NumPy: why, and BLAS threads <= cores
 
         # data
         self.corpus = corpus or load_corpus(cfg.data, val_data=cfg.val_data, val_fraction=cfg.val_fraction)
@@ -113,6 +109,7 @@ class Trainer:
             raise ConfigError(f"--seq {cfg.seq} exceeds the model's block size {mcfg.block_size}")
         self.corpus.check_vocab(mcfg.vocab_size)
         self.tokenizer = get_tokenizer(self.corpus.tokenizer)
+        check_run_sample(cfg, self.tokenizer, mcfg.vocab_size)  # the end-of-run sample's settings, before training
         self.train_loader = BatchLoader(self.corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, name="training",
                                         vocab_size=mcfg.vocab_size, rank=self.rank, world=self.world)
         self.stream = DataStream(self.train_loader, xp, async_copy=cfg.async_copy)
@@ -286,10 +283,15 @@ class Trainer:
 
         Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
         """
+        out = Path(self.cfg.out)
+        with rundir.run_lock(out, self.notes, enabled=self.is_main):
+            return rundir.finished_summary(out, self.step, self.total_steps, self.cfg.resume) or self._run(stop_at)
+
+    def _run(self, stop_at):
         c, xp, main = self.cfg, self.xp, self.is_main
         out = Path(c.out)
         log_path = out / "log.jsonl"
-        resumed = self.step > 0
+        resumed = self.step > 0 or bool(c.resume)  # a checkpoint of step 0 (stopped before its first step) too
         # the records of the steps before this session (a resumed run's); rank 0 alone owns the directory
         kept = open_run_dir(out, c.overwrite, resumed, self.forked, self.fork_from, self.step) if main else []
         logf = open(log_path, "a") if main else None
@@ -435,10 +437,10 @@ class Trainer:
         ckpt = self.last_checkpoint  # a failed run keeps the last good one: nothing bad is written over it
         if failed:
             stop_reason = state["failure"][0]
-        summary = {"steps": self.step, "stop_reason": stop_reason, "train_time_s": elapsed,
+        summary = with_log_figures(kept, {"steps": self.step, "stop_reason": stop_reason, "train_time_s": elapsed,
                    "first_val_loss": first_val, "val_loss": last_val, "train_loss": state["last_loss"],
                    "skipped_steps": state["skipped"], "tokens": self.step * self.tokens_per_step,
-                   "checkpoint": str(ckpt) if ckpt else None, "out": str(out), "notes": self.notes}
+                   "checkpoint": str(ckpt) if ckpt else None, "out": str(out), "notes": self.notes})
         if failed:
             summary["error"] = state["failure"][1] + (f"; the last good checkpoint is {ckpt}" if ckpt else
                                                       "; no checkpoint was saved (--save-every N keeps some)")
