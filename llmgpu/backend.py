@@ -56,10 +56,25 @@ def _probe_cupy():
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:
-        return cupy, f"CuPy is installed but no CUDA device is usable ({type(e).__name__}: {e})"
+        return cupy, _no_device_reason(cupy, e)
     if n == 0:
         return cupy, "CuPy is installed but no CUDA device was found"
     return cupy, None
+
+
+def _no_device_reason(cupy, error) -> str:
+    """Why CuPy sees no device, in words that fit the machine. Without any NVIDIA driver CUDA's runtime says
+    'driver version is insufficient', which reads like an old driver; ``cudaDriverGetVersion`` is 0 exactly when
+    no driver is installed, so that case says what it is."""
+    try:
+        driver = cupy.cuda.runtime.driverGetVersion()
+    except Exception:
+        driver = None
+    if driver == 0:
+        return "no NVIDIA GPU/driver found (CuPy is installed, but this machine has no NVIDIA driver)"
+    if "NoDevice" in str(error) or "no CUDA-capable device" in str(error):
+        return "no NVIDIA GPU found (the NVIDIA driver is installed but sees no GPU; check CUDA_VISIBLE_DEVICES)"
+    return f"CuPy is installed but no CUDA device is usable ({type(error).__name__}: {error})"
 
 
 def cupy_module():
@@ -125,6 +140,19 @@ def require_gpu():
     if reason is not None:
         raise GPUUnavailableError(reason)
     return cupy_module()
+
+
+def resolve_xp(xp):
+    """The array module an ``xp=`` argument names: None (the active backend, ``default_xp``), the ``numpy`` or
+    ``cupy`` module, or a device name as ``--device`` and ``TrainConfig(device=)`` take it ('auto', 'cpu',
+    'gpu', ``select_xp``); anything else is a TypeError/ValueError saying what is accepted."""
+    if xp is None:
+        return default_xp()
+    if isinstance(xp, str):
+        return select_xp(xp)
+    if xp is np or xp is cupy_module():
+        return xp
+    raise TypeError(f"xp must be numpy, cupy, None or one of 'auto', 'cpu', 'gpu', got {type(xp).__name__} {xp!r}")
 
 
 def select_xp(device: str = "auto"):
@@ -297,6 +325,34 @@ def _gpu_info(device_id: int) -> DeviceInfo:
 
 
 # --------------------------------------------------------------------------- the NumPy backend's BLAS
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def use_cpu(xp, device: str, threads: int | None, note=print):
+    """Set up the NumPy backend for a run (nothing when ``xp`` is CuPy): say why it is the CPU when ``device``
+    was 'auto' and CuPy is installed (``note``: called with one line), and set NumPy's BLAS threads to
+    ``threads`` (``--cpu-threads``; None: 1, 0: the BLAS default), at most ``cpu_cores()``, with a note when
+    that caps it (more threads than cores only wait for each other)."""
+    if xp is not np:
+        return
+    if device == "auto" and cupy_module() is not None:
+        # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
+        note(f"no usable GPU, so this run trains on the CPU with NumPy (expected on a machine without a GPU; "
+             f"--device cpu skips the check): {gpu_unavailable_reason()}")
+    if threads == 0:
+        return
+    n, cores = threads or 1, cpu_cores()
+    if n > cores:
+        note(f"--cpu-threads {n} is more than the {cores} CPU core(s) this process may use: {cores} BLAS thread(s)")
+        n = cores
+    blas_threads(n)
 
 
 def blas_threads(n: int | None) -> int | None:

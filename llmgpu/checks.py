@@ -3,13 +3,15 @@
 A kernel trusts its pointers and sizes. Everything it cannot check (shape, dtype, contiguity,
 which device the array lives on) is checked here, naming the argument, so bad input raises a
 ValueError/TypeError in Python instead of a wrong answer or a crash inside CUDA. Also here: the
-``method`` and GPU-dtype checks every op makes, and the import of optional dependencies (cuBLASLt's
-nvmath-python, cuDNN's frontend) with a reason that says what to install.
+``method`` and GPU-dtype checks every op makes, the types of a configuration's fields and of token ids
+(integers are never rounded), and the import of optional dependencies (cuBLASLt's nvmath-python, cuDNN's
+frontend) with a reason that says what to install.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import fields
 
 import numpy as np
 
@@ -114,6 +116,66 @@ def check_out(out, shape, dtype, xp, name="out"):
     if backend.get_array_module(out) is not xp:
         raise TypeError(f"{name} must live on the same device as the inputs")
     check_array(name, out, shape=tuple(shape), dtype=dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- values of the user-facing API
+
+
+def is_integer(v) -> bool:
+    """A Python or NumPy integer, not a bool (True is an int to Python, never a count to a user)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+_FIELD_TYPES = {"int": (is_integer, "an integer"), "float": (_is_real, "a number"),
+                "str": (lambda v: isinstance(v, str), "a string"),
+                "bool": (lambda v: isinstance(v, (bool, np.bool_)), "true or false")}
+
+
+def check_field_types(obj, name_of=str, error=TypeError):
+    """``obj`` (a dataclass) when every field holds a value of its declared type, else ``error`` naming the field
+    (``name_of(field name)``: what the caller calls it, a flag for instance). An ``int`` field refuses 2.5 and True
+    (a count is never rounded), a ``float`` field takes integers, ``None`` only where the type says ``| None``."""
+    for f in fields(obj):
+        kinds = _type_names(f.type)
+        v = getattr(obj, f.name)
+        known = [k for k in kinds if k in _FIELD_TYPES]
+        if not known or (v is None and "None" in kinds) or any(_FIELD_TYPES[k][0](v) for k in known):
+            continue
+        want = " or ".join([_FIELD_TYPES[k][1] for k in known] + (["None"] if "None" in kinds else []))
+        raise error(f"{name_of(f.name)} must be {want}, got {type(v).__name__} {v!r}")
+    return obj
+
+
+def _type_names(t) -> list[str]:
+    """['int', 'None'] for ``int | None``, written as a string (``from __future__ import annotations``) or not."""
+    if isinstance(t, str):
+        return [k.strip() for k in t.split("|")]
+    args = getattr(t, "__args__", None)
+    if args:  # int | None, Optional[int]
+        return [n for a in args for n in _type_names(a)]
+    return ["None" if t is type(None) else getattr(t, "__name__", str(t))]
+
+
+def check_token_ids(ids, vocab_size: int, name="the prompt") -> list[int]:
+    """``ids`` as a list of Python ints: at least one, each an integer (1.0 is refused, not rounded) in
+    ``[0, vocab_size)``; a ValueError/TypeError naming ``name`` otherwise."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
+    ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    if not ids:
+        raise ValueError(f"{name} holds no token: give at least one")
+    bad = next((t for t in ids if not is_integer(t)), None)
+    if bad is not None:
+        raise TypeError(f"{name} must hold integer token ids, got {type(bad).__name__} {bad!r}")
+    out = [int(t) for t in ids]
+    bad = next((t for t in out if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} has token id {bad}, outside the model's vocabulary [0, {vocab_size})")
     return out
 
 

@@ -100,19 +100,22 @@ def add_interop_commands(sub):
     """``llmgpu eval``, ``prepare`` and ``export``: other people's models and data in, ours out."""
     from .train.config import CPU_DEFAULTS as CPU
     from .train.config import GPU_DEFAULTS as GPU
+    from .train.evaluate import EMBEDDED_EVAL_BATCHES
     from .train.prepare import SHARD_TOKENS, VAL_FRACTION
 
     e = sub.add_parser("eval", help="mean loss and perplexity of a model on held-out data (JSON)",
                        description="Mean next-token loss and perplexity of an llmgpu run or a Hugging Face GPT-2 "
                        "directory on token shards or text (tokenized with the model's tokenizer).")
     e.add_argument("--from", dest="src", required=True, metavar="DIR", help="run, checkpoint or Hugging Face dir")
-    e.add_argument("--data", required=True, help="text file, .bin shard, directory or glob (a directory with "
-                   "*val* shards: those)")
+    e.add_argument("--data", required=True, help="'stdlib' (the embedded corpus train uses by default: its "
+                   f"validation split, at most {EMBEDDED_EVAL_BATCHES} batches unless --max-batches), a text file, "
+                   ".bin shard, directory or glob (a directory with *val* shards: those)")
     e.add_argument("--batch", type=_int_at_least("--batch", 1), help=f"sequences per batch (default {GPU['batch']} on "
                    f"GPU, {CPU['batch']} on CPU)")
     e.add_argument("--seq", type=_int_at_least("--seq", 1), help=f"tokens per sequence (default {GPU['seq']} on "
                    f"GPU, {CPU['seq']} on CPU, at most the model's block size)")
-    e.add_argument("--max-batches", type=_int_at_least("--max-batches", 1), help="at most N batches (default: all)")
+    e.add_argument("--max-batches", type=_int_at_least("--max-batches", 1), help="at most N batches (default: all; "
+                   f"{EMBEDDED_EVAL_BATCHES} for stdlib)")
     e.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="compute precision (default "
                    "fp32)")
@@ -231,13 +234,10 @@ def cmd_sample(a) -> int:
     from .train import select_xp
     from .train.sampling import load_for_sampling, prompt_ids, sampling_settings
 
-    sampling_settings(a.temperature, a.top_k)
+    sampling_settings(a.temperature, a.top_k, a.seed)
     xp = select_xp(a.device)
     model, tok, _ = load_for_sampling(a.src, xp, a.dtype)
-    cfg = model.config
-    ids = prompt_ids(tok, a.prompt)
-    if max(ids) >= cfg.vocab_size:
-        raise UsageError(f"the prompt has token id {max(ids)} >= the model's vocabulary {cfg.vocab_size}")
+    ids = prompt_ids(tok, a.prompt, model.config.vocab_size)
     rng = np.random.default_rng(a.seed)
     for k in range(a.num_samples):
         out = model.generate(ids, a.tokens, temperature=a.temperature, top_k=a.top_k, rng=rng)
@@ -252,6 +252,8 @@ def cmd_eval(a) -> int:
 
     result = run_eval(a.src, a.data, batch=a.batch, seq=a.seq, max_batches=a.max_batches, device=a.device,
                       dtype=a.dtype, progress=not a.quiet)
+    for note in result["notes"]:  # what the evaluation chose (also in the JSON), as train says it: even with --quiet
+        print(f"llmgpu: note: {note}", file=sys.stderr)
     text = json.dumps(result, indent=1)
     if a.json:
         with open(a.json, "w") as f:

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,87 @@ def test_blas_threads_sets_and_reports_the_count():
     finally:
         if old:
             backend.blas_threads(old)
+
+
+# --------------------------------------------------------------------------- the CPU backend's threads, no GPU
+
+
+def test_cpu_threads_above_the_cores_are_capped_with_a_note(monkeypatch):
+    set_to, notes = [], []
+    monkeypatch.setattr(backend, "blas_threads", set_to.append)
+    cores = backend.cpu_cores()
+    assert cores >= 1
+    backend.use_cpu(np, "cpu", cores + 7, notes.append)
+    assert set_to == [cores] and len(notes) == 1 and f"--cpu-threads {cores + 7}" in notes[0]
+    backend.use_cpu(np, "cpu", cores, notes.append)  # at the cores: as asked, no note
+    backend.use_cpu(np, "cpu", None, notes.append)  # the default: one thread
+    backend.use_cpu(np, "cpu", 0, notes.append)  # the BLAS default: untouched
+    backend.use_cpu(object(), "gpu", 99, notes.append)  # not NumPy: nothing
+    assert set_to == [cores, cores, 1] and len(notes) == 1
+
+
+def test_a_run_with_too_many_cpu_threads_notes_the_cap(tmp_path):
+    from llmgpu.train import TrainConfig, Trainer
+
+    n = backend.cpu_cores() + 100
+    t = Trainer(TrainConfig(preset="tiny", device="cpu", batch=2, seq=16, steps=1, cpu_threads=n, progress=False,
+                            plot=False, sample_tokens=0, eval_every=0, out=str(tmp_path / "r")))
+    assert any(f"--cpu-threads {n} is more than the {backend.cpu_cores()} CPU core" in x for x in t.notes)
+    t.run()
+    assert any("--cpu-threads" in x for x in json.loads((tmp_path / "r" / "config.json").read_text())["notes"])
+
+
+class _FakeRuntime:
+    def __init__(self, error, driver):
+        self.error, self.driver = error, driver
+
+    def getDeviceCount(self):  # noqa: N802 - CUDA's name
+        raise self.error
+
+    def driverGetVersion(self):  # noqa: N802
+        return self.driver
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("error,driver,needle", [
+    ("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version", 0,
+     "no NVIDIA GPU/driver found"),
+    ("cudaErrorNoDevice: no CUDA-capable device is detected", 12080, "no NVIDIA GPU found"),
+    ("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version", 11040,
+     "driver version is insufficient"),  # a real old driver: CUDA's words are the right ones
+])  # fmt: skip
+def test_the_no_gpu_reason_says_what_the_machine_lacks(monkeypatch, error, driver, needle):
+    import sys
+    import types
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=_FakeRuntime(CUDARuntimeError(error), driver))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    backend._probe_cupy.cache_clear()
+    try:
+        reason = backend.gpu_unavailable_reason()
+        assert needle in reason and "\n" not in reason
+        if driver == 0:
+            assert "insufficient" not in reason
+    finally:
+        monkeypatch.undo()
+        backend._probe_cupy.cache_clear()  # the real probe again for the tests that follow
+
+
+@pytest.mark.parametrize("xp,want", [(None, np), (np, np), ("cpu", np), ("CPU", np), ("auto", np)])
+def test_resolve_xp_takes_modules_and_device_names(monkeypatch, xp, want):
+    monkeypatch.setenv("LLMGPU_DEVICE", "cpu")
+    assert backend.resolve_xp(xp) is want
+
+
+def test_resolve_xp_refuses_anything_else(monkeypatch):
+    with pytest.raises(ValueError, match="auto, cpu or gpu"):
+        backend.resolve_xp("tpu")
+    with pytest.raises(TypeError, match="xp must be numpy, cupy"):
+        backend.resolve_xp(pytest)
+    if not backend.gpu_available():
+        with pytest.raises(backend.GPUUnavailableError):
+            backend.resolve_xp("gpu")

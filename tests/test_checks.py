@@ -213,3 +213,56 @@ def test_gpu_path_reason_and_require_module(monkeypatch):
     with pytest.raises(LookupError, match="module missing"):
         require_module(importer, LookupError)
     assert require_module(lambda: (np, None), LookupError) is np
+
+
+# --------------------------------------------------------------------------- values of the user-facing API
+
+
+def test_check_token_ids_refuses_what_it_would_otherwise_round(rng):
+    v = int(rng.integers(2, 1000))
+    ids = rng.integers(0, v, int(rng.integers(1, 9)))
+    assert checks.check_token_ids(ids, v) == ids.tolist()  # a NumPy integer array: fine
+    assert checks.check_token_ids([np.int64(v - 1), 0], v) == [v - 1, 0]
+    for bad, err, needle in (([1.5], TypeError, "integer token ids"), ([2.0], TypeError, "float 2.0"),
+                             ([True], TypeError, "bool"), (np.array([1.0]), TypeError, "integer"),
+                             ([], ValueError, "no token"), ([v], ValueError, f"token id {v}"),
+                             ([-1], ValueError, "token id -1"), ("abc", TypeError, "sequence"),
+                             (7, TypeError, "sequence")):
+        with pytest.raises(err, match=needle):
+            checks.check_token_ids(bad, v, "prompt")
+
+
+def test_check_field_types_names_the_field_and_never_rounds():
+    from dataclasses import dataclass
+
+    @dataclass
+    class C:
+        n: int = 1
+        k: int | None = None
+        x: float = 0.5
+        s: str | None = None
+        b: bool | None = None
+
+    assert checks.check_field_types(C(n=np.int32(3), k=2, x=1, s="a", b=np.bool_(True)))
+    for kw, needle in ((dict(n=2.5), "n must be an integer, got float 2.5"), (dict(n=True), "n must be an integer"),
+                       (dict(k="2"), "k must be an integer or None"), (dict(x="1"), "x must be a number"),
+                       (dict(x=False), "x must be a number"), (dict(s=3), "s must be a string or None"),
+                       (dict(b=1), "b must be true or false or None"), (dict(n=None), "n must be an integer")):
+        with pytest.raises(TypeError, match=needle):
+            checks.check_field_types(C(**kw))
+    with pytest.raises(ValueError, match="--n must be"):
+        checks.check_field_types(C(n=1.0), lambda f: f"--{f}", ValueError)
+
+
+@pytest.mark.parametrize("field,value", [("steps", 2.5), ("steps", True), ("batch", 2.0), ("seq", "16"),
+                                         ("sample_tokens", 1.5), ("seed", 1.0), ("cpu_threads", 1.5),
+                                         ("lr", "3e-3"), ("prompt", 5), ("progress", 1)])
+def test_train_config_fields_of_the_wrong_type_are_refused_not_rounded(tmp_path, field, value):
+    from llmgpu.train import ConfigError, TrainConfig, train
+
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')} must be"):
+        train(TrainConfig(preset="tiny", device="cpu", batch=2, seq=16, steps=2, eval_every=0, plot=False,
+                          sample_tokens=0, progress=False, out=str(tmp_path / "r")), **{field: value})
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(TypeError, match=f"--{field.replace('_', '-')} must be"):  # a saved configuration
+        TrainConfig.from_dict({**TrainConfig().as_dict(), field: value})

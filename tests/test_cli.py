@@ -87,3 +87,60 @@ def test_bad_llmgpu_device_is_one_line_exit_2(monkeypatch, capsys, argv, one_err
     """LLMGPU_DEVICE=banana: one 'llmgpu: error:' line naming the variable and exit code 2, no traceback."""
     monkeypatch.setenv("LLMGPU_DEVICE", "banana")
     one_error_line(main(argv), "LLMGPU_DEVICE", "'banana'")
+
+
+# --------------------------------------------------------------------------- prompts and sampling settings
+
+BAD_SAMPLING = [
+    (["--prompt", "ids:"], ["--prompt ids:", "no token id"]),
+    (["--prompt", "ids: , ,"], ["--prompt ids:", "no token id"]),
+    (["--prompt", "ids:5,-1"], ["--prompt", "token id -1", "[0, 256)"]),
+    (["--prompt", "ids:256"], ["--prompt", "token id 256", "[0, 256)"]),
+    (["--prompt", "ids:1.5"], ["comma-separated integers"]),
+    (["--prompt", ""], ["--prompt is empty"]),
+    (["--prompt", "ab\udcff"], ["not valid UTF-8", "byte 0xff"]),  # how Python hands over argv bytes 'ab\xff'
+    (["--temperature", "1e-320"], ["--temperature", "below 1e-06", "give 0"]),
+    (["--temperature", "1e-7"], ["--temperature", "below 1e-06"]),
+    (["--temperature", "nan"], ["--temperature must be"]),
+    (["--seed", "-1"], ["--seed must be", "-1"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags,needles", BAD_SAMPLING)
+def test_train_refuses_bad_sample_settings_before_it_trains(tmp_path, flags, needles, one_error_line):
+    """The end-of-run sample's settings are checked at the door: one line, and no run directory written."""
+    out = tmp_path / "r"
+    one_error_line(main(["train", *TINY, "--steps", "2", "--sample-tokens", "4", "--out", str(out), *flags]),
+                   *needles)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sample") / "run"
+    assert main(["train", *TINY, "--steps", "1", "--eval-every", "0", "--sample-tokens", "0", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("flags,needles", BAD_SAMPLING)
+def test_sample_refuses_bad_settings_in_one_line(small_run, flags, needles, capsys, one_error_line):
+    capsys.readouterr()
+    one_error_line(main(["sample", "--from", str(small_run), "--device", "cpu", "--tokens", "3", *flags]), *needles)
+
+
+def test_sampling_at_the_edges_that_work(small_run, capsys):
+    """Temperature 0 (greedy) and at MIN_TEMPERATURE give the same most-likely text; ids at the vocabulary's ends."""
+    def sample(*flags):
+        assert main(["sample", "--from", str(small_run), "--device", "cpu", "--tokens", "6", *flags]) == 0
+        return capsys.readouterr().out
+
+    assert sample("--temperature", "0") == sample("--temperature", "1e-6", "--seed", "7")
+    assert sample("--prompt", "ids:0,255")
+
+
+def test_non_utf8_prompt_bytes_from_a_shell_are_one_line(small_run):
+    r = subprocess.run([sys.executable, "-m", "llmgpu", "sample", "--from", str(small_run), "--device", "cpu",
+                        "--prompt", b"caf\xe9"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "llmgpu: error: --prompt is not valid UTF-8 text (byte 0xe9 at character 3); give UTF-8 text or token ids "
+        "(ids:...)"], r.stderr

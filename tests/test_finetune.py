@@ -13,7 +13,7 @@ from llmgpu.cli import main
 from llmgpu.interop import hf
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.train import ConfigError, TrainConfig, Trainer, resolve
-from llmgpu.train.checkpoint import load_checkpoint
+from llmgpu.train.checkpoint import CheckpointError, load_checkpoint
 from llmgpu.train.config import CPU_DEFAULTS, FINETUNE_DEFAULTS
 
 pytestmark = pytest.mark.ch7
@@ -95,3 +95,25 @@ def test_init_of_a_path_that_is_not_there(tmp_path, one_error_line):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     one_error_line(main(["train", "--init", str(bad), *FLAGS]), "model_type 'llama'")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_hugging_face_weights_are_one_line_everywhere(tmp_path, rng, bad, one_error_line):
+    """--init of a Hugging Face directory whose weights hold inf/nan: one line naming the file and the tensor,
+    before any run directory exists, as eval, sample and export say it."""
+    m = GPT(BYTES, xp=np, seed=int(rng.integers(1000)))
+    sd = m.state_dict()
+    name = sorted(sd)[int(rng.integers(len(sd)))]
+    sd[name] = sd[name].copy()
+    sd[name].flat[int(rng.integers(sd[name].size))] = bad
+    d = hf.export_hf(tmp_path / "hf", BYTES, sd, tokenizer="bytes")
+    needles = [str(d / "model.safetensors"), "inf/nan", name]
+    one_error_line(main(["train", "--init", str(d), *FLAGS, "--out", str(tmp_path / "r")]), *needles)
+    assert not (tmp_path / "r").exists()
+    one_error_line(main(["eval", "--from", str(d), "--data", str(d / "config.json"), "--device", "cpu", "--quiet"]),
+                   *needles)
+    one_error_line(main(["sample", "--from", str(d), "--device", "cpu", "--tokens", "2"]), *needles)
+    one_error_line(main(["export", "--from", str(d), "--to", str(tmp_path / "x")]), *needles)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(CheckpointError, match="inf/nan"):
+        llmgpu.from_pretrained(d, xp=np)

@@ -126,6 +126,22 @@ def test_safetensors_files_agree_with_the_safetensors_package(tmp_path, rng):
     assert st.read_metadata(tmp_path / "theirs.safetensors") == {"format": "np"}
 
 
+def test_safetensors_keeps_0d_tensors_as_shape_empty(tmp_path, rng):
+    """A scalar (shape ()) stays a scalar: np.ascontiguousarray would have stored it as shape [1]."""
+    x = float(rng.standard_normal())
+    arrays = {"f32": np.array(x, np.float32), "np_scalar": np.float64(x), "i64": np.array(int(rng.integers(99)), ">i8"),
+              "bf16": np.array(x, np.float32).astype(llmgpu.backend.bfloat16), "row": np.full((1,), x, np.float32)}
+    p = st.save_file(tmp_path / "s.safetensors", arrays)
+    assert {k: v[1] for k, v in st.read_header(p)[0].items()} == {"f32": (), "np_scalar": (), "i64": (), "bf16": (),
+                                                                 "row": (1,)}
+    back = st.load_file(p)
+    for k, a in arrays.items():
+        assert back[k].shape == np.shape(a) and back[k].dtype == np.dtype(a.dtype).newbyteorder("<"), k
+        assert back[k].astype(np.float64) == np.asarray(a).astype(np.float64).reshape(back[k].shape), k
+    ref = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+    assert {k: v.shape for k, v in ref.load_file(str(p)).items()}["f32"] == ()
+
+
 @pytest.mark.parametrize("how", ["truncated", "longer", "garbage", "short", "json", "offsets", "dtype"])
 def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, how):
     p = st.save_file(tmp_path / "w.safetensors", {"a": np.ones(8, np.float32), "b": np.zeros(4, np.float32)})
@@ -387,6 +403,45 @@ def test_llmgpu_export_round_trip_from_a_run(tmp_path, rng, capsys, one_error_li
     one_error_line(main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]), "is not empty", "--overwrite")
     assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf"), "--overwrite"]) == 0
     one_error_line(main(["export", "--from", str(tmp_path / "nothing"), "--to", str(tmp_path / "y")]), "does not exist")
+
+
+def test_export_never_writes_over_the_model_it_reads_or_a_run(tmp_path, capsys, one_error_line):
+    """--to the run's own directory (or its checkpoint/) would replace the run's config.json and weights: refused,
+    also with --overwrite; so is another run, and the Hugging Face directory an export reads."""
+    out = _run(tmp_path)
+    other = _run(tmp_path, "other")
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for to in (out, out / "checkpoint"):
+        one_error_line(main(["export", "--from", str(out), "--to", str(to), "--overwrite"]), f"--to {to}",
+                       "where the model comes from")
+    one_error_line(main(["export", "--from", str(out), "--to", str(other), "--overwrite"]), "holds an llmgpu run")
+    one_error_line(main(["export", "--from", str(out), "--to", str(other / "checkpoint"), "--overwrite"]),
+                   "holds an llmgpu run or checkpoint")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing of the run changed
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]) == 0
+    one_error_line(main(["export", "--from", str(tmp_path / "hf"), "--to", str(tmp_path / "hf"), "--overwrite"]),
+                   "where the model comes from")
+    capsys.readouterr()
+    assert main(["export", "--from", str(tmp_path / "hf"), "--to", str(tmp_path / "hf2")]) == 0  # elsewhere: fine
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf2"), "--overwrite"]) == 0  # an export: fine
+
+
+@pytest.mark.parametrize("xp", [None, np, "cpu", "auto", "CPU"])
+def test_from_pretrained_takes_the_device_names_of_the_rest_of_the_api(tmp_path, monkeypatch, xp):
+    monkeypatch.setenv("LLMGPU_DEVICE", "cpu")  # 'auto' and None: NumPy here, whatever the machine
+    out = _run(tmp_path)
+    m = llmgpu.from_pretrained(out, xp=xp)
+    assert m.xp is np and np.array_equal(m.state_dict()["transformer.wte.weight"],
+                                         load_pretrained(out).weights["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("xp,err,needle", [("banana", ValueError, "auto, cpu or gpu"),
+                                           ("numpy", ValueError, "'numpy'"), (math, TypeError, "xp must be")])
+def test_from_pretrained_refuses_other_xp_in_one_line_before_reading(tmp_path, xp, err, needle):
+    with pytest.raises(err, match=needle) as e:
+        llmgpu.from_pretrained(tmp_path / "not-read", xp=xp)  # the xp is checked first: no 'does not exist'
+    assert "\n" not in str(e.value)
 
 
 def test_sample_and_eval_read_a_hugging_face_directory(tmp_path, rng, capsys):

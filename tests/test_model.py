@@ -245,7 +245,7 @@ def test_generate_and_sampling_rules(rng):
     assert draws == {1, 3}
     with pytest.raises(ValueError, match="vocab|\\[0, 37\\)"):
         m.generate([40], 1)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="holds no token"):
         m.generate([], 1)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from llmgpu.cli import main
 from llmgpu.interop import hf
 from llmgpu.model import GPT, GPTConfig
-from llmgpu.train import TrainConfig, Trainer, evaluate
+from llmgpu.train import ConfigError, TrainConfig, Trainer, evaluate
 from llmgpu.train import prepare as prep
 from llmgpu.train.data import SHARD_HEADER_INTS, SHARD_MAGIC, BatchLoader, load_corpus, read_shard
 from llmgpu.train.pretrained import from_pretrained
@@ -256,3 +258,117 @@ def test_eval_tokenizes_text_with_the_models_bpe(tmp_path, tiny_bpe, monkeypatch
     f.write_text(TEXT, encoding="utf-8")
     arrays, tok, _ = evaluate.eval_tokens(str(f), "gpt2")
     assert tok == "gpt2" and arrays[0].tolist() == [tiny_bpe.eot] + tiny_bpe._enc.encode_ordinary(TEXT)
+
+
+# --------------------------------------------------------------------------- --overwrite never loses the old output
+
+def _snapshot(d):
+    return {p.relative_to(d): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fault", ["tokenizing", "ctrl-c", "writing shards", "publishing"])
+def test_a_failed_overwrite_keeps_the_old_output_and_no_staging(tmp_path, monkeypatch, fault):
+    src = _inputs(tmp_path, 3)
+    out = tmp_path / "s"
+    prep.prepare([src], out, tokenizer="bytes", val_fraction=0.2, shard_tokens=300, progress=False)
+    (out / "notes.md").write_text("the user's own file")
+    before = _snapshot(out)
+    real_tokenize, real_replace, calls = prep._tokenize_to_file, os.replace, []
+
+    def tokenize(task):
+        calls.append(task)
+        if len(calls) == 2:
+            raise KeyboardInterrupt if fault == "ctrl-c" else OSError(28, "No space left on device", str(task[1]))
+        return real_tokenize(task)
+
+    def replace(a, b):  # fails once two new files are in place and the old ones moved aside
+        calls.append(b)
+        if Path(b).parent == out and len([c for c in calls if Path(c).parent == out]) == 3:
+            raise OSError(5, "Input/output error", str(b))
+        return real_replace(a, b)
+
+    if fault in ("tokenizing", "ctrl-c"):
+        monkeypatch.setattr(prep, "_tokenize_to_file", tokenize)
+    elif fault == "writing shards":
+        monkeypatch.setattr(prep, "write_shard", lambda path, tokens: (_ for _ in ()).throw(OSError(28, "full")))
+    else:
+        monkeypatch.setattr(prep.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt if fault == "ctrl-c" else OSError):
+        prep.prepare([src], out, tokenizer="bytes", val_fraction=0.5, shard_tokens=200, workers=1, overwrite=True,
+                     progress=False)
+    monkeypatch.undo()
+    assert _snapshot(out) == before  # the old shards, prepare.json and the user's file, byte for byte
+    assert not (out / prep.STAGING).exists()
+
+
+def test_a_failed_prepare_into_a_new_directory_leaves_no_directory(tmp_path, one_error_line):
+    src = _inputs(tmp_path, 1)
+    one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "a" / "b" / "c"), "--tokenizer", "bytes",
+                         "--val-fraction", "0.99999999", "--quiet"]), "nothing left to train on")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("layout", ["out inside the input directory", "out is the input directory"])
+def test_overwrite_with_out_inside_the_inputs_reads_none_of_its_own_files(tmp_path, capsys, layout):
+    """Its own shards, prepare.json (a .json, a text suffix) and staging are never inputs; a second --overwrite
+    gives the same shards as the first, and those of a prepare into a directory elsewhere."""
+    src = _inputs(tmp_path, 3)
+    out = src / "shards" if layout.startswith("out inside") else src
+    elsewhere = tmp_path / "elsewhere"
+    args = ["--tokenizer", "bytes", "--val-fraction", "0.25", "--shard-tokens", "400", "--quiet"]
+    assert main(["prepare", str(src), "--out", str(elsewhere), *args]) == 0
+    assert main(["prepare", str(src), "--out", str(out), *args]) == 0
+    first = {k: v for k, v in _snapshot(out).items() if k.suffix == ".bin"}
+    assert main(["prepare", str(src), "--out", str(out), *args, "--overwrite"]) == 0
+    assert main(["prepare", f"{src}/**", "--out", str(out), *args, "--overwrite"]) == 0  # a glob too
+    shards = {k: v for k, v in _snapshot(out).items() if k.suffix == ".bin"}
+    assert shards == first == {k: v for k, v in _snapshot(elsewhere).items() if k.suffix == ".bin"}
+    info = json.loads((out / "prepare.json").read_text())
+    assert sorted(Path(p).name for p in info["inputs"]) == ["doc0.txt", "doc1.txt", "doc2.txt"]
+    assert not (out / prep.STAGING).exists() and "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(shard_tokens=2.5), "--shard-tokens must be an integer"),
+                                       (dict(shard_tokens=True), "--shard-tokens must be an integer"),
+                                       (dict(workers=1.0), "--workers must be an integer")])
+def test_prepare_counts_are_integers(tmp_path, kw, needle):
+    with pytest.raises(DataError, match=needle):
+        prep.prepare([_inputs(tmp_path, 1)], tmp_path / "s", tokenizer="bytes", progress=False, **kw)
+    assert not (tmp_path / "s").exists()
+
+
+# --------------------------------------------------------------------------- eval --data stdlib
+
+def test_eval_of_stdlib_is_its_validation_split_with_a_bounded_default(tmp_path, capsys, monkeypatch):
+    """What a user who trained on the default corpus types: the split train held out (the run's --val-fraction),
+    at most EMBEDDED_EVAL_BATCHES batches unless --max-batches, and it says so (JSON notes and stderr)."""
+    out = _run(tmp_path)
+    monkeypatch.setattr(evaluate, "EMBEDDED_EVAL_BATCHES", 3)  # the bound, small enough for a test
+    capsys.readouterr()
+    assert main(["eval", "--from", str(out), "--data", "stdlib", "--batch", "2", "--seq", "16", "--device", "cpu",
+                 "--quiet"]) == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    assert r["batches"] == 3 and any("validation split" in n for n in r["notes"])
+    assert any("at most 3 batches" in n and "--max-batches" in n for n in r["notes"])
+    assert all(f"llmgpu: note: {n}" in cap.err for n in r["notes"])
+    val = load_corpus("stdlib", val_fraction=TrainConfig().val_fraction).val
+    want = evaluate.evaluate(from_pretrained(out, xp=np), val, batch=2, seq=16, max_batches=3, progress=False)
+    assert r["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    r2 = evaluate.run_eval(str(out), "stdlib", batch=2, seq=16, max_batches=2, device="cpu", progress=False)
+    assert r2["batches"] == 2 and not any("at most" in n for n in r2["notes"])
+
+
+def test_eval_help_lists_stdlib(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "'stdlib' (the embedded corpus" in text and f"at most {evaluate.EMBEDDED_EVAL_BATCHES} batches" in text
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(max_batches=2.5), "--max-batches"), (dict(batch=2.0), "--batch"),
+                                       (dict(seq=True), "--seq")])
+def test_eval_counts_are_integers(tmp_path, kw, needle):
+    out = _run(tmp_path)
+    with pytest.raises(ConfigError, match=f"{needle} must be an integer"):
+        evaluate.run_eval(str(out), "stdlib", **{"batch": 2, "seq": 16, **kw}, device="cpu", progress=False)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 from llmgpu.cli import main
 from llmgpu.interop.safetensors import load_file, save_file
-from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve
+from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve, rundir
 from llmgpu.train import checkpoint as ck
 from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 
@@ -345,3 +346,111 @@ def test_overwrite_is_never_inherited_from_the_checkpoint(tmp_path):
     Trainer(TrainConfig(**FAST, steps=4, overwrite=True, out=str(a))).run(stop_at=2)
     with pytest.raises(ConfigError, match="already holds a run"):  # --overwrite was the first run's, not this one's
         Trainer(TrainConfig(resume=str(a), out=str(b)))
+
+
+# --------------------------------------------------------------------------- metadata of the wrong type
+
+@pytest.mark.parametrize("key,value", [
+    ("step", "2"), ("step", 2.0), ("step", True), ("step", None), ("step", -3), ("total_steps", "4"),
+    ("total_steps", 0), ("world_size", "1"), ("budget_fitted", "no"), ("tokenizer", 5), ("dtype", ["fp32"]),
+    ("model_config", "tiny"), ("train_config", [1]), ("optimizer", 1), ("scaler", "x"), ("data", []), ("rng", "x"),
+    ("train_config.batch", "2"), ("train_config.steps", 2.5), ("train_config.seed", True),
+])  # fmt: skip
+def test_resume_metadata_of_the_wrong_type_is_one_line_naming_the_file(tmp_path, capsys, key, value, one_error_line):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    meta_file = out / "checkpoint" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    where, _, field = key.partition(".")
+    (meta[where] if field else meta)[field or key] = value
+    meta_file.write_text(json.dumps(meta))
+    one_error_line(main(["train", "--resume", str(out), "--steps", "3"]), str(meta_file), field or key)
+    if not field:  # llmgpu sample reads the same metadata (not the training configuration)
+        one_error_line(main(["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"]), str(meta_file), key)
+
+
+# --------------------------------------------------------------------------- one writer; a finished run stays
+
+def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, capsys):
+    out = tmp_path / "r"
+    with rundir.run_lock(out):
+        owner = json.loads((out / rundir.LOCK_FILE).read_text())
+        assert owner["pid"] == os.getpid() and owner["host"]
+        with pytest.raises(ConfigError, match=rf"{out} is being written by another llmgpu process \(pid {os.getpid()}"):
+            with rundir.run_lock(out):
+                pass
+        rundir.refuse_if_in_use(out)  # this process's own lock: the set-up check leaves it to run_lock
+    assert not (out / rundir.LOCK_FILE).exists()  # released: nothing left behind
+    (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": 999999999, "host": "gone", "since": "then"}))
+    notes = []
+    with rundir.run_lock(out, notes):
+        assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert len(notes) == 1 and "took over" in notes[0] and "pid 999999999 on gone" in notes[0]
+    assert f"llmgpu: note: {notes[0]}" in capsys.readouterr().err
+    with rundir.run_lock(out, enabled=False):  # ranks other than 0
+        assert not (out / rundir.LOCK_FILE).exists()
+
+
+def test_a_second_process_on_a_running_run_is_refused_and_a_killed_ones_lock_taken_over(tmp_path, capsys,
+                                                                                         one_error_line):
+    """Two processes: the first resumes a run for (nearly) ever; a second --resume, or a new run with --overwrite
+    into the same directory, is one line naming the first's pid and writes nothing. Once the first is killed
+    (SIGKILL leaves its run.lock behind), a resume takes the lock over with a note."""
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "llmgpu", "train", "--resume", str(out), "--steps", "1000000",
+                             "--log-every", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / rundir.LOCK_FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and (out / rundir.LOCK_FILE).exists(), "the first run never took its lock"
+        one_error_line(main(["train", "--resume", str(out), "--steps", "5"]), f"pid {proc.pid}", "being written")
+        one_error_line(main(["train", *TINY, "--steps", "2", "--out", str(out), "--overwrite"]), f"pid {proc.pid}")
+        assert (out / "checkpoint").is_dir() and proc.poll() is None  # neither touched the run nor stopped it
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert (out / rundir.LOCK_FILE).exists()  # SIGKILL: no clean-up ran
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 0
+    assert f"took over {out / rundir.LOCK_FILE}" in capsys.readouterr().err
+    assert not (out / rundir.LOCK_FILE).exists() and load_checkpoint(out)[1]["step"] == 4
+    notes = json.loads((out / "config.json").read_text())["notes"]
+    assert any(f"pid {proc.pid}" in n for n in notes)
+
+
+def test_resuming_a_finished_run_leaves_it_as_it_was(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "3", "--eval-every", "2", "--sample-tokens", "4", "--out", str(out)]) == 0
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["first_val_loss"] is not None and saved["train_loss"] is not None
+    capsys.readouterr()
+    for extra, needle in (([], "has done its 3 steps"), (["--steps", "3"], "has done its 3 steps"),
+                          (["--steps", "2"], "is at step 3, past --steps 2")):
+        assert main(["train", "--resume", str(out), *extra]) == 0
+        err = capsys.readouterr().err
+        assert needle in err and "nothing to train" in err and "Traceback" not in err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # not a byte changed
+    s = Trainer(TrainConfig(resume=str(out))).run()
+    assert {k: v for k, v in s.items() if k != "notes"} == {k: v for k, v in saved.items() if k not in ("notes",
+                                                                                                    "sample")}
+    # stopped between its last checkpoint and its summary: it finishes now, the figures from its log
+    (out / "summary.json").unlink()
+    assert main(["train", "--resume", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    for k in ("steps", "stop_reason", "first_val_loss", "val_loss", "train_loss", "tokens", "skipped_steps"):
+        assert again[k] == saved[k], k
+
+
+def test_a_checkpoint_of_step_0_resumes(tmp_path):
+    """A run stopped before its first step saved a checkpoint of step 0: --resume continues it (it used to be
+    taken for a new run and refused as 'already holds a run')."""
+    out = tmp_path / "r"
+    s = Trainer(TrainConfig(**FAST, steps=3, out=str(out))).run(stop_at=0)
+    assert s["steps"] == 0 and load_checkpoint(out)[1]["step"] == 0
+    assert Trainer(TrainConfig(resume=str(out))).run()["steps"] == 3
+    assert _train_steps(out) == [1, 2, 3]

@@ -58,7 +58,9 @@ def save_file(path, arrays: dict, metadata: dict | None = None, *, fsync: bool =
         if not isinstance(k, str) or k == "__metadata__":
             raise ValueError(f"safetensors: bad tensor name {k!r}")
         a = np.asarray(backend.to_numpy(a))
-        host[k] = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+        # np.require, not np.ascontiguousarray: that one makes a 0-d tensor (a scalar, shape ()) 1-d
+        host[k] = np.require(a, dtype=a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype,
+                             requirements="C")
     header, offset = {}, 0
     if metadata:
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]

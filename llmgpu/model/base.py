@@ -29,6 +29,7 @@ import math
 import numpy as np
 
 from .. import backend
+from ..checks import check_token_ids
 from ..ops.cross_entropy import cross_entropy_forward
 from ..optim.params import ALIGN, FlatParams
 from .config import WTE, GPTConfig, activation_bytes, param_shapes
@@ -221,12 +222,7 @@ class GPTBase:
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         rng = rng or np.random.default_rng(seed)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt must hold at least one token")
-        V = self.config.vocab_size
-        if max(ids) >= V or min(ids) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {V})")
+        ids = check_token_ids(prompt, self.config.vocab_size, "the prompt")  # integers in [0, V), at least one
         for _ in range(max_new_tokens):
             ctx = np.asarray(ids[-self.config.block_size:], dtype=np.int32)[None, :]
             logits, _ = self.forward(backend.to_device(ctx, self.xp), last_only=True)

@@ -17,8 +17,8 @@ earlier versions (weights in ``model.npz``) still load.
 Writes go to ``<dir>.tmp`` first (every file flushed to disk), then ``<dir>`` moves to ``<dir>.old``, the
 new one takes its place and ``.old`` goes: a save that fails or is killed at any point leaves the last
 complete checkpoint readable (``find_checkpoint`` falls back to ``<dir>.old`` when the swap was cut short).
-Anything unreadable (a truncated file, a missing file, another format) is a ``CheckpointError`` whose
-one-line message names the file.
+Anything unreadable (a truncated file, a missing file, another format, a value of the wrong type in
+``meta.json``) is a ``CheckpointError`` whose one-line message names the file.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import is_integer
 from ..interop import safetensors
 from ..ops.flash_attention import KernelChoices, choices_unavailable
 
@@ -138,6 +139,28 @@ def find_checkpoint(path) -> Path:
 
 # what every reader of a checkpoint relies on
 REQUIRED_META = ("model_config", "step")
+# the type of each value meta.json may hold (a key that is absent is the reader's business; older checkpoints
+# lack some): a hand-edited or damaged file is refused here, in one line naming it, not deep inside a resume
+_COUNT = ("a whole number >= 0", lambda v: is_integer(v) and v >= 0)
+_OBJECT = ("a JSON object", lambda v: isinstance(v, dict))
+META_TYPES = {
+    "step": _COUNT, "world_size": ("a whole number >= 1", lambda v: is_integer(v) and v >= 1),
+    "total_steps": ("null or a whole number >= 1", lambda v: v is None or (is_integer(v) and v >= 1)),
+    "budget_fitted": ("true or false", lambda v: isinstance(v, bool)),
+    "dtype": ("a string", lambda v: isinstance(v, str)), "tokenizer": ("a string", lambda v: isinstance(v, str)),
+    "model_config": _OBJECT, "train_config": _OBJECT, "optimizer": _OBJECT, "scaler": _OBJECT, "data": _OBJECT,
+    "rng": _OBJECT,
+}  # fmt: skip
+
+
+def check_meta(meta: dict, path) -> dict:
+    """``meta`` (a checkpoint's meta.json, read from ``path``) when every value has its type (``META_TYPES``),
+    else a CheckpointError naming the file, the key and what it holds."""
+    for key, (want, ok) in META_TYPES.items():
+        if key in meta and not ok(meta[key]):
+            raise CheckpointError(f"{path}: {key!r} must be {want}, got {type(meta[key]).__name__} {meta[key]!r} "
+                                  "(a damaged or edited file)")
+    return meta
 
 
 def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict | None]:
@@ -153,6 +176,7 @@ def load_checkpoint(path, *, with_optim: bool = True) -> tuple[dict, dict, dict 
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise CheckpointError(f"{d / META_FILE} lacks {', '.join(missing)}")
+    check_meta(meta, d / META_FILE)
     weights = model_file(d)
     model = _load_npz(weights) if weights.suffix == ".npz" else _load_weights(weights)
     optim = _load_npz(d / OPTIM_FILE) if with_optim and (d / OPTIM_FILE).is_file() else None

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import backend
 from ..amp import Policy
+from ..checks import check_field_types
 from ..gemm import cublaslt
 from ..model import PRESETS
 from ..model.options import FLASH_KERNELS
@@ -131,7 +132,7 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> TrainConfig:
         """A config from a saved dict (a checkpoint's), ignoring keys this version does not know."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return check_field_types(cls(**{k: v for k, v in d.items() if k in names}), flag_of)  # TypeError: damaged
 
 
 # what a resumed run may take from the command line: its length and schedule, its cadences, the machine's
@@ -250,6 +251,7 @@ def validate(cfg: TrainConfig):
     def finite(x):
         return isinstance(x, (int, float)) and math.isfinite(x)
 
+    check_field_types(cfg, flag_of, ConfigError)  # --steps 2.5 is refused, not rounded
     if cfg.init:  # the model is the weights' (pretrained.init_config sets the block size)
         need(cfg.preset is None, f"--init takes the model's shape from its weights: drop --preset {cfg.preset}")
         need(cfg.block_size is not None, "--init: the block size comes from the weights (pretrained.init_config)")
@@ -289,6 +291,7 @@ def validate(cfg: TrainConfig):
     need(cfg.sample_tokens >= 0, f"--sample-tokens must be >= 0, got {cfg.sample_tokens}")
     need(finite(cfg.temperature) and cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}")
     need(cfg.top_k is None or cfg.top_k >= 1, f"--top-k must be >= 1, got {cfg.top_k}")
+    need(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
     need(cfg.time_budget_probe >= 1, f"time_budget_probe must be >= 1, got {cfg.time_budget_probe}")
     need(cfg.nproc >= 1, f"--nproc must be >= 1, got {cfg.nproc}")
     need(cfg.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {cfg.zero}")

@@ -1,7 +1,8 @@
 """``llmgpu eval``: the mean loss and perplexity of a model on held-out data.
 
 The model comes from an llmgpu run or a Hugging Face GPT-2 directory (``pretrained.py``); the data is
-token shards or text (``data.py``'s sources). Text is tokenized with the model's tokenizer (in memory: an
+token shards, text or the embedded corpus (``data.py``'s sources; 'stdlib': its validation split, at most
+``EMBEDDED_EVAL_BATCHES`` batches by default). Text is tokenized with the model's tokenizer (in memory: an
 evaluation set, not a training corpus; ``llmgpu prepare`` makes shards of large ones); a directory or glob
 that holds ``*val*`` shards next to training shards is evaluated on the validation shards only.
 
@@ -19,20 +20,31 @@ import time
 import numpy as np
 
 from .. import backend
-from .config import CPU_DEFAULTS, GPU_DEFAULTS, ConfigError, select_xp
-from .data import BatchLoader, DataError, load_corpus
+from ..checks import is_integer
+from .config import CPU_DEFAULTS, GPU_DEFAULTS, ConfigError, TrainConfig, select_xp
+from .data import EMBEDDED, BatchLoader, DataError, load_corpus
 from .pretrained import build_model, load_pretrained
 from .report import Progress
 from .tokenizers import get_tokenizer
 
+EMBEDDED_NAMES = (EMBEDDED, "embedded")  # --data names of the embedded corpus
+EMBEDDED_EVAL_BATCHES = 100  # its validation split's default bound: ~0.1M tokens on a CPU, all of it on a GPU
+VAL_FRACTION = TrainConfig().val_fraction  # the share train holds out by default
 
-def eval_tokens(data: str, tokenizer: str | None) -> tuple[list, str, list[str]]:
+
+def eval_tokens(data: str, tokenizer: str | None, val_fraction: float = VAL_FRACTION) -> tuple[list, str, list[str]]:
     """(token arrays, their tokenizer, notes) of the evaluation data ``data`` for a model reading
-    ``tokenizer`` tokens (None: unknown, the data's are taken as they are)."""
-    corpus = load_corpus(data, val_fraction=0.0)
+    ``tokenizer`` tokens (None: unknown, the data's are taken as they are). The embedded corpus ('stdlib'):
+    its validation split, the last ``val_fraction`` of it, as ``train`` holds it out."""
+    embedded = data in EMBEDDED_NAMES
+    corpus = load_corpus(data, val_fraction=val_fraction if embedded else 0.0)
     notes = list(corpus.notes)
     arrays = corpus.train
-    if corpus.val:
+    if embedded:
+        arrays = corpus.val
+        notes.append(f"--data {data}: the embedded corpus' validation split (its last {val_fraction:g}, "
+                     f"{corpus.n_val:,} tokens), which training holds out")
+    elif corpus.val:
         arrays = corpus.val
         notes.append(f"{data} holds training and validation shards: evaluating on the {len(arrays)} validation "
                      "shard(s)")
@@ -40,7 +52,7 @@ def eval_tokens(data: str, tokenizer: str | None) -> tuple[list, str, list[str]]
         return arrays, corpus.tokenizer, notes
     if corpus.tokenizer == "bytes" and tokenizer == "gpt2":  # text: tokenize it as prepare does, one document a file
         tok = get_tokenizer("gpt2", required=True)
-        arrays = [np.concatenate([[tok.eot], tok.encode_bytes(a.tobytes())]).astype(np.uint16) for a in corpus.train]
+        arrays = [np.concatenate([[tok.eot], tok.encode_bytes(a.tobytes())]).astype(np.uint16) for a in arrays]
         return arrays, "gpt2", notes
     raise DataError(f"{data} holds {corpus.tokenizer} tokens but the model reads {tokenizer} tokens")
 
@@ -48,6 +60,9 @@ def eval_tokens(data: str, tokenizer: str | None) -> tuple[list, str, list[str]]
 def evaluate(model, arrays: list, *, batch: int, seq: int, max_batches: int | None = None, progress: bool = True,
              stream=None) -> dict:
     """Mean loss and perplexity of ``model`` on the windows of ``arrays`` (see the module docstring)."""
+    for name, v in (("--batch", batch), ("--seq", seq), ("--max-batches", max_batches)):
+        if (v is not None or name != "--max-batches") and (not is_integer(v) or v < 1):
+            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
     if seq > model.config.block_size:
         raise ConfigError(f"--seq {seq} exceeds the model's block size {model.config.block_size}")
     windows = sum((a.size - 1) // seq for a in arrays if a.size > seq)
@@ -81,11 +96,24 @@ def run_eval(src: str, data: str, *, batch: int | None = None, seq: int | None =
     d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
     pre = load_pretrained(src)
     model = build_model(pre, dtype=dtype, xp=xp)
-    arrays, tok, notes = eval_tokens(data, pre.tokenizer)
+    arrays, tok, notes = eval_tokens(data, pre.tokenizer, _held_out_share(pre))
+    backend.use_cpu(xp, device, None, notes.append)  # on NumPy: one BLAS thread, as train (small GEMMs)
+    if data in EMBEDDED_NAMES and max_batches is None:
+        max_batches = EMBEDDED_EVAL_BATCHES
+        notes.append(f"at most {max_batches} batches of it by default (--max-batches N sets another bound)")
     seq = seq or min(d["seq"], pre.config.block_size)
     out = evaluate(model, arrays, batch=batch or d["batch"], seq=seq, max_batches=max_batches, progress=progress)
     return {**out, "model": pre.source, "data": data, "tokenizer": tok, "dtype": dtype,
             "device": backend.device_info(xp).summary(), "notes": notes}
 
 
-__all__ = ["eval_tokens", "evaluate", "run_eval"]
+def _held_out_share(pre) -> float:
+    """The share of the embedded corpus a run trained on it held out (its --val-fraction), else train's default."""
+    cfg = pre.meta.get("train_config") if pre.kind == "llmgpu" else None
+    if isinstance(cfg, dict) and cfg.get("data") in (None, "", *EMBEDDED_NAMES) and cfg.get("val_data") is None \
+            and isinstance(cfg.get("val_fraction"), float) and 0 < cfg["val_fraction"] < 1:
+        return cfg["val_fraction"]
+    return VAL_FRACTION
+
+
+__all__ = ["EMBEDDED_EVAL_BATCHES", "eval_tokens", "evaluate", "run_eval"]

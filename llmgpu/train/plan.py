@@ -127,4 +127,14 @@ def warmup_note(warmup: int, total_steps: int) -> str:
             "never decays")
 
 
-__all__ = ["RunPlan", "SavedRun", "plan_config", "plan_model", "warmup_note"]
+def fitted_total_steps(cfg, step: int, per_step: float, elapsed: float, *, first: bool) -> int:
+    """The schedule's length that ends a ``--max-time`` run on time, from the measured seconds per step after
+    ``step`` steps and ``elapsed`` seconds; ``step`` itself means stop now. The ``first`` fit adds the evaluations,
+    not yet in the measurement: each reads eval_batches steps' worth of sequences forward only, a third of a step."""
+    if first and cfg.eval_every:
+        per_step *= 1.0 + cfg.eval_batches / (3.0 * cfg.eval_every)
+    remaining = 0.97 * cfg.max_time - elapsed
+    return step + max(0, int(remaining / max(per_step, 1e-9)))
+
+
+__all__ = ["RunPlan", "SavedRun", "fitted_total_steps", "plan_config", "plan_model", "warmup_note"]

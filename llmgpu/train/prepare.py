@@ -8,6 +8,11 @@ of ``shard_tokens`` (``train_000000.bin``, ..., ``data.write_shard``: llm.c's fo
 uint16 tokens), the last ``val_fraction`` of the stream into ``val_000000.bin``, ..., and writes
 ``prepare.json`` (tokenizer, counts, inputs), which also tells ``load_corpus`` the shards' tokenizer.
 
+Nothing old is lost: the token files and the new shards are made in ``OUT/.prepare-tmp``, and only once they
+are complete do they replace the shards already there (``--overwrite``); a failure or Ctrl-C leaves the old
+output as it was and no staging directory. The output's own files are never inputs, also when ``--out`` lies
+inside an input directory.
+
 GPT-2 documents start with ``<|endoftext|>`` (50256), as in llm.c's data scripts; text that spells a special
 token is encoded as ordinary text. Pieces end after a newline that is followed by a printable ASCII
 character: GPT-2's pre-tokenizer never joins a newline to a following non-space character, so encoding the
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import is_integer
 from ..version import __version__
 from .config import TrainConfig
 from .data import PREPARE_INFO, DataError, write_shard
@@ -104,28 +110,49 @@ def _tokenize_to_file(task) -> tuple[int, int]:
     return n, os.path.getsize(path)
 
 
-def input_files(inputs) -> list[Path]:
-    """Files named by ``inputs``: files, directories (their text files, recursively, sorted) and glob patterns."""
-    out: list[Path] = []
+STAGING = ".prepare-tmp"  # in --out: the token files and the new shards until they replace the old ones
+
+
+def input_files(inputs, out=None) -> list[Path]:
+    """Files named by ``inputs``: files, directories (their text files, recursively, sorted) and glob patterns.
+    The output directory ``out``'s own files (its shards, ``prepare.json``, the staging directory) are never
+    inputs, also where ``out`` lies inside an input directory."""
+    own = _output_files(out)
+    out_files: list[Path] = []
     for spec in inputs:
         spec = str(spec)
         if any(ch in spec for ch in "*?["):
-            found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file() and not own(Path(p)))
             if not found:
                 raise DataError(f"no files match {spec!r}")
-            out += found
+            out_files += found
             continue
         p = Path(spec).expanduser()
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in TEXT_SUFFIXES)
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in TEXT_SUFFIXES and not own(q))
             if not found:
                 raise DataError(f"directory {p} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-            out += found
+            out_files += found
         elif p.is_file():
-            out.append(p)
+            out_files.append(p)
         else:
             raise DataError(f"input {p} does not exist")
-    return out
+    return out_files
+
+
+def _output_files(out):
+    """A test: is a path one of the files ``prepare`` writes in ``out``?"""
+    if out is None:
+        return lambda p: False
+    root = Path(out).expanduser().resolve()
+
+    def own(p: Path) -> bool:
+        p = p.resolve()
+        if p.parent == root:
+            return p.name == PREPARE_INFO or p.suffix == ".bin"
+        return root / STAGING in p.parents
+
+    return own
 
 
 class _ShardWriter:
@@ -157,26 +184,27 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
     written to ``prepare.json``. ``tokenizer``: 'gpt2', 'bytes' or a tokenizer object (``tokenizers.py``)."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if shard_tokens < 1 or piece_bytes < 1:
-        raise DataError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-    files = input_files(inputs)
+    for name, v in (("--shard-tokens", shard_tokens), ("piece_bytes", piece_bytes), ("--workers", workers)):
+        if (v is not None or name != "--workers") and (not is_integer(v) or v < 1):
+            raise DataError(f"{name} must be an integer >= 1, got {v!r}")
+    out = Path(out).expanduser()
+    files = input_files(inputs, out)
     tok = get_tokenizer(tokenizer, required=True) if isinstance(tokenizer, str) else tokenizer
     if tok.vocab_size > 2**16:
         raise DataError(f"the {tok.name} tokenizer has {tok.vocab_size} tokens: llm.c shards hold uint16 ids")
-    out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
     old = sorted(out.glob("*.bin")) + ([out / PREPARE_INFO] if (out / PREPARE_INFO).exists() else [])
     if old and not overwrite:
         raise DataError(f"--out {out} already holds shards ({old[0].name}, ...): give another directory or --overwrite")
+    made = [d for d in (out, *out.parents) if not d.exists()]  # directories this call creates (removed on failure)
     out.mkdir(parents=True, exist_ok=True)
-    for p in old:
-        p.unlink()
-    tmp = out / ".prepare-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    stage = out / STAGING  # everything new is made here; the old output stays until the new one is complete
+    shutil.rmtree(stage, ignore_errors=True)
+    (stage / "tokens").mkdir(parents=True)
+    (stage / "shards").mkdir()
     workers = max(1, min(workers or os.cpu_count() or 1, len(files)))
-    tasks = [(p, tmp / f"{i:06d}.u16", tok, piece_bytes) for i, p in enumerate(files)]
+    tasks = [(p, stage / "tokens" / f"{i:06d}.u16", tok, piece_bytes) for i, p in enumerate(files)]
     total_bytes = sum(p.stat().st_size for p in files) or 1
     bar = Progress(len(files), enabled=progress, stream=stream)
     bar.message(f"llmgpu prepare: {len(files)} file(s), {total_bytes / 1e6:.1f} MB, {tok.name} tokens, "
@@ -197,18 +225,47 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
                 pool.close()
                 pool.join()
         bar.close()
-        summary = _write_shards(out, [t[1] for t in tasks], counts, val_fraction, shard_tokens)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    summary = {"format": "llmgpu-prepare-1", "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
-               "files": len(files), "bytes": sum(p.stat().st_size for p in files), **summary,
-               "val_fraction": val_fraction, "shard_tokens": shard_tokens, "inputs": [str(p) for p in files],
-               "seconds": time.perf_counter() - t0, "llmgpu": __version__}
-    (out / PREPARE_INFO).write_text(json.dumps(summary, indent=1) + "\n")  # last: the shards are complete
+        summary = _write_shards(stage / "shards", [t[1] for t in tasks], counts, val_fraction, shard_tokens)
+        summary = {"format": "llmgpu-prepare-1", "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
+                   "files": len(files), "bytes": sum(p.stat().st_size for p in files), **summary,
+                   "val_fraction": val_fraction, "shard_tokens": shard_tokens, "inputs": [str(p) for p in files],
+                   "seconds": time.perf_counter() - t0, "llmgpu": __version__}
+        (stage / "shards" / PREPARE_INFO).write_text(json.dumps(summary, indent=1) + "\n")
+        _publish(stage, out, old)
+    except BaseException:  # Ctrl-C, a full disk, a bad file: the old output as it was, no staging left
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in made:  # deepest first, while empty
+            if any(d.iterdir()):
+                break
+            d.rmdir()
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
     bar.message(f"done: {summary['train_tokens']:,} training tokens in {len(summary['train_shards'])} shard(s), "
                 f"{summary['val_tokens']:,} validation tokens in {len(summary['val_shards'])}, "
                 f"{summary['seconds']:.1f} s")
     return summary
+
+
+def _publish(stage: Path, out: Path, old: list):
+    """Replace the ``old`` output files of ``out`` with the complete new ones in ``stage/shards`` (renames, one
+    file system): the old files move into ``stage/old`` first and come back if a move fails, and
+    ``prepare.json`` moves last, so a directory with a ``prepare.json`` holds the shards it lists."""
+    new = sorted((stage / "shards").iterdir(), key=lambda p: p.name == PREPARE_INFO)
+    (stage / "old").mkdir()
+    moved, placed = [], []
+    try:
+        for p in old:
+            os.replace(p, stage / "old" / p.name)
+            moved.append(p)
+        for p in new:
+            os.replace(p, out / p.name)
+            placed.append(out / p.name)
+    except BaseException:
+        for p in placed:
+            p.unlink(missing_ok=True)
+        for p in moved:
+            os.replace(stage / "old" / p.name, p)
+        raise
 
 
 def _write_shards(out: Path, token_files: list, counts: list, val_fraction: float, shard_tokens: int) -> dict:

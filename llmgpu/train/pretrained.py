@@ -5,7 +5,8 @@
   weights holding inf/nan are refused. What ``train --init``, ``eval``, ``sample`` and ``export`` read.
 * ``from_pretrained(path, dtype=, xp=)``: that, as a ``GPT`` (or ``FastGPT``) ready to run
   (``llmgpu.from_pretrained``).
-* ``export(src, dst)``: ``llmgpu export``: a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads.
+* ``export(src, dst)``: ``llmgpu export``: a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads,
+  never written over the model it reads, a run or a checkpoint (``check_export_target``).
 * ``init_run(cfg)``: a new run's configuration and weights from ``--init PATH``; ``check_tokenizer``.
 
 Nothing is downloaded: a path that does not exist (a hub name such as ``gpt2``) says how to fetch it.
@@ -21,8 +22,9 @@ from ..interop import hf
 from ..model import GPT, FastGPT, GPTConfig
 from ..model.config import WTE
 from ..version import __version__
-from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
+from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
 from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, flag_of
+from .rundir import RUN_FILES
 
 
 @dataclass
@@ -55,6 +57,11 @@ def load_pretrained(path) -> Pretrained:
         raise CheckpointError(f"{p} does not exist: llmgpu reads local model directories and never downloads{hint}")
     if hf.is_hf_dir(p):
         cfg, weights, info = hf.load_hf(p)
+        bad = non_finite(weights)
+        if bad:  # named by its file (a sharded model's index: the shards are read as one)
+            where = info["weights_file"] if Path(info["weights_file"]).name in (hf.WEIGHTS_FILE, hf.TORCH_FILE) \
+                else p / hf.INDEX_FILE
+            raise CheckpointError(f"{where} holds inf/nan weights ({bad}): a damaged or diverged model")
         return Pretrained(cfg, weights, info.get("tokenizer"), "hf", p, f"Hugging Face GPT-2 {p}", info)
     weights, meta, _ = load_checkpoint(p, with_optim=False)
     d = find_checkpoint(p)
@@ -87,8 +94,10 @@ def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, p
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
     """A model from a local Hugging Face GPT-2 directory or an llmgpu run: ``GPT`` (``FastGPT`` with ``fast``;
-    bf16/fp16 on a GPU) in ``dtype`` on ``xp`` (default: the active backend). Never downloads."""
-    return build_model(load_pretrained(path), dtype=dtype, xp=xp or backend.default_xp(), fast=fast)
+    bf16/fp16 on a GPU) in ``dtype`` on ``xp``: None (the active backend), ``numpy``/``cupy``, or 'auto', 'cpu',
+    'gpu' (``backend.resolve_xp``). Never downloads."""
+    xp = backend.resolve_xp(xp)  # before reading the weights: a bad xp= says so at once
+    return build_model(load_pretrained(path), dtype=dtype, xp=xp, fast=fast)
 
 
 def export(src, dst, *, overwrite: bool = False) -> dict:
@@ -97,13 +106,29 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"--to {out} is not empty: give an empty or new directory, or --overwrite")
     pre = load_pretrained(src)
+    check_export_target(out, pre, overwrite)
     info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__}
     hf.export_hf(out, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info)
     return {"to": str(out), "from": pre.source, "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
             "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
+
+
+def check_export_target(out: Path, pre: Pretrained, overwrite: bool):
+    """A ConfigError unless ``export`` may write ``out``: never the model it reads (``pre``: its directory, the run
+    it belongs to), a run or a checkpoint (their ``config.json`` and ``model.safetensors`` would be replaced, also
+    with ``--overwrite``), and a directory holding files only with ``overwrite``."""
+    if not out.is_dir():
+        return
+    sources = {pre.path.resolve(), pre.path.resolve().parent} if pre.kind == "llmgpu" else {pre.path.resolve()}
+    if out.resolve() in sources:
+        raise ConfigError(f"--to {out} is where the model comes from ({pre.source}): its files would be replaced; "
+                          "give another directory")
+    if any((out / f).exists() for f in RUN_FILES if f != hf.CONFIG_FILE) or (out / META_FILE).is_file():
+        raise ConfigError(f"--to {out} holds an llmgpu run or checkpoint, whose config.json and weights the export "
+                          "would replace (also with --overwrite): give another directory")
+    if any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--to {out} is not empty: give an empty or new directory, or --overwrite")
 
 
 # --------------------------------------------------------------------------- train --init
@@ -145,5 +170,5 @@ def check_tokenizer(pre: Pretrained, data_tokenizer: str, data: str | None):
                           f"({data or 'the embedded corpus'}) holds {data_tokenizer} tokens: {fix}")
 
 
-__all__ = ["Pretrained", "build_model", "check_tokenizer", "export", "from_pretrained", "init_run",
-           "load_pretrained"]
+__all__ = ["Pretrained", "build_model", "check_export_target", "check_tokenizer", "export", "from_pretrained",
+           "init_run", "load_pretrained"]

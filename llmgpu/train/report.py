@@ -172,4 +172,15 @@ def read_log(path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["Progress", "read_log"]
+def run_banner(cfg, mc, n_params: int, dtype: str, world: int, device: str) -> str:
+    """The run's first line: the model, the batch (per rank), the step's options and the device."""
+    return (f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {n_params / 1e6:.2f}M parameters, vocab "
+            f"{mc.vocab_size}, {dtype}, batch {cfg.batch}x{cfg.seq}x{cfg.grad_accum}"
+            + (f" on each of {world} ranks" if world > 1 else "")
+            + (f", ZeRO-{cfg.zero}" if cfg.zero else "")
+            + (f", activation checkpointing every {cfg.checkpoint_every}" if cfg.checkpoint_every else "")
+            + (", chapter 8 fast step" + (" as a CUDA graph" if cfg.graph else "") if cfg.fast else "")
+            + f"; {device}")
+
+
+__all__ = ["Progress", "read_log", "run_banner"]

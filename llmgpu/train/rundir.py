@@ -4,6 +4,11 @@ A run directory holds ``log.jsonl``, ``config.json`` (the effective configuratio
 ``checkpoint/``, ``summary.json``, ``loss.png`` and ``samples.txt``. A new run never writes over another
 one silently (``--overwrite`` replaces it); ``--resume DIR`` continues in DIR, with the log cut back to
 the checkpoint's step so steps done after the last save (a killed run) are not counted twice.
+
+One process writes a run directory at a time: ``run_lock`` holds ``run.lock`` in it (the owner's pid, host
+and command) and refuses a second writer; a lock left by a process that died is taken over with a note.
+A resumed run with no step left to do leaves its ``summary.json`` as it is (``finished_summary``), and a
+resumed run's summary takes what its own session did not measure from the log (``with_log_figures``).
 """
 
 from __future__ import annotations
@@ -11,8 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the lock is not taken there (see run_lock)
+    fcntl = None
 
 from .checkpoint import find_checkpoint, json_default
 from .config import ConfigError
@@ -58,6 +71,15 @@ def check_out(out: Path, overwrite: bool):
     if holds_run(out) and not overwrite:
         raise ConfigError(f"--out {out} already holds a run: continue it with --resume {out}, or give --overwrite "
                           "to replace it")
+
+
+def check_target(out: Path, overwrite: bool, new: bool):
+    """What the set-up of a run checks of the directory it will write (rank 0 only): no other process writes it
+    (``refuse_if_in_use``), and a ``new`` one (a new run's, or a resumed run's elsewhere) is no other run
+    (``check_out``)."""
+    refuse_if_in_use(out)
+    if new:
+        check_out(out, overwrite)
 
 
 def clear_run(out: Path):
@@ -111,5 +133,150 @@ def write_config(out: Path, record: dict):
     (out / "config.json").write_text(json.dumps(record, indent=1, default=json_default) + "\n")
 
 
-__all__ = ["RUN_FILES", "check_out", "clear_run", "continue_log", "default_out_dir", "holds_run", "resume_target",
-           "run_dir_of", "write_config"]
+# --------------------------------------------------------------------------- one writer at a time
+
+LOCK_FILE = "run.lock"  # in a run directory while a process writes it; not a run file (holds_run ignores it)
+
+
+@contextmanager
+def run_lock(out: Path, notes: list | None = None, *, enabled: bool = True):
+    """Hold the lock of the run directory ``out`` (created if need be) while the block runs.
+
+    The lock is an advisory ``flock`` on ``out/run.lock``, a file that names its owner (pid, host, start,
+    command): a second process is refused with a ConfigError naming the owner. The kernel releases a lock when
+    its process ends, however it ends, so a ``run.lock`` found unlocked was left by a process that died (a
+    SIGKILL): it is taken over with a note, appended to ``notes`` and printed. ``enabled=False`` (the ranks
+    other than 0, which never write the directory): nothing. Without ``fcntl`` (Windows) nothing is locked."""
+    if not enabled or fcntl is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    fd = _lock_file(path)
+    try:
+        left = _owner(fd)
+        if left:
+            text = f"took over {path}: the process that held it ({_describe(left)}) ended without releasing it"
+            print(f"llmgpu: note: {text}", file=sys.stderr)
+            if notes is not None:
+                notes.append(text)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        yield
+    finally:
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.unlink(path)  # before the lock goes: a waiting process then makes a fresh file
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _lock_file(path: Path) -> int:
+    """A descriptor of ``path`` holding its flock; a ConfigError when another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _owner(fd)
+            os.close(fd)
+            raise _in_use(path, owner) from None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its owner removed the file between our open and our lock: take the new one
+
+
+def refuse_if_in_use(out: Path):
+    """A ConfigError when another process holds ``out``'s lock: what the set-up of a run checks, so that the
+    refusal comes before its notes and its work (``run_lock`` takes the lock itself when the run starts)."""
+    path = out / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only probing: closing the descriptor drops it
+    except BlockingIOError:
+        owner = _owner(fd)
+        if (owner or {}).get("pid") != os.getpid():  # this process's own run: run_lock decides
+            raise _in_use(path, owner) from None
+    finally:
+        os.close(fd)
+
+
+def _in_use(path: Path, owner: dict | None) -> ConfigError:
+    return ConfigError(f"{path.parent} is being written by another llmgpu process ({_describe(owner)}): two "
+                       "processes cannot write one run directory; wait for it to end, or stop it")
+
+
+def _owner(fd: int) -> dict | None:
+    """What a lock file says of its owner ({} for an unreadable one), None for an empty file."""
+    raw = os.pread(fd, 65536, 0)
+    if not raw.strip():
+        return None
+    try:
+        owner = json.loads(raw)
+    except ValueError:
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _describe(owner: dict | None) -> str:
+    if not owner:
+        return "unknown process"
+    return (f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} since {owner.get('since', '?')}"
+            + (f": {owner['command']}" if owner.get("command") else ""))
+
+
+# --------------------------------------------------------------------------- the summary of a resumed run
+
+FINAL_STOPS = ("steps", "max_time")  # a summary.json of a run that ended (not interrupted, not stopped early)
+
+
+def finished_summary(out: Path, step: int, total_steps: int | None, resume) -> dict | None:
+    """The summary of a resumed run (``resume``: its ``--resume``, None for a new run) with no step left to do
+    (``step >= total_steps``): its ``summary.json``, left as it is, with a note (printed) saying so. None when
+    there are steps to do, or when ``summary.json`` is not that of the run ended at ``step`` (the run was stopped
+    between its last checkpoint and its summary: it finishes now, without training, ``with_log_figures``
+    filling its summary)."""
+    if not resume or total_steps is None or step < total_steps:
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != step or summary.get("stop_reason") not in FINAL_STOPS:
+        return None
+    how = f"has done its {step} steps" if step == total_steps else f"is at step {step}, past --steps {total_steps}"
+    text = (f"the run in {out} {how}: nothing to train; its summary.json stays as it is (--steps N with N > {step} "
+            "trains it further)")
+    print(f"llmgpu: note: {text}", file=sys.stderr)
+    notes = summary.get("notes") if isinstance(summary.get("notes"), list) else []
+    return {**{k: v for k, v in summary.items() if k != "sample"}, "notes": [*notes, text]}
+
+
+def with_log_figures(kept: list[dict], summary: dict) -> dict:
+    """``summary`` with the figures its session did not measure taken from the log records of the sessions
+    before it (``kept``, a resumed run's log up to its checkpoint): the first validation loss (at step 0), and,
+    for a session that trained no step, the training loss and the validation loss at the run's last step."""
+    step = summary.get("steps")
+    found = {"first_val_loss": [r.get("val_loss") for r in kept if r.get("type") == "val" and r.get("step") == 0],
+             "val_loss": [r.get("val_loss") for r in kept if r.get("type") == "val" and r.get("step") == step],
+             "train_loss": [r.get("loss") for r in kept if r.get("type") == "train" and r.get("step") == step]}
+    for key, values in found.items():
+        if summary.get(key) is None and values and values[-1] is not None:
+            summary[key] = values[-1]
+    return summary
+
+
+__all__ = ["FINAL_STOPS", "LOCK_FILE", "RUN_FILES", "check_out", "check_target", "clear_run", "continue_log",
+           "default_out_dir", "finished_summary", "holds_run", "refuse_if_in_use", "resume_target", "run_dir_of",
+           "run_lock", "with_log_figures", "write_config"]

@@ -18,7 +18,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,16 +31,18 @@ from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceilin
 from ..plotting import plot_losses
 from ..version import __version__
 from . import checkpoint as ckpt_files
+from . import rundir
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
 from .config import TrainConfig, select_xp
 from .data import BatchLoader, Corpus, ValidationSplit, get_tokenizer, load_corpus, validation_loader
 from .divergence import RunHealth
-from .plan import RunPlan, SavedRun, plan_config, plan_model, warmup_note
+from .plan import RunPlan, SavedRun, fitted_total_steps, plan_config, plan_model, warmup_note
 from .pretrained import init_run
 from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_ranks
-from .report import Progress, read_log
-from .rundir import check_out, default_out_dir, open_run_dir, write_config
-from .sampling import prompt_ids
+from .report import Progress, read_log, run_banner
+from .rundir import check_target, default_out_dir, open_run_dir, write_config
+from .sampling import check_run_sample, prompt_ids
+from .session import Log, Session
 from .step import TrainStep
 from .stop import StopRequests
 from .stream import DataStream
@@ -71,9 +73,9 @@ class Trainer:
             saved = SavedRun.from_meta(find_checkpoint(cfg.resume), ckpt[1])
         plan = plan_config(cfg, xp, explicit=explicit, saved=saved)
         self.notes += plan.notes
-        if plan.new_directory and self.is_main:  # never over another run
-            check_out(plan.out, plan.cfg.overwrite)
-        self._machine_notes(plan.cfg)
+        if self.is_main:  # a directory no other process writes; a new one never over another run
+            check_target(plan.out, plan.cfg.overwrite, new=plan.new_directory)
+        backend.use_cpu(xp, plan.cfg.device, plan.cfg.cpu_threads, self._note)  # NumPy: why; BLAS threads <= cores
         self.corpus = corpus or load_corpus(plan.cfg.data, val_data=plan.cfg.val_data,
                                             val_fraction=plan.cfg.val_fraction)
         known = len(plan.notes)
@@ -93,20 +95,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
 
-    def _machine_notes(self, cfg: TrainConfig):
-        if cfg.device == "auto" and self.xp is np and backend.cupy_module() is not None:
-            # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
-            self._note(f"no usable GPU, so this run trains on the CPU with NumPy (expected on a machine without a "
-                       f"GPU; --device cpu skips the check): {backend.gpu_unavailable_reason()}")
-        if self.xp is np and cfg.cpu_threads != 0:
-            backend.blas_threads(cfg.cpu_threads or 1)
-
     def _build_data(self, plan: RunPlan):
         cfg, mcfg = plan.cfg, plan.model_config
         for n in self.corpus.notes:
             self._note(n)
         self.corpus.check_vocab(mcfg.vocab_size)
         self.tokenizer = get_tokenizer(self.corpus.tokenizer)
+        check_run_sample(cfg, self.tokenizer, mcfg.vocab_size)  # the end-of-run sample's settings, before training
         self.train_loader = BatchLoader(self.corpus.train, cfg.batch, cfg.seq, seed=cfg.seed, name="training",
                                         vocab_size=mcfg.vocab_size, rank=self.rank, world=self.world)
         self.stream = DataStream(self.train_loader, self.xp, async_copy=cfg.async_copy)
@@ -283,11 +278,16 @@ class Trainer:
 
         Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
         """
+        out = Path(self.cfg.out)
+        with rundir.run_lock(out, self.notes, enabled=self.is_main):  # one process writes a run directory
+            return rundir.finished_summary(out, self.step, self.total_steps, self.cfg.resume) or self._run(stop_at)
+
+    def _run(self, stop_at: int | None) -> dict:
         s = self._open_session()
         with StopRequests(defer=self.world > 1) as s.stop:  # several ranks stop together (stop.py)
             return self._loop(s, stop_at)
 
-    def _loop(self, s: _Session, stop_at: int | None) -> dict:
+    def _loop(self, s: Session, stop_at: int | None) -> dict:
         try:
             while (reason := self._stop_reason(s, stop_at)) is None:
                 lr = self.lr_at(self.step)
@@ -308,28 +308,22 @@ class Trainer:
             s.bar.message(f"interrupted at step {self.step}: saving a checkpoint (continue with --resume {s.out})")
         return self._close_session(s)
 
-    def _open_session(self) -> _Session:
+    def _open_session(self) -> Session:
         """The run directory (a resumed run's log cut back to its checkpoint), the log, the progress line, the
         first validation."""
         c, mc = self.cfg, self.model.config
         out = Path(c.out)
-        resumed = self.step > 0
+        resumed = self.step > 0 or bool(c.resume)  # a checkpoint of step 0 (stopped before its first step) too
         kept = open_run_dir(out, c.overwrite, resumed, self.forked, self.fork_from, self.step) if self.is_main else []
-        s = _Session(out=out, log=_Log(out / "log.jsonl" if self.is_main else None),
-                     bar=Progress(self.total_steps or 0, enabled=c.progress and self.is_main),
-                     health=RunHealth(skipped=sum(1 for r in kept if r.get("type") == "train" and r.get("skipped"))),
-                     refit=c.steps is None and c.max_time is not None and not resumed)
+        s = Session(out=out, log=Log(out / "log.jsonl" if self.is_main else None),
+                    bar=Progress(self.total_steps or 0, enabled=c.progress and self.is_main),
+                    health=RunHealth(skipped=sum(1 for r in kept if r.get("type") == "train" and r.get("skipped"))),
+                    refit=c.steps is None and c.max_time is not None and not resumed, kept=kept)
         self._bar = s.bar
         s.ceiling, ceiling_src = mfu_ceiling(self.xp, c.dtype)  # MFU's denominator, measured now
         datasheet, gpu_model = datasheet_peak_tflops(self.xp, c.dtype)
-        s.bar.message(f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {self.model.num_parameters() / 1e6:.2f}M "
-                      f"parameters, vocab {mc.vocab_size}, {backend.dtype_name(self.model.dtype)}, batch "
-                      f"{c.batch}x{c.seq}x{c.grad_accum}" + (f" on each of {self.world} ranks" if self.world > 1
-                                                             else "")
-                      + (f", ZeRO-{c.zero}" if c.zero else "")
-                      + (f", activation checkpointing every {c.checkpoint_every}" if c.checkpoint_every else "")
-                      + (", chapter 8 fast step" + (" as a CUDA graph" if c.graph else "") if c.fast else "")
-                      + f"; {backend.device_info(self.xp).summary()}")
+        s.bar.message(run_banner(c, mc, self.model.num_parameters(), backend.dtype_name(self.model.dtype),
+                                 self.world, backend.device_info(self.xp).summary()))
         s.bar.message(f"data: {self.corpus.description}; {self.corpus.n_train:,} training / "
                       f"{self.corpus.n_val:,} validation tokens; output: {out}")
         if resumed:
@@ -351,7 +345,7 @@ class Trainer:
         s.steps_last = self.step
         return s
 
-    def _stop_reason(self, s: _Session, stop_at: int | None) -> str | None:
+    def _stop_reason(self, s: Session, stop_at: int | None) -> str | None:
         """Why the loop stops before the next step, or None to go on."""
         if self.total_steps is not None and self.step >= self.total_steps:
             return "steps"
@@ -361,14 +355,14 @@ class Trainer:
             return "max_time"  # several ranks: rank 0's clock decides at a sync (_sync)
         return None
 
-    def _sync_due(self, s: _Session, stop_at: int | None, due: bool) -> bool:
+    def _sync_due(self, s: Session, stop_at: int | None, due: bool) -> bool:
         """Whether this step ends a log interval: every log_every steps, before an evaluation or a checkpoint,
         at the steps the time budget is measured over, and at the last step."""
         last = (self.total_steps is not None and self.step >= self.total_steps) or self.step == stop_at
         probe = s.refit and self.step in (1, 1 + self.cfg.time_budget_probe)
         return len(s.pending) >= self.cfg.log_every or due or probe or last
 
-    def _sync(self, s: _Session, lr: float) -> bool:
+    def _sync(self, s: Session, lr: float) -> bool:
         """The end of a log interval: the log lines, the time budget's schedule, the ranks' agreement, the
         progress line. True when the run must stop (a failure, or rank 0's time is up)."""
         now, tok_s, util = self._flush(s)
@@ -378,7 +372,9 @@ class Trainer:
             # seconds per step so far (evaluations included) -> the schedule length that ends when max_time runs
             # out; refitted at every sync, so a machine that slows down or speeds up still gets a whole schedule
             announce = not self.budget_fitted
-            self._fit_budget((now - s.probe_start) / (self.step - 1), now - s.t0)
+            self.total_steps = fitted_total_steps(self.cfg, self.step, (now - s.probe_start) / (self.step - 1),
+                                                  now - s.t0, first=not self.budget_fitted)
+            self.budget_fitted = True
             s.bar.total = self.total_steps
             if announce:
                 s.bar.message(f"time budget {self.cfg.max_time:.0f} s: about {self.total_steps} steps")
@@ -401,7 +397,7 @@ class Trainer:
                      eta=eta, skipped=s.health.skipped)
         return bool(s.health.failure) or time_up
 
-    def _flush(self, s: _Session):
+    def _flush(self, s: Session):
         """The one host sync of a log interval: fetch the steps' records, write their log lines."""
         records = self.xp.stack([r for _, _, r in s.pending])
         wait_for_ranks(self.comm, f"the steps up to {self.step}")  # with a deadline: a dead rank never answers
@@ -422,13 +418,13 @@ class Trainer:
         s.t_last, s.steps_last = now, self.step
         return now, tok_s, util
 
-    def _validate(self, s: _Session):
+    def _validate(self, s: Session):
         s.last_val = self.evaluate()
         if s.last_val is not None:
             s.log({"type": "val", "step": self.step, "val_loss": s.last_val})
         s.t_last = time.perf_counter()  # evaluation time does not count against tokens/s
 
-    def _close_session(self, s: _Session) -> dict:
+    def _close_session(self, s: Session) -> dict:
         """After the loop: the last records, a final validation, the checkpoint, the summary, plot and sample."""
         c = self.cfg
         if s.pending:  # stopped between syncs
@@ -445,10 +441,11 @@ class Trainer:
         ckpt = self.last_checkpoint  # a failed run keeps the last good one: nothing bad is written over it
         if failed:
             s.stop_reason = s.health.failure[0]
-        summary = {"steps": self.step, "stop_reason": s.stop_reason, "train_time_s": elapsed,
-                   "first_val_loss": s.first_val, "val_loss": s.last_val, "train_loss": s.last_loss,
-                   "skipped_steps": s.health.skipped, "tokens": self.step * self.tokens_per_step,
-                   "checkpoint": str(ckpt) if ckpt else None, "out": str(s.out), "notes": self.notes}
+        summary = rundir.with_log_figures(s.kept, {
+            "steps": self.step, "stop_reason": s.stop_reason, "train_time_s": elapsed, "first_val_loss": s.first_val,
+            "val_loss": s.last_val, "train_loss": s.last_loss, "skipped_steps": s.health.skipped,
+            "tokens": self.step * self.tokens_per_step, "checkpoint": str(ckpt) if ckpt else None,
+            "out": str(s.out), "notes": self.notes})
         if s.stop_reason == "interrupted":
             summary["signal"] = signal.Signals(s.signal).name
         if failed:
@@ -486,56 +483,6 @@ class Trainer:
             return False
         self.save()
         return True
-
-    def _fit_budget(self, per_step: float, elapsed: float):
-        """Set total_steps from the measured seconds per step so the schedule ends when max_time runs out."""
-        c = self.cfg
-        if not self.budget_fitted and c.eval_every:  # first fit: evaluations not yet in the measurement
-            # an evaluation reads eval_batches steps' worth of sequences forward only: a third of a step each
-            per_step *= 1.0 + c.eval_batches / (3.0 * c.eval_every)
-        remaining = 0.97 * c.max_time - elapsed
-        self.total_steps = self.step + max(0, int(remaining / max(per_step, 1e-9)))  # == step: stop now
-        self.budget_fitted = True
-
-
-@dataclass
-class _Session:
-    """One call of ``Trainer.run``: where it writes, its log and progress line, and what the loop has seen."""
-
-    out: Path
-    log: _Log
-    bar: Progress
-    health: RunHealth
-    refit: bool  # a time-bounded run fits its schedule to the clock; a resumed one keeps the saved schedule
-    pending: list = field(default_factory=list)  # (step, lr, device record) since the last sync
-    stop_reason: str = "steps"
-    stop: StopRequests | None = None  # the signals received (stop.py)
-    signal: int | None = None  # the signal that stopped the run
-    first_val: float | None = None
-    last_val: float | None = None
-    last_loss: float | None = None
-    ceiling: float | None = None
-    t0: float = 0.0
-    t_last: float = 0.0
-    probe_start: float = 0.0
-    steps_last: int = 0
-
-
-class _Log:
-    """The JSON-lines log (rank 0's; the other ranks write nothing)."""
-
-    def __init__(self, path: Path | None):
-        self.f = open(path, "a") if path is not None else None
-
-    def __call__(self, rec: dict):
-        if self.f is not None:
-            self.f.write(json.dumps(rec) + "\n")
-            self.f.flush()
-
-    def close(self):
-        if self.f is not None:
-            self.f.close()
-
 
 # --------------------------------------------------------------------------- entry points
 

@@ -1,0 +1,55 @@
+"""One call of ``Trainer.run`` (chapter 7): where it writes, its JSON-lines log and progress line, and what the
+loop has seen so far. The trainer's loop reads and updates it; nothing here runs the model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .divergence import RunHealth
+from .report import Progress
+from .stop import StopRequests
+
+
+@dataclass
+class Session:
+    """One call of ``Trainer.run``: where it writes, its log and progress line, and what the loop has seen."""
+
+    out: Path
+    log: Log
+    bar: Progress
+    health: RunHealth
+    refit: bool  # a time-bounded run fits its schedule to the clock; a resumed one keeps the saved schedule
+    kept: list = field(default_factory=list)  # the log records from before this session (a resumed run's)
+    pending: list = field(default_factory=list)  # (step, lr, device record) since the last sync
+    stop_reason: str = "steps"
+    stop: StopRequests | None = None  # the signals received (stop.py)
+    signal: int | None = None  # the signal that stopped the run
+    first_val: float | None = None
+    last_val: float | None = None
+    last_loss: float | None = None
+    ceiling: float | None = None
+    t0: float = 0.0
+    t_last: float = 0.0
+    probe_start: float = 0.0
+    steps_last: int = 0
+
+
+class Log:
+    """The JSON-lines log (rank 0's; the other ranks write nothing)."""
+
+    def __init__(self, path: Path | None):
+        self.f = open(path, "a") if path is not None else None
+
+    def __call__(self, rec: dict):
+        if self.f is not None:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+
+
+__all__ = ["Log", "Session"]
