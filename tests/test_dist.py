@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dist_helpers import losses, rank_pid, wait_for_steps
 
 from llmgpu.dist import DistError, LocalComm, from_environ, plan_buckets, rendezvous
 from llmgpu.dist.env import DistEnv
@@ -39,7 +40,6 @@ needs_mpi = pytest.mark.skipif(not HAVE_MPI and not os.environ.get("CI"),
 # Open MPI (the GPU image's MPI) refuses to start ranks as root without both switches
 ENV = dict(os.environ, LLMGPU_DEVICE="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")  # MPICH's Hydra, Open MPI
 TINY = replace(GPTConfig.preset("tiny"), vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=2)
 
 
@@ -239,10 +239,6 @@ def _train(*args, timeout=180):
                           env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def _losses(run):
-    return [json.loads(line)["loss"] for line in open(Path(run) / "log.jsonl") if '"train"' in line]
-
-
 @needs_mpi
 def test_nproc_2_trains_like_one_rank_and_resumes_on_another_world_size(tmp_path):
     one = _train("--steps", 6, "--grad-accum", 2, "--out", tmp_path / "one")
@@ -253,43 +249,15 @@ def test_nproc_2_trains_like_one_rank_and_resumes_on_another_world_size(tmp_path
     res = _train("--resume", tmp_path / "two", "--steps", 6, "--grad-accum", 2)  # saved on 2 ranks, resumed on 1
     assert res.returncode == 0, res.stderr[-1500:]
     assert "saved on 2 rank(s) and continues on 1" in res.stderr
-    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=2e-6)
     meta = json.loads((tmp_path / "two" / "checkpoint" / "meta.json").read_text())
     assert meta["world_size"] == 1 and meta["step"] == 6
-
-
-def _rank_pid(marker, rank, deadline_s=60):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if marker.encode() in cmd and b"mpiexec" not in cmd and any(f"{v}={rank}".encode() in env
-                                                                          for v in RANK_VARS):
-                return int(pid)
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} of {marker} never started")
 
 
 def _start_long_run(out, *extra):
     args = [sys.executable, "-m", "llmgpu", "train", "--nproc", "3", "--device", "cpu", "--steps", "100000",
             "--batch", "2", "--seq", "32", "--eval-every", "0", "--no-progress", "--out", str(out), *extra]
     return subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_steps(out, n=2, deadline_s=90):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        log = Path(out) / "log.jsonl"
-        if log.exists() and log.read_text().count('"train"') >= n:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the run never got going")
 
 
 @needs_mpi
@@ -313,8 +281,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_one_checkpoint(tmp_path
     exit code is the signal's, and no rank is left training after the launcher exits."""
     out = tmp_path / "sig"
     p = _start_long_run(out, "--zero", "1", "--log-every", "3")
-    _wait_for_steps(out, 4)
-    ranks = [_rank_pid(str(out), r) for r in range(3)]
+    wait_for_steps(out, 4)
+    ranks = [rank_pid(str(out), r) for r in range(3)]
     p.send_signal(sig)
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == code, stderr[-1500:]
@@ -379,8 +347,8 @@ def test_two_ranks_drift_from_one_rank_only_as_rounding_does():
 def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
     out = tmp_path / "killed"
     p = _start_long_run(out, "--dist-timeout", "60")
-    _wait_for_steps(out)
-    os.kill(_rank_pid(str(out), 1), signal.SIGKILL)
+    wait_for_steps(out)
+    os.kill(rank_pid(str(out), 1), signal.SIGKILL)
     t = time.monotonic()
     stdout, stderr = p.communicate(timeout=60)
     assert time.monotonic() - t < 30  # bounded: the others do not wait for the dead rank
@@ -395,8 +363,8 @@ def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
 def test_a_hung_rank_makes_the_others_stop_within_the_timeout(tmp_path):
     out = tmp_path / "hung"
     p = _start_long_run(out, "--dist-timeout", "4")
-    _wait_for_steps(out)
-    pid = _rank_pid(str(out), 2)
+    wait_for_steps(out)
+    pid = rank_pid(str(out), 2)
     os.kill(pid, signal.SIGSTOP)
     try:
         t = time.monotonic()
@@ -465,6 +433,26 @@ def test_a_gpu_rank_that_refuses_the_run_ends_it_with_its_one_line(tmp_path):
     assert rc == 2 and lines == [] and time.monotonic() - t < 20
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and sends SIGSTOP")
+def test_the_gpu_launcher_names_a_stopped_rank_and_leaves_no_process(tmp_path):
+    """Rank 2 stops itself (SIGSTOP: a rank in a debugger, a frozen node); rank 0 times out waiting for it and says
+    so. The launcher names the stopped rank, not the one that timed out, and kills every rank, the stopped one too."""
+    t = time.monotonic()
+    rc, lines = _stand_in_ranks(tmp_path, (
+        "import os, signal, sys, time\n"
+        "from llmgpu.dist.launch import report_rank_error\n"
+        "open(os.path.join(os.environ['RANK_DIR'], 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "if os.environ['RANK'] == '2': os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(1.5); report_rank_error('llmgpu: error: rank 0: waited 1 s for the step'); sys.exit(2)\n"
+        "time.sleep(60)"))
+    assert rc == 2 and time.monotonic() - t < 20
+    pid2 = (tmp_path / "pid2").read_text()
+    assert lines == [f"llmgpu: rank 2 (pid {pid2}) is stopped (SIGSTOP or a debugger), so rank 0 could not finish its "
+                     "collectives; stopping every rank"]
+    assert not any(Path(f"/proc/{(tmp_path / f'pid{r}').read_text()}").exists() for r in (1, 2))
+
+
 _TRAPS_SIGNALS = (
     "import os, signal, sys, time\n"
     "def stop(sig, frame):\n"
@@ -500,3 +488,18 @@ def test_nproc_through_the_api_is_refused_not_ignored():
 
     with pytest.raises(ConfigError, match="a Trainer runs as one rank; start 2 ranks with llmgpu train --nproc 2"):
         Trainer(TrainConfig(device="cpu", nproc=2, steps=1))
+
+
+@needs_mpi
+def test_mpi_refuses_to_sum_what_it_cannot_sum():
+    """MPI has no sum of raw bytes: a bf16 all-reduce or reduce-scatter is one TypeError, not MPI's error stack."""
+    code = ("import numpy as np\nfrom llmgpu import backend\nfrom llmgpu.dist import MPIComm\nc = MPIComm()\n"
+            "for f in (lambda x: c.all_reduce(x), lambda x: c.reduce_scatter(x, x.copy())):\n"
+            "    try:\n        f(np.ones(4, backend.bfloat16))\n    except TypeError as e:\n        print(e)\n"
+            "x = np.arange(4, dtype=np.float32)\nprint(c.all_reduce(x).tolist())\n")
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-1500:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == ("all_reduce over MPI sums float32, float64 and int32 buffers, got bfloat16: reduce a float32 "
+                        "copy (NCCL sums bf16 and fp16 itself)")
+    assert lines[1].startswith("reduce_scatter over MPI sums") and lines[2] == "[0.0, 1.0, 2.0, 3.0]"

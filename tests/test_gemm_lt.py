@@ -368,8 +368,8 @@ def test_gpu_plan_key_names_the_cached_plan(cp, lt, rng):
 
 @pytest.mark.gpu
 def test_gpu_plan_asks_the_heuristic_for_more_candidates(cp, lt, rng):
-    """``_Plan.ask_heuristic(n)`` (tools/probe_lt_algos.py, instead of a module switch): the plan keeps running the
-    heuristic's first choice, bit for bit, and every candidate ``use(i)`` switches to computes the product."""
+    """``_Plan.ask_heuristic(n)`` (tools/probes/probe_lt_algos.py, instead of a module switch): the plan keeps running
+    the heuristic's first choice, bit for bit, and every candidate ``use(i)`` switches to computes the product."""
     x, w = _dev(cp, rng, (136, 72), "bf16"), _dev(cp, rng, (48, 72), "bf16")  # a shape no other test uses
     out = cp.empty((136, 48), dtype=np.float32)
     first = lt_gemm(x, w, trans_b=True, out=out).copy()

@@ -184,17 +184,13 @@ def test_the_path_checks_see_a_stale_path():
 
 
 def test_every_named_tool_exists():
-    # in kernel files a parallel change owns (their comments name the HIP check's old place); remove once they follow
-    known = {f"llmgpu/kernels/{f}.cu: tools/hip_compile_check.py" for f in ("embedding", "spin")}
-    missing = sorted(set(_missing_tools(_texts())) - known)
+    missing = sorted(set(_missing_tools(_texts())))
     assert not missing, "tools named but not in the repository (moved?):\n" + "\n".join(missing)
 
 
 @in_a_checkout
 def test_every_named_result_path_is_where_it_says():
-    # in a file a parallel change owns (its docstring names the results' old place); remove once it follows
-    known = {"llmgpu/ops/flash_launch.py: benchmarks/results/flash_backward_variants.json (the file is in ch2b/)"}
-    wrong = set(_misplaced_results(_texts())) - known
+    wrong = set(_misplaced_results(_texts()))
     assert not wrong, "result paths that do not point at their file:\n" + "\n".join(sorted(wrong))
 
 

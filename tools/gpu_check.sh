@@ -12,15 +12,17 @@
 #    wgmma probe and wgmma flash forward
 # 5. nbval over every notebook (each runs top to bottom on the GPU backend)
 # 6. the notebooks executed in place, so their committed outputs come from this GPU (and read step 3-4's results)
+# 7. (multirank) several NCCL ranks on one GPU: NCCL 2.30 built from source (tools/recipes/nccl_multirank.sh; the
+#    build, CPU work, runs beside steps 2-6), then the multi-rank GPU tests and benchmarks/bench_ch9_multirank.py
 # then packs logs, executed notebooks and results into OUTDIR/gpu_results.tar.gz.
-# STEPS="tests sanitize llmbench nbval execute bench" selects steps; PYTEST_ARGS adds pytest arguments;
+# STEPS="tests sanitize llmbench nbval execute bench multirank" selects steps; PYTEST_ARGS adds pytest arguments;
 # STEP_TIMEOUT (seconds, default none) bounds each step, so one slow step cannot starve the rest.
 # Without network (the lab's H200): wheels in ./.whl are installed first (tools/maintenance/gpu_wheels.sh fetches them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_results}
 mkdir -p "$OUT/logs"
-STEPS=${STEPS:-"tests sanitize llmbench nbval execute bench"}
+STEPS=${STEPS:-"tests sanitize llmbench nbval execute bench multirank"}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LLMGPU_DEVICE=gpu  # no MPLBACKEND: notebooks need the inline backend
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -40,6 +42,11 @@ run() {  # run NAME CMD...: log to $OUT/logs/NAME.log, remember failures, keep g
 }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
+if has multirank; then  # CPU work: beside the GPU steps, its own log
+  echo "==> nccl_build (in the background; JOBS=${JOBS:-$(nproc)})"
+  (bash tools/recipes/nccl_multirank.sh build > "$OUT/logs/nccl_build.log" 2>&1; echo $? > "$OUT/logs/nccl_build.rc") &
+  build_pid=$!
+fi
 run device python3 -c "import llmgpu, cupy; print(llmgpu.device_info().summary()); print('cupy', cupy.__version__)"
 run compile python3 -m llmgpu.kernels.compile_check -a sm_90
 # pytest-xdist (in the test extra) spreads the suite over 8 processes sharing the GPU: 96 s instead of ~9 min
@@ -85,6 +92,7 @@ fi
 # the benchmarks before the notebooks, which read their results
 if has bench; then
   for b in benchmarks/bench_*.py; do
+    [[ $b == *multirank* ]] && continue  # needs the NCCL that the multirank step builds
     run "bench_$(basename "$b" .py)" python3 "$b"
   done
   run probe_layernorm_backward python3 tools/probes/probe_layernorm_backward.py --json benchmarks/results/ch3/probe_layernorm_backward.json
@@ -96,6 +104,19 @@ if has bench; then
 fi
 has nbval && run nbval python3 -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider book/
 has execute && run execute python3 tools/maintenance/execute_notebooks.py book/*.ipynb
+if has multirank; then
+  wait "$build_pid"
+  tail -n 3 "$OUT/logs/nccl_build.log"
+  if [ "$(cat "$OUT/logs/nccl_build.rc")" = 0 ]; then
+    cp .nccl/build.json "$OUT/logs/nccl_build.json"
+    run multirank_tests bash tools/recipes/nccl_multirank.sh test "$OUT/logs/multirank"
+    # shellcheck disable=SC2046  # the export lines
+    run multirank_bench env $(bash tools/recipes/nccl_multirank.sh env | sed 's/^export //') \
+      python3 benchmarks/bench_ch9_multirank.py
+  else
+    status=1; echo "nccl_build" >> "$OUT/logs/FAILED"
+  fi
+fi
 tar czf "$OUT/gpu_results.tar.gz" "$OUT/logs" book/*.ipynb benchmarks/results 2>/dev/null
 echo "packed $OUT/gpu_results.tar.gz; status $status"
 [ -f "$OUT/logs/FAILED" ] && { echo "failed steps:"; cat "$OUT/logs/FAILED"; }

@@ -16,7 +16,7 @@ module             what it holds
 =================  ===============================================================================
 """
 
-from .bootstrap import check_same, init_process_group, rendezvous, select_device
+from .bootstrap import check_same, init_process_group, ranks_may_share_gpus, rendezvous, select_device
 from .comm import DEFAULT_TIMEOUT, Communicator, LocalComm, MPIComm, NcclComm, mpi_module, nccl_module
 from .ddp import BUCKET_BYTES, DataParallelSync, plan_buckets
 from .env import DistEnv, DistError, from_environ
@@ -27,4 +27,4 @@ from .zero import ZeroSync
 __all__ = ["BUCKET_BYTES", "DEFAULT_TIMEOUT", "Communicator", "DataParallelSync", "DistEnv", "DistError", "GradSync",
            "LocalComm", "LocalGradSync", "MPIComm", "NcclComm", "ZeroSync", "check_same", "from_environ",
            "init_process_group", "mpi_module", "RingAllReduce", "nccl_module", "plan_buckets", "rendezvous",
-           "ring_all_reduce", "ring_allreduce_seconds", "select_device", "simulate_ring_allreduce"]
+           "ranks_may_share_gpus", "ring_all_reduce", "ring_allreduce_seconds", "select_device", "simulate_ring_allreduce"]

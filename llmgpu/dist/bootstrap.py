@@ -69,7 +69,7 @@ def ranks_may_share_gpus() -> str | None:
     version = nccl_module().get_version()
     if version < MULTI_RANK_NCCL:
         return (f"NCCL {version // 10000}.{version // 100 % 100}.{version % 100} refuses several ranks on one GPU "
-                "(NCCL 2.30 or newer does: tools/nccl_multirank.sh builds it)")
+                "(NCCL 2.30 or newer does: tools/recipes/nccl_multirank.sh builds it)")
     return None
 
 

@@ -173,10 +173,19 @@ class MPIComm(Communicator):
             return [a, types[a.dtype]]
         return [a.view(np.uint8), MPI.BYTE]
 
+    def _summable(self, a, what):
+        """A reduction's (buffer, MPI datatype); MPI has no sum of raw bytes, so other dtypes are a TypeError."""
+        msg = self._msg(a)
+        if msg[1] is self.MPI.BYTE:
+            raise TypeError(f"{what} over MPI sums float32, float64 and int32 buffers, got {a.dtype}: reduce a "
+                            "float32 copy (NCCL sums bf16 and fp16 itself)")
+        return msg
+
     def start_all_reduce(self, buf, *, stream=None):
+        msg = self._summable(buf, "all_reduce")
         if self.world_size == 1:
             return _Done()
-        req = self.comm.Iallreduce(self.MPI.IN_PLACE, self._msg(buf), op=self.MPI.SUM)
+        req = self.comm.Iallreduce(self.MPI.IN_PLACE, msg, op=self.MPI.SUM)
         return _MPIWork(self, req, "all_reduce")
 
     def all_reduce(self, buf, *, stream=None):
@@ -185,7 +194,8 @@ class MPIComm(Communicator):
 
     def reduce_scatter(self, send, recv, *, stream=None):
         self._check_pieces(send, recv, self.world_size, "reduce_scatter")
-        req = self.comm.Ireduce_scatter_block(self._msg(send), self._msg(recv), op=self.MPI.SUM)
+        req = self.comm.Ireduce_scatter_block(self._summable(send, "reduce_scatter"), self._msg(recv),
+                                              op=self.MPI.SUM)
         self._wait(req, "reduce_scatter")
         return recv
 

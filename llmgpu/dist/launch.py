@@ -314,7 +314,12 @@ def _watch(procs, say, rank_dir, relay) -> int:
             return 0
         time.sleep(0.2)
     r, c = bad[0]
-    if not rank_errors(rank_dir):  # a rank that refused the run printed its one line; else say who ended it
+    stopped = [(q, p.pid) for q, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)]
+    if stopped:  # a rank that waited for a stopped one timed out: the stopped one is the cause
+        say("llmgpu: " + ", ".join(f"rank {q} (pid {pid})" for q, pid in stopped)
+            + f" {'is' if len(stopped) == 1 else 'are'} stopped (SIGSTOP or a debugger), so rank {r} could not "
+            "finish its collectives; stopping every rank", file=sys.stderr)
+    elif not rank_errors(rank_dir):  # a rank that refused the run printed its one line; else say who ended it
         how = f"was killed by signal {-c}" if c < 0 else _how(c)
         say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
     _stop(procs)
@@ -361,6 +366,15 @@ class _Relay:
                 return p.wait()
             except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for other Pythons
                 continue
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped (Linux: state T, or t under a tracer, in /proc/PID/stat); False elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signal(pid: int, sig):

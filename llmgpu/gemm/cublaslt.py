@@ -229,7 +229,7 @@ class _Plan:
 
     def ask_heuristic(self, n: int, lt=None):
         """Ask cuBLASLt's heuristic for its first ``n`` algorithms for this problem (the plan runs the first, 0;
-        ``use(i)`` switches: tools/probe_lt_algos.py times the candidates of every GEMM of the step)."""
+        ``use(i)`` switches: tools/probes/probe_lt_algos.py times the candidates of every GEMM of the step)."""
         lt = lt or _import_lt()[0]
         P = lt.MatmulPreferenceAttribute
         set_pref = functools.partial(_set_attr, lt.matmul_preference_set_attribute,

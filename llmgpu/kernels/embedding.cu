@@ -37,7 +37,7 @@
 // the same order, added once per row: deterministic, and one bf16 rounding fewer.
 //
 // NVIDIA-only: the counting path groups a warp's equal tokens with __match_any_sync, and reads with
-// __ldcg; HIP 5.2 has neither, so this file does not compile for an AMD GPU (tools/hip_compile_check.py).
+// __ldcg; HIP 5.2 has neither, so this file does not compile for an AMD GPU (tools/checks/hip_compile_check.py).
 //
 // Token ids outside [0, V): the forward writes NaN in that row of x (loud, no out-of-bounds read);
 // the backward drops those positions from dwte (their gradient has nowhere to go) but keeps them in

@@ -6,7 +6,7 @@
 // if the host returns from the step while the spin kernel is still running, nothing in the step
 // synchronized.
 //
-// NVIDIA-only (inline PTX %globaltimer, __nanosleep): tools/hip_compile_check.py lists it as such.
+// NVIDIA-only (inline PTX %globaltimer, __nanosleep): tools/checks/hip_compile_check.py lists it as such.
 #include "common.cuh"
 
 // llmgpu:kernel gpu_spin

@@ -14,7 +14,7 @@ before one becomes the default:
 A warp that owns 32 rows instead of 16 feeds twice the MMAs from each fragment it reads from shared memory, which
 is what limits these kernels (the FlashAttention-2 paper's work partitioning, Dao 2023, section 3). A third
 variant, the wide dK/dV kernel with the base dQ and D kernels, was measured between the two and dropped
-(benchmarks/results/flash_backward_variants.json).
+(benchmarks/results/ch2b/flash_backward_variants.json).
 
 Every variant is deterministic (no atomics) and capturable in a CUDA graph; they agree with each other to rounding
 (the wide kernels round P to 16 bits before dS, and the wide dQ kernel sums D in another order).

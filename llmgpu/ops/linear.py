@@ -81,7 +81,7 @@ def linear_backward(dy, x, w, bias=True, *, dx_out=None, dw_out=None, db_out=Non
     ``dw_out``/``db_out`` are given, which may be fp32 or dy's dtype (fp32 gradient buffers for
     mixed precision). With ``accumulate=True`` the new gradients are *added* to ``dw_out``/``db_out``
     (both required) instead of overwriting them. ``protect_k=False``: the weight gradient as one GEMM whatever
-    the row count (``gemm.ksplit``'s protection off: the unprotected baseline of ``tools/probe_gemm_k.py``).
+    the row count (``gemm.ksplit``'s protection off: the unprotected baseline of ``tools/probes/probe_gemm_k.py``).
     """
     xp = array_module(dy=dy, x=x, w=w, dx_out=dx_out, dw_out=dw_out, db_out=db_out)
     c_out, c_in = _check_weight(x, w, xp)
