@@ -107,7 +107,8 @@ def test_our_ring_against_nccls_all_reduce_on_one_gpu(cp, tmp_path, world):
         # fp32: a few roundings of W addends; bf16: each partial sum rounded to 8 bits, as NCCL's are
         tol = 1e-6 if c["dtype"] == "float32" else 1e-2
         assert c["ring_rel"] <= tol and c["nccl_rel"] <= tol, c
-        assert c["ring_rel"] <= 2 * c["nccl_rel"] + 1e-9, c  # no worse than NCCL's own order
+        # no worse than NCCL's own order, give or take one rounding of the dtype (one element: 0 against 2^-8)
+        assert c["ring_rel"] <= 2 * c["nccl_rel"] + (2.0**-24 if c["dtype"] == "float32" else 2.0**-8), c
 
 
 def _train(*args, timeout=300):
