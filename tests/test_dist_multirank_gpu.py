@@ -30,7 +30,8 @@ from dist_helpers import losses, rank_pid, wait_for_steps
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "dist_gpu.py"
 ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           NCCL_NVLS_ENABLE="0")  # NVLink multicast stays off on the lent machines
+           NCCL_NVLS_ENABLE="0",  # NVLink multicast stays off on the lent machines
+           OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # Open MPI (the GPU image's) as root
 
 
 def _ranks_fit(cp, world: int):
@@ -146,7 +147,8 @@ def test_a_zero_run_resumes_on_another_number_of_gpu_ranks(cp, tmp_path):
 
 def _start_long_run(out, timeout_s):
     args = [sys.executable, "-m", "llmgpu", "train", "--nproc", "2", "--device", "gpu", "--steps", "1000000",
-            "--preset", "tiny", "--batch", "2", "--seq", "64", "--eval-every", "0", "--no-progress", "--log-every", "1",
+            "--preset", "tiny", "--no-fast", "--batch", "2", "--seq", "64", "--eval-every", "0", "--no-progress",
+            "--log-every", "1",
             "--dist-backend", "nccl", "--dist-timeout", str(timeout_s), "--out", str(out)]
     return subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

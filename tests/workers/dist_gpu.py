@@ -35,7 +35,7 @@ else:
     cp = backend.require_gpu()
     comm = init_process_group(cp)
 W, r = comm.world_size, comm.rank
-CFG = replace(GPTConfig.preset("tiny"), vocab_size=211, block_size=64, n_layer=3, n_embd=128, n_head=4)
+CFG = replace(GPTConfig.preset("tiny"), vocab_size=211, block_size=64, n_layer=3, n_embd=128, n_head=2)  # D = 64
 ACCUM, B, T = 2, 4, 64
 
 
