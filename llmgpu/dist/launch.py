@@ -266,15 +266,22 @@ def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
     passed: list = []
 
     def pump(src, dst):
-        pid, in_banner = None, False
+        pid, in_banner, dashes = None, False, None
         for line in src:
             if ERROR_MARK in line:
                 if line in passed:  # every rank hit the same error (a bad setting): say it once
                     continue
                 passed.append(line)
-            # MPI's own words for MPI_Abort (MPICH: one line; Open MPI: a banner between dashed lines): the rank
-            # that aborted printed its error line first, which says why
+            # MPI's own words for MPI_Abort (MPICH: one line; Open MPI: a banner between dashed lines, so a dashed
+            # line waits for the next): the rank that aborted printed its error line first, which says why
+            if not in_banner and line.startswith("-----") and dashes is None:
+                dashes = line
+                continue
             in_banner = in_banner or line.startswith("MPI_ABORT was invoked")
+            if dashes is not None:
+                if not in_banner:
+                    dst.write(dashes)
+                dashes = None
             if in_banner or MPICH_ABORT.match(line):
                 in_banner = in_banner and not line.startswith("-----")
                 continue
@@ -288,6 +295,9 @@ def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
             m = re.search(r"EXIT CODE: (\d+)", line)
             if m and pid:
                 found.append((pid, m.group(1)))
+        if dashes is not None:  # the stream ended on a dashed line: it was no banner's
+            dst.write(dashes)
+            dst.flush()
 
     threads = [threading.Thread(target=pump, args=(p.stdout, sys.stdout), daemon=True),
                threading.Thread(target=pump, args=(p.stderr, sys.stderr), daemon=True)]
