@@ -53,14 +53,13 @@ def main():
     build = ROOT / ".nccl" / "build.json"
     res = {"date": datetime.date.today().isoformat(), "device": backend.device_info(cp).summary(),
            "nccl_build": json.loads(build.read_text()) if build.exists() else None, "worlds": {}}
-    for w in args.worlds:
-        res["worlds"][str(w)] = {mode: run_worker(w, mode) for mode in ("equal", "ring")}
-        res["nccl"] = res["worlds"][str(w)]["ring"]["nccl"]
-        print(f"{w} ranks: done")
     out = args.out or RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    for w in args.worlds:  # the file is rewritten after each world size: a run cut short keeps what it finished
+        res["worlds"][str(w)] = {mode: run_worker(w, mode) for mode in ("equal", "ring")}
+        res["nccl"] = res["worlds"][str(w)]["ring"]["nccl"]
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"{w} ranks: done, wrote {out}")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,13 @@ def ring_cases():
             wait(comm, "the ring and NCCL's all-reduce")
             exact = np.sum([h.astype(dt).astype(np.float64) for h in host], axis=0)
             ga, gb = (backend.to_numpy(x.astype(np.float32)).astype(np.float64) for x in (a, b))
+            # recursive summation's bound is per element, against the sum of the addends' magnitudes
+            scale = np.sum([np.abs(h.astype(dt).astype(np.float64)) for h in host], axis=0)
             out.append({"dtype": np.dtype(dt).name, "n": n, "bitwise": bool(cp.all(a == b)),
                         "ring_rel": float(np.linalg.norm(ga - exact) / np.linalg.norm(exact)),
                         "nccl_rel": float(np.linalg.norm(gb - exact) / np.linalg.norm(exact)),
+                        "ring_err_l1": float((np.abs(ga - exact) / scale).max()),
+                        "nccl_err_l1": float((np.abs(gb - exact) / scale).max()),
                         "finite": bool(np.isfinite(ga).all())})
     return out
 
