@@ -156,6 +156,15 @@ def _start_long_run(out, timeout_s):
     return subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _running_ranks(cp, out, timeout_s):
+    """Two GPU ranks training in ``out`` (NCCL, ``--dist-timeout timeout_s``), once they have logged 3 steps:
+    (the launcher's process, [rank 0's PID, rank 1's])."""
+    _ranks_fit(cp, 2)
+    p = _start_long_run(out, timeout_s)
+    wait_for_steps(out, 3, deadline_s=180)
+    return p, [rank_pid(str(out), r) for r in (0, 1)]
+
+
 def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
@@ -163,11 +172,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(sys.platform != "linux", reason="finds the ranks through /proc")
 def test_a_killed_gpu_rank_ends_the_run_and_is_named(cp, tmp_path):
-    _ranks_fit(cp, 2)
-    out = tmp_path / "killed"
-    p = _start_long_run(out, 30)
-    wait_for_steps(out, 3, deadline_s=180)
-    pids = [rank_pid(str(out), r) for r in (0, 1)]
+    p, pids = _running_ranks(cp, tmp_path / "killed", 30)
     os.kill(pids[1], signal.SIGKILL)
     t = time.monotonic()
     _, stderr = p.communicate(timeout=120)
@@ -182,11 +187,7 @@ def test_a_killed_gpu_rank_ends_the_run_and_is_named(cp, tmp_path):
 def test_a_stopped_gpu_rank_ends_the_run_within_the_timeout_and_is_named(cp, tmp_path):
     """SIGSTOP on rank 1: rank 0 waits at most --dist-timeout for the step's collectives, aborts its NCCL
     communicator and says so; the launcher names the stopped rank and kills it. No process is left."""
-    _ranks_fit(cp, 2)
-    out = tmp_path / "stopped"
-    p = _start_long_run(out, 8)
-    wait_for_steps(out, 3, deadline_s=180)
-    pids = [rank_pid(str(out), r) for r in (0, 1)]
+    p, pids = _running_ranks(cp, tmp_path / "stopped", 8)
     os.kill(pids[1], signal.SIGSTOP)
     t = time.monotonic()
     try:

@@ -18,8 +18,8 @@ The environment is inherited (``NCCL_*`` settings such as ``NCCL_NVLS_ENABLE`` r
 
 from __future__ import annotations
 
-import os
 import ctypes
+import os
 import re
 import select
 import shutil

@@ -148,25 +148,16 @@ class FlatParams:
     # AdamW's first and second moments, one flat fp32 buffer each. They are allocated on first use, by the
     # optimizer built over these parameters: a ZeRO rank (chapter 9) builds its optimizer over its shard
     # instead, and so never holds the whole buffers.
-    @property
-    def m(self):
-        if self._m is None:
-            self._m = self.xp.zeros(self.numel, dtype=backend.float32)
-        return self._m
+    def _moment(attr: str):
+        def get(self):
+            if getattr(self, attr) is None:
+                setattr(self, attr, self.xp.zeros(self.numel, dtype=backend.float32))
+            return getattr(self, attr)
 
-    @m.setter
-    def m(self, buf):
-        self._m = buf
+        return property(get, lambda self, buf: setattr(self, attr, buf))
 
-    @property
-    def v(self):
-        if self._v is None:
-            self._v = self.xp.zeros(self.numel, dtype=backend.float32)
-        return self._v
-
-    @v.setter
-    def v(self, buf):
-        self._v = buf
+    m, v = _moment("_m"), _moment("_v")
+    del _moment
 
     @property
     def has_moments(self) -> bool:
