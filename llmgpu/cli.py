@@ -223,8 +223,12 @@ def _launch_ranks(a, given) -> int:
         cp = backend.require_gpu()
         n = cp.cuda.runtime.getDeviceCount()
         if given["nproc"] > n:
-            raise UsageError(f"--nproc {given['nproc']} but {n} GPU(s) are visible: one rank per GPU (--device cpu "
-                             "trains CPU ranks)")
+            from .dist import ranks_may_share_gpus
+
+            why = ranks_may_share_gpus()  # None where NCCL 2.30 lets ranks share a GPU (chapter 9, one GPU)
+            if why:
+                raise UsageError(f"--nproc {given['nproc']} but {n} GPU(s) are visible: one rank per GPU ({why}; "
+                                 "--device cpu trains CPU ranks)")
     return launch(given["nproc"], strip_nproc(a.argv), gpu=gpu)  # a.argv starts with "train"
 
 

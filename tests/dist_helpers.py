@@ -36,12 +36,16 @@ def rank_pid(marker: str, rank: int, deadline_s: float = 60) -> int:
     raise AssertionError(f"rank {rank} of {marker} never started")
 
 
-def wait_for_steps(out, n: int = 2, deadline_s: float = 90):
-    """Return once the run in ``out`` has logged ``n`` training steps (an AssertionError after ``deadline_s``)."""
+def wait_for_steps(out, n: int = 2, deadline_s: float = 90, proc=None):
+    """Return once the run in ``out`` has logged ``n`` training steps (an AssertionError after ``deadline_s``, or
+    at once with its stderr when ``proc``, the run's ``Popen`` with piped stderr, has ended before)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         log = Path(out) / "log.jsonl"
         if log.exists() and log.read_text().count('"train"') >= n:
             return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {n} steps: "
+                                 f"{proc.stderr.read()[-1500:] if proc.stderr else ''}")
         time.sleep(0.2)
     raise AssertionError("the run never got going")

@@ -161,7 +161,7 @@ def _running_ranks(cp, out, timeout_s):
     (the launcher's process, [rank 0's PID, rank 1's])."""
     _ranks_fit(cp, 2)
     p = _start_long_run(out, timeout_s)
-    wait_for_steps(out, 3, deadline_s=180)
+    wait_for_steps(out, 3, deadline_s=180, proc=p)
     return p, [rank_pid(str(out), r) for r in (0, 1)]
 
 
