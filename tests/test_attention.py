@@ -200,4 +200,6 @@ def test_gpu_bad_inputs(cp, rng):
     with pytest.raises(TypeError, match="stats.p=ndarray"):
         attention_backward(o, q, k, v, o, AttentionStats(p=backend.to_numpy(stats.p), scale=stats.scale))
     with pytest.raises(ValueError, match="k must have shape"):
+        attention_forward(q, k[:, :, :3].copy(), v)
+    with pytest.raises(ValueError, match="v must have shape"):  # one K head (grouped-query) but two V heads
         attention_forward(q, k[:, :1].copy(), v)

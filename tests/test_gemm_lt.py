@@ -563,6 +563,8 @@ def test_flash_bad_arguments(rng):
     q = random_array(rng, (1, 2, 5, 4))
     o, st = fa.flash_attention_forward(q, q, q)
     with pytest.raises(ValueError, match="k must have shape"):
+        fa.flash_attention_forward(q, q[:, :, :3], q)
+    with pytest.raises(ValueError, match="v must have shape"):  # one K head (grouped-query) but two V heads
         fa.flash_attention_forward(q, q[:, :1], q)
     with pytest.raises(TypeError, match="v must be"):
         fa.flash_attention_forward(q, q, q.astype(np.float16))

@@ -27,6 +27,17 @@ S to bf16 instead would perturb every logit by up to 2⁻⁹·|S| (|S| grows lik
 exponential; fp32 S costs 2 extra bytes per score written and read once, while the stored
 activation (P) is the same 2 bytes per element either way. ``fp32_scores=False`` keeps S and dP in
 the input dtype (less traffic, less accuracy) for comparison.
+
+Grouped-query attention (GQA; multi-query when H_kv = 1): k and v may have H_kv heads, H_kv dividing the H
+query heads. Query head h reads K/V head h // G, G = H / H_kv (Hugging Face's ``repeat_kv`` order: K/V head j
+serves the contiguous query heads j·G … j·G + G − 1), and the gradient of a K/V head is the sum over its group.
+No repeated K/V is made: q's heads j·G … j·G + G − 1 are contiguous, so q viewed as [B·H_kv, G·T, D] stacks the
+group's G·T query rows over one K/V head, and the two forward GEMMs take that view as their M side (S comes out
+[B·H_kv, G·T, T], which is [B·H, T, T] again in memory, so the softmax and its causal mask still see one T × T
+matrix per (b, h) and mask by query position t, not by row of the stacked G·T). In the backward the same views
+make dV = Pᵀ dO and dK = dSᵀ Q GEMMs whose inner dimension runs over the G·T rows: the sum over the group happens
+inside the GEMM's fp32 accumulation, rounded once. With H_kv = H the views are today's [B·H, T, D] and nothing
+changes.
 """
 
 from __future__ import annotations
@@ -70,15 +81,27 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def kv_group(n_head: int, n_kv_head: int) -> int:
+    """G = H / H_kv, the query heads that share one K/V head (1: multi-head; H: multi-query attention); a ValueError
+    naming both head counts when H_kv does not divide H."""
+    if n_kv_head < 1 or n_head % n_kv_head:
+        raise ValueError(f"grouped-query attention needs the query heads H={n_head} to be a multiple of the key/value "
+                         f"heads H_kv={n_kv_head}")
+    return n_head // n_kv_head
+
+
 def _check_qkv(q, k, v):
+    """xp and G for q [B, H, T, D] and k, v [B, H_kv, T, D] (H_kv dividing H)."""
     xp = array_module(q=q, k=k, v=v)
     check_array("q", q, ndim=4)
-    check_array("k", k, shape=q.shape)
-    check_array("v", v, shape=q.shape)
+    B, H, T, D = q.shape
+    check_array("k", k, shape=(B, None, T, D))
+    check_array("v", v, shape=k.shape)
+    group = kv_group(H, k.shape[1])
     check_same_dtype(q=q, k=k, v=v)
     if xp is not np:
         check_gpu_dtype("q", q)  # k and v: q's dtype, checked above
-    return xp
+    return xp, group
 
 
 def _score_dtype(dtype, fp32_scores):
@@ -98,25 +121,28 @@ def _mm(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None):
 
 
 def attention_forward(q, k, v, causal=True, *, scale=None, method="auto", fp32_scores=True):
-    """``O = softmax(scale · q kᵀ, causal) v`` for q, k, v of shape [B, H, T, D]; returns ``(o, stats)``.
+    """``O = softmax(scale · q kᵀ, causal) v`` for q [B, H, T, D] and k, v [B, H_kv, T, D] (H_kv = H, or fewer
+    K/V heads shared by groups of H / H_kv query heads: the module's docstring); returns ``(o, stats)``.
 
     ``scale`` defaults to 1/√D; ``method`` picks the softmax kernel (see ``llmgpu.ops.softmax``).
     """
-    _check_qkv(q, k, v)
+    _, G = _check_qkv(q, k, v)
     B, H, T, D = q.shape
     scale = default_scale(D) if scale is None else float(scale)
-    q3, k3, v3 = (a.reshape(B * H, T, D) for a in (q, k, v))
-    s = _mm(q3, k3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # S = q kᵀ  [BH, T, T]
-    p = softmax_forward(s, method=method, scale=scale, causal=causal, out_dtype=q.dtype)
+    q3 = q.reshape(B * H // G, G * T, D)  # a K/V head's group of query rows (G = 1: [BH, T, D])
+    k3, v3 = (a.reshape(B * H // G, T, D) for a in (k, v))
+    s = _mm(q3, k3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # S = q kᵀ  [BH/G, GT, T]
+    p = softmax_forward(s.reshape(B * H, T, T), method=method, scale=scale, causal=causal, out_dtype=q.dtype)
     del s  # the scores are not kept: the backward needs P only
-    o = _mm(p, v3)  # O = P v  [BH, T, D]
+    o = _mm(p.reshape(B * H // G, G * T, T), v3)  # O = P v  [BH/G, GT, D]
     return o.reshape(B, H, T, D), AttentionStats(p=p.reshape(B, H, T, T), scale=scale, causal=causal)
 
 
 def attention_backward(do, q, k, v, o, stats, causal=True, *, method="auto", fp32_scores=True):
-    """Gradients ``(dq, dk, dv)`` of attention given dO, the inputs, the output and the forward's stats."""
+    """Gradients ``(dq, dk, dv)`` of attention given dO, the inputs, the output and the forward's stats; dk and dv
+    have k's H_kv heads, each the sum over the query heads of its group."""
     array_module(do=do, q=q, k=k, v=v, o=o)
-    _check_qkv(q, k, v)
+    _, G = _check_qkv(q, k, v)
     check_array("do", do, shape=q.shape)
     check_array("o", o, shape=q.shape)
     check_same_dtype(q=q, do=do, o=o)
@@ -130,15 +156,18 @@ def attention_backward(do, q, k, v, o, stats, causal=True, *, method="auto", fp3
     array_module(q=q, **{"stats.p": stats.p})  # same device as q (TypeError naming stats.p otherwise)
     check_array("stats.p", stats.p, shape=(B, H, T, T), dtype=q.dtype)
 
-    q3, k3, v3, do3 = (a.reshape(B * H, T, D) for a in (q, k, v, do))
-    p3 = stats.p.reshape(B * H, T, T)
-    dv = _mm(p3, do3, trans_a=True)  # dV = Pᵀ dO
+    BK = B * H // G  # (batch, K/V head) pairs; a K/V head's G query heads as G·T rows (G = 1: [BH, T, D])
+    q3, do3 = (a.reshape(BK, G * T, D) for a in (q, do))
+    k3, v3 = (a.reshape(BK, T, D) for a in (k, v))
+    p3 = stats.p.reshape(BK, G * T, T)
+    dv = _mm(p3, do3, trans_a=True)  # dV = Pᵀ dO, summed over the group's G·T rows
     dp = _mm(do3, v3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # dP = dO vᵀ
-    ds = softmax_backward(dp, p3, method=method, scale=stats.scale, causal=causal)  # dS, scale folded in
+    ds = softmax_backward(dp.reshape(B * H, T, T), stats.p.reshape(B * H, T, T), method=method, scale=stats.scale,
+                          causal=causal).reshape(BK, G * T, T)  # dS, scale folded in
     del dp
     dq = _mm(ds, k3)  # dQ = dS k
-    dk = _mm(ds, q3, trans_a=True)  # dK = dSᵀ q
-    return tuple(a.reshape(B, H, T, D) for a in (dq, dk, dv))
+    dk = _mm(ds, q3, trans_a=True)  # dK = dSᵀ q, summed over the group's G·T rows
+    return dq.reshape(B, H, T, D), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 # --------------------------------------------------------------------------- accounting and profiling
@@ -147,7 +176,8 @@ def attention_backward(do, q, k, v, o, stats, causal=True, *, method="auto", fp3
 def attention_flops(B, H, T, D, causal=True, direction="fwd") -> float:
     """Useful floating-point work, FlashAttention's convention: forward 4·B·H·T²·D (two GEMMs), halved
     when causal (only the lower triangle counts); backward 2.5 × forward. The math path computes the
-    full T × T GEMMs even when causal, so its rate by this count is an *effective* rate."""
+    full T × T GEMMs even when causal, so its rate by this count is an *effective* rate. H counts query
+    heads: grouped K/V heads (H_kv < H) share operands, not work, so the count is the same."""
     fwd = 4.0 * B * H * T * T * D * (0.5 if causal else 1.0)
     return fwd if direction == "fwd" else 2.5 * fwd
 
@@ -159,28 +189,32 @@ def attention_stages(q, k, v, do, causal=True, *, method="auto", fp32_scores=Tru
     ``fn()`` running the stage on buffers allocated once (``llmgpu.perf.sweeps.attention_stage_times``
     times them). Run them in order once before timing, so each stage reads real data.
     """
-    xp = _check_qkv(q, k, v)
+    xp, G = _check_qkv(q, k, v)
     check_array("do", do, shape=q.shape, dtype=q.dtype)
     B, H, T, D = q.shape
+    BK = B * H // G  # as in attention_backward: a K/V head's group of query rows as one operand
     scale = default_scale(D)
     sdt = _score_dtype(q.dtype, fp32_scores)
-    q3, k3, v3, do3 = (a.reshape(B * H, T, D) for a in (q, k, v, do))
+    q3, do3 = (a.reshape(BK, G * T, D) for a in (q, do))
+    k3, v3 = (a.reshape(BK, T, D) for a in (k, v))
     S = xp.empty((B * H, T, T), dtype=sdt)
     P = xp.empty((B * H, T, T), dtype=q.dtype)
     dP = xp.empty((B * H, T, T), dtype=sdt)
     dS = xp.empty((B * H, T, T), dtype=q.dtype)
-    O, dV, dQ, dK = (xp.empty((B * H, T, D), dtype=q.dtype) for _ in range(4))
+    O, dQ = (xp.empty((BK, G * T, D), dtype=q.dtype) for _ in range(2))
+    dV, dK = (xp.empty((BK, T, D), dtype=q.dtype) for _ in range(2))
+    S3, P3, dP3, dS3 = (a.reshape(BK, G * T, T) for a in (S, P, dP, dS))
     stages = [
-        ("fwd", "S = Q Kᵀ", "gemm", lambda: _mm(q3, k3, trans_b=True, out=S)),
+        ("fwd", "S = Q Kᵀ", "gemm", lambda: _mm(q3, k3, trans_b=True, out=S3)),
         ("fwd", "P = softmax(S)", "softmax",
          lambda: softmax_forward(S, method=method, out=P, scale=scale, causal=causal, out_dtype=q.dtype)),
-        ("fwd", "O = P V", "gemm", lambda: _mm(P, v3, out=O)),
-        ("bwd", "dV = Pᵀ dO", "gemm", lambda: _mm(P, do3, trans_a=True, out=dV)),
-        ("bwd", "dP = dO Vᵀ", "gemm", lambda: _mm(do3, v3, trans_b=True, out=dP)),
+        ("fwd", "O = P V", "gemm", lambda: _mm(P3, v3, out=O)),
+        ("bwd", "dV = Pᵀ dO", "gemm", lambda: _mm(P3, do3, trans_a=True, out=dV)),
+        ("bwd", "dP = dO Vᵀ", "gemm", lambda: _mm(do3, v3, trans_b=True, out=dP3)),
         ("bwd", "dS = softmax_bwd(dP, P)", "softmax",
          lambda: softmax_backward(dP, P, method=method, out=dS, scale=scale, causal=causal)),
-        ("bwd", "dQ = dS K", "gemm", lambda: _mm(dS, k3, out=dQ)),
-        ("bwd", "dK = dSᵀ Q", "gemm", lambda: _mm(dS, q3, trans_a=True, out=dK)),
+        ("bwd", "dQ = dS K", "gemm", lambda: _mm(dS3, k3, out=dQ)),
+        ("bwd", "dK = dSᵀ Q", "gemm", lambda: _mm(dS3, q3, trans_a=True, out=dK)),
     ]  # fmt: skip
     return stages
 
@@ -192,4 +226,5 @@ __all__ = [
     "attention_forward",
     "attention_stages",
     "default_scale",
+    "kv_group",
 ]

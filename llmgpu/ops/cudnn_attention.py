@@ -9,6 +9,11 @@ optional extra: ``pip install 'llmgpu[fast]'``). Its ``stats`` output is the per
 scores (fp32 [B, H, T]), the same convention as our kernels' ``lse``, so either backward takes either forward's
 stats. ``execute`` allocates nothing and is capturable in a CUDA graph (verified on the H200); make the first
 call of each shape outside capture (a warm-up: that call builds the graph).
+
+Grouped-query attention is native to cuDNN's SDPA: K and V (and dK, dV) are described with their own H_kv heads
+(as the frontend's own GQA/MQA tests do), and the backward returns dK, dV summed over each K/V head's query heads.
+The grouping must be ours, query head h on K/V head h // (H / H_kv): tests/test_gqa.py checks it against the
+NumPy reference.
 """
 
 from __future__ import annotations
@@ -141,17 +146,19 @@ def _mask_variants(cudnn, causal):
             ("causal", {"use_causal_mask": True})]  # the older spelling, still accepted by 1.32
 
 
-def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, describe, deterministic=False):
-    """Build (validate, plan, compile) one forward or backward SDPA graph with fixed uids."""
+def _build(cudnn, cp, handle, which, dims, kv_heads, strides, io_name, scale, causal, describe, deterministic=False):
+    """Build (validate, plan, compile) one forward or backward SDPA graph with fixed uids. ``dims`` are q's
+    [B, H, T, D]; k, v, dK, dV have ``kv_heads`` heads."""
     io = cudnn.data_type.BFLOAT16 if io_name == "bf16" else cudnn.data_type.HALF
     f32 = cudnn.data_type.FLOAT
-    B, H, T, _ = dims
+    B, H, T, D = dims
     sdims, sstr = [B, H, T, 1], [H * T, T, 1, 1]
+    shape = {n: [B, kv_heads, T, D] if n in ("k", "v", "dK", "dV") else list(dims) for n in _UID}
     errors = []
     for label, mask in _mask_variants(cudnn, causal):
         try:
             g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-            t = {n: g.tensor(name=n, dim=list(dims), stride=list(strides[n]), data_type=io, uid=_UID[n])
+            t = {n: g.tensor(name=n, dim=shape[n], stride=list(strides[n]), data_type=io, uid=_UID[n])
                  for n in ("q", "k", "v")}
             if which == "fwd":
                 o, stats = g.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True, attn_scale=scale,
@@ -173,7 +180,7 @@ def _build(cudnn, cp, handle, which, dims, strides, io_name, scale, causal, desc
                     deterministic = False
                     grads = g.sdpa_backward(**kw)
                 for tensor, n in zip(grads, ("dQ", "dK", "dV")):
-                    tensor.set_output(True).set_dim(list(dims)).set_stride(list(strides[n])).set_data_type(
+                    tensor.set_output(True).set_dim(shape[n]).set_stride(list(strides[n])).set_data_type(
                         io).set_uid(_UID[n])
             g.validate()
             g.build_operation_graph()
@@ -221,21 +228,25 @@ def _execute(cudnn, dev, entry, arrays: dict):
 
 def _entry(cudnn, cp, dev, which, arrays, dtype, scale, causal, deterministic=False):
     dims = tuple(int(s) for s in arrays["q"].shape)
+    kv_heads = int(arrays["k"].shape[1])
     strides = {n: _elem_strides(a) for n, a in arrays.items() if n != "stats"}
     io_name = backend.dtype_name(dtype)
     det = which == "bwd" and bool(deterministic)
-    key = (dev.device_id, which, dims, io_name, float(scale), bool(causal), tuple(sorted(strides.items())), det)
+    key = (dev.device_id, which, dims, kv_heads, io_name, float(scale), bool(causal), tuple(sorted(strides.items())),
+           det)
     e = _GRAPHS.get(key)
     if e is None:
-        describe = (f"B,H,T,D={list(dims)} {io_name} causal={causal} scale={scale:.6g} strides "
+        describe = (f"B,H,T,D={list(dims)}" + (f" H_kv={kv_heads}" if kv_heads != dims[1] else "")
+                    + f" {io_name} causal={causal} scale={scale:.6g} strides "
                     + ", ".join(f"{n}{list(s)}" for n, s in strides.items()))
+        build = (cudnn, cp, dev.handle, which, dims, kv_heads, strides, io_name, scale, causal, describe)
         try:
-            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, det)
+            e = _build(*build, det)
         except RuntimeError:
             if not det:
                 raise
             # no deterministic engine for this shape: the default one, and backward_is_deterministic() says so
-            e = _build(cudnn, cp, dev.handle, which, dims, strides, io_name, scale, causal, describe, False)
+            e = _build(*build, False)
         _GRAPHS[key] = e
     return e
 
@@ -277,10 +288,16 @@ def backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, *, deterministic=Tr
     if q.shape[2] == 1:
         # One position: softmax over a single score is 1, so o = v and the scores get no gradient
         # (dS = P ⊙ (dP − Σ P⊙dP) = 0): dq = dk = 0, dv = dO. cuDNN (frontend 1.32, seen on the H200)
-        # builds no backward graph for T = 1, so this exact special case stands in for it.
+        # builds no backward graph for T = 1, so this exact special case stands in for it. With grouped K/V,
+        # dV of a K/V head is the sum of dO over its query heads (fp32, rounded once).
         dq[...] = 0
         dk[...] = 0
-        dv[...] = do
+        if dv.shape == do.shape:
+            dv[...] = do
+        else:
+            B, H, _, D = do.shape
+            dv[...] = do.astype(backend.float32).reshape(B, dv.shape[1], H // dv.shape[1], 1, D).sum(axis=2).astype(
+                dv.dtype)
         return
     cp = backend.cupy_module()
     cudnn = _cudnn()

@@ -48,6 +48,11 @@ gives q, k, v as views of the ``[B, T, 3C]`` output of the QKV projection and ``
 ``dq=``, ``dk=``, ``dv=`` accept such views). On the GPU every array starts on a 16-byte boundary and our kernels
 need element strides that are multiples of 8 (what those views give for D = 64 or 128).
 
+Grouped-query attention (GQA): k and v (and dk, dv) may have H_kv heads, H_kv dividing H, query head h reading K/V
+head h // (H / H_kv) (the order of chapter 2's ``attention_forward``, which also takes it). cuDNN takes such K/V as
+they are and returns dK/dV with H_kv heads; our kernels take H_kv = H only (``ours_unsupported`` says so, and
+"auto" then runs cuDNN without recording a choice); the NumPy reference repeats K/V per group and sums dK/dV over it.
+
 Our launches allocate nothing but one fp32 [B, H, T] buffer for D per shape (cached, made on the first call), so
 after a warm-up they are capturable in a CUDA graph.
 """
@@ -62,7 +67,7 @@ import numpy as np
 from .. import backend
 from ..checks import array_module, check_array, check_choice, check_gpu_dtype
 from . import cudnn_attention, flash_reference
-from .attention import AttentionStats, default_scale
+from .attention import AttentionStats, default_scale, kv_group
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
 from .flash_auto_cache import (
     AUTO_MARGIN,
@@ -175,10 +180,15 @@ def _out(name, arr, shape, dtype, xp):
 
 
 def _check_inputs(q, k, v):
+    """xp for q [B, H, T, D] and k, v [B, H_kv, T, D] (H_kv dividing H)."""
     xp = array_module(q=q, k=k, v=v)
     _check_bhtd("q", q)
-    _check_bhtd("k", k, shape=q.shape, dtype=q.dtype)
-    _check_bhtd("v", v, shape=q.shape, dtype=q.dtype)
+    B, H, T, D = q.shape
+    _check_bhtd("k", k, dtype=q.dtype)
+    if k.shape[0] != B or k.shape[2:] != (T, D):
+        raise ValueError(f"k must have shape [{B}, H_kv, {T}, {D}], got {tuple(k.shape)}")
+    _check_bhtd("v", v, shape=k.shape, dtype=q.dtype)
+    kv_group(H, k.shape[1])
     if xp is not np:
         check_gpu_dtype("q", q, FLASH_DTYPES, hint="fused attention; fp32 runs on llmgpu.ops.attention")
     return xp
@@ -199,6 +209,10 @@ def _check_gpu_layout(**arrays):
 def ours_unsupported(q, *arrays) -> str | None:
     """Why our kernels cannot take these [B, H, T, D] CuPy arrays (None when they can)."""
     B, H, T, D = q.shape
+    if any(a.shape[1] != H for a in arrays):
+        h_kv = next(a.shape[1] for a in arrays if a.shape[1] != H)
+        return (f"our flash attention kernels take as many K/V heads as query heads, got H={H}, H_kv={h_kv}: "
+                "grouped-query attention runs on kernel='cudnn' or llmgpu.ops.attention")
     if D not in HEAD_DIMS:
         return f"our flash attention kernels take head dims {HEAD_DIMS}, got D={D} (kernel='cudnn' takes D % 8 == 0)"
     for a in (q, *arrays):
@@ -292,6 +306,10 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
     check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", *AUTO_RESOLVES_TO))
     if kernel != "auto":
         return kernel
+    if arrays[0].shape[1] != q.shape[1]:  # grouped K/V (arrays[0] is k): cuDNN only, nothing to time or record
+        if cudnn_attention.available():
+            return "cudnn"
+        _require_ours(q, *arrays)  # raises with ours' reason, which names the paths that take it
     cp = backend.cupy_module()
     key = (direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
     process = _PROCESS_CHOICES.setdefault(cp.cuda.Device().id, KernelChoices())
@@ -340,7 +358,8 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
 def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None, kernel=None, choices=None):
     """``O = softmax(scale · q kᵀ, causal) v`` without materialising the scores; returns ``(o, stats)``.
 
-    q, k, v ``[B, H, T, D]`` (strided views allowed, unit stride along D). ``stats`` is an
+    q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]`` with H_kv = H, or H_kv dividing H (grouped-query attention:
+    kernel "cudnn", or "auto", which then runs cuDNN); strided views allowed, unit stride along D. ``stats`` is an
     ``AttentionStats`` with ``lse`` (fp32 ``[B, H, T]``): what ``flash_attention_backward`` needs.
     ``out`` ([B, H, T, D], may be a view such as ``heads_view(y, H)``) and ``lse`` (contiguous fp32
     [B, H, T]) are written when given (static buffers for CUDA graphs), else allocated.
@@ -363,6 +382,8 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
     kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
         check_choice("kernel", kernel, KERNELS)
+        G = H // k.shape[1]
+        k, v = (np.repeat(a, G, axis=1) if G > 1 else a for a in (k, v))  # the reference repeats grouped K/V
         ref_o, ref_lse = flash_reference.tiled_forward(q, k, v, scale, causal)
         o[...] = ref_o.astype(o.dtype)
         lse[...] = ref_lse.astype(lse.dtype)
@@ -385,7 +406,8 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
                              variant=None, choices=None):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
-    All of do, q, k, v, o are ``[B, H, T, D]`` (strided views allowed); ``dq``/``dk``/``dv`` are written
+    do, q, o are ``[B, H, T, D]``, k, v and dk, dv ``[B, H_kv, T, D]`` (as for the forward; dk and dv sum over
+    each K/V head's group of query heads); strided views allowed. ``dq``/``dk``/``dv`` are written
     when given (e.g. ``split_qkv(dqkv, H)``, so the gradient lands in the [B, T, 3C] layout the QKV
     projection's backward reads), else allocated contiguous. ``kernel``: "auto" (default), "ours" or "cudnn".
     ``variant``: which of our backward kernels (``BWD_VARIANTS``, see ``flash_launch``; default
@@ -413,13 +435,15 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     array_module(q=q, **{"stats.lse": lse})
     check_array("stats.lse", lse, shape=(B, H, T), dtype=np.float64 if q.dtype == np.float64 else np.float32)
     dq = _out("dq", dq, q.shape, q.dtype, xp)
-    dk = _out("dk", dk, q.shape, q.dtype, xp)
-    dv = _out("dv", dv, q.shape, q.dtype, xp)
+    dk = _out("dk", dk, k.shape, q.dtype, xp)
+    dv = _out("dv", dv, k.shape, q.dtype, xp)
     kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
         check_choice("kernel", kernel, ("auto", "ours", "cudnn"))
-        for g, r in zip((dq, dk, dv), flash_reference.tiled_backward(do, q, k, v, o, lse, stats.scale, causal)):
-            g[...] = r.astype(g.dtype)
+        G = H // k.shape[1]
+        kr, vr = (np.repeat(a, G, axis=1) if G > 1 else a for a in (k, v))  # repeat, then sum over each group
+        for g, r in zip((dq, dk, dv), flash_reference.tiled_backward(do, q, kr, vr, o, lse, stats.scale, causal)):
+            g[...] = (r if g.shape == r.shape else r.reshape(B, H // G, G, T, D).sum(axis=2)).astype(g.dtype)
         return dq, dk, dv
     _check_gpu_layout(q=q, k=k, v=v, do=do, o=o, dq=dq, dk=dk, dv=dv)
 
@@ -443,12 +467,14 @@ def flash_attention_flops(B, H, T, D, causal=True, direction="fwd") -> float:
     return fwd if direction == "fwd" else 2.5 * fwd
 
 
-def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd") -> int:
+def flash_traffic_bytes(B, H, T, D, dtype, direction="fwd", *, kv_heads=None) -> int:
     """Minimum bytes: forward reads q, k, v and writes o (+ fp32 lse); backward reads q, k, v, o, dO, lse and
-    writes dq, dk, dv."""
+    writes dq, dk, dv. ``kv_heads``: H_kv of grouped-query attention (k, v, dk, dv have H_kv heads; None: H)."""
     it = backend.resolve_dtype(dtype).itemsize
     n = B * H * T * D
-    return (4 * n * it + 4 * B * H * T) if direction == "fwd" else (8 * n * it + 4 * B * H * T)
+    n_kv = n if kv_heads is None else B * int(kv_heads) * T * D
+    return ((2 * n + 2 * n_kv) * it + 4 * B * H * T) if direction == "fwd" else \
+        ((4 * n + 4 * n_kv) * it + 4 * B * H * T)
 
 
 __all__ = ["AUTO_MARGIN", "AUTO_RESOLVES_TO", "BWD_VARIANTS", "CudnnUnavailableError", "DEFAULT_BWD_VARIANT",
