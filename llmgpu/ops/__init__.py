@@ -18,6 +18,7 @@ from .gelu import gelu_backward, gelu_forward
 from .layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .matmul import matmul
+from .rope import rope_backward, rope_forward, rope_tables
 from .softmax import softmax_backward, softmax_forward
 from .swiglu import swiglu_backward, swiglu_forward
 from .vector_add import vector_add
@@ -37,6 +38,9 @@ __all__ = [
     "linear_backward",
     "linear_forward",
     "matmul",
+    "rope_backward",
+    "rope_forward",
+    "rope_tables",
     "softmax_backward",
     "softmax_forward",
     "swiglu_backward",
