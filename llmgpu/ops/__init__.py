@@ -18,6 +18,7 @@ from .gelu import gelu_backward, gelu_forward
 from .layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .matmul import matmul
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
 from .softmax import softmax_backward, softmax_forward
 from .swiglu import swiglu_backward, swiglu_forward
@@ -38,6 +39,8 @@ __all__ = [
     "linear_backward",
     "linear_forward",
     "matmul",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
     "rope_backward",
     "rope_forward",
     "rope_tables",
