@@ -186,16 +186,16 @@ def _to(cp, *arrays):
                                    (3, 5120), (2, 13000)])
 def test_gpu_matches_reference(cp, rng, dtype, shape):
     """Kernels vs reference, outputs poisoned. Shapes cover every path: registers (P = 1..8), shared-memory
-    accumulators (C above 32 * 8 * W: 4096, 5120), the scalar fallback (C = 33, 1000 for 16-bit, 13000:
-    one warp per block, opted in above 48 KB). Tolerance: the dtype's (1e-5 fp32, 5e-3 fp16, 2e-2 bf16,
-    relative norm) for y, dx, dweight; 1e-6 for inv_rms (fp32 in every case)."""
+    accumulators (C above 32 * 8 * W: 4096 fp32, 5120; 13000: one warp per block, opted in above 48 KB),
+    the scalar fallback (C = 33). Tolerance: the dtype's (1e-5 fp32, 5e-3 fp16, 2e-2 bf16, relative norm)
+    for y, dx, dweight; 1e-5 for inv_rms (fp32 in every case)."""
     x, w, dy = _inputs(rng, shape, dtype)
     y_ref, inv_ref = rmsnorm_forward(x, w)
     xd, wd, dyd = _to(cp, x, w, dy)
     y, inv = rmsnorm_forward(xd, wd, out=poisoned(shape, dtype, cp))
     assert inv.dtype == np.float32 and inv.shape == shape[:-1]
     assert_close(y, y_ref, dtype, name="y")
-    assert_close(inv, inv_ref, rtol=1e-6, name="inv_rms")
+    assert_close(inv, inv_ref, rtol=1e-5, name="inv_rms")
     dx_ref, dw_ref = rmsnorm_backward(dy, x, w, inv_ref)
     dx, dw = rmsnorm_backward(dyd, xd, wd, inv, dx=poisoned(shape, dtype, cp),
                               dweight=poisoned((shape[-1],), dtype, cp))
@@ -207,7 +207,8 @@ def test_gpu_matches_reference(cp, rng, dtype, shape):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_gpu_dweight_fp32_accumulate_and_deterministic(cp, rng, dtype):
     """Many rows per warp (n = 5000): fp32 dweight buffer, accumulate=True adds in fp32, and the same inputs
-    give the same bits twice (fixed summation order, no atomics)."""
+    give the same bits twice (fixed summation order, no atomics). Tolerance 1e-4 (relative norm): sums of
+    5000 terms in fp32 in another order than NumPy's; a missing or doubled g0 is off by ~1."""
     n, c = 5000, 768
     x, w, dy = _inputs(rng, (n, c), dtype)
     xd, wd, dyd = _to(cp, x, w, dy)
@@ -217,7 +218,7 @@ def test_gpu_dweight_fp32_accumulate_and_deterministic(cp, rng, dtype):
     buf = cp.asarray(g0)
     _, dw = rmsnorm_backward(dyd, xd, wd, inv, dweight=buf, accumulate=True)
     assert dw is buf
-    assert_close(dw, g0 + dw_ref, "fp32" if dtype == "fp32" else 1e-4, name="dweight accumulated")
+    assert_close(dw, g0 + dw_ref, rtol=1e-4, name="dweight accumulated")
     a = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32))
     b = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32))
     for u, v in zip(a, b):
