@@ -119,6 +119,31 @@ def check_out(out, shape, dtype, xp, name="out"):
     return out
 
 
+def _address(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def overlaps(u, v) -> bool:
+    """Whether two (contiguous) arrays share any byte; None shares nothing."""
+    if u is None or v is None:
+        return False
+    pu, pv = _address(u), _address(v)
+    return pu < pv + v.nbytes and pv < pu + u.nbytes
+
+
+def same_buffer(u, v) -> bool:
+    """Whether two (contiguous) arrays are the same bytes: the same start and the same size."""
+    return _address(u) == _address(v) and u.nbytes == v.nbytes
+
+
+def check_alias(out_name, out, in_name, inp):
+    """``out`` may be ``inp`` itself (in place) but must not overlap it any other way: a kernel that
+    reads each element before writing it is safe in place, never with a shifted view."""
+    if overlaps(out, inp) and not same_buffer(out, inp):
+        raise ValueError(f"{out_name} overlaps {in_name} without being the same buffer: pass {out_name}={in_name} "
+                         "for in place, or separate buffers")
+
+
 # --------------------------------------------------------------------------- values of the user-facing API
 
 

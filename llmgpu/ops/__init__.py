@@ -7,6 +7,7 @@ reference implementation (float32/float64), which is also the chapter's math.
     chapter 1      linear_forward, linear_backward
     chapter 2      softmax_forward, softmax_backward, attention_forward, attention_backward
     chapter 3      layernorm_*, gelu_*, cross_entropy_*, embedding_*
+    Llama          rmsnorm_*, rope_* (rotary position embedding), swiglu_* (the gated MLP activation)
     chapter 8      add_layernorm_forward (residual add fused into LayerNorm); flash_attention (cuDNN, optional)
 """
 
@@ -17,7 +18,10 @@ from .gelu import gelu_backward, gelu_forward
 from .layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .matmul import matmul
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .rope import rope_backward, rope_forward, rope_tables
 from .softmax import softmax_backward, softmax_forward
+from .swiglu import swiglu_backward, swiglu_forward
 from .vector_add import vector_add
 
 __all__ = [
@@ -35,7 +39,14 @@ __all__ = [
     "linear_backward",
     "linear_forward",
     "matmul",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
+    "rope_backward",
+    "rope_forward",
+    "rope_tables",
     "softmax_backward",
     "softmax_forward",
+    "swiglu_backward",
+    "swiglu_forward",
     "vector_add",
 ]

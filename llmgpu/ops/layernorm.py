@@ -46,12 +46,14 @@ import numpy as np
 from .. import backend
 from ..checks import (
     array_module,
+    check_alias,
     check_array,
     check_choice,
     check_gpu_dtype,
     check_method,
     check_out,
     check_same_dtype,
+    overlaps,
     reference_dtype,
 )
 from ..kernels import get_kernel, loader
@@ -116,29 +118,6 @@ def _check_stats(name, a, x, n_rows):
     check_array(name, a, dtypes=(backend.float32, backend.float64))
     if tuple(a.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
         raise ValueError(f"{name} must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(a.shape)}")
-
-
-def _address(a):
-    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-
-
-def _overlap(u, v):
-    """Whether two (contiguous) arrays share any byte."""
-    if u is None or v is None:
-        return False
-    pu, pv = _address(u), _address(v)
-    return pu < pv + v.nbytes and pv < pu + u.nbytes
-
-
-def _same_buffer(u, v):
-    return _address(u) == _address(v) and u.nbytes == v.nbytes
-
-
-def _check_alias(out_name, out, in_name, inp):
-    """``out`` may be ``inp`` itself (in place) but must not overlap it any other way."""
-    if _overlap(out, inp) and not _same_buffer(out, inp):
-        raise ValueError(f"{out_name} overlaps {in_name} without being the same buffer: pass {out_name}={in_name} "
-                         "for in place, or separate buffers")
 
 
 def _param_grad_dtype(gamma, dgamma_out, dbeta_out):
@@ -307,8 +286,8 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
         if o is not None:
             check_out(o, (c,), pdt, xp, name=name)
-    _check_alias("dx_out", dx_out, "dresidual", dresidual)
-    if _overlap(dgamma_out, dbeta_out):
+    check_alias("dx_out", dx_out, "dresidual", dresidual)
+    if overlaps(dgamma_out, dbeta_out):
         raise ValueError("dgamma_out and dbeta_out must be separate buffers")
 
     if xp is np:
@@ -346,7 +325,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
 
     # "naive" / "optimized" (and "fast"'s fallback): the LayerNorm gradients from their kernels, then
     # the residual gradient and the accumulation with plain array operations (fp32 math, one rounding).
-    ln_dx = xp.empty_like(dx) if _overlap(dx, dresidual) else dx
+    ln_dx = xp.empty_like(dx) if overlaps(dx, dresidual) else dx
     kg, kb = (xp.empty((c,), dtype=np.float32), xp.empty((c,), dtype=np.float32)) if accumulate else (dgamma, dbeta)
     _backward_kernels(method, dy, x, gamma, mean, rstd, ln_dx, kg, kb, n_rows, c, xp, accumulators)
     if dresidual is not None:
@@ -491,10 +470,10 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
         check_out(residual_out, a.shape, a.dtype, xp, name="residual_out")
     if out is not None:
         check_out(out, a.shape, a.dtype, xp, name="out")
-    _check_alias("residual_out", residual_out, "a", a)
-    _check_alias("residual_out", residual_out, "b", b)
+    check_alias("residual_out", residual_out, "a", a)
+    check_alias("residual_out", residual_out, "b", b)
     for name, other in (("a", a), ("b", b), ("residual_out", residual_out)):
-        if _overlap(out, other):
+        if overlaps(out, other):
             raise ValueError(f"out overlaps {name}: y needs a buffer of its own")
     lead = tuple(a.shape[:-1])
 

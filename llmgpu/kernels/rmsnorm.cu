@@ -1,0 +1,259 @@
+// rmsnorm.cu: RMSNorm forward and backward over the last axis (Llama's normalization: LayerNorm
+// without the mean subtraction and without the bias; Zhang & Sennrich, "Root Mean Square Layer
+// Normalization").
+//
+//   forward   inv_rms = 1 / sqrt(sum(x^2) / C + eps)          (inv_rms[N] saved in fp32)
+//             y = x * inv_rms * w
+//   backward  xhat = x * inv_rms,  g = dy * w
+//             dx = inv_rms * (g - xhat * mean(g * xhat))
+//             dw = sum over rows of dy * xhat
+//
+// The kernels are layernorm.cu's "optimized" generation with one reduction fewer (no mean):
+//   rmsnorm_forward   one warp per row. Lane l owns the W-element packs j = l, l + 32, ... (16-byte
+//                     loads: W = 4 fp32, 8 fp16/bf16; VEC = 0, W = 1 is the scalar fallback for
+//                     C % W != 0 or unaligned pointers). P > 0 holds the row in registers (P packs
+//                     per lane, rows up to 32 * P * W): x is read once. P = 0 (longer rows, or the
+//                     scalar fallback) reads x a second time for the output, from L1/L2.
+//   rmsnorm_backward  one warp per row, each block walking rows blockIdx.x * wpb + warp + k * gridDim.x
+//                     * wpb. Lane l always owns the same columns, so it accumulates dw for them over all
+//                     the rows its warp visits: P > 0 in registers, P = 0 in shared memory (wpb * C
+//                     floats, pack-major: element k of pack j at k * nvec + j, so the lanes of a warp
+//                     touch consecutive words). The row is read twice (the second time from L1/L2): dx
+//                     needs mean(g * xhat) before it can be written.
+//   rmsnorm_weight_grad_reduce  dw from the per-block partial rows.
+// dw has layernorm.cu's deterministic order, no atomics: lanes add their rows in order, the block adds
+// its warps in order w = 0, 1, ... into one row of an fp32 `partial [gridDim.x, C]`, and the second
+// kernel sums the blocks in a fixed order and rounds once (to the weight's dtype or fp32, or adds to
+// what the gradient buffer holds). Same inputs, same grid, same bits.
+//
+// Non-finite input: NaN anywhere in a row makes inv_rms and the whole row of y NaN; +-inf in a row
+// gives sum(x^2) = inf, inv_rms = 0, y = 0 at finite x and NaN at the inf (inf * 0), as transformers'
+// LlamaRMSNorm; so does |x| > ~1.8e19, whose square overflows fp32 (the row of y becomes 0).
+#include "common.cuh"
+
+// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
+// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 0, 0>
+// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
+// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 0, 0>
+// llmgpu:kernel rmsnorm_weight_grad_reduce<{float,__half,__nv_bfloat16}, {0,1}>
+
+#define RMSNORM_FWD_WARPS 4
+#define RMSNORM_BWD_WARPS 8
+
+template <typename T, int VEC, int P>
+__global__ void __launch_bounds__(32 * RMSNORM_FWD_WARPS)
+    rmsnorm_forward(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                    float* __restrict__ inv_rms, int N, int C, float eps) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    constexpr int R = P > 0 ? P : 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (row >= N) return;  // whole warps leave together; no barrier follows
+    const int nvec = C / W;  // the host guarantees C % W == 0
+    const T* xr = x + (long long)row * C;
+    T* yr = y + (long long)row * C;
+
+    // pass 1: sum of squares (and the row kept in registers when P > 0)
+    float v[R][W];
+    float ss = 0.0f;
+    if constexpr (P > 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                load_pack<T, W>(xr + (long long)j * W, v[p]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < W; ++k) v[p][k] = 0.0f;  // past the row end: adds nothing
+            }
+#pragma unroll
+            for (int k = 0; k < W; ++k) ss += v[p][k] * v[p][k];
+        }
+    } else {
+        for (int j = lane; j < nvec; j += 32) {
+            float t[W];
+            load_pack<T, W>(xr + (long long)j * W, t);
+#pragma unroll
+            for (int k = 0; k < W; ++k) ss += t[k] * t[k];
+        }
+    }
+    const float r = rsqrtf(warp_sum(ss) / (float)C + eps);
+
+    // pass 2: scale, one store per pack
+    if constexpr (P > 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                float g[W], o[W];
+                load_pack<T, W>(w + j * W, g);
+#pragma unroll
+                for (int k = 0; k < W; ++k) o[k] = v[p][k] * r * g[k];
+                store_pack<T, W>(yr + (long long)j * W, o);
+            }
+        }
+    } else {
+        for (int j = lane; j < nvec; j += 32) {
+            float t[W], g[W], o[W];
+            load_pack<T, W>(xr + (long long)j * W, t);
+            load_pack<T, W>(w + j * W, g);
+#pragma unroll
+            for (int k = 0; k < W; ++k) o[k] = t[k] * r * g[k];
+            store_pack<T, W>(yr + (long long)j * W, o);
+        }
+    }
+    if (lane == 0) inv_rms[row] = r;
+}
+
+// Pack j of a row: adds dy * xhat to acc[k] and returns the pack's share of sum(g * xhat).
+template <typename T, int W>
+__device__ __forceinline__ float rms_row_terms(const T* __restrict__ dy, const T* __restrict__ x,
+                                               const T* __restrict__ w, long long off, int j, float r,
+                                               float (&acc)[W]) {
+    float d[W], xv[W], ga[W];
+    load_pack<T, W>(dy + off + j * W, d);
+    load_pack<T, W>(x + off + j * W, xv);
+    load_pack<T, W>(w + j * W, ga);
+    float sum_gx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+        const float xh = xv[k] * r;
+        sum_gx += d[k] * ga[k] * xh;
+        acc[k] += d[k] * xh;
+    }
+    return sum_gx;
+}
+
+// Pack j of a row's dx = r * (g - xhat * mgx), g = dy * w, xhat = x * r.
+template <typename T, int W>
+__device__ __forceinline__ void rms_store_dx(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const T* __restrict__ w, T* __restrict__ dx, long long off, int j,
+                                             float r, float mgx) {
+    float d[W], xv[W], ga[W], o[W];
+    load_pack<T, W>(dy + off + j * W, d);
+    load_pack<T, W>(x + off + j * W, xv);
+    load_pack<T, W>(w + j * W, ga);
+#pragma unroll
+    for (int k = 0; k < W; ++k) o[k] = r * (d[k] * ga[k] - xv[k] * r * mgx);
+    store_pack<T, W>(dx + off + j * W, o);
+}
+
+// Shared memory: P > 0: C floats (the block's in-order sum at the end); P = 0: wpb * C floats.
+// Launch bounds with a minimum of 2 blocks per SM (at most 128 registers a thread): with the block
+// size alone, ptxas (CUDA 13, sm_80/sm_90) capped the 16-bit instantiations at 48 registers and spilled.
+template <typename T, int VEC, int P>
+__global__ void __launch_bounds__(32 * RMSNORM_BWD_WARPS, 2)
+    rmsnorm_backward(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                     const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, int N,
+                     int C) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    constexpr int R = P > 0 ? P : 1;
+    extern __shared__ float rms_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    const int nvec = C / W;
+    const float inv_c = 1.0f / (float)C;
+
+    float adw[R][W];
+    float* acc = rms_smem + warp * C;  // P == 0: this warp's dw, pack-major
+    if constexpr (P > 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) adw[p][k] = 0.0f;
+        }
+    } else {
+        for (int j = lane; j < nvec; j += 32) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) acc[k * nvec + j] = 0.0f;
+        }
+    }
+
+    for (int row = blockIdx.x * wpb + warp; row < N; row += gridDim.x * wpb) {
+        const long long off = (long long)row * C;
+        const float r = inv_rms[row];
+        float sum_gx = 0.0f;
+        // pass 1: mean(g * xhat), and this row's share of dw (registers: packs p = 0..P-1, unrolled, so
+        // adw is indexed by constants; shared memory: any number of packs)
+        if constexpr (P > 0) {
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                const int j = lane + 32 * p;
+                if (j < nvec) sum_gx += rms_row_terms<T, W>(dy, x, w, off, j, r, adw[p]);
+            }
+        } else {
+            for (int j = lane; j < nvec; j += 32) {
+                float t[W];
+#pragma unroll
+                for (int k = 0; k < W; ++k) t[k] = 0.0f;
+                sum_gx += rms_row_terms<T, W>(dy, x, w, off, j, r, t);
+#pragma unroll
+                for (int k = 0; k < W; ++k) acc[k * nvec + j] += t[k];
+            }
+        }
+        const float mgx = warp_sum(sum_gx) * inv_c;
+        // pass 2: dx
+        if constexpr (P > 0) {
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                const int j = lane + 32 * p;
+                if (j < nvec) rms_store_dx<T, W>(dy, x, w, dx, off, j, r, mgx);
+            }
+        } else {
+            for (int j = lane; j < nvec; j += 32) rms_store_dx<T, W>(dy, x, w, dx, off, j, r, mgx);
+        }
+    }
+
+    // the block's partial row, warps added in the fixed order 0, 1, ..., wpb - 1
+    float* out = partial + (long long)blockIdx.x * C;
+    if constexpr (P > 0) {
+        for (int wi = 0; wi < wpb; ++wi) {
+            if (warp == wi) {
+#pragma unroll
+                for (int p = 0; p < P; ++p) {
+                    const int j = lane + 32 * p;
+                    if (j < nvec) {
+#pragma unroll
+                        for (int k = 0; k < W; ++k) {
+                            const int c = j * W + k;
+                            rms_smem[c] = (wi == 0) ? adw[p][k] : rms_smem[c] + adw[p][k];
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        for (int c = threadIdx.x; c < C; c += blockDim.x) out[c] = rms_smem[c];
+    } else {
+        __syncthreads();
+        for (int q = threadIdx.x; q < C; q += blockDim.x) {  // q: pack-major position k * nvec + j
+            const int k = q / nvec, j = q - k * nvec;
+            float t = 0.0f;
+            for (int wi = 0; wi < wpb; ++wi) t += rms_smem[wi * C + q];
+            out[j * W + k] = t;
+        }
+    }
+}
+
+// dw[c] = sum_b partial[b, c] in a fixed order, rounded once to TO (the weight's dtype or fp32), or with
+// ACC = 1 added to what dw holds (in fp32: a model accumulates straight into its fp32 gradient buffer).
+// Block (32, 16): x walks 32 consecutive columns (coalesced), y splits the blocks (thread y takes
+// b = y, y + 16, ...); the 16 partial sums are then added in order y = 0..15.
+template <typename TO, int ACC>
+__global__ void __launch_bounds__(512) rmsnorm_weight_grad_reduce(const float* __restrict__ partial, int nparts,
+                                                                  int C, TO* __restrict__ dw) {
+    __shared__ float red[16][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * 32 + tx;
+    float t = 0.0f;
+    if (col < C) {
+        for (int b = ty; b < nparts; b += 16) t += partial[(long long)b * C + col];
+    }
+    red[ty][tx] = t;
+    __syncthreads();
+    if (ty == 0 && col < C) {
+        float s = red[0][tx];
+#pragma unroll
+        for (int k = 1; k < 16; ++k) s += red[k][tx];
+        dw[col] = from_float<TO>(ACC ? to_float(dw[col]) + s : s);
+    }
+}

@@ -1,0 +1,70 @@
+// rope.cu: rotary position embedding (RoPE, Su et al., "RoFormer"), Hugging Face Llama's layout.
+//
+// Each row of x (one head of one token at position t) has D = 2 * half elements. Element i pairs with
+// element i + half ("rotate_half", not neighbouring pairs), and the pair is rotated by the angle
+// t * inv_freq_i, whose cosine and sine come from fp32 tables cos[t, i], sin[t, i] ([S, half], S >= T):
+//
+//   y[i]        = x[i] cos - x[i + half] sin
+//   y[i + half] = x[i + half] cos + x[i] sin                    (INV = 0, the forward)
+//
+// The backward is the transpose of that rotation, a rotation by -angle: the same code with sin
+// negated (INV = 1), so forward and backward round alike.
+//
+// Elementwise and memory-bound (the tables are small and stay in L2): per element x is read and y
+// written once. One thread per pack of W elements of the first half and the matching pack of the
+// second half (16 bytes each: W = 4 fp32, 8 fp16/bf16; VEC = 0 is the scalar fallback the host picks
+// when half % W != 0 or a pointer is not 16-byte aligned). A pair is read and written by one thread,
+// both loads before both stores, so y may be x itself (in place, what the model does to Q and K) and
+// neither pointer is __restrict__. The tables are read as float4 (the host checks their alignment).
+#include "common.cuh"
+
+// llmgpu:kernel rope_rotate<{float,__half,__nv_bfloat16}, {0,1}, {0,1}>
+
+#define ROPE_THREADS 256
+
+// W consecutive fp32 table entries (W = 1, or a multiple of 4 from a 16-byte-aligned p).
+template <int W>
+__device__ __forceinline__ void load_table(const float* __restrict__ p, float (&v)[W]) {
+    if constexpr (W == 1) {
+        v[0] = *p;
+    } else {
+#pragma unroll
+        for (int q = 0; q < W / 4; ++q) {
+            const float4 f = reinterpret_cast<const float4*>(p)[q];
+            v[4 * q] = f.x;
+            v[4 * q + 1] = f.y;
+            v[4 * q + 2] = f.z;
+            v[4 * q + 3] = f.w;
+        }
+    }
+}
+
+// x, y: [rows, 2 * half] with rows = (leading axes) * T, position t = row % T. Grid: one thread per
+// pack, ceil(rows * half / W / THREADS) blocks.
+template <typename T, int VEC, int INV>
+__global__ void __launch_bounds__(ROPE_THREADS) rope_rotate(const T* x, T* y, const float* __restrict__ cos_t,
+                                                            const float* __restrict__ sin_t, long long rows,
+                                                            int seq, int half) {
+    constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
+    const long long packs_per_row = half / W;  // the host guarantees half % W == 0
+    const long long i = (long long)blockIdx.x * ROPE_THREADS + threadIdx.x;
+    if (i >= rows * packs_per_row) return;
+    const long long row = i / packs_per_row;
+    const int e = (int)(i - row * packs_per_row) * W;  // first element of the pack in the first half
+    const int t = (int)(row % seq);
+    const long long lo = row * 2 * half + e, hi = lo + half;
+    float a[W], b[W], c[W], s[W];
+    load_pack<T, W>(x + lo, a);
+    load_pack<T, W>(x + hi, b);
+    load_table<W>(cos_t + (long long)t * half + e, c);
+    load_table<W>(sin_t + (long long)t * half + e, s);
+    float ya[W], yb[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+        const float sn = INV ? -s[k] : s[k];
+        ya[k] = a[k] * c[k] - b[k] * sn;
+        yb[k] = b[k] * c[k] + a[k] * sn;
+    }
+    store_pack<T, W>(y + lo, ya);
+    store_pack<T, W>(y + hi, yb);
+}

@@ -1,0 +1,235 @@
+"""RMSNorm forward and backward with the saved statistic (Llama's normalization, ``kernels/rmsnorm.cu``).
+
+Over the last axis of ``x`` (C channels; all leading axes are rows, N of them)::
+
+    inv_rms = 1 / sqrt(mean(x**2) + eps)          (mean over the C channels of a row)
+    y       = x * inv_rms * w
+
+LayerNorm without the mean subtraction and without the bias. The forward returns ``inv_rms`` (fp32, one
+per row, shaped ``x.shape[:-1]``) next to ``y``: with it saved, the backward needs no reduction over
+x again, as chapter 3's LayerNorm tip says for ``mean``/``rstd``.
+
+The backward, derived. Write ``r = inv_rms``, ``xhat = x r``, ``g = dy * w`` (for one row). Then
+``y_i = w_i x_i r`` and, since ``r = (sum_k x_k**2 / C + eps) ** -1/2``, ``dr/dx_j = -r**3 x_j / C``. So::
+
+    dx_j = sum_i dy_i w_i d(x_i r)/dx_j = g_j r + sum_i g_i x_i (-r**3 x_j / C)
+         = r (g_j - xhat_j * mean(g * xhat))
+    dw_i = sum over rows of dy_i * xhat_i
+
+(LayerNorm's ``dx`` has one more term, ``- mean(g)``, from the mean it subtracts.)
+
+Storage fp32, fp16 or bf16 (x, w, dy share one dtype), arithmetic fp32; float64 on the NumPy path
+(the finite-difference checks). Against ``transformers``' ``LlamaRMSNorm``: it also computes in fp32,
+but rounds ``x * inv_rms`` to the input dtype before multiplying by the weight (two roundings in bf16);
+here ``y`` is rounded once, so the two differ by at most about one bf16 unit in the last place.
+
+``dw`` is summed in fp32 in an order fixed by the shapes (bitwise identical run to run on the GPU, no
+atomics: layernorm.cu's scheme). It has w's dtype, or fp32 when the caller passes an fp32 ``dweight``
+buffer; ``accumulate=True`` adds into ``dweight`` (then required) instead of overwriting it, so a model
+accumulates straight into its fp32 gradient buffer.
+
+Non-finite input: a NaN in row r of x makes ``inv_rms[r]`` and the whole row of y NaN; ±inf in a row
+gives ``mean(x**2) = inf``, ``inv_rms = 0``, and y = 0 at the finite entries, NaN at the infinite ones
+(``inf · 0``), as ``LlamaRMSNorm``; so does a finite ``|x| > ~1.8e19`` (its square overflows fp32; the
+row of y becomes 0, as in PyTorch). ``eps = 0`` and a row of zeros give ``inv_rms = inf`` and a NaN row.
+Backward: NaN in ``dy[r, c]`` makes row r of dx and ``dw[c]`` NaN, the rest finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import backend
+from ..checks import (
+    array_module,
+    check_array,
+    check_float,
+    check_gpu_dtype,
+    check_out,
+    check_same_dtype,
+    overlaps,
+    reference_dtype,
+)
+from ..kernels import get_kernel, loader
+from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, resident_blocks, vector_width
+
+FWD_WARPS = loader.constant("rmsnorm", "RMSNORM_FWD_WARPS")  # rows (warps) per block in the forward
+BWD_WARPS = loader.constant("rmsnorm", "RMSNORM_BWD_WARPS")  # rows (warps) per block in the backward
+# Packs per lane (16 bytes each) the register variants are instantiated for; 0 is the other variant.
+REGISTER_PACKS = tuple(sorted({int(e.split(",")[-1].strip(" >")) for e in loader.name_expressions("rmsnorm")
+                               if e.startswith("rmsnorm_forward<")} - {0}))
+
+
+def _rows(x, name="x"):
+    if x.ndim < 2:
+        raise ValueError(f"{name} must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
+    n_rows, c = math.prod(x.shape[:-1]), x.shape[-1]
+    return n_rows, c
+
+
+def _check_gpu(x, n_rows, c):
+    check_gpu_dtype("x", x)
+    if n_rows >= 2**31 or c >= 2**31:
+        raise ValueError(f"N and C must be below 2**31, got N={n_rows}, C={c}")
+
+
+def _plan(c, dtype, arrays):
+    """(vec, packs): 16-byte packs and the register variant's packs per lane, or packs 0 (the other)."""
+    width = vector_width(dtype, c, *arrays)
+    if width == 1:
+        return 0, 0
+    per_lane = -(-(c // width) // 32)
+    return 1, next((p for p in REGISTER_PACKS if p >= per_lane), 0)
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")  # non-finite rows: the documented NaN / 0
+def rmsnorm_forward_reference(x2, w, eps):
+    """The math of the forward on NumPy rows ``x2 [N, C]``: returns (y, inv_rms)."""
+    ct = reference_dtype(x2.dtype)
+    xf = x2.astype(ct)
+    inv = ct(1.0) / np.sqrt((xf * xf).mean(axis=1) + ct(eps))
+    return (xf * inv[:, None] * w.astype(ct)).astype(x2.dtype), inv.astype(ct)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def rmsnorm_backward_reference(dy2, x2, w, inv_rms):
+    """(dx, dw) of rows ``[N, C]`` in the compute dtype (float32; float64 for float64 input), not rounded."""
+    ct = reference_dtype(x2.dtype)
+    r = inv_rms.astype(ct)[:, None]
+    xhat = x2.astype(ct) * r
+    d = dy2.astype(ct)
+    g = d * w.astype(ct)
+    dx = r * (g - xhat * (g * xhat).mean(axis=1, keepdims=True))
+    return dx, (d * xhat).sum(axis=0)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def rmsnorm_forward(x, weight, eps=1e-5, *, out=None):
+    """RMSNorm over the last axis: returns ``(y, inv_rms)``.
+
+    ``x [..., C]`` (at least 2-D) and ``weight [C]`` of one dtype; ``y`` has x's shape and dtype (written
+    into ``out`` when given, its own buffer); ``inv_rms`` is fp32 shaped ``x.shape[:-1]`` (float64 on the
+    NumPy path for float64 input). ``eps`` >= 0 (Llama: 1e-5; Llama 3 configs say 1e-5 or 1e-6).
+    """
+    xp = array_module(x=x, weight=weight, out=out)
+    check_array("x", x)
+    n_rows, c = _rows(x)
+    check_array("weight", weight, shape=(c,))
+    check_same_dtype(x=x, weight=weight)
+    eps = check_float("eps", eps, low=0.0)
+    if out is not None:
+        check_out(out, x.shape, x.dtype, xp)
+        for name, a in (("x", x), ("weight", weight)):
+            _check_separate("out", out, name, a)
+    lead = tuple(x.shape[:-1])
+    if xp is np:
+        y, inv = rmsnorm_forward_reference(x.reshape(n_rows, c), weight, eps)
+        y = y.reshape(x.shape)
+        if out is not None:
+            out[...] = y
+            y = out
+        return y, inv.reshape(lead)
+
+    _check_gpu(x, n_rows, c)
+    out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+    inv = xp.empty(lead, dtype=np.float32)
+    vec, packs = _plan(c, x.dtype, (x, weight, out))
+    kern = get_kernel("rmsnorm", "rmsnorm_forward", x.dtype, vec, packs)
+    kern((-(-n_rows // FWD_WARPS),), (32 * FWD_WARPS,),
+         (x, weight, out, inv, np.int32(n_rows), np.int32(c), np.float32(eps)))
+    return out, inv
+
+
+def _check_separate(out_name, out, in_name, inp):
+    """The kernels read rows through __restrict__ pointers while writing others: no output may share a byte
+    with an input."""
+    if overlaps(out, inp):
+        raise ValueError(f"{out_name} overlaps {in_name}: it needs a buffer of its own")
+
+
+def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulate=False):
+    """Gradients of RMSNorm from the saved ``inv_rms``: returns ``(dx, dweight)``.
+
+    ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``weight [C]``; ``inv_rms`` is what
+    ``rmsnorm_forward`` returned (shape ``x.shape[:-1]`` or ``(N,)``). ``dx`` and ``dweight`` are
+    optional output buffers (``dweight`` in weight's dtype or fp32); ``accumulate=True`` adds the weight
+    gradient into ``dweight`` instead of overwriting it (sum in fp32, rounded once).
+    """
+    xp = array_module(dy=dy, x=x, weight=weight, inv_rms=inv_rms, dx=dx, dweight=dweight)
+    check_array("x", x)
+    n_rows, c = _rows(x)
+    check_array("dy", dy, shape=tuple(x.shape))
+    check_array("weight", weight, shape=(c,))
+    check_same_dtype(dy=dy, x=x, weight=weight)
+    check_array("inv_rms", inv_rms, dtypes=(backend.float32, backend.float64))
+    if tuple(inv_rms.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
+        raise ValueError(f"inv_rms must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(inv_rms.shape)}")
+    if not isinstance(accumulate, (bool, np.bool_)):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    if accumulate and dweight is None:
+        raise ValueError("accumulate=True adds into dweight: pass the buffer")
+    if dweight is not None and dweight.dtype not in (weight.dtype, np.dtype(np.float32)):
+        raise TypeError(f"dweight must be {backend.dtype_name(weight.dtype)} (weight's dtype) or fp32, "
+                        f"got {dweight.dtype}")
+    pdt = weight.dtype if dweight is None else dweight.dtype
+    if dx is not None:
+        check_out(dx, x.shape, x.dtype, xp, name="dx")
+        for name, a in (("dy", dy), ("x", x), ("weight", weight)):
+            _check_separate("dx", dx, name, a)
+    if dweight is not None:
+        check_out(dweight, (c,), pdt, xp, name="dweight")
+        for name, a in (("dy", dy), ("x", x), ("weight", weight), ("dx", dx)):
+            _check_separate("dweight", dweight, name, a)
+
+    if xp is np:
+        gx, gw = rmsnorm_backward_reference(dy.reshape(n_rows, c), x.reshape(n_rows, c), weight,
+                                            inv_rms.reshape(n_rows))
+        gx = gx.astype(x.dtype).reshape(x.shape)
+        if dx is not None:
+            dx[...] = gx
+            gx = dx
+        if dweight is None:
+            return gx, gw.astype(pdt)
+        dweight[...] = (dweight.astype(gw.dtype) + gw if accumulate else gw).astype(pdt)
+        return gx, dweight
+
+    _check_gpu(x, n_rows, c)
+    if inv_rms.dtype != np.float32:
+        raise TypeError(f"inv_rms must be fp32 on the GPU path, got {inv_rms.dtype}")
+    dx = xp.empty(x.shape, dtype=x.dtype) if dx is None else dx
+    dweight = xp.empty((c,), dtype=pdt) if dweight is None else dweight
+    vec, packs = _plan(c, x.dtype, (dy, x, weight, dx))
+    wpb = BWD_WARPS
+    if packs > 0:
+        smem = 4 * c  # the block's in-order sum at the end
+    else:  # per-warp dw accumulators in shared memory: wpb * C floats
+        wpb = max(1, min(BWD_WARPS, SMEM_WITHOUT_OPT_IN // (4 * c)))
+        smem = 4 * wpb * c
+    kern = get_kernel("rmsnorm", "rmsnorm_backward", x.dtype, vec, packs)
+    if not opt_in_shared_memory(kern, smem, xp):
+        raise ValueError(f"C={c} is too long for rmsnorm_backward's GPU kernel: its dweight accumulators need "
+                         f"{smem} bytes of shared memory per block, more than this GPU allows")
+    blocks = min(-(-n_rows // wpb), resident_blocks(kern, 32 * wpb, smem, xp))
+    partial = xp.empty((blocks, c), dtype=np.float32)
+    kern((blocks,), (32 * wpb,), (dy, x, weight, inv_rms, dx, partial, np.int32(n_rows), np.int32(c)),
+         shared_mem=smem)
+    red = get_kernel("rmsnorm", "rmsnorm_weight_grad_reduce", pdt, int(bool(accumulate)))
+    red((-(-c // 32),), (32, 16), (partial, np.int32(blocks), np.int32(c), dweight))
+    return dx, dweight
+
+
+def traffic_bytes(n_rows, c, dtype, backward=False):
+    """Minimum bytes: forward reads x, writes y (+ inv_rms); backward reads dy, x, writes dx (+ inv_rms, w, dw)."""
+    s = backend.resolve_dtype(dtype).itemsize
+    return (3 if backward else 2) * n_rows * c * s + 4 * n_rows
+
+
+__all__ = ["rmsnorm_backward", "rmsnorm_backward_reference", "rmsnorm_forward", "rmsnorm_forward_reference",
+           "traffic_bytes"]

@@ -1,0 +1,144 @@
+"""Rotary position embedding (RoPE), forward and backward, in Hugging Face Llama's layout (``kernels/rope.cu``).
+
+RoPE encodes a token's position ``t`` by rotating its query and key vectors, pair by pair, by angles
+that grow with ``t``. For head dimension ``D`` (even), with ``half = D / 2``::
+
+    inv_freq_j = theta ** (-2 j / D)                 j = 0 .. half - 1
+    angle[t, j] = t * inv_freq_j                     cos, sin: the tables [S, half] (rope_tables)
+    y[..., t, j]        = x[..., t, j] cos[t, j] - x[..., t, j + half] sin[t, j]
+    y[..., t, j + half] = x[..., t, j + half] cos[t, j] + x[..., t, j] sin[t, j]
+
+Element ``j`` pairs with ``j + half`` ("rotate_half"), as ``transformers``' ``apply_rotary_pos_emb``
+does, not with its neighbour ``j + 1`` (the RoFormer paper's and Meta's original complex-number
+layout): the two differ by a permutation of the rows of ``W_q``/``W_k``, and this layout is the one
+whose weights load unchanged into ``LlamaForCausalLM``.
+
+Why it encodes *relative* position: the rotation ``R(t)`` is orthogonal and ``R(p)ᵀ R(q) = R(q - p)``,
+so a query at ``p`` and a key at ``q`` score ``⟨R(p) a, R(q) b⟩ = ⟨a, R(q - p) b⟩``: a function of
+``q - p`` only (``tests/test_rope.py`` asserts it).
+
+Backward: ``y = R x`` is linear, so ``dx = Rᵀ dy``, the rotation by ``-angle``: the forward with ``sin``
+negated (``rope_backward``). The tables are constants (no gradient).
+
+Storage of x fp32, fp16 or bf16 (float64 on the NumPy path), tables fp32; arithmetic fp32. ``x`` is
+``[..., T, D]`` (the model's ``[B, H, T, D]``), contiguous; the tables may be longer than T (rows
+``0 .. T - 1`` are used), so a model builds them once for its longest sequence. ``out`` may be ``x``
+itself: in place, what the model does to Q and K.
+
+Non-finite input: the op is a 2x2 rotation of each pair in IEEE arithmetic, so a NaN in ``x[j]`` gives NaN
+in ``y[j]`` and ``y[j + half]``; ±inf gives ±inf or NaN by IEEE rules (at position 0, ``sin = 0`` and
+``inf · 0 = NaN``: an inf at ``j + half`` makes ``y[j]`` NaN), the same on both paths and as Hugging Face's
+``q * cos + rotate_half(q) * sin``.
+
+The tables are computed in float64 and rounded once to fp32. ``transformers`` computes ``t * inv_freq`` in
+fp32, whose rounding grows with t (up to about ``t · 2⁻²⁴`` rad: ~1e-4 at t = 2048); the two tables
+agree to that, far inside bf16's resolution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..checks import array_module, check_alias, check_array, check_float, check_gpu_dtype, check_out, is_integer
+from ..kernels import get_kernel, loader
+from ..kernels.launch import VECTOR_BYTES, is_aligned
+
+THREADS = loader.constant("rope", "ROPE_THREADS")
+TABLE_DTYPES = (backend.float32, backend.float64)  # float64 tables: NumPy path only (the FD checks)
+
+
+def rope_tables(seq, head_dim, theta=10000.0, *, xp=None):
+    """``(cos, sin)``, each ``[seq, head_dim / 2]`` fp32 on ``xp`` (NumPy or CuPy; default: the active
+    backend): the cosine and sine of ``t * theta ** (-2 j / head_dim)`` for positions ``t < seq``."""
+    if not is_integer(seq) or seq < 1:
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    _check_head_dim(head_dim)
+    theta = check_float("theta", theta, low=0.0, low_open=True)
+    half = head_dim // 2
+    inv_freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
+    angle = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
+    xp = backend.default_xp() if xp is None else xp
+    return (backend.to_device(np.cos(angle).astype(np.float32), xp),
+            backend.to_device(np.sin(angle).astype(np.float32), xp))
+
+
+def _check_head_dim(head_dim):
+    if not is_integer(head_dim) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even integer >= 2 (RoPE rotates pairs j, j + head_dim/2), "
+                         f"got {head_dim!r}")
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+def rope_reference(x, cos, sin, inverse=False):
+    """The rotation on NumPy arrays ``x [..., T, D]`` (by ``-angle`` when ``inverse``), arithmetic in float32
+    (float64 for float64 x), returned in x's dtype."""
+    ct = np.float64 if x.dtype == backend.float64 else np.float32
+    n_t, half = x.shape[-2], x.shape[-1] // 2
+    c = cos[:n_t].astype(ct)
+    s = sin[:n_t].astype(ct) * (ct(-1.0) if inverse else ct(1.0))
+    x1, x2 = x[..., :half].astype(ct), x[..., half:].astype(ct)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 = NaN is the documented answer
+        y = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return y.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _rotate(x, cos, sin, out, inverse, name):
+    xp = array_module(**{name: x, "cos": cos, "sin": sin, "out": out})
+    check_array(name, x)
+    if x.ndim < 2:
+        raise ValueError(f"{name} must be at least 2-D ([..., T, head_dim], e.g. [B, H, T, D]), got shape "
+                         f"{tuple(x.shape)}")
+    n_t, d = x.shape[-2], x.shape[-1]
+    if d % 2:
+        raise ValueError(f"head_dim (the last axis of {name}) must be even: RoPE rotates pairs j, j + head_dim/2; "
+                         f"got {d}")
+    half = d // 2
+    check_array("cos", cos, dtypes=TABLE_DTYPES)
+    check_array("sin", sin, shape=tuple(cos.shape), dtypes=TABLE_DTYPES)
+    if cos.ndim != 2 or cos.shape[1] != half or cos.shape[0] < n_t:
+        raise ValueError(f"cos and sin must have shape [S, {half}] with S >= T = {n_t} (rope_tables(S, {d})), "
+                         f"got {tuple(cos.shape)}")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos and sin must share one dtype, got {cos.dtype} and {sin.dtype}")
+    if out is not None:
+        check_out(out, x.shape, x.dtype, xp)
+        check_alias("out", out, name, x)
+
+    if xp is np:
+        y = rope_reference(x, cos, sin, inverse)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+
+    check_gpu_dtype(name, x)
+    if cos.dtype != np.float32:
+        raise TypeError(f"cos and sin must be fp32 on the GPU path, got {cos.dtype}")
+    out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+    rows = x.size // d
+    width = VECTOR_BYTES // x.dtype.itemsize
+    vec = half % width == 0 and is_aligned(VECTOR_BYTES, x, out, cos, sin)
+    packs = rows * (half // width if vec else half)
+    kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse))
+    kern((-(-packs // THREADS),), (THREADS,), (x, out, cos, sin, np.int64(rows), np.int32(n_t), np.int32(half)))
+    return out
+
+
+def rope_forward(x, cos, sin, *, out=None):
+    """``y = R(t) x`` for ``x [..., T, head_dim]`` and the tables of ``rope_tables``; shape and dtype of x,
+    written into ``out`` when given (``out=x``: in place)."""
+    return _rotate(x, cos, sin, out, False, "x")
+
+
+def rope_backward(dy, cos, sin, *, out=None):
+    """``dx = R(t)ᵀ dy``, the rotation by ``-angle`` (RoPE is linear in x); ``out=dy`` for in place."""
+    return _rotate(dy, cos, sin, out, True, "dy")
+
+
+__all__ = ["rope_backward", "rope_forward", "rope_reference", "rope_tables"]

@@ -1,0 +1,230 @@
+"""RoPE (Hugging Face Llama's rotate_half layout): tables, the rotation against HF's formula, backward as the
+transpose (and inverse), finite differences, the relative-position property, in place, argument checks;
+CUDA kernel vs the reference."""
+
+import numpy as np
+import pytest
+
+from llmgpu import backend
+from llmgpu.ops.rope import rope_backward, rope_forward, rope_tables
+from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
+
+pytestmark = pytest.mark.ch3
+GPU_DTYPES = ["fp32", "bf16", "fp16"]
+
+
+def _hf_rope(x, cos, sin):
+    """transformers' apply_rotary_pos_emb, in float64: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin),
+    rotate_half(x) = cat(-x2, x1)."""
+    x = x.astype(np.float64)
+    t, half = x.shape[-2], x.shape[-1] // 2
+    c = np.concatenate([cos[:t], cos[:t]], axis=-1).astype(np.float64)
+    s = np.concatenate([sin[:t], sin[:t]], axis=-1).astype(np.float64)
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * c + rot * s
+
+
+def _tables64(seq, d, theta=10000.0):
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.arange(seq, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_tables_formula_and_hf_fp32():
+    cos, sin = rope_tables(2048, 128, xp=np)
+    assert cos.shape == sin.shape == (2048, 64) and cos.dtype == sin.dtype == np.float32
+    c64, s64 = _tables64(2048, 128)
+    np.testing.assert_allclose(cos, c64, rtol=0, atol=6e-8)  # one fp32 rounding
+    np.testing.assert_allclose(sin, s64, rtol=0, atol=6e-8)
+    assert cos[0].tolist() == [1.0] * 64 and sin[0].tolist() == [0.0] * 64
+    # transformers' LlamaRotaryEmbedding: inv_freq and t * inv_freq in fp32; agrees to t * 2^-24 rad
+    inv32 = (1.0 / (np.float32(10000.0) ** (np.arange(0, 128, 2).astype(np.float32) / np.float32(128))))
+    ang32 = np.arange(2048, dtype=np.float32)[:, None] * inv32.astype(np.float32)[None, :]
+    np.testing.assert_allclose(cos, np.cos(ang32.astype(np.float64)), rtol=0, atol=2048 * 2.0**-23)
+    c2, _ = rope_tables(16, 8, theta=500000.0, xp=np)  # Llama 3's theta
+    np.testing.assert_allclose(c2, _tables64(16, 8, 500000.0)[0], rtol=0, atol=6e-8)
+
+
+def test_tables_bad_arguments():
+    with pytest.raises(ValueError, match="head_dim must be an even integer"):
+        rope_tables(8, 7, xp=np)
+    with pytest.raises(ValueError, match="seq must be a positive integer"):
+        rope_tables(0, 8, xp=np)
+    with pytest.raises(ValueError, match="theta must be finite and > 0"):
+        rope_tables(8, 8, theta=-1.0, xp=np)
+
+
+# --------------------------------------------------------------------------- the rotation (NumPy)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 8), (1, 1, 1, 2), (2, 7, 6), (3, 4, 10)])
+def test_forward_matches_hf_formula(rng, shape):
+    x = random_array(rng, shape, "fp32")
+    cos, sin = rope_tables(shape[-2] + 3, shape[-1], xp=np)  # tables longer than T: rows 0..T-1 used
+    y = rope_forward(x, cos, sin)
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert_close(y, _hf_rope(x, cos, sin), "fp32")
+
+
+def test_backward_is_transpose_and_inverse(rng):
+    shape = (2, 3, 9, 16)
+    x, g = rng.standard_normal(shape), rng.standard_normal(shape)
+    cos, sin = (t.astype(np.float64) for t in _tables64(9, 16))
+    # <R x, g> = <x, R^T g>, on random inputs, float64
+    lhs = float((rope_forward(x, cos, sin) * g).sum())
+    rhs = float((x * rope_backward(g, cos, sin)).sum())
+    assert lhs == pytest.approx(rhs, rel=1e-13, abs=1e-13)
+    # R is orthogonal: R^T R x = x, and the norm of every (head, position) row is kept
+    np.testing.assert_allclose(rope_backward(rope_forward(x, cos, sin), cos, sin), x, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(np.linalg.norm(rope_forward(x, cos, sin), axis=-1), np.linalg.norm(x, axis=-1),
+                               rtol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3, 4), (2, 5, 6)])
+def test_backward_matches_finite_differences(rng, shape):
+    x = rng.standard_normal(shape)
+    r = rng.standard_normal(shape)
+    cos, sin = _tables64(shape[-2], shape[-1])
+    check_gradient(lambda: float((rope_forward(x, cos, sin) * r).sum()), x, rope_backward(r, cos, sin), name="dx")
+
+
+def test_scores_depend_on_relative_position_only(rng):
+    """q at every position p, k at every position s: scores[p, s] = <R(p) q, R(s) k> is constant along each
+    diagonal s - p (a Toeplitz matrix), and differs between diagonals."""
+    n_t, d = 12, 16
+    q, k = rng.standard_normal(d), rng.standard_normal(d)
+    cos, sin = _tables64(n_t, d)
+    rq = rope_forward(np.tile(q, (n_t, 1)), cos, sin)
+    rk = rope_forward(np.tile(k, (n_t, 1)), cos, sin)
+    scores = rq @ rk.T
+    for offset in range(-(n_t - 1), n_t):
+        diag = np.diagonal(scores, offset)
+        np.testing.assert_allclose(diag, diag[0], rtol=1e-12, atol=1e-12)
+    firsts = [np.diagonal(scores, o)[0] for o in range(n_t)]
+    assert len(set(np.round(firsts, 9))) == n_t
+    np.testing.assert_allclose(scores[0, 0], q @ k, rtol=1e-13)  # position 0: no rotation
+
+
+def test_in_place_and_bf16(rng):
+    x = random_array(rng, (2, 2, 5, 8), "bf16")
+    cos, sin = rope_tables(5, 8, xp=np)
+    want = rope_forward(x, cos, sin)
+    assert want.dtype == backend.bfloat16
+    assert_close(want, _hf_rope(x.astype(np.float32), cos, sin), "bf16")
+    buf = x.copy()
+    assert rope_forward(buf, cos, sin, out=buf) is buf
+    np.testing.assert_array_equal(buf.view(np.uint16), want.view(np.uint16))
+    out = poisoned(x.shape, "bf16", np)
+    assert rope_backward(x, cos, sin, out=out) is out and np.all(np.isfinite(out.astype(np.float32)))
+
+
+def test_nonfinite_rule_reference():
+    """NaN at j: y[j] and y[j + half] NaN, the other pairs untouched. +inf at j + half: at position 1
+    (sin > 0) y[j] = -inf, y[j + half] = +inf; at position 0 (sin = 0) y[j] = x cos - inf * 0 = NaN."""
+    cos, sin = rope_tables(2, 4, xp=np)
+    x = np.ones((2, 4), np.float32)
+    x[0, 0] = np.nan
+    x[1, 3] = np.inf
+    y = rope_forward(x, cos, sin)
+    np.testing.assert_array_equal(np.isnan(y), [[True, False, True, False], [False] * 4])
+    assert y[1, 1] == -np.inf and y[1, 3] == np.inf and np.isfinite(y[1, ::2]).all() and np.isfinite(y[0, 1::2]).all()
+    x2 = np.ones((2, 4), np.float32)
+    x2[0, 2] = np.inf
+    y2 = rope_forward(x2, cos, sin)
+    assert np.isnan(y2[0, 0]) and y2[0, 2] == np.inf and np.isfinite(y2[1]).all() and np.isfinite(y2[0, 1::2]).all()
+
+
+def test_bad_inputs(rng):
+    x = random_array(rng, (2, 3, 5, 8), "fp32")
+    cos, sin = rope_tables(5, 8, xp=np)
+    with pytest.raises(ValueError, match="head_dim .* must be even"):
+        rope_forward(random_array(rng, (2, 5, 7), "fp32"), cos, sin)
+    with pytest.raises(ValueError, match="at least 2-D"):
+        rope_forward(x[0, 0, 0].copy(), cos, sin)
+    with pytest.raises(ValueError, match=r"cos and sin must have shape \[S, 4\] with S >= T = 5"):
+        rope_forward(x, cos[:4].copy(), sin[:4].copy())
+    with pytest.raises(ValueError, match="must have shape"):
+        rope_forward(x, *rope_tables(5, 16, xp=np))
+    with pytest.raises(ValueError, match="sin must have shape"):
+        rope_forward(x, cos, sin[:3].copy())
+    with pytest.raises(TypeError, match="cos and sin must share one dtype"):
+        rope_forward(x, cos, sin.astype(np.float64))
+    with pytest.raises(TypeError, match="cos has dtype"):
+        rope_forward(x, cos.astype(np.float16), sin.astype(np.float16))
+    with pytest.raises(TypeError, match="out must be fp32"):
+        rope_forward(x, cos, sin, out=np.empty(x.shape, np.float16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        rope_forward(np.swapaxes(x, 1, 2), cos, sin)
+    with pytest.raises(TypeError, match="must be a NumPy or CuPy array"):
+        rope_forward(x.tolist(), cos, sin)
+    buf = np.zeros(x.size + 8, np.float32)
+    with pytest.raises(ValueError, match="out overlaps x without being the same buffer"):
+        rope_forward(buf[:x.size].reshape(x.shape), cos, sin, out=buf[8:].reshape(x.shape))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 2, 7, 6), (2, 4, 33, 128), (1, 1, 1, 2), (3, 17, 10)])
+def test_gpu_matches_reference(cp, rng, dtype, shape):
+    """Kernel vs reference, forward and backward, outputs poisoned; tolerance: the dtype's (1e-5 fp32, 5e-3
+    fp16, 2e-2 bf16, relative norm). (1, 2, 7, 6) and (1, 1, 1, 2): half not a multiple of the pack (scalar
+    kernel); tables longer than T."""
+    x = random_array(rng, shape, dtype)
+    cos, sin = rope_tables(shape[-2] + 5, shape[-1], xp=np)
+    xd, cd, sd = cp.asarray(x), cp.asarray(cos), cp.asarray(sin)
+    y = rope_forward(xd, cd, sd, out=poisoned(shape, dtype, cp))
+    assert_close(y, rope_forward(x, cos, sin), dtype, name="y")
+    assert_close(y, _hf_rope(x.astype(np.float32), cos, sin), dtype, name="y vs HF formula")
+    dx = rope_backward(xd, cd, sd, out=poisoned(shape, dtype, cp))
+    assert_close(dx, rope_backward(x, cos, sin), dtype, name="dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_in_place_and_unaligned(cp, rng, dtype):
+    shape = (2, 4, 9, 64)
+    x = random_array(rng, shape, dtype)
+    cos, sin = rope_tables(9, 64, xp=cp)
+    want = rope_forward(x, backend.to_numpy(cos), backend.to_numpy(sin))
+    xd = cp.asarray(x)
+    assert rope_forward(xd, cos, sin, out=xd) is xd  # in place, as the model rotates Q and K
+    assert_close(xd, want, dtype, name="y (in place)")
+    assert_close(rope_backward(xd, cos, sin, out=xd), x, dtype, name="R^T R x = x (in place)")
+    buf = cp.empty(x.size + 1, dtype=x.dtype)  # one element off 16 bytes: the scalar kernel
+    buf[1:] = cp.asarray(x).ravel()
+    xu = buf[1:].reshape(shape)
+    assert xu.data.ptr % 16 != 0
+    assert_close(rope_forward(xu, cos, sin), want, dtype, name="y (unaligned)")
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_like_reference(cp, rng):
+    x = random_array(rng, (1, 2, 4, 16), "fp32")
+    x[0, 0, 0, 1] = np.nan
+    x[0, 1, 0, 9] = np.inf
+    x[0, 1, 3, 2] = -np.inf
+    cos, sin = rope_tables(4, 16, xp=np)
+    want = rope_forward(x, cos, sin)
+    got = backend.to_numpy(rope_forward(cp.asarray(x), cp.asarray(cos), cp.asarray(sin)))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs(cp, rng):
+    x = random_array(rng, (2, 3, 5, 8), "fp32")
+    cos, sin = rope_tables(5, 8, xp=np)
+    with pytest.raises(TypeError, match="cos=ndarray|cos=numpy"):
+        rope_forward(cp.asarray(x), cos, sin)
+    with pytest.raises(TypeError, match="cos and sin must be fp32 on the GPU path"):
+        rope_forward(cp.asarray(x), cp.asarray(cos, dtype=cp.float64), cp.asarray(sin, dtype=cp.float64))
+    with pytest.raises(TypeError, match="float64"):
+        rope_forward(cp.asarray(x, dtype=cp.float64), cp.asarray(cos), cp.asarray(sin))
