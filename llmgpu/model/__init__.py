@@ -5,6 +5,8 @@
 * ``gpt.py``: ``GPT``, the book's step from the chapter 1–3 ops, with activation checkpointing (chapter 6).
 * ``fast.py``: ``FastGPT``, the chapter 8 step: cuBLASLt epilogues, fused residual + LayerNorm, flash attention.
 * ``options.py``: ``FastOptions``, every choice of that step (attention kernel, fusions, LM-head rows), one value.
+* ``llama_config.py`` and ``llama.py`` (chapter 10): ``LlamaConfig`` and ``Llama``, the book's step with RMSNorm,
+  RoPE, SwiGLU and grouped-query attention, on ``GPT``'s loop.
 """
 
 from .base import PAD_LOGIT, GPTBase, sample_token
@@ -19,7 +21,10 @@ from .config import (
 )
 from .fast import FastGPT
 from .gpt import GPT
+from .llama import Llama
+from .llama_config import LlamaConfig
 from .options import FastOptions
 
-__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "activation_bytes",
+__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "Llama", "LlamaConfig",
+           "activation_bytes",
            "block_activation_bytes", "block_param_names", "gpt2_param_shapes", "sample_token", "training_flops"]

@@ -47,16 +47,18 @@ class GPTBase:
     """
 
     attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
+    config_type = GPTConfig  # the configuration this family takes (Llama: model/llama_config.LlamaConfig)
+    embedding_name = WTE  # the token embedding (its padded rows; the LM head when tied)
     keeps_ln_1 = False  # a checkpointed span input is x alone (FastGPT: x and ln_1(x); model/config.activation_bytes)
 
     def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True,
                  param_multiple: int = ALIGN):
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        if not isinstance(config, self.config_type):
+            raise TypeError(f"config must be a {self.config_type.__name__}, got {type(config).__name__}")
         self.config = config
         self.xp = xp or backend.default_xp()
         self.dtype = backend.resolve_dtype(dtype)
-        shapes = param_shapes(config)
+        shapes = self.param_shapes()
         if self.dtype == backend.float64:
             self.params = _float64_params(shapes, self.xp)
         else:
@@ -66,6 +68,15 @@ class GPTBase:
             self.init_weights(seed)
 
     # ------------------------------------------------------------------ parameters
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the parameters, in their order in the flat buffers."""
+        return param_shapes(self.config)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding (GPT-2: always)."""
+        return getattr(self.config, "tie_embeddings", True)
 
     def num_parameters(self) -> int:
         return self.params.num_parameters
@@ -113,11 +124,14 @@ class GPTBase:
         ``lm_head.weight`` is the same array as ``transformer.wte.weight`` (tied, as in PyTorch's
         state_dict). ``unpadded=True`` drops the padded vocabulary rows.
         """
-        xp, P = self.xp, self.params
+        xp, P, E = self.xp, self.params, self.embedding_name
         out = {n: P.param(n).copy() for n in P.names}
         if unpadded:
-            out[WTE] = out[WTE][: self.config.vocab_size].copy()
-        out["lm_head.weight"] = out[WTE]
+            for n in (E, "lm_head.weight"):
+                if n in out:
+                    out[n] = out[n][: self.config.vocab_size].copy()
+        if self.tied:
+            out["lm_head.weight"] = out[E]
         return {n: backend.to_device(a, xp) for n, a in out.items()}
 
     def load_state_dict(self, sd: dict, strict: bool = True, *, allow_nonfinite: bool = False):
@@ -129,21 +143,22 @@ class GPTBase:
         TypeError naming its key; a NaN or inf weight a ValueError naming the key and the count
         (``allow_nonfinite=True`` loads it anyway, e.g. to inspect a run that diverged).
         """
-        cfg, P = self.config, self.params
+        cfg, P, E, tied = self.config, self.params, self.embedding_name, self.tied
         d = {}
         for k, v in sd.items():
-            if k == "lm_head.weight" or k.endswith((".attn.bias", ".attn.masked_bias")):
+            if (tied and k == "lm_head.weight") or k.endswith((".attn.bias", ".attn.masked_bias")):
                 continue
             d[k] = _checked_host(k, v, allow_nonfinite)
-        if WTE in d and d[WTE].shape[0] != cfg.padded_vocab_size and d[WTE].shape[1:] == (cfg.n_embd,):
-            if d[WTE].shape[0] > cfg.padded_vocab_size:
-                raise ValueError(f"{WTE} has {d[WTE].shape[0]} rows, the model's vocabulary is "
-                                 f"{cfg.padded_vocab_size}")
-            pad = np.zeros((cfg.padded_vocab_size, cfg.n_embd), np.float32)
-            pad[: d[WTE].shape[0]] = d[WTE]
-            d[WTE] = pad
-        if "lm_head.weight" in sd and WTE not in sd:
-            d[WTE] = _checked_host("lm_head.weight", sd["lm_head.weight"], allow_nonfinite)
+        if tied and "lm_head.weight" in sd and E not in sd:
+            d[E] = _checked_host("lm_head.weight", sd["lm_head.weight"], allow_nonfinite)
+        for n in (E, "lm_head.weight"):  # vocabulary rows: an unpadded matrix is zero-padded
+            if n in d and d[n].shape[0] != cfg.padded_vocab_size and d[n].shape[1:] == (cfg.n_embd,):
+                if d[n].shape[0] > cfg.padded_vocab_size:
+                    raise ValueError(f"{n} has {d[n].shape[0]} rows, the model's vocabulary is "
+                                     f"{cfg.padded_vocab_size}")
+                pad = np.zeros((cfg.padded_vocab_size, cfg.n_embd), np.float32)
+                pad[: d[n].shape[0]] = d[n]
+                d[n] = pad
         P.load_dict(d, strict=strict)
 
     def grads(self) -> dict:

@@ -166,8 +166,26 @@ class GPT(GPTBase):
 
     # ------------------------------------------------------------------ the whole model
 
+    # The pieces around the blocks, each a method so that a sibling architecture (model/llama.py) replaces them
+    # and keeps forward_backward's loop, checkpointing included.
+
+    def _block_names(self, i: int) -> list[str]:
+        return list(block_param_names(i).values())
+
+    def _embed(self, idx):
+        """Token and position embeddings: x [B,T,C]."""
+        return embedding_forward(idx, self.weight(WTE), self.weight(WPE))
+
+    def _embed_backward(self, dx, idx) -> list[str]:
+        """Accumulates the embeddings' gradients from dx [B,T,C]; returns their names."""
+        cfg, G = self.config, self.params.grad_of
+        dwte, dwpe = embedding_backward(dx, idx, cfg.padded_vocab_size, cfg.block_size)
+        accumulate_grad(G(WTE), dwte)
+        accumulate_grad(G(WPE), dwpe)
+        return [WTE, WPE]  # the tied embedding: the LM head's gradient and the lookup's, both in
+
     def _head(self, x):
-        """ln_f and the tied LM head on x [B,T,C]: (hf, mean, rstd, logits [B·T, Vp])."""
+        """ln_f and the tied LM head on x [B,T,C]: (logits [B·T, Vp], what _head_backward needs)."""
         B, T, C = x.shape
         x2d = x.reshape(B * T, C)
         with region("ln_f fwd", bytes=2 * x2d.nbytes):
@@ -178,11 +196,24 @@ class GPT(GPTBase):
         if Vp != V:
             with region("lm_head pad"):
                 logits[:, V:] = PAD_LOGIT
-        return hf, mean, rstd, logits
+        return logits, (x2d, hf, mean, rstd)
+
+    def _head_backward(self, dlogits, cache):
+        """The LM head's and ln_f's backward: (dx [B·T, C], the names of the gradients made final here)."""
+        x2d, hf, mean, rstd = cache
+        G, C = self.params.grad_of, self.config.n_embd
+        with region("lm_head bwd", flops=4.0 * dlogits.shape[0] * C * self.config.padded_vocab_size):
+            dhf, _, _ = linear_backward(dlogits, hf, self.weight(WTE), bias=False, dw_out=G(WTE), accumulate=True)
+        del dlogits, hf
+        with region("ln_f bwd", bytes=3 * dhf.nbytes):
+            dx, dgam, dbet = layernorm_backward(dhf, x2d, self.weight(LNF_W), mean, rstd)
+            accumulate_grad(G(LNF_W), dgam)
+            accumulate_grad(G(LNF_B), dbet)
+        return dx, [LNF_W, LNF_B]
 
     def _trunk(self, idx):
         """Embeddings and all blocks without storing activations: the final residual x [B,T,C]."""
-        x = embedding_forward(idx, self.weight(WTE), self.weight(WPE))
+        x = self._embed(idx)
         for i in range(self.config.n_layer):
             x, _ = self._block_forward(i, x, store=False)
         return x
@@ -195,7 +226,7 @@ class GPT(GPTBase):
         B, T, C = x.shape
         if last_only:
             x = self.xp.ascontiguousarray(x[:, -1:, :])
-        _, _, _, logits = self._head(x)
+        logits, _ = self._head(x)
         return self.logits_and_loss(logits, targets, B, T, last_only)
 
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None, keep=None):
@@ -214,11 +245,10 @@ class GPT(GPTBase):
         idx, targets = self.check_batch(idx, targets)
         L, k = cfg.n_layer, self.checkpoint_every
         B, T = idx.shape
-        G = self.params.grad_of
 
         # ---- forward
         with region("embedding fwd"):
-            x = embedding_forward(idx, self.weight(WTE), self.weight(WPE))
+            x = self._embed(idx)
         caches: list = [None] * L
         inputs: list = [None] * L  # checkpointed span inputs
         for i in range(L):
@@ -229,7 +259,8 @@ class GPT(GPTBase):
                     inputs[i] = x
                 x, _ = self._block_forward(i, x, store=False)
         stored = nbytes_of(caches) + nbytes_of(inputs)
-        hf, meanf, rstdf, logits = self._head(x)
+        logits, head_cache = self._head(x)
+        del x
         with region("cross_entropy fwd", bytes=logits.nbytes):
             loss, ce_cache = cross_entropy_forward(logits, targets.reshape(-1))
         del logits
@@ -240,17 +271,10 @@ class GPT(GPTBase):
         del ce_cache
         if keep is not None:
             keep["dlogits"] = dlogits
-        C = cfg.n_embd
-        with region("lm_head bwd", flops=4.0 * B * T * C * cfg.padded_vocab_size):
-            dhf, _, _ = linear_backward(dlogits, hf, self.weight(WTE), bias=False, dw_out=G(WTE), accumulate=True)
-        del dlogits, hf
-        with region("ln_f bwd", bytes=3 * dhf.nbytes):
-            dx, dgam, dbet = layernorm_backward(dhf, x.reshape(B * T, C), self.weight(LNF_W), meanf, rstdf)
-            accumulate_grad(G(LNF_W), dgam)
-            accumulate_grad(G(LNF_B), dbet)
-        ready([LNF_W, LNF_B])
-        del dhf, x
-        dx = dx.reshape(B, T, C)
+        dx, names = self._head_backward(dlogits, head_cache)
+        ready(names)
+        del dlogits, head_cache
+        dx = dx.reshape(B, T, -1)
 
         # ---- backward through the blocks
         peak = stored
@@ -260,7 +284,7 @@ class GPT(GPTBase):
                     keep[f"h.{i}"] = dx
                 dx = self._block_backward(i, dx, caches[i])
                 caches[i] = None
-                ready(list(block_param_names(i).values()))
+                ready(self._block_names(i))
         else:
             for s in reversed(range(0, L, k)):
                 e = min(s + k, L)
@@ -274,15 +298,13 @@ class GPT(GPTBase):
                         keep[f"h.{j}"] = dx
                     dx = self._block_backward(j, dx, span[j - s])
                     span[j - s] = None
-                    ready(list(block_param_names(j).values()))
+                    ready(self._block_names(j))
                 inputs[s] = None
 
         # ---- embeddings
         with region("embedding bwd"):
-            dwte, dwpe = embedding_backward(dx, idx, cfg.padded_vocab_size, cfg.block_size)
-            accumulate_grad(G(WTE), dwte)
-            accumulate_grad(G(WPE), dwpe)
-        ready([WTE, WPE])  # the tied embedding: the LM head's gradient and the lookup's, both in
+            names = self._embed_backward(dx, idx)
+        ready(names)
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 

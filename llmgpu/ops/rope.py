@@ -48,9 +48,12 @@ THREADS = loader.constant("rope", "ROPE_THREADS")
 TABLE_DTYPES = (backend.float32, backend.float64)  # float64 tables: NumPy path only (the FD checks)
 
 
-def rope_tables(seq, head_dim, theta=10000.0, *, xp=None):
+def rope_tables(seq, head_dim, theta=10000.0, *, xp=None, dtype=backend.float32):
     """``(cos, sin)``, each ``[seq, head_dim / 2]`` fp32 on ``xp`` (NumPy or CuPy; default: the active
-    backend): the cosine and sine of ``t * theta ** (-2 j / head_dim)`` for positions ``t < seq``."""
+    backend): the cosine and sine of ``t * theta ** (-2 j / head_dim)`` for positions ``t < seq``.
+    ``dtype=float64`` (NumPy only): unrounded tables, for the float64 reference model."""
+    if np.dtype(dtype) not in TABLE_DTYPES:
+        raise ValueError(f"RoPE tables are float32 (or float64 on NumPy), got {np.dtype(dtype)}")
     if not is_integer(seq) or seq < 1:
         raise ValueError(f"seq must be a positive integer, got {seq!r}")
     _check_head_dim(head_dim)
@@ -59,8 +62,8 @@ def rope_tables(seq, head_dim, theta=10000.0, *, xp=None):
     inv_freq = theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
     angle = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
     xp = backend.default_xp() if xp is None else xp
-    return (backend.to_device(np.cos(angle).astype(np.float32), xp),
-            backend.to_device(np.sin(angle).astype(np.float32), xp))
+    return (backend.to_device(np.cos(angle).astype(dtype), xp),
+            backend.to_device(np.sin(angle).astype(dtype), xp))
 
 
 def _check_head_dim(head_dim):

@@ -1,0 +1,219 @@
+"""The Llama model (chapter 10): an independent NumPy forward written from Hugging Face's formulas, float64 finite
+differences of every parameter, checkpointing, the seam's order, the tie, the configuration's refusals; on the GPU
+the same model in fp32 and bf16 against the float64 one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmgpu.model.llama import Llama
+from llmgpu.model.llama_config import EMBED, LM_HEAD, PRESETS, LlamaConfig, llama_param_shapes
+
+SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, ffn_dim=24, vocab_size=37, block_size=16)
+
+
+def _model(tied=False, dtype="fp64", xp=np, seed=1, **kw):
+    cfg = LlamaConfig(**{**SMALL, "tie_embeddings": tied, **kw})
+    m = Llama(cfg, dtype=dtype, xp=xp, seed=seed)
+    # random norm gains too (the init sets them to 1, which would hide a gain applied in the wrong place)
+    rng = np.random.default_rng(seed + 100)
+    sd = {n: np.asarray(a) for n, a in m.state_dict(unpadded=True).items()}
+    for n, a in sd.items():
+        if a.ndim == 1:
+            sd[n] = (1.0 + 0.3 * rng.standard_normal(a.shape)).astype(np.float32)
+    m.load_state_dict(sd)
+    return m
+
+
+def _batch(cfg, B=2, T=7, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+            rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
+
+
+def reference_logits(sd: dict, cfg: LlamaConfig, idx) -> np.ndarray:
+    """LlamaForCausalLM's forward in float64 NumPy, written from transformers' modeling_llama formulas (rotate_half,
+    repeat_kv, RMSNorm computed in full precision) and nothing of llmgpu's."""
+    w = {n: np.asarray(a, np.float64) for n, a in sd.items()}
+    B, T = idx.shape
+    H, Hk, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
+
+    def norm(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * g
+
+    inv_freq = cfg.rope_theta ** (-np.arange(0, D, 2) / D)
+    ang = np.arange(T)[:, None] * inv_freq[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(x):  # [B, h, T, D]
+        rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
+        return x * cos + rot * sin
+
+    x = w[EMBED][idx]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(B, T, Hk, D).transpose(0, 2, 1, 3)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(B, T, Hk, D).transpose(0, 2, 1, 3)
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, H // Hk, axis=1), np.repeat(v, H // Hk, axis=1)  # repeat_kv
+        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D) + mask
+        p_ = np.exp(s - s.max(-1, keepdims=True))
+        p_ /= p_.sum(-1, keepdims=True)
+        o = (p_ @ v).transpose(0, 2, 1, 3).reshape(B, T, H * D)
+        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+    x = norm(x, w["model.norm.weight"])
+    head = w[EMBED] if cfg.tie_embeddings else w[LM_HEAD]
+    return x @ head[: cfg.vocab_size].T
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype, tol", [("fp64", 1e-12), ("fp32", 2e-6)])
+def test_logits_equal_an_independent_numpy_llama(tied, dtype, tol):
+    m = _model(tied, dtype, pad_vocab_to=8)  # padded rows: the logits stay those of the 37-token vocabulary
+    idx, _ = _batch(m.config, T=11)
+    got, _ = m.forward(idx)
+    ref = reference_logits(m.state_dict(unpadded=True), m.config, idx)
+    assert got.shape == (2, 11, 37)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+    last, _ = m.forward(idx, last_only=True)
+    np.testing.assert_array_equal(last, got[:, -1])
+
+
+def test_the_loss_is_the_cross_entropy_of_those_logits():
+    m = _model()
+    idx, tg = _batch(m.config)
+    ref = reference_logits(m.state_dict(), m.config, idx)
+    z = ref - ref.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, tg[..., None], -1).mean()
+    m.zero_grad()
+    assert float(m.forward_backward(idx, tg)) == pytest.approx(want, rel=1e-12)
+    assert float(m.forward(idx, tg)[1]) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_gradient_matches_float64_finite_differences(tied):
+    """Central differences of the loss for 6 random entries of every parameter (norm gains, every projection, the
+    embedding and the head), against the backward pass."""
+    m = _model(tied)
+    idx, tg = _batch(m.config, T=9)
+    m.zero_grad()
+    m.forward_backward(idx, tg)
+    grads = {n: np.array(g) for n, g in m.grads().items()}
+    P, rng, eps = m.params, np.random.default_rng(5), 1e-6
+    for name in P.names:
+        w = P.param(name)
+        flat = w.reshape(-1)
+        rows = m.config.vocab_size * w.shape[1] if name in (EMBED, LM_HEAD) else flat.size  # padded rows: no loss
+        picks = rng.choice(rows, size=min(6, rows), replace=False)
+        if name == EMBED:  # rows of tokens in the batch, where the lookup's gradient lives
+            picks = np.concatenate([picks, idx[0, 0] * w.shape[1] + rng.integers(0, w.shape[1], 3)])
+        for j in picks:
+            old = flat[j]
+            flat[j] = old + eps
+            up = float(m.forward(idx, tg)[1])
+            flat[j] = old - eps
+            down = float(m.forward(idx, tg)[1])
+            flat[j] = old
+            fd = (up - down) / (2 * eps)
+            assert grads[name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-8), (name, j)
+
+
+def test_checkpointing_gives_the_same_gradients_bitwise():
+    a, b = _model(), _model()
+    b.checkpoint_every = 1
+    idx, tg = _batch(a.config)
+    for m in (a, b):
+        m.zero_grad()
+        m.forward_backward(idx, tg)
+    for n in a.params.names:
+        np.testing.assert_array_equal(a.params.grad_of(n), b.params.grad_of(n), err_msg=n)
+    assert b.stats["activation_bytes_stored"] < a.stats["activation_bytes_stored"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_grads_ready_names_every_parameter_once_last_block_first(tied):
+    m = _model(tied)
+    idx, tg = _batch(m.config)
+    seen: list = []
+    m.zero_grad()
+    m.forward_backward(idx, tg, grads_ready=lambda names: seen.append(list(names)))
+    flat = [n for group in seen for n in group]
+    assert sorted(flat) == sorted(m.params.names) and len(flat) == len(set(flat))
+    assert seen[1][0].startswith("model.layers.1.") and seen[-1] == [EMBED]
+
+
+def test_state_dict_round_trip_and_the_tie():
+    m = _model(tied=True, dtype="fp32", pad_vocab_to=8)
+    sd = m.state_dict(unpadded=True)
+    assert sd[EMBED].shape == (37, 16) and sd[LM_HEAD] is sd[EMBED]
+    m2 = Llama(m.config, xp=np, init=False)
+    m2.load_state_dict(sd)
+    idx, _ = _batch(m.config)
+    np.testing.assert_array_equal(m.forward(idx)[0], m2.forward(idx)[0])
+    untied = _model(tied=False, dtype="fp32")
+    assert LM_HEAD in untied.params.names and untied.num_parameters() == untied.config.num_parameters()
+
+
+def test_presets_count_smollms_parameters():
+    # SmolLM-135M / -360M (Hugging Face's model cards: 134,515,008 and 361,821,120 parameters)
+    assert PRESETS["smollm-135m"].num_parameters() == 134_515_008
+    assert PRESETS["smollm-360m"].num_parameters() == 361_821_120
+    assert sum(int(np.prod(s)) for s in llama_param_shapes(PRESETS["smollm-135m"]).values()) == 134_515_008
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(n_kv_head=3), "multiple of n_kv_head"),
+    (dict(n_embd=20, n_head=4, n_kv_head=2), "must be even"),  # head_dim 5
+    (dict(n_head=3, n_kv_head=3), "multiple of n_head"),
+    (dict(rope_theta=0.0), "rope_theta must be a positive"),
+    (dict(norm_eps=float("nan")), "norm_eps must be a positive"),
+])
+def test_bad_configurations_are_one_line(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        LlamaConfig(**{**SMALL, **kw})
+
+
+def test_config_fields_of_the_wrong_type_are_refused_not_rounded():
+    with pytest.raises(TypeError, match="n_kv_head must be an int"):
+        LlamaConfig(**{**SMALL, "n_kv_head": 2.0})
+    with pytest.raises(TypeError, match="tie_embeddings must be a bool"):
+        LlamaConfig(**{**SMALL, "tie_embeddings": "yes"})
+    with pytest.raises(TypeError, match="config must be a LlamaConfig"):
+        from llmgpu.model import GPTConfig
+
+        Llama(GPTConfig.preset("tiny"), xp=np)
+    cfg = LlamaConfig(**SMALL)
+    assert LlamaConfig.from_dict(cfg.as_dict()) == cfg
+    with pytest.raises(ValueError, match="not a Llama configuration"):
+        LlamaConfig.from_dict({**cfg.as_dict(), "arch": "gpt2"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("bf16", 3e-2)])
+def test_gpu_llama_against_the_float64_model(cp, dtype, tol):
+    """The same weights on the GPU (our RMSNorm, RoPE and SwiGLU kernels, cuBLAS, grouped attention): logits, loss
+    and every gradient against the float64 NumPy model, relative norm error."""
+    ref = _model(tied=False, n_layer=2, n_head=8, n_kv_head=2, n_embd=128, ffn_dim=352, vocab_size=300,
+                 block_size=64)
+    gpu = Llama(ref.config, dtype=dtype, xp=cp, init=False)
+    gpu.load_state_dict(ref.state_dict())
+    idx, tg = _batch(ref.config, B=3, T=61)
+    for m, x, t in ((ref, idx, tg), (gpu, cp.asarray(idx), cp.asarray(tg))):
+        m.zero_grad()
+        m.loss_value = float(m.forward_backward(x, t))
+    assert gpu.loss_value == pytest.approx(ref.loss_value, rel=tol)
+    logits = cp.asnumpy(gpu.forward(cp.asarray(idx))[0]).astype(np.float64)
+    want = ref.forward(idx)[0]
+    assert np.linalg.norm(logits - want) <= tol * np.linalg.norm(want)
+    for n in ref.params.names:
+        g, w = cp.asnumpy(gpu.params.grad_of(n)).astype(np.float64), ref.params.grad_of(n)
+        assert np.all(np.isfinite(g)), n
+        assert np.linalg.norm(g - w) <= 3 * tol * np.linalg.norm(w) + 1e-12, n
