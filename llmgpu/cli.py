@@ -153,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{train,sample,eval,prepare,export,info,bench}",
                            parser_class=_Parser)
 
-    t = sub.add_parser("train", help="train a GPT-2 (default: the embedded corpus, time-bounded)",
-                       description="Train a GPT-2. With no arguments: the embedded corpus (Python standard "
-                       "library sources, byte tokens); on a CPU the 'tiny' preset for ~3 minutes, on a GPU "
-                       "GPT-2 small in bf16 for ~5 minutes.")
+    t = sub.add_parser("train", help="train a GPT-2 or (--arch llama) a Llama (default: the embedded corpus, "
+                       "time-bounded)",
+                       description="Train a GPT-2 (--arch llama: a Llama, on the book step). With no arguments: the "
+                       "embedded corpus (Python standard library sources, byte tokens); on a CPU the 'tiny' preset for "
+                       "~3 minutes, on a GPU GPT-2 small in bf16 for ~5 minutes.")
     add_train_arguments(t)
 
     s = sub.add_parser("sample", help="generate text from a trained checkpoint")

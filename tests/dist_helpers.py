@@ -1,12 +1,49 @@
-"""What the multi-rank tests (test_dist.py on CPUs with MPI, test_dist_multirank_gpu.py on one GPU) share: a run's
-logged losses, a rank's PID found through /proc, waiting for a run to log its first steps."""
+"""What the multi-rank tests (test_dist.py and test_train_llama.py on CPUs with MPI, test_dist_multirank_gpu.py on one
+GPU) share: the MPI launcher and the environment of CPU ranks, the step worker under mpiexec, ``llmgpu train`` on CPU
+ranks, a run's logged losses, a rank's PID found through /proc, waiting for a run to log its first steps."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from llmgpu.dist import DistError
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "dist_step.py"
+try:  # the mpiexec of the MPI mpi4py loads (another MPI's would start singletons)
+    from llmgpu.dist.launch import find_mpiexec
+
+    MPIEXEC = find_mpiexec()
+except (ImportError, DistError):
+    MPIEXEC = None
+HAVE_MPI = MPIEXEC is not None
+# CI installs the test extra, which brings mpi4py and mpich: there these tests must run, not skip
+needs_mpi = pytest.mark.skipif(not HAVE_MPI and not os.environ.get("CI"),
+                               reason="MPI tests need mpi4py and mpiexec: pip install 'llmgpu[dist]'")
+# Open MPI (the GPU image's MPI) refuses to start ranks as root without both switches
+ENV = dict(os.environ, LLMGPU_DEVICE="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def run_worker(n, *args, timeout=120):
+    """``tests/workers/dist_step.py`` on ``n`` MPI ranks (N ranks against one rank at the same global batch)."""
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(WORKER), *map(str, args)], env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train_cli(*args, timeout=180):
+    """``llmgpu train`` on the CPU with small batches, a constant learning rate and a loss logged every step."""
+    return subprocess.run([sys.executable, "-m", "llmgpu", "train", "--device", "cpu", "--batch", "4", "--seq", "32",
+                           "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--no-plot",
+                           "--no-progress", "--warmup", "0", "--schedule", "constant", *map(str, args)],
+                          env=ENV, capture_output=True, text=True, timeout=timeout)
 
 # the variables a rank's environment names its rank in: MPICH's Hydra, Open MPI, llmgpu's GPU launcher
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK")

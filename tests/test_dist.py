@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dist_helpers import losses, rank_pid, wait_for_steps
+from dist_helpers import ENV, MPIEXEC, ROOT, losses, needs_mpi, rank_pid, wait_for_steps
+from dist_helpers import run_worker as _mpi
+from dist_helpers import train_cli as _train
 
 from llmgpu.dist import DistError, LocalComm, from_environ, plan_buckets, rendezvous
 from llmgpu.dist.env import DistEnv
@@ -25,21 +27,6 @@ from llmgpu.dist.launch import RANK_DIR_VAR, name_dead_rank, rank_errors, report
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.optim.params import ALIGN, FlatParams
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "dist_step.py"
-try:  # the mpiexec of the MPI mpi4py loads (another MPI's would start singletons)
-    from llmgpu.dist.launch import find_mpiexec
-
-    MPIEXEC = find_mpiexec()
-except (ImportError, DistError):
-    MPIEXEC = None
-HAVE_MPI = MPIEXEC is not None
-# CI installs the test extra, which brings mpi4py and mpich: there these tests must run, not skip
-needs_mpi = pytest.mark.skipif(not HAVE_MPI and not os.environ.get("CI"),
-                               reason="MPI tests need mpi4py and mpiexec: pip install 'llmgpu[dist]'")
-# Open MPI (the GPU image's MPI) refuses to start ranks as root without both switches
-ENV = dict(os.environ, LLMGPU_DEVICE="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 TINY = replace(GPTConfig.preset("tiny"), vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=2)
 
 
@@ -176,12 +163,6 @@ def test_rendezvous_without_rank_0_says_whom_it_could_not_reach():
 # --------------------------------------------------------------------------- N ranks = one rank (MPI)
 
 
-def _mpi(n, *args, timeout=120):
-    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(WORKER), *map(str, args)], env=ENV,
-                       capture_output=True, text=True, timeout=timeout)
-    return p
-
-
 @needs_mpi
 @pytest.mark.parametrize("world, zero, accum", [(2, 0, 1), (3, 0, 2), (2, 1, 2), (3, 1, 1), (2, 2, 1), (3, 2, 3)])
 def test_ranks_match_one_rank_at_the_same_global_batch(world, zero, accum):
@@ -230,13 +211,6 @@ def test_zero2_keeps_less_gradient_than_the_whole_buffer():
 
 
 # --------------------------------------------------------------------------- llmgpu train --nproc
-
-
-def _train(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "llmgpu", "train", "--device", "cpu", "--batch", "4", "--seq", "32",
-                           "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--no-plot",
-                           "--no-progress", "--warmup", "0", "--schedule", "constant", *map(str, args)],
-                          env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 @needs_mpi

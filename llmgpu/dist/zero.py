@@ -31,11 +31,12 @@ on N ranks resumes on M.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from .. import backend
 from ..instrument import region
-from ..model.config import LNF_W, WTE, block_param_names
 from ..optim.clip import GradNorm, clip_scale, grad_norm_fused
 from ..optim.params import ALIGN, FlatParams
 from .ddp import BUCKET_BYTES, BucketedReduction, plan_buckets
@@ -264,20 +265,27 @@ class ZeroSync(BucketedReduction):
         return float(backend.to_numpy(flag)[0]) == 0.0
 
 
+# a block's tensors are named <prefix>.<i>.<name>: GPT-2's transformer.h.<i>.*, Llama's model.layers.<i>.*
+_BLOCK_INDEX = re.compile(r"\.(\d+)\.")
+
+
 def _block_ranges(P: FlatParams, multiple: int) -> dict:
     """Block i → (lo, hi): the contiguous range of its weight matrices (the decayed tensors) in the buffer."""
-    out, i = {}, 0
-    while all(n in P for n in block_param_names(i).values()):
-        names = [n for n in block_param_names(i).values() if P.decay[n]]
+    by_block: dict[int, list[str]] = {}
+    for n in P.names:
+        if (m := _BLOCK_INDEX.search(n)) and P.decay[n]:
+            by_block.setdefault(int(m.group(1)), []).append(n)
+    if not by_block or sorted(by_block) != list(range(len(by_block))):
+        raise ValueError("ZeRO-2 needs a model of numbered blocks (<prefix>.<i>.<name>: GPT-2's transformer.h.<i>.*, "
+                         f"Llama's model.layers.<i>.*), found blocks {sorted(by_block)}")
+    out = {}
+    for i, names in sorted(by_block.items()):
         held = {n: -(-P.sizes[n] // multiple) * multiple for n in names}  # each tensor's size, padding included
         lo = min(P.offsets[n] for n in names)
         hi = max(P.offsets[n] + held[n] for n in names)
         if hi - lo != sum(held.values()):
             raise ValueError(f"block {i}'s weight matrices are not contiguous in the flat buffer: ZeRO-2 needs them so")
         out[i] = (lo, hi)
-        i += 1
-    if not out or WTE not in P or LNF_W not in P:
-        raise ValueError("ZeRO-2 works on GPT-2 parameters (transformer.h.<i>.*, the embeddings, ln_f)")
     return out
 
 

@@ -7,6 +7,7 @@
 * ``options.py``: ``FastOptions``, every choice of that step (attention kernel, fusions, LM-head rows), one value.
 * ``llama_config.py`` and ``llama.py`` (chapter 10): ``LlamaConfig`` and ``Llama``, the book's step with RMSNorm,
   RoPE, SwiGLU and grouped-query attention, on ``GPT``'s loop.
+* ``family.py``: the families ``llmgpu train --arch`` names (configuration, presets, model class), one table.
 """
 
 from .base import PAD_LOGIT, GPTBase, sample_token
@@ -19,12 +20,13 @@ from .config import (
                      gpt2_param_shapes,
                      training_flops,
 )
+from .family import ARCHS, config_from_dict, model_class
 from .fast import FastGPT
 from .gpt import GPT
 from .llama import Llama
 from .llama_config import LlamaConfig
 from .options import FastOptions
 
-__all__ = ["GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "Llama", "LlamaConfig",
-           "activation_bytes",
-           "block_activation_bytes", "block_param_names", "gpt2_param_shapes", "sample_token", "training_flops"]
+__all__ = ["ARCHS", "GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "Llama",
+           "LlamaConfig", "activation_bytes", "block_activation_bytes", "block_param_names", "config_from_dict",
+           "gpt2_param_shapes", "model_class", "sample_token", "training_flops"]

@@ -27,6 +27,9 @@ class GPTConfig:
     block_size: int = 1024  # maximum sequence length (rows of the position embedding)
     pad_vocab_to: int = 0  # 0 or 1: no padding; e.g. 64 or 128 pads the vocabulary to a multiple
 
+    arch = "gpt2"  # a class attribute, not a field: what `llmgpu train --arch` names (as_dict leaves it out, as
+    # checkpoints written before the Llama family did; a dict without "arch" is GPT-2's)
+
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "pad_vocab_to"):
             v = getattr(self, name)
@@ -56,6 +59,8 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> GPTConfig:
+        if d.get("arch", "gpt2") != "gpt2":  # a Llama's dict holds GPT-2's field names too: never read it as one
+            raise ValueError(f"not a GPT-2 configuration (arch {d.get('arch')!r})")
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     @classmethod

@@ -19,7 +19,7 @@ from .. import backend
 from ..amp import Policy
 from ..checks import check_field_types
 from ..gemm import cublaslt
-from ..model import PRESETS
+from ..model.family import ALL_PRESETS, ARCHS, arch_of_preset, presets
 from ..model.options import FLASH_KERNELS
 from ..ops import cudnn_attention, flash_attention
 
@@ -44,7 +44,10 @@ class TrainConfig:
     """Everything a run needs. ``None`` fields get device-dependent defaults (``resolve``)."""
 
     # model
-    preset: str | None = _opt(None, "model size (default: tiny on CPU, gpt2 on GPU)", "model", choices=list(PRESETS))
+    arch: str = _opt("gpt2", "model family: gpt2, or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; the book "
+                     "step, no --fast yet)", "model", choices=list(ARCHS))
+    preset: str | None = _opt(None, "model size of the --arch family (default: tiny on CPU, gpt2 on GPU; with --arch "
+                              "llama: llama-tiny on CPU, smollm-135m on GPU)", "model", choices=list(ALL_PRESETS))
     dtype: str | None = _opt(None, "compute precision (default: bf16 on GPU, fp32 on CPU); master weights are "
                              "always fp32", "model", choices=["bf16", "fp16", "fp32"])
     checkpoint_every: int = _opt(0, "activation checkpointing: keep every K-th block input, recompute the rest "
@@ -178,6 +181,9 @@ CPU_DEFAULTS = dict(preset="tiny", batch=8, seq=128, dtype="fp32", lr=3e-3, warm
                     max_time=180.0, pad_vocab=0)
 GPU_DEFAULTS = dict(preset="gpt2", batch=16, seq=1024, dtype="bf16", lr=6e-4, warmup=50, eval_every=100,
                     max_time=300.0, pad_vocab=64)
+# the default preset of each family other than GPT-2 (whose is the defaults' above), (CPU, GPU): a size like
+# GPT-2's for the same device; either takes the data's vocabulary (plan.plan_model), as GPT-2's presets do
+ARCH_DEFAULT_PRESETS = {"llama": ("llama-tiny", "smollm-135m")}
 
 
 def select_xp(device: str = "auto"):
@@ -195,6 +201,8 @@ def select_xp(device: str = "auto"):
 def resolve(cfg: TrainConfig, xp) -> TrainConfig:
     """Fill the ``None`` fields with the defaults of the device, and validate."""
     d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
+    if cfg.arch in ARCH_DEFAULT_PRESETS:
+        d = {**d, "preset": ARCH_DEFAULT_PRESETS[cfg.arch][xp is not np]}
     if cfg.init:  # fine-tuning: the model is the weights' (no preset), the schedule gentler
         d = {**{k: v for k, v in d.items() if k != "preset"}, **FINETUNE_DEFAULTS}
     upd = {}
@@ -203,11 +211,17 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
             if k == "max_time" and cfg.steps is not None:
                 continue
             preset = cfg.preset or d.get("preset")
-            if k == "seq" and (preset in PRESETS or cfg.block_size):  # a default never outgrows the model
+            if k == "seq" and (preset in presets_of(cfg.arch) or cfg.block_size):  # a default never outgrows the model
                 v = min(v, model_block_size(replace(cfg, preset=preset)))
             upd[k] = v
     cfg = replace(cfg, **upd)
     validate(cfg)
+    if cfg.arch != "gpt2":  # the chapter 8 step is GPT-2's (FastGPT): other families run the book step
+        for name in ("fast", "graph"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{flag_of(name)}: the {cfg.arch.capitalize()} fast step does not exist yet (FastGPT "
+                                  f"is GPT-2's); --arch {cfg.arch} trains on the book step, without a CUDA graph")
+        return replace(cfg, fast=False, graph=False)
     fast, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)
     if cfg.fast and not fast:
         raise ConfigError(f"--fast: {why}")
@@ -225,7 +239,12 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
 
 def model_block_size(cfg: TrainConfig) -> int:
     """The context length of the model ``cfg`` describes: ``--block-size``, else the preset's."""
-    return cfg.block_size or PRESETS[cfg.preset].block_size
+    return cfg.block_size or presets_of(cfg.arch)[cfg.preset].block_size
+
+
+def presets_of(arch: str) -> dict:
+    """The presets of ``--arch`` (none for an unknown family: ``validate`` names it)."""
+    return presets(arch) if arch in ARCHS else {}
 
 
 def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
@@ -252,11 +271,16 @@ def validate(cfg: TrainConfig):
         return isinstance(x, (int, float)) and math.isfinite(x)
 
     check_field_types(cfg, flag_of, ConfigError)  # --steps 2.5 is refused, not rounded
+    need(cfg.arch in ARCHS, f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
     if cfg.init:  # the model is the weights' (pretrained.init_config sets the block size)
         need(cfg.preset is None, f"--init takes the model's shape from its weights: drop --preset {cfg.preset}")
         need(cfg.block_size is not None, "--init: the block size comes from the weights (pretrained.init_config)")
     else:
-        need(cfg.preset in PRESETS, f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+        valid = ", ".join(presets_of(cfg.arch))
+        other = arch_of_preset(cfg.preset) if isinstance(cfg.preset, str) else None
+        need(other is None or other == cfg.arch, f"--preset {cfg.preset} is a {other} preset, not a {cfg.arch} "
+             f"one: give --arch {other}, or one of the {cfg.arch} presets: {valid}")
+        need(cfg.preset in presets_of(cfg.arch), f"unknown preset {cfg.preset!r}; choose one of {valid}")
     need(cfg.steps is None or cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}")
     need(cfg.max_time is None or (finite(cfg.max_time) and cfg.max_time > 0),
          f"--max-time must be a positive number, got {cfg.max_time}")
@@ -308,6 +332,6 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--dtype must be bf16, fp16 or fp32, got {cfg.dtype!r}") from None
 
 
-__all__ = ["CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "explicit_fields",
-           "fast_path_available", "flag_of", "model_block_size", "resolve", "resume_config", "select_xp", "validate",
-           "FINETUNE_DEFAULTS"]
+__all__ = ["ARCH_DEFAULT_PRESETS", "CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig",
+           "explicit_fields", "fast_path_available", "flag_of", "model_block_size", "presets_of", "resolve",
+           "resume_config", "select_xp", "validate", "FINETUNE_DEFAULTS"]

@@ -9,9 +9,10 @@ asked). It writes no file, allocates nothing and needs no GPU, so tests plan run
 
     resume merge   the checkpoint's configuration, with what this command may change (``config.resume_config``)
     fast path      a run saved with --fast, resumed where the fast step cannot run, continues on the book step
-    resolve        the device's defaults filled in, every setting validated (``config.resolve``)
-    model          the checkpoint's model, the pretrained weights' (``--init``), or the preset with the data's
-                   vocabulary (``plan_model``, once the data is known)
+    resolve        the device's defaults filled in, every setting validated (``config.resolve``); a family without a
+                   fast step (--arch llama) runs the book step, with a note where GPT-2 would have run the fast one
+    model          the checkpoint's model, the pretrained weights' (``--init``), or the --arch family's preset with
+                   the data's vocabulary (``plan_model``, once the data is known): a ``GPTConfig`` or ``LlamaConfig``
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..model import GPTConfig
+from ..model import GPTConfig, LlamaConfig
+from ..model.family import config_from_dict, presets
 from .checkpoint import META_FILE, CheckpointError
 from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config
 from .rundir import default_out_dir, resume_target
+
+ModelConfig = GPTConfig | LlamaConfig  # a model of any family (model/family.py)
 
 
 @dataclass(frozen=True)
@@ -32,15 +36,16 @@ class SavedRun:
     directory: Path  # the checkpoint directory
     meta: dict
     train_config: TrainConfig  # with the model's block size
-    model_config: GPTConfig
+    model_config: ModelConfig  # of the family its "arch" names (GPT-2 without one)
     world_size: int
 
     @classmethod
     def from_meta(cls, directory, meta: dict) -> SavedRun:
         """The saved run of ``meta``, or a ``CheckpointError`` naming ``directory``'s meta file."""
         try:
-            model = GPTConfig.from_dict(meta["model_config"])
-            train = replace(TrainConfig.from_dict(meta["train_config"]), block_size=model.block_size)
+            model = config_from_dict(meta["model_config"])
+            # the model's family is the train config's too (a checkpoint from before --arch has none: GPT-2)
+            train = replace(TrainConfig.from_dict(meta["train_config"]), block_size=model.block_size, arch=model.arch)
             world = meta.get("world_size", 1)
             if isinstance(world, bool) or not isinstance(world, int) or world < 1:
                 raise ValueError(f"world_size {world!r} is not a positive integer")
@@ -66,7 +71,7 @@ class RunPlan:
     resumed: bool
     forked: bool = False
     fork_from: Path | None = None
-    model_config: GPTConfig | None = None
+    model_config: ModelConfig | None = None
     notes: tuple[str, ...] = ()
 
     @property
@@ -92,7 +97,11 @@ def plan_config(cfg: TrainConfig, xp, *, explicit=None, saved: SavedRun | None =
     else:
         out, forked, fork_from = Path(cfg.out or default_out_dir()), False, None
         cfg = replace(cfg, out=str(out))
-    return RunPlan(resolve(cfg, xp), out, saved is not None, forked, fork_from, notes=tuple(notes))
+    resolved = resolve(cfg, xp)
+    if resolved.arch != "gpt2" and cfg.fast is None and fast_path_available(xp, resolved.dtype)[0]:
+        notes.append(f"the {resolved.arch.capitalize()} fast step does not exist yet: the book step trains it "
+                     f"({resolved.dtype}, no CUDA graph), where GPT-2 would run the chapter 8 step")
+    return RunPlan(resolved, out, saved is not None, forked, fork_from, notes=tuple(notes))
 
 
 def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: SavedRun | None = None,
@@ -110,7 +119,7 @@ def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: Sa
     elif init is not None:
         mcfg = init.run_model_config(data_tokenizer, cfg)
     else:
-        base = GPTConfig.preset(cfg.preset)
+        base = presets(cfg.arch)[cfg.preset]
         vocab = cfg.vocab_size or data_vocab
         if cfg.vocab_size is None and vocab != base.vocab_size:
             notes.append(f"the {cfg.preset} preset's vocabulary {base.vocab_size} becomes the data's {vocab} "

@@ -174,7 +174,8 @@ def read_log(path) -> list[dict]:
 
 def run_banner(cfg, mc, n_params: int, dtype: str, world: int, device: str) -> str:
     """The run's first line: the model, the batch (per rank), the step's options and the device."""
-    return (f"llmgpu train: {mc.n_layer} layers, C={mc.n_embd}, {n_params / 1e6:.2f}M parameters, vocab "
+    family = "" if mc.arch == "gpt2" else f"{mc.arch.capitalize()}, "  # GPT-2's banner as it always was
+    return (f"llmgpu train: {family}{mc.n_layer} layers, C={mc.n_embd}, {n_params / 1e6:.2f}M parameters, vocab "
             f"{mc.vocab_size}, {dtype}, batch {cfg.batch}x{cfg.seq}x{cfg.grad_accum}"
             + (f" on each of {world} ranks" if world > 1 else "")
             + (f", ZeRO-{cfg.zero}" if cfg.zero else "")

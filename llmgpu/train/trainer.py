@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..model import GPT, FastGPT, FastOptions
+from ..model import FastGPT, FastOptions, model_class
 from ..optim import lr_at
 from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -120,7 +120,8 @@ class Trainer:
     def _build_model(self, plan: RunPlan, ckpt):
         """The model with its starting weights, the gradient seam, the step, and a checkpoint's state."""
         cfg, mcfg = plan.cfg, plan.model_config
-        model_cls, opts = (FastGPT, {"options": FastOptions(cfg.attention_kernel)}) if cfg.fast else (GPT, {})
+        fast = (FastGPT, {"options": FastOptions(cfg.attention_kernel)})  # GPT-2's chapter 8 step (config.resolve)
+        model_cls, opts = fast if cfg.fast else (model_class(mcfg), {})
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=self.xp,
                                seed=cfg.seed, init=ckpt is None and self.init is None,
                                param_multiple=ALIGN * (self.world if cfg.zero else 1), **opts)

@@ -2,7 +2,8 @@
 
 Every rank builds the same tiny GPT, runs ``steps`` steps on its slice of a fixed random batch stream and
 prints (rank 0) one JSON line: the losses and gradient norms of both runs and the largest weight difference.
-``argv``: zero stage, micro-batches per rank, and optionally ``mismatch`` (rank 1 asks for another model).
+``argv``: zero stage, micro-batches per rank, and optionally ``mismatch`` (rank 1 asks for another model) or ``llama``
+(a tiny Llama: grouped-query attention, untied head, instead of the tiny GPT-2).
 """
 
 import json
@@ -12,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from llmgpu.dist import DataParallelSync, MPIComm, ZeroSync, check_same
-from llmgpu.model import GPT, GPTConfig
+from llmgpu.model import GPT, GPTConfig, Llama, LlamaConfig
 from llmgpu.optim.params import ALIGN
 from llmgpu.train.config import TrainConfig
 from llmgpu.train.step import TrainStep
@@ -21,6 +22,11 @@ zero, accum = int(sys.argv[1]), int(sys.argv[2])
 comm = MPIComm(timeout=60)
 W, r = comm.world_size, comm.rank
 cfg = replace(GPTConfig.preset("tiny"), vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=2)
+model_cls = GPT
+if "llama" in sys.argv:
+    cfg = replace(LlamaConfig.preset("llama-tiny"), vocab_size=61, block_size=16, n_layer=3, n_embd=32, n_head=4,
+                  n_kv_head=2, ffn_dim=64)
+    model_cls = Llama
 if "mismatch" in sys.argv:
     check_same(comm, "model", replace(cfg, n_layer=4 if r == 1 else 3).as_dict())
 tc = TrainConfig(lr=3e-3, grad_clip=0.05)  # a small clip so the clipping path is exercised
@@ -29,7 +35,7 @@ data = np.random.default_rng(0).integers(0, 61, size=(steps, W * accum, 2, 3, 16
 
 
 def run(split: bool):
-    m = GPT(cfg, xp=np, seed=1, param_multiple=W * ALIGN)
+    m = model_cls(cfg, xp=np, seed=1, param_multiple=W * ALIGN)
     sync = None
     if split:
         sync = (ZeroSync(comm, m.params, stage=zero, bucket_bytes=8000) if zero
