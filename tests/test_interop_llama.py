@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from dist_helpers import losses
 from test_llama import reference_logits
 
 import llmgpu
@@ -22,10 +23,11 @@ from llmgpu.interop import safetensors as st
 from llmgpu.interop.hf import InteropError
 from llmgpu.interop.hf_llama import HF_DEFAULTS, llama_config_from_hf, llama_config_to_hf
 from llmgpu.model import GPTConfig, Llama, LlamaConfig
+from llmgpu.model.family import config_from_dict
 from llmgpu.model.llama_config import EMBED, LM_HEAD, llama_param_shapes
 from llmgpu.train import ConfigError
 from llmgpu.train.checkpoint import save_checkpoint
-from llmgpu.train.pretrained import config_from_record, load_pretrained
+from llmgpu.train.pretrained import load_pretrained
 
 pytestmark = pytest.mark.ch7
 
@@ -156,12 +158,12 @@ def test_configs_llama_does_not_compute_are_refused_in_one_line(change, needle):
     assert str(e.value).startswith("x/config.json: ") and "\n" not in str(e.value)
 
 
-def test_config_from_record_reads_either_family():
-    assert config_from_record(CFG.as_dict()) == CFG
+def test_config_from_dict_reads_either_family():
+    assert config_from_dict(CFG.as_dict()) == CFG
     gpt = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
-    assert config_from_record(gpt.as_dict()) == gpt
+    assert config_from_dict(gpt.as_dict()) == gpt
     with pytest.raises(TypeError, match="is a dict"):
-        config_from_record(["llama"])
+        config_from_dict(["llama"])
 
 
 # --------------------------------------------------------------------------- import
@@ -249,13 +251,34 @@ def test_a_sharded_directory_is_named_by_the_directory(tmp_path, rng):
         llmgpu.from_pretrained(d, xp=np)
 
 
-def test_a_llama_has_no_fast_step_and_no_trainer_yet(tmp_path, rng, capsys, one_error_line):
-    d = write_llama_dir(tmp_path / "hf", random_weights(CFG, rng))
+def test_a_llama_has_no_fast_step(tmp_path, rng):
     with pytest.raises(ConfigError, match="the Llama fast step does not exist yet") as e:
-        llmgpu.from_pretrained(d, xp=np, fast=True)
+        llmgpu.from_pretrained(write_llama_dir(tmp_path / "hf", random_weights(CFG, rng)), xp=np, fast=True)
     assert "\n" not in str(e.value)
-    one_error_line(main(["train", "--init", str(d), "--device", "cpu", "--steps", "1", "--quiet", "--no-plot",
-                         "--out", str(tmp_path / "r")]), f"--init {d} holds a Llama model")
+
+
+def test_train_init_fine_tunes_a_hugging_face_llama(tmp_path, rng, capsys):
+    """--init of a Llama directory trains a Llama (the family taken from the weights, book step), starting from those
+    weights: its first loss is the directory's model's loss on that batch, and it falls."""
+    cfg = replace(CFG, vocab_size=256, block_size=32)  # byte tokens: the embedded data's
+    d = write_llama_dir(tmp_path / "hf", random_weights(cfg, rng),
+                        {**HF_CONFIG, "vocab_size": 256, "max_position_embeddings": 32})
+    out = tmp_path / "ft"
+    rc = main(["train", "--init", str(d), "--device", "cpu", "--steps", "6", "--batch", "2", "--seq", "16",
+               "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--no-progress", "--no-plot",
+               "--lr", "1e-2", "--warmup", "0", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    meta = json.loads((out / "checkpoint" / "meta.json").read_text())
+    assert meta["model_config"]["arch"] == "llama" and meta["train_config"]["arch"] == "llama"
+    loss = losses(out)
+    assert len(loss) == 6 and loss[-1] < loss[0]
+    assert 4.0 < loss[0] < 7.0  # a random model's loss on 256 tokens is about ln 256 = 5.5, not a trained one's
+    rc = main(["train", "--init", str(d), "--arch", "gpt2", "--device", "cpu", "--steps", "1", "--out",
+               str(tmp_path / "x"), "--no-progress", "--no-plot"])
+    assert rc == 0  # gpt2 is the default: the weights' family wins, with no conflict to report
+    back = llmgpu.from_pretrained(out, xp=np)
+    assert type(back).__name__ == "Llama"
 
 
 # --------------------------------------------------------------------------- export

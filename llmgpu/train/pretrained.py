@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import backend
 from ..interop import hf
-from ..model import GPT, FastGPT, GPTConfig, Llama, LlamaConfig
+from ..model import FastGPT, GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
 from ..version import __version__
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
@@ -74,7 +74,7 @@ def load_pretrained(path) -> Pretrained:
         raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the run diverged; use an earlier "
                               "checkpoint")
     try:
-        cfg = config_from_record(meta["model_config"])
+        cfg = family.config_from_dict(meta["model_config"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {d} has no usable model configuration ({type(e).__name__}: {e})") \
             from None
@@ -84,23 +84,13 @@ def load_pretrained(path) -> Pretrained:
                       f"{meta['step']})", meta)
 
 
-def config_from_record(d: dict) -> GPTConfig | LlamaConfig:
-    """The model configuration a checkpoint recorded (``as_dict``): a ``LlamaConfig`` where its ``arch`` is
-    'llama', else a ``GPTConfig`` (GPT-2's records carry no ``arch``)."""
-    if not isinstance(d, dict):
-        raise TypeError(f"a model configuration is a dict, got {type(d).__name__}")
-    return (LlamaConfig if d.get("arch") == LlamaConfig.arch else GPTConfig).from_dict(d)
-
-
 def model_class(cfg: GPTConfig | LlamaConfig, fast: bool = False):
-    """The model of a configuration: ``GPT`` (``FastGPT`` with ``fast``) or ``Llama``. A Llama has no fast step
-    yet: ``fast`` is then a one-line ``ConfigError``, as ``--fast`` is where the fast step cannot run."""
-    if isinstance(cfg, LlamaConfig):
-        if fast:
-            raise ConfigError("fast: the Llama fast step does not exist yet (FastGPT is GPT-2's); the book step "
-                              "(fast=False) runs a Llama")
-        return Llama
-    return FastGPT if fast else GPT
+    """The model of a configuration: its family's book step (``GPT``, ``Llama``), or ``FastGPT`` with ``fast``. A
+    Llama has no fast step yet: ``fast`` is then a one-line ``ConfigError``, as ``--fast`` is where it cannot run."""
+    if fast and cfg.arch != "gpt2":
+        raise ConfigError(f"fast: the {family_name(cfg)} fast step does not exist yet (FastGPT is GPT-2's); the book "
+                          "step (fast=False) runs it")
+    return FastGPT if fast else family.model_class(cfg)
 
 
 def family_name(cfg: GPTConfig | LlamaConfig) -> str:
@@ -180,9 +170,9 @@ def init_run(cfg: TrainConfig, note=print) -> tuple[TrainConfig, Pretrained]:
         raise ConfigError(f"--init {cfg.init} takes the model's shape from its weights: drop --preset {cfg.preset}")
     pre = load_pretrained(cfg.init)
     m = pre.config
-    if not isinstance(m, GPTConfig):  # the trainer builds GPT/FastGPT; training a Llama comes with train --arch
-        raise ConfigError(f"--init {cfg.init} holds a {family_name(m)} model, which this version's trainer does not "
-                          "train yet (GPT-2 only); llmgpu sample, eval and export read it")
+    if cfg.arch not in ("gpt2", m.arch):  # gpt2 is the default: an --arch of another family contradicts the weights
+        raise ConfigError(f"--init {cfg.init} holds a {family_name(m)} model: drop --arch {cfg.arch}")
+    cfg = replace(cfg, arch=m.arch)  # before resolve(): a Llama then runs the book step, with its note
     for name, value in (("block_size", m.block_size), ("vocab_size", m.vocab_size)):
         given = getattr(cfg, name)
         if given is not None and given != value:
@@ -205,5 +195,5 @@ def check_tokenizer(pre: Pretrained, data_tokenizer: str, data: str | None):
                           f"({data or 'the embedded corpus'}) holds {data_tokenizer} tokens: {fix}")
 
 
-__all__ = ["Pretrained", "build_model", "check_export_target", "check_tokenizer", "config_from_record", "export",
+__all__ = ["Pretrained", "build_model", "check_export_target", "check_tokenizer", "export",
            "family_name", "from_pretrained", "init_run", "load_pretrained", "model_class"]
