@@ -71,7 +71,7 @@ def test_llama_sample_and_eval_of_the_run(llama_run, capsys):
     assert main(["eval", "--from", str(out), "--data", "stdlib", "--device", "cpu", "--max-batches", "3", "--batch",
                  "4", "--seq", "32", "--quiet"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["batches"] == 3 and "llama run" in res["model"]
+    assert res["batches"] == 3 and "(llama, step 24)" in res["model"]
     assert 0 < res["loss"] < 4.5  # the trained model, not a fresh one (~5.5)
 
 

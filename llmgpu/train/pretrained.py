@@ -80,7 +80,7 @@ def load_pretrained(path) -> Pretrained:
             from None
     for name in {model_class(cfg).embedding_name, LM_HEAD} & set(weights):  # the padded vocabulary rows are
         weights[name] = weights[name][: cfg.vocab_size]  # zeros (an untied head's too): another padding adds its own
-    return Pretrained(cfg, weights, meta.get("tokenizer", "bytes"), "llmgpu", d, f"llmgpu run {d} (step "
+    return Pretrained(cfg, weights, meta.get("tokenizer", "bytes"), "llmgpu", d, f"llmgpu run {d} ({cfg.arch}, step "
                       f"{meta['step']})", meta)
 
 
