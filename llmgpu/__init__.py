@@ -16,11 +16,11 @@ The package tree is the book's table of contents:
     model/      GPT-2: configuration, the book step with checkpointing, the fast step   chapters 6, 8
     perf/       timing, profiling, occupancy, CUDA graphs, fusion, sweeps     chapter 8 (and the measurements of all)
     dist/       several GPUs: launchers, NCCL / MPI, data parallelism, ZeRO-1/2, our ring all-reduce   chapter 9
-    interop/    safetensors, Hugging Face GPT-2 directories in and out
+    interop/    safetensors, Hugging Face GPT-2 and Llama directories in and out
     train/      the configuration, THE training step, the trainer, data, checkpoints   chapter 7 (9: ranks)
     bench, cli  ``llmgpu bench`` and the ``llmgpu`` command
 
-``llmgpu.from_pretrained(path)``: a model from a local Hugging Face GPT-2 directory or an llmgpu run.
+``llmgpu.from_pretrained(path)``: a model from a local Hugging Face GPT-2 or Llama directory or an llmgpu run.
 """
 
 from . import backend, ops, plotting, testing
@@ -29,9 +29,9 @@ from .version import __version__
 
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
-    """A ``GPT`` (``FastGPT`` with ``fast``) from a local Hugging Face GPT-2 directory (``config.json`` +
-    ``model.safetensors``, as ``save_pretrained`` writes it) or an llmgpu run or checkpoint, in ``dtype`` on
-    ``xp`` (default: the active backend). Never downloads (``train/pretrained.py``)."""
+    """A ``GPT`` (``FastGPT`` with ``fast``) or a ``Llama`` (no fast step yet) from a local Hugging Face GPT-2 or
+    Llama directory (``config.json`` + ``model.safetensors``, as ``save_pretrained`` writes it) or an llmgpu run or
+    checkpoint, in ``dtype`` on ``xp`` (default: the active backend). Never downloads (``train/pretrained.py``)."""
     from .train.pretrained import from_pretrained as load
 
     return load(path, dtype=dtype, xp=xp, fast=fast)

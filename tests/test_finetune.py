@@ -93,8 +93,8 @@ def test_init_of_a_path_that_is_not_there(tmp_path, one_error_line):
     one_error_line(main(["train", "--init", str(tmp_path / "none"), *FLAGS]), "does not exist", "never downloads")
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    one_error_line(main(["train", "--init", str(bad), *FLAGS]), "model_type 'llama'")
+    (bad / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    one_error_line(main(["train", "--init", str(bad), *FLAGS]), "model_type 'mistral'")
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -1,8 +1,11 @@
-"""Hugging Face GPT-2 directories in and out: the configuration, the tensor names, the Conv1D layout.
+"""Hugging Face model directories in and out: ``load_hf`` and ``export_hf`` for GPT-2 and Llama; GPT-2's mapping.
 
-A directory as ``transformers``' ``save_pretrained`` writes it holds ``config.json`` and ``model.safetensors``
-(older ones ``pytorch_model.bin``; large ones ``model-0000k-of-0000n.safetensors`` with an index). Its
-tensors are nanoGPT's, with three differences:
+``load_hf`` reads the directory's files (``hf_files.py``: ``config.json``, one safetensors file or shards with an
+index, or a PyTorch pickle) and dispatches on config.json's ``model_type``: 'llama' goes to ``hf_llama.py``
+(``LlamaForCausalLM``: a ``LlamaConfig``, names as they are), anything else to GPT-2's mapping here. ``export_hf``
+dispatches on the configuration's type.
+
+A GPT-2 directory's tensors are nanoGPT's, with three differences:
 
 * the four projection matrices of a block (``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``)
   are ``Conv1D`` weights ``[in, out]`` (``y = x W + b``) where nanoGPT's ``nn.Linear`` and llmgpu keep
@@ -21,34 +24,45 @@ ever downloaded: a path that is not a local directory says so.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..model.config import WTE, GPTConfig, param_shapes
+from ..model.llama_config import LlamaConfig
 from . import safetensors as st
+from .hf_files import (
+    CONFIG_FILE,
+    GPT2_EOT,
+    INDEX_FILE,
+    INFO_FILE,
+    TORCH_FILE,
+    WEIGHTS_FILE,
+    InteropError,
+    as_float32,
+    check_hf_dir,
+    eot_token_id,
+    is_hf_dir,
+    publish,
+    read_hf_config,
+    read_info,
+    read_weights,
+    where_weights,
+    write_config_and_info,
+)
+from .hf_llama import export_llama_hf, hf_to_llama, llama_config_from_hf, llama_config_to_hf
 
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, TORCH_FILE = ("config.json", "model.safetensors", "model.safetensors.index.json",
-                                                     "pytorch_model.bin")
 NANOGPT_FILE = "nanogpt.safetensors"  # the export's second copy: nanoGPT names and nn.Linear layout
-INFO_FILE = "llmgpu.json"  # what an export knows that config.json cannot say (the tokenizer, the run)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias")
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation our GELU computes
 LAYER_NORM_EPSILON = 1e-5  # ops.layernorm_forward's default, which both models use
-GPT2_EOT = 50256  # <|endoftext|>: GPT-2's BOS and EOS token
 # GPT2Config's defaults: what a config.json that leaves a key out means
 HF_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                    activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
                    scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True)
-
-
-class InteropError(ValueError):
-    """A model directory llmgpu cannot import or write (one-line message naming the file)."""
 
 
 # --------------------------------------------------------------------------- configuration
@@ -64,7 +78,8 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
         bad("is not a JSON object")
     c = {**HF_DEFAULTS, **hf}
     if c.get("model_type") != "gpt2":
-        bad(f"model_type {c.get('model_type')!r} is not 'gpt2': llmgpu imports GPT-2 models only")
+        bad(f"model_type {c.get('model_type')!r} is not 'gpt2': llmgpu imports GPT-2 ('gpt2') and Llama ('llama') "
+            "models")
     arch = c.get("architectures") or []
     other = [a for a in arch if a not in ARCHITECTURES]
     if other:
@@ -91,7 +106,7 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
 def config_to_hf(cfg: GPTConfig, *, tokenizer: str | None = None) -> dict:
     """``config.json`` of ``cfg`` for ``transformers.GPT2LMHeadModel`` (the unpadded vocabulary; no dropout,
     as llmgpu trains without it; GPT-2's <|endoftext|> as BOS/EOS when the vocabulary has it)."""
-    eot = GPT2_EOT if tokenizer == "gpt2" and cfg.vocab_size > GPT2_EOT else None
+    eot = eot_token_id(tokenizer, cfg.vocab_size)
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
@@ -127,7 +142,7 @@ def hf_to_nanogpt(tensors: dict, cfg: GPTConfig, *, tied: bool = True, where="mo
         name = "transformer." + name
         if name not in want:
             raise InteropError(f"{where}: unknown tensor {k!r} (not a weight of a GPT-2 LM with {cfg.n_layer} layers)")
-        a = _float32(v, k, where)
+        a = as_float32(v, k, where)
         if _is_conv1d(name):
             a = np.ascontiguousarray(a.T)  # Conv1D [in, out] -> nn.Linear [out, in]
         if a.shape != want[name]:
@@ -138,7 +153,7 @@ def hf_to_nanogpt(tensors: dict, cfg: GPTConfig, *, tied: bool = True, where="mo
     if missing:
         raise InteropError(f"{where}: {len(missing)} weight(s) missing, e.g. {missing[0]!r}")
     if head is not None:
-        if not np.array_equal(_float32(head, "lm_head.weight", where), out[WTE]):
+        if not np.array_equal(as_float32(head, "lm_head.weight", where), out[WTE]):
             raise InteropError(f"{where}: lm_head.weight differs from the token embedding (an untied LM head): "
                                "llmgpu's GPT-2 ties them")
     elif not tied:
@@ -164,134 +179,54 @@ def nanogpt_to_hf(weights: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def _float32(v, key, where) -> np.ndarray:
-    if hasattr(v, "detach") and hasattr(v, "cpu"):  # a torch tensor, without importing torch
-        if not v.is_floating_point():
-            raise InteropError(f"{where}: {key!r} holds {v.dtype}, not floating-point weights")
-        return v.detach().float().cpu().numpy()
-    a = np.asarray(v)
-    if a.dtype.kind != "f" and a.dtype != st.DTYPES["BF16"]:
-        raise InteropError(f"{where}: {key!r} holds {a.dtype}, not floating-point weights")
-    return a.astype(np.float32)
-
-
 # --------------------------------------------------------------------------- directories
 
 
-def is_hf_dir(path) -> bool:
-    """Whether ``path`` looks like a Hugging Face model directory: a ``config.json`` with a ``model_type`` or
-    next to weights (an llmgpu run directory has a ``config.json`` too: its configuration record)."""
-    p = Path(path)
-    if not (p / CONFIG_FILE).is_file() or (p / "meta.json").is_file():
-        return False
-    if any((p / f).is_file() for f in (WEIGHTS_FILE, INDEX_FILE, TORCH_FILE)):
-        return True
-    try:
-        return "model_type" in json.loads((p / CONFIG_FILE).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def read_hf_config(path) -> dict:
-    f = Path(path) / CONFIG_FILE
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise InteropError(f"{f} is not readable JSON ({type(e).__name__}: {e})") from None
-
-
-def load_hf(path) -> tuple[GPTConfig, dict, dict]:
-    """(GPTConfig, nanoGPT-named fp32 weights, info) of a local Hugging Face GPT-2 directory.
+def load_hf(path) -> tuple[GPTConfig | LlamaConfig, dict, dict]:
+    """(configuration, fp32 NumPy weights, info) of a local Hugging Face GPT-2 or Llama directory: for GPT-2 a
+    ``GPTConfig`` and nanoGPT-named weights, for Llama (``model_type`` 'llama') a ``LlamaConfig`` and its own
+    names (``hf_llama.py``); the vocabulary unpadded.
 
     ``info``: ``tokenizer`` ('gpt2' for GPT-2's 50257-token vocabulary or what an llmgpu export recorded, else
-    None), ``weights_file``, and what ``llmgpu.json`` holds when llmgpu wrote the directory."""
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise InteropError(f"{d} is not a directory: llmgpu reads local model directories and never downloads "
-                           "(fetch one first, e.g. huggingface-cli download openai-community/gpt2 --local-dir gpt2)")
-    if not (d / CONFIG_FILE).is_file():
-        raise InteropError(f"{d} holds no {CONFIG_FILE}: not a Hugging Face model directory")
+    None), ``weights_file``, a Llama's ``bos_token_id``/``eos_token_id`` where config.json names them, and what
+    ``llmgpu.json`` holds when llmgpu wrote the directory."""
+    d = check_hf_dir(path)
     hf = read_hf_config(d)
-    cfg = config_from_hf(hf, d / CONFIG_FILE)
-    tied = bool(hf.get("tie_word_embeddings", True))
-    if (d / WEIGHTS_FILE).is_file():
-        files = [d / WEIGHTS_FILE]
-    elif (d / INDEX_FILE).is_file():
-        files = _index_files(d / INDEX_FILE)
-    elif (d / TORCH_FILE).is_file():
-        files = [d / TORCH_FILE]
+    llama = isinstance(hf, dict) and hf.get("model_type") == "llama"
+    cfg = llama_config_from_hf(hf, d / CONFIG_FILE) if llama else config_from_hf(hf, d / CONFIG_FILE)
+    tensors, files = read_weights(d)
+    where = where_weights(d, files)
+    info = {"weights_file": str(files[0]), "tokenizer": None}
+    if llama:
+        weights = hf_to_llama(tensors, cfg, where=where)
+        info.update({k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None})
     else:
-        raise InteropError(f"{d} holds no weights ({WEIGHTS_FILE}, {INDEX_FILE} or {TORCH_FILE})")
-    tensors = {}
-    for f in files:
-        tensors.update(_read_torch(f) if f.suffix == ".bin" else _read_st(f))
-    weights = hf_to_nanogpt(tensors, cfg, tied=tied, where=files[0] if len(files) == 1 else d)
-    info = {"weights_file": str(files[0]), "tokenizer": "gpt2" if cfg.vocab_size == 50257 else None}
-    if (d / INFO_FILE).is_file():
-        try:
-            info.update(json.loads((d / INFO_FILE).read_text()))
-        except (OSError, ValueError) as e:
-            raise InteropError(f"{d / INFO_FILE} is not readable JSON ({type(e).__name__}: {e})") from None
+        weights = hf_to_nanogpt(tensors, cfg, tied=bool(hf.get("tie_word_embeddings", True)), where=where)
+        info["tokenizer"] = "gpt2" if cfg.vocab_size == 50257 else None
+    info.update(read_info(d))
     return cfg, weights, info
 
 
-def _read_st(f: Path) -> dict:
-    try:
-        return st.load_file(f)
-    except st.SafetensorsError as e:
-        raise InteropError(str(e)) from None
-
-
-def _index_files(index: Path) -> list[Path]:
-    try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise InteropError(f"{index} is not a readable safetensors index ({type(e).__name__}: {e})") from None
-    files = [index.parent / n for n in names]
-    for f in files:
-        if not f.is_file():
-            raise InteropError(f"{index} names {f.name}, which is missing")
-    return files
-
-
-def _read_torch(f: Path) -> dict:
-    try:
-        import torch
-    except ImportError:
-        raise InteropError(f"{f} is a PyTorch pickle, which needs PyTorch to read (pip install torch), or save the "
-                           "model as model.safetensors (save_pretrained(..., safe_serialization=True))") from None
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or foreign pickle
-        raise InteropError(f"{f} cannot be read by torch.load ({type(e).__name__}: {e})") from None
-
-
-def export_hf(directory, cfg: GPTConfig, weights: dict, *, tokenizer: str | None = None, info: dict | None = None):
-    """Write a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and
-    ``model.safetensors`` (Hugging Face names, Conv1D layout, fp32, unpadded vocabulary), plus
+def export_hf(directory, cfg: GPTConfig | LlamaConfig, weights: dict, *, tokenizer: str | None = None,
+              info: dict | None = None):
+    """Write a directory ``transformers``' ``from_pretrained`` loads. GPT-2 (``GPT2LMHeadModel``): ``config.json``
+    and ``model.safetensors`` (Hugging Face names, Conv1D layout, fp32, unpadded vocabulary), plus
     ``nanogpt.safetensors`` (nanoGPT names, ``[out, in]`` matrices) and ``llmgpu.json`` (the tokenizer and
-    ``info``). Each file is written to a temporary name and renamed into place."""
+    ``info``). Llama (``LlamaForCausalLM``): the same without the nanoGPT copy (``hf_llama.export_llama_hf``). Each
+    file is written to a temporary name and renamed into place."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    if isinstance(cfg, LlamaConfig):
+        return export_llama_hf(d, cfg, weights, tokenizer=tokenizer, info=info)
     hf = nanogpt_to_hf(weights, cfg)
     raw = {n: (a.T if _is_conv1d(n) else a) for n, a in hf.items()}  # back to [out, in] (views)
-    _publish(d / WEIGHTS_FILE, lambda p: st.save_file(p, hf, {"format": "pt"}))
-    _publish(d / NANOGPT_FILE, lambda p: st.save_file(p, raw, {"format": "pt", "layout": "nanoGPT [out, in]"}))
-    _publish(d / INFO_FILE, lambda p: p.write_text(json.dumps({"tokenizer": tokenizer, **(info or {})}, indent=1)))
-    _publish(d / CONFIG_FILE, lambda p: p.write_text(json.dumps(config_to_hf(cfg, tokenizer=tokenizer), indent=2)))
+    publish(d / WEIGHTS_FILE, lambda p: st.save_file(p, hf, {"format": "pt"}))
+    publish(d / NANOGPT_FILE, lambda p: st.save_file(p, raw, {"format": "pt", "layout": "nanoGPT [out, in]"}))
+    write_config_and_info(d, config_to_hf(cfg, tokenizer=tokenizer), {"tokenizer": tokenizer, **(info or {})})
     return d
 
 
-def _publish(path: Path, write):
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-__all__ = ["ACTIVATIONS", "ARCHITECTURES", "CONFIG_FILE", "CONV1D", "HF_DEFAULTS", "INFO_FILE", "LAYER_NORM_EPSILON",
-           "NANOGPT_FILE", "WEIGHTS_FILE", "InteropError", "config_from_hf", "config_to_hf", "export_hf",
-           "hf_to_nanogpt", "is_hf_dir", "load_hf", "nanogpt_to_hf", "read_hf_config"]
+__all__ = ["ACTIVATIONS", "ARCHITECTURES", "CONFIG_FILE", "CONV1D", "GPT2_EOT", "HF_DEFAULTS", "INDEX_FILE",
+           "INFO_FILE", "LAYER_NORM_EPSILON", "NANOGPT_FILE", "TORCH_FILE", "WEIGHTS_FILE", "InteropError",
+           "config_from_hf", "config_to_hf", "export_hf", "hf_to_nanogpt", "is_hf_dir", "llama_config_from_hf",
+           "llama_config_to_hf", "load_hf", "nanogpt_to_hf", "read_hf_config"]

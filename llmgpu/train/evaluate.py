@@ -1,6 +1,6 @@
 """``llmgpu eval``: the mean loss and perplexity of a model on held-out data.
 
-The model comes from an llmgpu run or a Hugging Face GPT-2 directory (``pretrained.py``); the data is
+The model comes from an llmgpu run or a Hugging Face GPT-2 or Llama directory (``pretrained.py``); the data is
 token shards, text or the embedded corpus (``data.py``'s sources; 'stdlib': its validation split, at most
 ``EMBEDDED_EVAL_BATCHES`` batches by default). Text is tokenized with the model's tokenizer (in memory: an
 evaluation set, not a training corpus; ``llmgpu prepare`` makes shards of large ones); a directory or glob
@@ -23,8 +23,8 @@ from .. import backend
 from ..checks import is_integer
 from .config import CPU_DEFAULTS, GPU_DEFAULTS, ConfigError, TrainConfig, select_xp
 from .data import EMBEDDED, BatchLoader, DataError, load_corpus
+from .pretrained import build_model, load_pretrained
 from .report import Progress
-from .run_models import build_run_model, load_run_or_pretrained
 from .tokenizers import get_tokenizer
 
 EMBEDDED_NAMES = (EMBEDDED, "embedded")  # --data names of the embedded corpus
@@ -94,8 +94,8 @@ def run_eval(src: str, data: str, *, batch: int | None = None, seq: int | None =
     """``llmgpu eval``: the model at ``src`` (llmgpu run or Hugging Face directory) on ``data``; a JSON-able dict."""
     xp = select_xp(device)
     d = CPU_DEFAULTS if xp is np else GPU_DEFAULTS
-    pre = load_run_or_pretrained(src)  # a run of any --arch
-    model = build_run_model(pre, dtype=dtype, xp=xp)
+    pre = load_pretrained(src)  # a run of any --arch
+    model = build_model(pre, dtype=dtype, xp=xp)
     arrays, tok, notes = eval_tokens(data, pre.tokenizer, _held_out_share(pre))
     backend.use_cpu(xp, device, None, notes.append)  # on NumPy: one BLAS thread, as train (small GEMMs)
     if data in EMBEDDED_NAMES and max_batches is None:

@@ -1,12 +1,14 @@
-"""Trained weights as a model, from wherever they are: a Hugging Face GPT-2 directory or an llmgpu run.
+"""Trained weights as a model, from wherever they are: a Hugging Face GPT-2 or Llama directory, or an llmgpu run.
 
-* ``load_pretrained(path)``: the configuration, fp32 nanoGPT-named weights, tokenizer and provenance of a
-  local Hugging Face GPT-2 directory (``interop/hf.py``) or an llmgpu run/checkpoint (``checkpoint.py``);
-  weights holding inf/nan are refused. What ``train --init``, ``eval``, ``sample`` and ``export`` read.
-* ``from_pretrained(path, dtype=, xp=)``: that, as a ``GPT`` (or ``FastGPT``) ready to run
-  (``llmgpu.from_pretrained``).
-* ``export(src, dst)``: ``llmgpu export``: a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads,
-  never written over the model it reads, a run or a checkpoint (``check_export_target``).
+* ``load_pretrained(path)``: the configuration (``GPTConfig`` or ``LlamaConfig``), fp32 weights (nanoGPT's names
+  for GPT-2, Hugging Face's for Llama), tokenizer and provenance of a local Hugging Face directory
+  (``interop/hf.py``) or an llmgpu run/checkpoint (``checkpoint.py``); weights holding inf/nan are refused. What
+  ``train --init``, ``eval``, ``sample`` and ``export`` read.
+* ``from_pretrained(path, dtype=, xp=)``: that, as a ``GPT`` (or ``FastGPT``) or a ``Llama`` ready to run
+  (``llmgpu.from_pretrained``). There is no fast Llama step yet: ``fast=True`` with a Llama is a ``ConfigError``.
+* ``export(src, dst)``: ``llmgpu export``: a directory ``transformers``' ``GPT2LMHeadModel`` or
+  ``LlamaForCausalLM`` loads, never written over the model it reads, a run or a checkpoint
+  (``check_export_target``).
 * ``init_run(cfg)``: a new run's configuration and weights from ``--init PATH``; ``check_tokenizer``.
 
 Nothing is downloaded: a path that does not exist (a hub name such as ``gpt2``) says how to fetch it.
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from .. import backend
 from ..interop import hf
-from ..model import GPT, FastGPT, GPTConfig
-from ..model.config import WTE
+from ..model import FastGPT, GPTConfig, LlamaConfig, family
+from ..model.llama_config import LM_HEAD
 from ..version import __version__
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
 from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, flag_of
@@ -29,10 +31,11 @@ from .rundir import RUN_FILES
 
 @dataclass
 class Pretrained:
-    """Weights from a model directory: ``config``, ``weights`` (nanoGPT names, fp32 NumPy, the vocabulary
-    unpadded), ``tokenizer`` ('gpt2', 'bytes' or None: unknown), ``kind`` ('hf' or 'llmgpu')."""
+    """Weights from a model directory: ``config`` (``GPTConfig`` or ``LlamaConfig``), ``weights`` (the model's
+    names: nanoGPT's or Llama's; fp32 NumPy, the vocabulary unpadded), ``tokenizer`` ('gpt2', 'bytes' or None:
+    unknown), ``kind`` ('hf' or 'llmgpu')."""
 
-    config: GPTConfig
+    config: GPTConfig | LlamaConfig
     weights: dict
     tokenizer: str | None
     kind: str
@@ -40,7 +43,7 @@ class Pretrained:
     source: str  # one line for logs and JSON: what the weights are
     meta: dict = field(default_factory=dict)
 
-    def run_model_config(self, data_tokenizer: str, cfg: TrainConfig) -> GPTConfig:
+    def run_model_config(self, data_tokenizer: str, cfg: TrainConfig) -> GPTConfig | LlamaConfig:
         """The model of a run that starts from these weights (``train --init``): their configuration with the
         run's vocabulary padding, after checking that the data holds the tokens the weights were trained on."""
         check_tokenizer(self, data_tokenizer, cfg.data)
@@ -48,8 +51,9 @@ class Pretrained:
 
 
 def load_pretrained(path) -> Pretrained:
-    """The weights at ``path``: a Hugging Face GPT-2 directory (``config.json`` + weights) or an llmgpu run
-    or checkpoint directory. One-line ``InteropError`` / ``CheckpointError`` for anything unusable."""
+    """The weights at ``path``: a Hugging Face GPT-2 or Llama directory (``config.json`` + weights) or an llmgpu
+    run or checkpoint directory (of either family: its ``model_config``'s ``arch``). One-line ``InteropError`` /
+    ``CheckpointError`` for anything unusable."""
     p = Path(path).expanduser()
     if not p.exists():
         hint = (" (a Hugging Face hub name? fetch it first, e.g. huggingface-cli download openai-community/gpt2 "
@@ -62,7 +66,7 @@ def load_pretrained(path) -> Pretrained:
             where = info["weights_file"] if Path(info["weights_file"]).name in (hf.WEIGHTS_FILE, hf.TORCH_FILE) \
                 else p / hf.INDEX_FILE
             raise CheckpointError(f"{where} holds inf/nan weights ({bad}): a damaged or diverged model")
-        return Pretrained(cfg, weights, info.get("tokenizer"), "hf", p, f"Hugging Face GPT-2 {p}", info)
+        return Pretrained(cfg, weights, info.get("tokenizer"), "hf", p, f"Hugging Face {family_name(cfg)} {p}", info)
     weights, meta, _ = load_checkpoint(p, with_optim=False)
     d = find_checkpoint(p)
     bad = non_finite(weights)
@@ -70,20 +74,34 @@ def load_pretrained(path) -> Pretrained:
         raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the run diverged; use an earlier "
                               "checkpoint")
     try:
-        cfg = GPTConfig.from_dict(meta["model_config"])
+        cfg = family.config_from_dict(meta["model_config"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {d} has no usable model configuration ({type(e).__name__}: {e})") \
             from None
-    if WTE in weights:  # the padded vocabulary rows are zeros: a model of another padding adds its own
-        weights[WTE] = weights[WTE][: cfg.vocab_size]
+    for name in {model_class(cfg).embedding_name, LM_HEAD} & set(weights):  # the padded vocabulary rows are
+        weights[name] = weights[name][: cfg.vocab_size]  # zeros (an untied head's too): another padding adds its own
     return Pretrained(cfg, weights, meta.get("tokenizer", "bytes"), "llmgpu", d, f"llmgpu run {d} (step "
                       f"{meta['step']})", meta)
 
 
+def model_class(cfg: GPTConfig | LlamaConfig, fast: bool = False):
+    """The model of a configuration: its family's book step (``GPT``, ``Llama``), or ``FastGPT`` with ``fast``. A
+    Llama has no fast step yet: ``fast`` is then a one-line ``ConfigError``, as ``--fast`` is where it cannot run."""
+    if fast and cfg.arch != "gpt2":
+        raise ConfigError(f"fast: the {family_name(cfg)} fast step does not exist yet (FastGPT is GPT-2's); the book "
+                          "step (fast=False) runs it")
+    return FastGPT if fast else family.model_class(cfg)
+
+
+def family_name(cfg: GPTConfig | LlamaConfig) -> str:
+    return "Llama" if isinstance(cfg, LlamaConfig) else "GPT-2"
+
+
 def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, pad_vocab_to: int | None = None):
-    """A ``GPT`` (``FastGPT`` with ``fast``) holding ``pre``'s weights; ``pad_vocab_to``: None keeps ``pre``'s."""
+    """A ``GPT`` (``FastGPT`` with ``fast``) or a ``Llama`` holding ``pre``'s weights; ``pad_vocab_to``: None keeps
+    ``pre``'s."""
     cfg = pre.config if pad_vocab_to is None else replace(pre.config, pad_vocab_to=pad_vocab_to)
-    model = (FastGPT if fast else GPT)(cfg, dtype=dtype, xp=xp, init=False)
+    model = model_class(cfg, fast)(cfg, dtype=dtype, xp=xp, init=False)
     try:
         model.load_state_dict(pre.weights)
     except (KeyError, TypeError, ValueError) as e:
@@ -93,24 +111,28 @@ def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, p
 
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
-    """A model from a local Hugging Face GPT-2 directory or an llmgpu run: ``GPT`` (``FastGPT`` with ``fast``;
-    bf16/fp16 on a GPU) in ``dtype`` on ``xp``: None (the active backend), ``numpy``/``cupy``, or 'auto', 'cpu',
-    'gpu' (``backend.resolve_xp``). Never downloads."""
+    """A model from a local Hugging Face GPT-2 or Llama directory or an llmgpu run: ``GPT`` (``FastGPT`` with
+    ``fast``; bf16/fp16 on a GPU) or ``Llama`` (no fast step: ``fast`` is a ``ConfigError``) in ``dtype`` on
+    ``xp``: None (the active backend), ``numpy``/``cupy``, or 'auto', 'cpu', 'gpu' (``backend.resolve_xp``).
+    Never downloads."""
     xp = backend.resolve_xp(xp)  # before reading the weights: a bad xp= says so at once
     return build_model(load_pretrained(path), dtype=dtype, xp=xp, fast=fast)
 
 
 def export(src, dst, *, overwrite: bool = False) -> dict:
     """``llmgpu export``: the weights at ``src`` (an llmgpu run, or a Hugging Face directory) as a directory
-    ``transformers`` loads (``interop.hf.export_hf``). Refuses a ``dst`` holding files unless ``overwrite``."""
+    ``transformers`` loads (``interop.hf.export_hf``), GPT-2 or Llama as the weights are; a Hugging Face Llama's
+    BOS/EOS token ids go along. Refuses a ``dst`` holding files unless ``overwrite``."""
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
     pre = load_pretrained(src)
     check_export_target(out, pre, overwrite)
-    info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__}
+    info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__,
+            **{k: pre.meta[k] for k in ("bos_token_id", "eos_token_id") if pre.meta.get(k) is not None}}
     hf.export_hf(out, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info)
-    return {"to": str(out), "from": pre.source, "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
+    return {"to": str(out), "from": pre.source, "architecture": family_name(pre.config),
+            "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
             "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
 
 
@@ -148,6 +170,9 @@ def init_run(cfg: TrainConfig, note=print) -> tuple[TrainConfig, Pretrained]:
         raise ConfigError(f"--init {cfg.init} takes the model's shape from its weights: drop --preset {cfg.preset}")
     pre = load_pretrained(cfg.init)
     m = pre.config
+    if cfg.arch not in ("gpt2", m.arch):  # gpt2 is the default: an --arch of another family contradicts the weights
+        raise ConfigError(f"--init {cfg.init} holds a {family_name(m)} model: drop --arch {cfg.arch}")
+    cfg = replace(cfg, arch=m.arch)  # before resolve(): a Llama then runs the book step, with its note
     for name, value in (("block_size", m.block_size), ("vocab_size", m.vocab_size)):
         given = getattr(cfg, name)
         if given is not None and given != value:
@@ -170,5 +195,5 @@ def check_tokenizer(pre: Pretrained, data_tokenizer: str, data: str | None):
                           f"({data or 'the embedded corpus'}) holds {data_tokenizer} tokens: {fix}")
 
 
-__all__ = ["Pretrained", "build_model", "check_export_target", "check_tokenizer", "export", "from_pretrained",
-           "init_run", "load_pretrained"]
+__all__ = ["Pretrained", "build_model", "check_export_target", "check_tokenizer", "export",
+           "family_name", "from_pretrained", "init_run", "load_pretrained", "model_class"]

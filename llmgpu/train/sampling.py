@@ -1,10 +1,10 @@
 """Text from a checkpoint: prompts, the sampling settings, and a model loaded only from sound weights.
 
-``load_for_sampling(path)`` reads a checkpoint of any ``--arch`` (``train --resume``'s reader, without the optimizer
-state; ``run_models.py``) or a Hugging Face GPT-2 directory, and refuses, in one line naming the file, weights that
-hold inf/nan (a diverged run) or do not fit the model configuration stored with them; ``sampling_settings`` refuses a
-temperature, top-k or seed that cannot work and ``prompt_ids`` a prompt that cannot (``train`` checks both for
-its end-of-run sample before it trains: ``check_run_sample``).
+``load_for_sampling(path)`` reads a checkpoint of any ``--arch`` (``train --resume``'s reader, without the
+optimizer state; ``pretrained.py``) or a Hugging Face GPT-2 or Llama directory, and refuses, in one line naming the
+file, weights that hold inf/nan (a diverged run) or do not fit the model configuration stored with them;
+``sampling_settings`` refuses a temperature, top-k or seed that cannot work and ``prompt_ids`` a prompt that cannot
+(``train`` checks both for its end-of-run sample before it trains: ``check_run_sample``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from ..checks import check_token_ids, is_integer
 from .checkpoint import CheckpointError
 from .config import ConfigError
-from .run_models import build_run_model, load_run_or_pretrained
+from .pretrained import build_model, load_pretrained
 from .tokenizers import get_tokenizer
 
 # below this, softmax(logits / temperature) is one token in effect (a logit gap of 1e-4 becomes e^-100), and
@@ -83,11 +83,11 @@ def load_for_sampling(path, xp=np, dtype: str | None = None):
     """(model, tokenizer, meta) of an llmgpu run or checkpoint, or a Hugging Face GPT-2 directory, at ``path``
     (``pretrained.load_pretrained``: weights with inf/nan refused); ``dtype`` default: fp32 on the CPU, else the
     run's (bf16 for a Hugging Face model)."""
-    pre = load_run_or_pretrained(path)
+    pre = load_pretrained(path)
     if pre.tokenizer is None:
         raise CheckpointError(f"{pre.path} does not say which tokenizer its vocabulary of {pre.config.vocab_size} "
                               "belongs to (GPT-2's has 50257 tokens), so its samples cannot be decoded")
-    model = build_run_model(pre, dtype=dtype or ("fp32" if xp is np else pre.meta.get("dtype", "bf16")), xp=xp)
+    model = build_model(pre, dtype=dtype or ("fp32" if xp is np else pre.meta.get("dtype", "bf16")), xp=xp)
     return model, get_tokenizer(pre.tokenizer), pre.meta
 
 
