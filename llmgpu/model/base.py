@@ -49,6 +49,8 @@ class GPTBase:
     attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
     config_type = GPTConfig  # the configuration this family takes (Llama: model/llama_config.LlamaConfig)
     embedding_name = WTE  # the token embedding (its padded rows; the LM head when tied)
+    norm_gains = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # initialized to 1 (init_weights)
+    residual_projections = ("c_proj.weight",)  # the block's two writes into the residual stream (init_weights)
     keeps_ln_1 = False  # a checkpointed span input is x alone (FastGPT: x and ln_1(x); model/config.activation_bytes)
 
     def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True,
@@ -86,22 +88,24 @@ class GPTBase:
         return self.params.weight(name)
 
     def init_weights(self, seed: int = 0):
-        """GPT-2 initialization: weights N(0, 0.02), the two residual projections per block N(0, 0.02/√(2L)),
-        biases 0, LayerNorm gains 1; padded vocabulary rows 0. Deterministic for a given seed."""
+        """GPT-2's initialization: matrices N(0, 0.02), the two residual projections per block
+        (``residual_projections``) N(0, 0.02/√(2L)) so that the residual stream's variance does not grow with depth,
+        biases 0, norm gains (``norm_gains``) 1; padded vocabulary rows 0. Deterministic for a given seed."""
         cfg, P = self.config, self.params
         rng = np.random.default_rng(seed)
         std_resid = 0.02 / math.sqrt(2 * cfg.n_layer)
         d = {}
         for name in P.names:
             shape = P.shapes[name]
-            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            if name.endswith(self.norm_gains):
                 d[name] = np.ones(shape, np.float32)
             elif len(shape) == 1:
                 d[name] = np.zeros(shape, np.float32)
             else:
-                std = std_resid if name.endswith("c_proj.weight") else 0.02
+                std = std_resid if name.endswith(self.residual_projections) else 0.02
                 d[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
-        d[WTE][cfg.vocab_size:] = 0.0
+        for name in {self.embedding_name, "lm_head.weight"} & set(d):
+            d[name][cfg.vocab_size:] = 0.0
         P.load_dict(d)
 
     def capture_blocker(self) -> str | None:

@@ -20,10 +20,6 @@ into the flat buffer, as in ``GPT``. ``forward_backward``, activation checkpoint
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from .. import backend
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
@@ -44,6 +40,10 @@ class Llama(GPT):
 
     config_type = LlamaConfig
     embedding_name = EMBED
+    # GPTBase.init_weights: matrices N(0, 0.02) (Hugging Face's initializer_range), these two N(0, 0.02/√(2L)) as
+    # GPT-2's, every vector a norm gain of 1 (there are no biases)
+    norm_gains = ("norm.weight",)  # input_layernorm, post_attention_layernorm, model.norm
+    residual_projections = ("o_proj.weight", "down_proj.weight")
 
     def __init__(self, config: LlamaConfig, *, dtype="fp32", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN):
@@ -55,26 +55,6 @@ class Llama(GPT):
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return llama_param_shapes(self.config)
-
-    def init_weights(self, seed: int = 0):
-        """Matrices N(0, 0.02) (Hugging Face's initializer_range), the two residual projections per block
-        N(0, 0.02/√(2L)) as GPT-2's (so the residual stream's variance does not grow with depth), norm gains 1;
-        padded vocabulary rows 0. Deterministic for a given seed."""
-        cfg, P = self.config, self.params
-        rng = np.random.default_rng(seed)
-        std_resid = 0.02 / math.sqrt(2 * cfg.n_layer)
-        d = {}
-        for name in P.names:
-            shape = P.shapes[name]
-            if len(shape) == 1:
-                d[name] = np.ones(shape, np.float32)  # every vector is a norm gain: there are no biases
-            else:
-                std = std_resid if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                d[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        for name in (EMBED, LM_HEAD):
-            if name in d:
-                d[name][cfg.vocab_size:] = 0.0
-        P.load_dict(d)
 
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
         raise NotImplementedError("the activation-memory formula is GPT-2's (model/config.py); the Llama model "
