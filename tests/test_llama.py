@@ -138,6 +138,18 @@ def test_checkpointing_gives_the_same_gradients_bitwise():
     assert b.stats["activation_bytes_stored"] < a.stats["activation_bytes_stored"]
 
 
+@pytest.mark.parametrize("dtype", ["fp64", "fp32"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_the_activation_formula_counts_what_the_model_keeps(dtype, k):
+    m = _model(dtype=dtype, n_layer=3)
+    m.checkpoint_every = k
+    idx, tg = _batch(m.config, B=3, T=8)
+    m.zero_grad()
+    m.forward_backward(idx, tg)
+    assert m.activation_bytes(3, 8) == {"stored": m.stats["activation_bytes_stored"],
+                                        "peak": m.stats["activation_bytes_peak"]}
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_grads_ready_names_every_parameter_once_last_block_first(tied):
     m = _model(tied)

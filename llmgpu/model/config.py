@@ -201,18 +201,23 @@ def activation_bytes(config: GPTConfig, batch: int, seq: int, checkpoint_every: 
     ``keeps_ln_1`` (``FastGPT``): a span input is the block input x *and* ln_1(x) with its mean and rstd
     (the fused residual add + LayerNorm crosses the block boundary; ``model/fast.py``).
     The models' ``stats`` after ``forward_backward`` count the same arrays; the tests check they agree."""
-    L, k = config.n_layer, int(checkpoint_every)
     blk = block_activation_bytes(config, batch, seq, dtype, attention=attention)
-    per_block = sum(blk.values())
     x_in = blk["x (block input)"]
     if keeps_ln_1:
         x_in += blk["ln_1 output"] + blk["LayerNorm mean, rstd"] // 2
+    return span_activation_bytes(config.n_layer, checkpoint_every, sum(blk.values()), x_in)
+
+
+def span_activation_bytes(n_layer: int, checkpoint_every: int, per_block: int, span_input: int) -> dict:
+    """``stored`` and ``peak`` bytes of ``n_layer`` blocks that each keep ``per_block`` bytes, checkpointed every
+    ``checkpoint_every`` blocks (0: off) with ``span_input`` bytes kept per span (any architecture)."""
+    L, k = n_layer, int(checkpoint_every)
     if k == 0:
         return {"stored": L * per_block, "peak": L * per_block}
     starts = list(range(0, L, k))
     # backward visits the spans last to first; span j's input (and the earlier ones) are still alive
-    peak = max((j + 1) * x_in + (min(s + k, L) - s) * per_block for j, s in enumerate(starts))
-    return {"stored": len(starts) * x_in, "peak": peak}
+    peak = max((j + 1) * span_input + (min(s + k, L) - s) * per_block for j, s in enumerate(starts))
+    return {"stored": len(starts) * span_input, "peak": peak}
 
 
 def training_flops(config: GPTConfig, batch: int, seq: int, checkpoint_every: int = 0) -> dict:
@@ -234,4 +239,5 @@ def training_flops(config: GPTConfig, batch: int, seq: int, checkpoint_every: in
 
 
 __all__ = ["LNF_B", "LNF_W", "PRESETS", "WPE", "WTE", "GPTConfig", "activation_bytes", "block_activation_bytes",
-           "block_param_names", "gpt2_param_shapes", "param_shapes", "state_bytes_per_parameter", "training_flops"]
+           "block_param_names", "gpt2_param_shapes", "param_shapes", "span_activation_bytes",
+           "state_bytes_per_parameter", "training_flops"]

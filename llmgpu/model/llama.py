@@ -30,8 +30,17 @@ from ..ops.rope import rope_backward, rope_forward, rope_tables
 from ..ops.swiglu import swiglu_backward, swiglu_forward
 from ..optim.params import ALIGN
 from .base import PAD_LOGIT, accumulate_grad
+from .config import span_activation_bytes
 from .gpt import GPT
-from .llama_config import EMBED, LM_HEAD, NORM, LlamaConfig, block_names, llama_param_shapes
+from .llama_config import (
+    EMBED,
+    LM_HEAD,
+    NORM,
+    LlamaConfig,
+    block_names,
+    llama_block_activation_bytes,
+    llama_param_shapes,
+)
 
 
 class Llama(GPT):
@@ -57,8 +66,11 @@ class Llama(GPT):
         return llama_param_shapes(self.config)
 
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
-        raise NotImplementedError("the activation-memory formula is GPT-2's (model/config.py); the Llama model "
-                                  "counts what it stores in .stats after forward_backward")
+        """``stored`` and ``peak`` activation bytes (``model/llama_config.llama_block_activation_bytes`` per block;
+        a checkpointed span keeps its input x)."""
+        k = self.checkpoint_every if checkpoint_every is None else checkpoint_every
+        blk = llama_block_activation_bytes(self.config, batch, seq, self.dtype)
+        return span_activation_bytes(self.config.n_layer, k, sum(blk.values()), blk["x (block input)"])
 
     # ------------------------------------------------------------------ around the blocks
 

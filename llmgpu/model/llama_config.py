@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from .. import backend
+
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 _INT_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "vocab_size", "block_size", "pad_vocab_to")
@@ -157,4 +159,21 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-__all__ = ["EMBED", "LM_HEAD", "NORM", "PRESETS", "LlamaConfig", "block_names", "block_shapes", "llama_param_shapes"]
+def llama_block_activation_bytes(cfg: LlamaConfig, batch: int, seq: int, dtype="bf16") -> dict:
+    """Bytes one block of the book step's ``Llama`` keeps for its backward pass, by array (chapter 2's attention
+    with its ``B·H·T·T`` probabilities; q and k after RoPE, k and v with the n_kv_head heads of grouped-query
+    attention; RMSNorm's inverse RMS in fp32, as LayerNorm's statistics)."""
+    dt = backend.resolve_dtype(dtype)
+    it, N, C, F = dt.itemsize, batch * seq, cfg.n_embd, cfg.ffn_dim
+    stat = 8 if dt == backend.float64 else 4
+    return {
+        "x (block input)": it * N * C, "input_norm output": it * N * C, "q": it * N * C,
+        "k, v": 2 * it * N * cfg.kv_dim, "attention probabilities P": it * batch * cfg.n_head * seq * seq,
+        "attention output o": it * N * C, "o as [N, C] (y)": it * N * C, "x + attention": it * N * C,
+        "post_norm output": it * N * C, "gate, up": 2 * it * N * F, "SwiGLU output": it * N * F,
+        "RMSNorm inverse rms": 2 * stat * N,
+    }  # fmt: skip
+
+
+__all__ = ["EMBED", "LM_HEAD", "NORM", "PRESETS", "LlamaConfig", "block_names", "block_shapes",
+           "llama_block_activation_bytes", "llama_param_shapes"]
