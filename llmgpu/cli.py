@@ -138,10 +138,10 @@ def add_interop_commands(sub):
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
-    x = sub.add_parser("export", help="write a run as a Hugging Face GPT-2 directory (transformers loads it)",
-                       description="Write config.json + model.safetensors (Hugging Face names, Conv1D layout) that "
-                       "transformers.GPT2LMHeadModel.from_pretrained loads, plus nanogpt.safetensors (nanoGPT "
-                       "names and layout) and llmgpu.json.")
+    x = sub.add_parser("export", help="write a run as a Hugging Face GPT-2 or Llama directory (transformers loads it)",
+                       description="Write config.json + model.safetensors that transformers' from_pretrained loads: "
+                       "a GPT-2 run for GPT2LMHeadModel (Hugging Face names, Conv1D layout, plus nanogpt.safetensors "
+                       "in nanoGPT's names and layout), a Llama run for LlamaForCausalLM; and llmgpu.json.")
     x.add_argument("--from", dest="src", required=True, metavar="RUN", help="run or checkpoint directory")
     x.add_argument("--to", dest="dst", required=True, metavar="DIR", help="new or empty output directory")
     x.add_argument("--overwrite", action="store_true", help="write into a directory that holds files")
