@@ -5,13 +5,16 @@ step's loss and every gradient, tied and untied, grouped K/V heads, a padded voc
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 
 import numpy as np
 import pytest
 from test_llama import reference_logits
 
-from llmgpu import torch_llama, torch_reference
+from llmgpu import bench, bench_scale, torch_llama, torch_reference
+from llmgpu.cli import main
 from llmgpu.model import GPTConfig, Llama, LlamaConfig
 from llmgpu.model.llama_config import EMBED, LM_HEAD, llama_param_shapes
 
@@ -125,3 +128,79 @@ def test_the_builders_refuse_the_other_family():
         torch_reference.build_torch_llama(GPTConfig.preset("tiny"), device="cpu")
     with pytest.raises(TypeError, match="takes a GPTConfig"):
         torch_reference.build_torch_gpt(LlamaConfig.preset("llama-tiny"), device="cpu")
+
+
+# --------------------------------------------------------------------------- llmgpu bench --arch llama
+
+
+def _args(**kw):
+    ns = bench.add_arguments(argparse.ArgumentParser()).parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_bench_arch_llama_on_the_cpu_runs_its_modes_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.bench_main(_args(device="cpu", arch="llama", batch=2, seq=16, steps=1, warmup=0, json=str(out)))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "model: llama-tiny (llama:" in text and "2 K/V heads" in text
+    data = json.loads(out.read_text())
+    cfg = LlamaConfig.preset("llama-tiny", block_size=128, pad_vocab_to=64)
+    assert data["arch"] == "llama" and data["preset"] == "llama-tiny" and data["model"] == cfg.as_dict()
+    assert data["flops_per_token"] == cfg.flops_per_token(16)
+    rows = data["results"]
+    assert [r["mode"] for r in rows] == ["llmgpu", "torch-eager", "torch-compile"]
+    ours = rows[0]
+    assert ours["arch"] == "llama" and ours["tokens_per_s"] > 0 and ours["vocab"] == 256
+    assert ours["mfu"] == pytest.approx(cfg.flops_per_token(16) * ours["tokens_per_s"]
+                                        / (data["gemm_ceiling_tflops"] * 1e12))
+    assert abs(ours["final_loss"] - math.log(256)) < 1.0
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert all(r.get("skipped") for r in rows[1:])
+    else:  # the same vocabulary on both sides (the fair comparison), the same family
+        for r in rows[1:]:
+            assert r.get("arch") == "llama" and r["vocab"] == ours["vocab"] and r["tokens_per_s"] > 0, r
+
+
+def test_bench_arch_from_the_preset_and_defaults():
+    assert bench.bench_arch(_args()) == "gpt2"
+    assert bench.bench_arch(_args(preset="smollm-360m")) == "llama"
+    assert bench.bench_arch(_args(arch="llama")) == "llama"
+    assert bench.bench_modes(_args(), "llama", gpu=True) == ["llmgpu", "torch-eager", "torch-compile"]
+    assert bench.bench_modes(_args(), "gpt2", gpu=False) == ["llmgpu", "llmgpu-fast", "torch-eager", "torch-compile"]
+    assert bench._defaults(_args(), True, "llama")["preset"] == "smollm-135m"
+    assert bench._defaults(_args(), False, "llama")["preset"] == "llama-tiny"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--arch", "llama", "--modes", "llmgpu,llmgpu-fast-graph"], "the Llama fast step does not exist yet"),
+    (["--arch", "llama", "--modes", "llmgpu-fast"], "the Llama fast step does not exist yet"),
+    (["--arch", "gpt2", "--preset", "smollm-135m"], "is a llama model, not --arch gpt2's"),
+    (["--arch", "llama", "--preset", "gpt2"], "is a gpt2 model, not --arch llama's"),
+    (["--arch", "llama", "--preset", "llama-huge"], "unknown Llama preset"),
+    (["--arch", "llama", "--scale-table"], "the scale table is GPT-2's"),
+    (["--arch", "llama", "--modes", "torch-jit"], "unknown mode"),
+])
+def test_bad_llama_bench_combinations_are_one_line(argv, needle, one_error_line):
+    one_error_line(main(["bench", "--device", "cpu", *argv]), needle)
+
+
+def test_the_llama_fast_step_is_refused_below_the_cli_too():
+    with pytest.raises(ValueError, match="fast step does not exist yet"):
+        bench.make_train_step(LlamaConfig.preset("llama-tiny"), 2, 8, dtype="fp32", xp=np, fast=True)
+    with pytest.raises(ValueError, match="scale table is GPT-2's"):
+        bench_scale.scale_main(_args(arch="llama", preset="llama-tiny", scale_table=True), np)
+
+
+@pytest.mark.gpu
+def test_gpu_pick_sdpa_backend_times_the_grouped_llama_attention(cp):
+    torch = _torch_or_skip()
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    pick = torch_reference.pick_sdpa_backend(LlamaConfig.preset("smollm-135m"), 4, 1024)
+    assert pick["backend"] in ("flash", "cudnn"), pick
+    assert pick["ms"][pick["backend"]] == min(t for t in pick["ms"].values() if t is not None)
