@@ -51,11 +51,11 @@ def torch_llama_class(torch, TorchLM):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
-    def grouped_attention(q, k, v):
+    def grouped_attention(q, k, v, enable_gqa: bool):
         """Causal SDPA where k, v have fewer heads than q: K/V head j serves query heads j·G … j·G+G−1."""
         if k.shape[1] == q.shape[1]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if sdpa_takes_gqa(torch):
+        if enable_gqa:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         g = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
@@ -66,6 +66,7 @@ def torch_llama_class(torch, TorchLM):
             super().__init__()
             C, K = cfg.n_embd, cfg.kv_dim
             self.shape = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+            self.enable_gqa = sdpa_takes_gqa(torch)  # probed here, eagerly, not inside torch.compile's trace
             self.q_proj = nn.Linear(C, C, bias=False)
             self.k_proj = nn.Linear(C, K, bias=False)
             self.v_proj = nn.Linear(C, K, bias=False)
@@ -77,7 +78,7 @@ def torch_llama_class(torch, TorchLM):
             q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)
             k = self.k_proj(x).view(B, T, Hk, D).transpose(1, 2)
             v = self.v_proj(x).view(B, T, Hk, D).transpose(1, 2)
-            y = grouped_attention(rope(q, cos, sin), rope(k, cos, sin), v)
+            y = grouped_attention(rope(q, cos, sin), rope(k, cos, sin), v, self.enable_gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
     class SwiGLU(nn.Module):
