@@ -1,4 +1,4 @@
-"""``llmgpu bench``: GPT-2 training throughput, llmgpu next to PyTorch on the same GPU (chapter 8).
+"""``llmgpu bench``: GPT-2 (or Llama) training throughput, llmgpu next to PyTorch on the same GPU (chapters 8, 10).
 
 One run trains the same model on the same synthetic tokens with
 
@@ -31,6 +31,11 @@ Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the hig
 CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes`` is the most it
 ever held; fragmentation can make that a little more than the live peak).
 
+``--arch llama`` (or a Llama preset: ``smollm-135m`` by default on a GPU, ``llama-tiny`` on a CPU) measures the
+Llama family: llmgpu's book step (``llmgpu.model.Llama``, mode ``llmgpu``; there is no fast Llama step yet) against
+``torch_reference.build_torch_llama``, eager and compiled, on the same padded vocabulary; MFU from
+``LlamaConfig.flops_per_token``.
+
 Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_torch`` directly.
 """
 
@@ -46,7 +51,8 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
-from .model import GPT, FastGPT, FastOptions, GPTConfig
+from .model import FastGPT, FastOptions
+from .model.family import ARCHS, FAMILIES, arch_of_preset, model_class
 from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -59,6 +65,10 @@ DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile") 
 # the benchmark's own sizes (a throughput measurement, not a training run's defaults)
 BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"},
                   "cpu": {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"}}
+# the Llama family: its presets instead of GPT-2's, and only the book step on llmgpu's side (no fast Llama step yet)
+LLAMA_PRESETS = {"gpu": "smollm-135m", "cpu": "llama-tiny"}
+LLAMA_MODES = ("llmgpu", "torch-eager", "torch-compile", "torch-compile-unpadded")
+LLAMA_DEFAULT_MODES = ("llmgpu", "torch-eager", "torch-compile")
 
 
 def optimizer_settings(xp) -> TrainConfig:
@@ -101,10 +111,12 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
     xp = xp or backend.default_xp()
     if options is not None and not fast:
         raise ValueError("options= are the fast model's (FastOptions): pass fast=True")
+    if fast and config.arch != "gpt2":
+        raise ValueError(f"the {config.arch} fast step does not exist yet: only the book step (fast=False)")
     if fast:
         model = FastGPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed, options=options)
-    else:
-        model = GPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
+    else:  # the book step of the configuration's family (GPT or Llama)
+        model = model_class(config)(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
     settings = optimizer_settings(xp)
     train_step = TrainStep(model, settings, graph=graph)
     rng = np.random.default_rng(seed)
@@ -121,9 +133,9 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
 def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3, dtype: str = "bf16", xp=None,
                checkpoint_every: int = 0, seed: int = 0, graph: bool = False, fast: bool = False,
                options: FastOptions | None = None) -> dict:
-    """Train ``llmgpu.model.GPT`` (``fast=True``: the chapter 8 ``FastGPT`` with ``options``) for ``warmup + steps``
-    steps on synthetic tokens through ``TrainStep``; returns the metrics (with the fast model: the attention kernels
-    its "auto" resolved to, ``attention_kernels``).
+    """Train the book step of ``config``'s family (``llmgpu.model.GPT`` or ``Llama``; ``fast=True``: the chapter 8
+    ``FastGPT`` with ``options``) for ``warmup + steps`` steps on synthetic tokens through ``TrainStep``; returns the
+    metrics (with the fast model: the attention kernels its "auto" resolved to, ``attention_kernels``).
 
     ``graph=True`` replays the step as one CUDA graph (``TrainStep``: the first warm-up step eager, the
     second captured) and times its replays: this needs every GEMM of the step routed through
@@ -170,7 +182,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
     if gpu:
         peak = int(pool.total_bytes()) + (int(captured.pool.total_bytes()) if captured and captured.pool else 0)
     mode = "llmgpu" + ("-fast" if fast else "") + ("-graph" if graph else "")
-    res = {"framework": "llmgpu", "mode": mode, "batch": batch, "seq": seq,
+    res = {"framework": "llmgpu", "arch": config.arch, "mode": mode, "batch": batch, "seq": seq,
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
            "final_loss": final, "peak_memory_bytes": peak, "static_memory_bytes": static_bytes,
@@ -226,8 +238,10 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``llmgpu bench`` (the CLI's sub-parser calls this)."""
-    p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU); several, comma-separated "
-                                    "(gpt2,d24,d36,d48): the scale table")
+    p.add_argument("--arch", choices=ARCHS, help="model family (default: the --preset's, else gpt2); llama: "
+                   "llmgpu's book step against the PyTorch Llama (no fast Llama step yet)")
+    p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU; --arch llama: smollm-135m, "
+                                    "llama-tiny); several, comma-separated (gpt2,d24,d36,d48): the scale table")
     p.add_argument("--scale-table", action="store_true", help="the scale table also for one preset: the largest "
                    "power-of-two batch that fits (from --batch down), tokens/s, MFU, peak memory per framework")
     p.add_argument("--min-batch", type=int, default=8, help="scale table: below this batch use --checkpoint-every "
@@ -283,9 +297,40 @@ def cpu_note(device: str = "auto") -> str:
             "the benchmark's numbers (ms/step, tokens/s, MFU, llmgpu vs PyTorch) need a GPU")
 
 
-def _defaults(a, gpu):
-    d = BENCH_DEFAULTS["gpu" if gpu else "cpu"]
+def bench_arch(args) -> str:
+    """The family a bench run measures: ``--arch``, else its ``--preset``'s, else GPT-2; a preset of another family
+    than ``--arch`` names is refused (ValueError, one line)."""
+    arch, preset = getattr(args, "arch", None), getattr(args, "preset", None)
+    of_preset = arch_of_preset(preset) if preset and "," not in preset else None
+    if arch and of_preset and of_preset != arch:
+        raise ValueError(f"--preset {preset} is a {of_preset} model, not --arch {arch}'s; its presets: "
+                         f"{', '.join(FAMILIES[arch][1])}")
+    return arch or of_preset or "gpt2"
+
+
+def _defaults(a, gpu, arch="gpt2"):
+    d = dict(BENCH_DEFAULTS["gpu" if gpu else "cpu"])
+    if arch == "llama":
+        d["preset"] = LLAMA_PRESETS["gpu" if gpu else "cpu"]
     return {k: (getattr(a, k, None) if getattr(a, k, None) is not None else v) for k, v in d.items()}
+
+
+def bench_modes(args, arch: str, gpu: bool) -> list[str]:
+    """The modes of ``--modes`` (or the family's defaults), each checked (ValueError, one line)."""
+    if arch == "llama":
+        default, valid = LLAMA_DEFAULT_MODES, LLAMA_MODES
+    else:
+        default = DEFAULT_MODES if gpu else tuple(m.replace("llmgpu-fast-graph", "llmgpu-fast") for m in DEFAULT_MODES)
+        valid = MODES
+    modes = [m.strip() for m in str(getattr(args, "modes", None) or ",".join(default)).split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(valid)}")
+    fast = [m for m in modes if m not in valid]
+    if fast:
+        raise ValueError(f"{', '.join(fast)}: the Llama fast step does not exist yet; --arch llama runs "
+                         f"{', '.join(valid)}")
+    return modes
 
 
 def wants_scale_table(args) -> bool:
@@ -315,22 +360,20 @@ def bench_main(args) -> int:
     if wants_scale_table(args):
         raise ValueError("several presets (or --scale-table) make the scale table: llmgpu.bench_scale.scale_main "
                          "(the `llmgpu bench` command calls it)")
-    o = _defaults(args, gpu)
-    default = ",".join(DEFAULT_MODES) if gpu else ",".join(DEFAULT_MODES).replace("llmgpu-fast-graph", "llmgpu-fast")
-    modes = [m.strip() for m in str(getattr(args, "modes", None) or default).split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    arch = bench_arch(args)
+    o = _defaults(args, gpu, arch)
+    modes = bench_modes(args, arch, gpu)
     for k in ("batch", "seq", "steps"):
         if o[k] < 1:
             raise ValueError(f"--{k} must be >= 1, got {o[k]}")
     overrides = {}
     if getattr(args, "vocab_size", None):
         overrides["vocab_size"] = int(args.vocab_size)
-    cfg = GPTConfig.preset(o["preset"], **overrides)
+    cfg = FAMILIES[arch][0].preset(o["preset"], **overrides)
     cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
     ckpt, compile_mode, seed, note = run_options(args, xp)
-    print(f"model: {o['preset']} (L={cfg.n_layer}, H={cfg.n_head}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
+    kv = f", {cfg.n_kv_head} K/V heads, ffn {cfg.ffn_dim}" if arch == "llama" else ""
+    print(f"model: {o['preset']} ({arch}: L={cfg.n_layer}, H={cfg.n_head}{kv}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
           f"B={o['batch']} T={o['seq']} {o['dtype']}; {o['steps']} timed steps after {o['warmup']} warm-up")
     ceiling = ceiling_src = None
@@ -412,7 +455,7 @@ def bench_main(args) -> int:
                   + ("  <- the fair comparison (same vocabulary)" if r.get("vocab") == ours.get("vocab") else ""))
     out = getattr(args, "json", None) or ("bench.json" if gpu else None)
     if out:
-        payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note,
+        payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note, "arch": arch,
                    "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
                    "seq": o["seq"], "dtype": o["dtype"], "steps": o["steps"], "warmup": o["warmup"],
                    "gemm_ceiling_tflops": ceiling, "gemm_ceiling": ceiling_src, "flops_per_token": fpt,

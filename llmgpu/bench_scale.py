@@ -194,6 +194,9 @@ def scale_main(args, xp) -> int:
     """The scale table for ``args.preset`` (comma-separated), printed and merged into the JSON file after
     every measurement (a run cut short keeps what it measured)."""
     gpu = xp is not np
+    if getattr(args, "arch", None) not in (None, "gpt2"):
+        raise ValueError(f"the scale table is GPT-2's; --arch {args.arch} measures one preset (no --scale-table, "
+                         "no comma-separated presets)")
     presets = list(dict.fromkeys(p.strip() for p in str(args.preset or "").split(",") if p.strip()))
     for p in presets:
         GPTConfig.preset(p)  # a ValueError naming the presets

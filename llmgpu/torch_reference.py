@@ -1,4 +1,4 @@
-"""The PyTorch GPT-2 that ``llmgpu bench`` and the tests compare llmgpu with (chapter 8).
+"""The PyTorch GPT-2 and Llama that ``llmgpu bench`` and the tests compare llmgpu with (chapters 8 and 10).
 
 A GPT-2 of identical architecture (nanoGPT-style: learned position embeddings, pre-LayerNorm blocks,
 tanh-GELU MLP of width 4C, biases everywhere, LM head tied to the token embedding,
@@ -6,6 +6,10 @@ tanh-GELU MLP of width 4C, biases everywhere, LM head tied to the token embeddin
 parameter names so ``llmgpu.model.GPT.state_dict()`` loads as is, trained with bf16 autocast, fused
 AdamW and the same clipping as ``llmgpu train`` (``TrainConfig``'s settings). PyTorch is imported on
 first use; without it the functions raise ImportError saying so.
+
+The Llama (``build_torch_llama``; its modules in ``torch_llama``) is written from the formulas of
+``llmgpu.model.Llama`` with Hugging Face's names. Both families share ``TorchLM`` (the padded vocabulary, span
+checkpointing, the loss), the state-dict loading and the initialisation rule (``build_torch_model``).
 
 ``llmgpu bench`` runs it at its best: the SDPA backend that is fastest on this GPU for the model's
 attention shape (``pick_sdpa_backend``: flash and cuDNN timed once, forward + backward), any
@@ -24,7 +28,11 @@ from functools import partial
 import numpy as np
 
 from . import backend
+from .model.base import PAD_LOGIT
+from .model.family import model_class
+from .model.llama_config import EMBED, LM_HEAD
 from .perf.timing import time_torch
+from .torch_llama import sdpa_takes_gqa, torch_llama_class
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 
 
@@ -36,17 +44,53 @@ def import_torch():
     return torch
 
 
-_TORCH_CLASSES = None
-
-
-def _torch_classes():
-    """The PyTorch GPT-2 modules (defined on first use: torch is imported lazily)."""
+_TORCH_CLASSES: dict | None = None
+def _torch_classes() -> dict:
+    """arch -> the PyTorch model class (defined on first use: torch is imported lazily)."""
     global _TORCH_CLASSES
     if _TORCH_CLASSES is not None:
         return _TORCH_CLASSES
     torch = import_torch()
     nn = torch.nn
     F = torch.nn.functional
+
+    class TorchLM(nn.Module):
+        """What both references share: the padded vocabulary's mask, span checkpointing, head logits → loss."""
+
+        def __init__(self, config, mask_padded):
+            super().__init__()
+            V = config.padded_vocab_size
+            self.config = config
+            pad = torch.zeros(V)
+            pad[config.vocab_size:] = PAD_LOGIT
+            self.register_buffer("pad_logits", pad, persistent=False)
+            self.mask_padded = bool(mask_padded) and V != config.vocab_size
+            self.checkpoint_every = 0  # > 0: recompute spans of that many blocks in backward
+
+        def _span(self, s, e, x, *extra):
+            for blk in self.blocks[s:e]:
+                x = blk(x, *extra)
+            return x
+
+        def run_blocks(self, x, *extra):
+            """Every block on x (``extra``: what each block takes besides x), spans recomputed if checkpointing."""
+            L, k = len(self.blocks), self.checkpoint_every
+            if k and self.training and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                for s in range(0, L, k):
+                    x = checkpoint(partial(self._span, s, min(s + k, L)), x, *extra, use_reentrant=False)
+                return x
+            return self._span(0, L, x, *extra)
+
+        def logits_or_loss(self, logits, targets):
+            if self.mask_padded:
+                logits = logits + self.pad_logits
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    # ------------------------------------------------------------------ GPT-2
 
     class SelfAttention(nn.Module):
         def __init__(self, C, H):
@@ -84,94 +128,99 @@ def _torch_classes():
             x = x + self.attn(self.ln_1(x))
             return x + self.mlp(self.ln_2(x))
 
-    class TorchGPT(nn.Module):
+    class TorchGPT(TorchLM):
         """GPT-2 with nanoGPT's parameter names (so ``llmgpu.model.GPT.state_dict()`` loads as is)."""
 
         def __init__(self, config, mask_padded=False):
-            super().__init__()
+            super().__init__(config, mask_padded)
             C, V = config.n_embd, config.padded_vocab_size
-            self.config = config
             self.transformer = nn.ModuleDict({
                 "wte": nn.Embedding(V, C), "wpe": nn.Embedding(config.block_size, C),
                 "h": nn.ModuleList([Block(C, config.n_head) for _ in range(config.n_layer)]),
                 "ln_f": nn.LayerNorm(C, eps=1e-5)})
             self.lm_head = nn.Linear(C, V, bias=False)
             self.transformer.wte.weight = self.lm_head.weight  # tied
-            pad = torch.zeros(V)
-            pad[config.vocab_size:] = -1.0e4
-            self.register_buffer("pad_logits", pad, persistent=False)
-            self.mask_padded = bool(mask_padded) and V != config.vocab_size
-            self.checkpoint_every = 0  # > 0: recompute spans of that many blocks in backward
 
-        def _span(self, s, e, x):
-            for blk in self.transformer.h[s:e]:
-                x = blk(x)
-            return x
+        @property
+        def blocks(self):
+            return self.transformer.h
 
         def forward(self, idx, targets=None):
             T = idx.shape[1]
             pos = torch.arange(T, device=idx.device)
-            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-            L, k = len(self.transformer.h), self.checkpoint_every
-            if k and self.training and torch.is_grad_enabled():
-                from torch.utils.checkpoint import checkpoint
+            x = self.run_blocks(self.transformer.wte(idx) + self.transformer.wpe(pos))
+            return self.logits_or_loss(self.lm_head(self.transformer.ln_f(x)), targets)
 
-                for s in range(0, L, k):
-                    x = checkpoint(partial(self._span, s, min(s + k, L)), x, use_reentrant=False)
-            else:
-                x = self._span(0, L, x)
-            logits = self.lm_head(self.transformer.ln_f(x))
-            if self.mask_padded:
-                logits = logits + self.pad_logits
-            if targets is None:
-                return logits
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-    _TORCH_CLASSES = TorchGPT
-    return TorchGPT
+    _TORCH_CLASSES = {"gpt2": TorchGPT, "llama": torch_llama_class(torch, TorchLM)}
+    return _TORCH_CLASSES
 
 
-def build_torch_gpt(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
-    """A PyTorch GPT-2 (fp32 parameters) of ``config``'s architecture on ``device`` (default: cuda if available).
+def _as_torch_fp32(torch, v):
+    """A NumPy, CuPy or torch array as an fp32 torch tensor on the CPU."""
+    if hasattr(v, "detach"):
+        return v.detach().float().cpu()
+    return torch.from_numpy(np.ascontiguousarray(backend.to_numpy(v), dtype=np.float32))
 
-    ``state_dict``: nanoGPT-named arrays (e.g. ``llmgpu.model.GPT(...).state_dict()``: NumPy, CuPy or torch);
-    otherwise GPT-2's initialisation (N(0, 0.02), residual projections N(0, 0.02/√(2L)), zero biases).
-    ``mask_padded``: set the padded vocabulary logits to -1e4 as llmgpu does (default off, as nanoGPT's
-    50304-vocabulary runs; the FLOPs are the same either way).
+
+# arch -> (state-dict entries to leave out, (the embedding, the LM head): the vocabulary rows, tied or not)
+_NAMES = {"gpt2": ((".attn.bias", ".attn.masked_bias"), ("transformer.wte.weight", "lm_head.weight")),
+          "llama": ((), (EMBED, LM_HEAD))}
+
+
+def build_torch_model(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
+    """The PyTorch reference (fp32 parameters) of ``config``'s family (``config.arch``: GPT-2 or Llama) on
+    ``device`` (default: cuda if available).
+
+    ``state_dict``: llmgpu's names (``GPT(...).state_dict()``: nanoGPT's; ``Llama(...).state_dict()``: Hugging
+    Face's), NumPy, CuPy or torch arrays, an unpadded vocabulary padded with zero rows; otherwise llmgpu's
+    initialisation rule (``GPTBase.init_weights``: matrices N(0, 0.02), the model class's
+    ``residual_projections`` N(0, 0.02/√(2L)), biases 0, norm gains 1), from torch's generator.
+    ``mask_padded``: set the padded vocabulary logits to ``PAD_LOGIT`` as llmgpu does (default off, as
+    nanoGPT's 50304-vocabulary runs; the FLOPs are the same either way).
     """
     torch = import_torch()
+    arch = config.arch
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    TorchGPT = _torch_classes()
     torch.manual_seed(seed)
-    model = TorchGPT(config, mask_padded=mask_padded)
+    model = _torch_classes()[arch](config, mask_padded=mask_padded)
     if state_dict is not None:
-        sd = {}
-        for k, v in state_dict.items():
-            if k.endswith((".attn.bias", ".attn.masked_bias")):
-                continue
-            arr = v.detach().float().cpu() if hasattr(v, "detach") else torch.from_numpy(
-                np.ascontiguousarray(backend.to_numpy(v), dtype=np.float32))
-            sd[k] = arr
-        wte = "transformer.wte.weight"
-        emb = sd.get(wte, sd.get("lm_head.weight"))
-        if emb is not None and emb.shape[0] < config.padded_vocab_size:  # an unpadded embedding: zero rows
-            padded = torch.zeros(config.padded_vocab_size, config.n_embd)
-            padded[: emb.shape[0]] = emb
-            emb = padded
-        if emb is not None:
-            sd[wte] = sd["lm_head.weight"] = emb  # tied: both names, one tensor
+        skip, (emb_name, head_name) = _NAMES[arch]
+        sd = {k: _as_torch_fp32(torch, v) for k, v in state_dict.items() if not (skip and k.endswith(skip))}
+        for name in (emb_name, head_name):
+            w = sd.get(name)
+            if w is not None and w.shape[0] < config.padded_vocab_size:  # an unpadded vocabulary: zero rows
+                sd[name] = torch.cat([w, torch.zeros(config.padded_vocab_size - w.shape[0], w.shape[1])])
+        if getattr(config, "tie_embeddings", True):
+            emb = sd.get(emb_name, sd.get(head_name))
+            if emb is not None:
+                sd[emb_name] = sd[head_name] = emb  # tied: both names, one tensor
         model.load_state_dict(sd, strict=True)
     else:
         std_res = 0.02 / math.sqrt(2 * config.n_layer)
+        residual = model_class(config).residual_projections
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("c_proj.weight"):
+                if name.endswith(residual):
                     p.normal_(0.0, std_res)
                 elif p.dim() >= 2:
                     p.normal_(0.0, 0.02)
                 elif name.endswith("bias"):
                     p.zero_()
     return model.to(device)
+
+
+def build_torch_gpt(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
+    """A PyTorch GPT-2 of ``config`` (a ``GPTConfig``): ``build_torch_model``, nanoGPT's names."""
+    if config.arch != "gpt2":
+        raise TypeError(f"build_torch_gpt takes a GPTConfig, got a {type(config).__name__}")
+    return build_torch_model(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
+
+
+def build_torch_llama(config, *, state_dict=None, device=None, seed: int = 0, mask_padded: bool = False):
+    """A PyTorch Llama of ``config`` (a ``LlamaConfig``): ``build_torch_model``, Hugging Face's names."""
+    if config.arch != "llama":
+        raise TypeError(f"build_torch_llama takes a LlamaConfig, got a {type(config).__name__}")
+    return build_torch_model(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
 
 
 def _torch_optimizer(torch, model, fused, opt: TrainConfig):
@@ -232,7 +281,8 @@ def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", devi
     torch = import_torch()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     B, H, D = batch, config.n_head, config.n_embd // config.n_head
-    key = (str(device), B, H, seq, D, dtype, tuple(candidates))
+    Hk = getattr(config, "n_kv_head", H)  # a Llama's grouped K/V heads: timed as the model calls SDPA
+    key = (str(device), B, H, Hk, seq, D, dtype, tuple(candidates))
     if key in _SDPA_CHOICE:
         return _SDPA_CHOICE[key]
     if device.type != "cuda":
@@ -242,15 +292,18 @@ def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", devi
     F = torch.nn.functional
     tdt = torch.bfloat16 if backend.dtype_name(dtype) == "bf16" else torch.float16
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, seq, D, device=device, dtype=tdt, generator=g, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(B, h, seq, D, device=device, dtype=tdt, generator=g, requires_grad=True)
+               for h in (H, Hk, Hk))
+    gqa = {"enable_gqa": True} if Hk != H and sdpa_takes_gqa(torch) else {}
+    if Hk != H and not gqa:
+        k, v = (t.detach().repeat_interleave(H // Hk, dim=1).requires_grad_() for t in (k, v))
     do = torch.randn(B, H, seq, D, device=device, dtype=tdt, generator=g)
     ms, errors = {}, {}
     for name in candidates:
         try:
             with sdpa_context(torch, name):
                 def run():
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
                     o.backward(do)
                 ms[name] = time_torch(torch, run, reps)
         except Exception as e:  # this backend does not take the shape/dtype here
@@ -267,7 +320,8 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
               dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False,
               settings: TrainConfig | None = None, compile_mode: str = "default", sdpa: str | None = None,
               checkpoint_every: int = 0) -> dict:
-    """Train the PyTorch reference for ``warmup + steps`` steps on synthetic tokens; returns the metrics.
+    """Train the PyTorch reference of ``config``'s family for ``warmup + steps`` steps on synthetic tokens;
+    returns the metrics.
 
     ``mode``: ``"eager"`` or ``"compile"`` (``torch.compile`` of the model; the optimizer stays eager).
     ``dtype``: autocast dtype (``"bf16"``, ``"fp16"`` without a scaler is refused, ``"fp32"`` = no autocast).
@@ -289,7 +343,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     cuda = device.type == "cuda"
     if warmup is None:
         warmup = 5 if mode == "compile" else 3
-    model = build_torch_gpt(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
+    model = build_torch_model(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
     model.train()
     model.checkpoint_every = int(checkpoint_every)
     settings = settings or TrainConfig(lr=GPU_DEFAULTS["lr"] if cuda else CPU_DEFAULTS["lr"])
@@ -335,7 +389,7 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
             times.append((time.perf_counter() - t) * 1e3)
     t_end = time.time()
     ms = statistics.median(times)
-    res = {"framework": "pytorch", "mode": f"torch-{mode}", "batch": batch, "seq": seq,
+    res = {"framework": "pytorch", "arch": config.arch, "mode": f"torch-{mode}", "batch": batch, "seq": seq,
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
            "final_loss": float(loss.detach().float().cpu()), "torch": torch.__version__,
@@ -348,5 +402,5 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     return res
 
 
-__all__ = ["COMPILE_MODES", "SDPA_BACKENDS", "build_torch_gpt", "pick_sdpa_backend", "run_torch", "sdpa_context",
-           "torch_train_step"]
+__all__ = ["COMPILE_MODES", "SDPA_BACKENDS", "build_torch_gpt", "build_torch_llama", "build_torch_model",
+           "pick_sdpa_backend", "run_torch", "sdpa_context", "sdpa_takes_gqa", "torch_train_step"]
