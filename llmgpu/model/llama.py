@@ -116,9 +116,8 @@ class Llama(GPT):
 
     # ------------------------------------------------------------------ one block
 
-    def _heads(self, a, n_heads: int):
+    def _heads(self, a, B: int, T: int, n_heads: int):
         """[N, n·D] (rows b·T + t) → contiguous [B, n, T, D]."""
-        B, T = self._bt
         return self.xp.ascontiguousarray(a.reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3))
 
     def _rows(self, a):
@@ -129,7 +128,6 @@ class Llama(GPT):
     def _block_forward(self, i: int, x, store: bool, need_output: bool = True):
         cfg, xp = self.config, self.xp
         B, T, C = x.shape
-        self._bt = (B, T)
         n, W, eps = block_names(i), self.weight, cfg.norm_eps
         N = B * T
         x2d = x.reshape(N, C)
@@ -137,9 +135,9 @@ class Llama(GPT):
         with region("input_norm fwd", bytes=2 * x2d.nbytes):
             h1, inv1 = rmsnorm_forward(x2d, W(n["input_layernorm.weight"]), eps)
         with region("attn.qkv fwd", flops=2.0 * N * C * (C + 2 * cfg.kv_dim)):
-            q = self._heads(linear_forward(h1, W(n["self_attn.q_proj.weight"])), cfg.n_head)
-            k = self._heads(linear_forward(h1, W(n["self_attn.k_proj.weight"])), cfg.n_kv_head)
-            v = self._heads(linear_forward(h1, W(n["self_attn.v_proj.weight"])), cfg.n_kv_head)
+            q = self._heads(linear_forward(h1, W(n["self_attn.q_proj.weight"])), B, T, cfg.n_head)
+            k = self._heads(linear_forward(h1, W(n["self_attn.k_proj.weight"])), B, T, cfg.n_kv_head)
+            v = self._heads(linear_forward(h1, W(n["self_attn.v_proj.weight"])), B, T, cfg.n_kv_head)
         with region("rope fwd", bytes=2 * (q.nbytes + k.nbytes)):
             rope_forward(q, cos, sin, out=q)
             rope_forward(k, cos, sin, out=k)
@@ -170,7 +168,6 @@ class Llama(GPT):
     def _block_backward(self, i: int, dout, c):
         cfg, xp = self.config, self.xp
         B, T, C = dout.shape
-        self._bt = (B, T)
         n, W, G = block_names(i), self.weight, self.params.grad_of
         N = B * T
         d2 = dout.reshape(N, C)
@@ -196,8 +193,9 @@ class Llama(GPT):
         with region("attn.proj bwd", flops=4.0 * N * C * C):
             dy = lin(dx2, c["y"], "self_attn.o_proj.weight")
         with region("attn.core bwd", flops=8.0 * B * cfg.n_head * T * T * cfg.head_dim):
-            dq, dk, dv = attention_backward(self._heads(dy, cfg.n_head), c["q"], c["k"], c["v"], c["o"], c["stats"],
-                                            causal=True)
+            do = self._heads(dy, B, T, cfg.n_head)
+            dq, dk, dv = attention_backward(do, c["q"], c["k"], c["v"], c["o"], c["stats"], causal=True)
+            del do
         del dy
         with region("rope bwd", bytes=2 * (dq.nbytes + dk.nbytes)):
             rope_backward(dq, self.rope_cos, self.rope_sin, out=dq)
