@@ -13,17 +13,20 @@ from llmgpu.model.llama_config import EMBED, LM_HEAD, PRESETS, LlamaConfig, llam
 SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, ffn_dim=24, vocab_size=37, block_size=16)
 
 
-def _model(tied=False, dtype="fp64", xp=np, seed=1, **kw):
-    cfg = LlamaConfig(**{**SMALL, "tie_embeddings": tied, **kw})
-    m = Llama(cfg, dtype=dtype, xp=xp, seed=seed)
-    # random norm gains too (the init sets them to 1, which would hide a gain applied in the wrong place)
-    rng = np.random.default_rng(seed + 100)
+def with_random_gains(m: Llama, seed: int) -> Llama:
+    """``m`` with random norm gains (the init sets them to 1, which would hide a gain applied in the wrong place)."""
+    rng = np.random.default_rng(seed)
     sd = {n: np.asarray(a) for n, a in m.state_dict(unpadded=True).items()}
     for n, a in sd.items():
         if a.ndim == 1:
             sd[n] = (1.0 + 0.3 * rng.standard_normal(a.shape)).astype(np.float32)
     m.load_state_dict(sd)
     return m
+
+
+def _model(tied=False, dtype="fp64", xp=np, seed=1, **kw):
+    cfg = LlamaConfig(**{**SMALL, "tie_embeddings": tied, **kw})
+    return with_random_gains(Llama(cfg, dtype=dtype, xp=xp, seed=seed), seed + 100)
 
 
 def _batch(cfg, B=2, T=7, seed=0):

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from test_llama import reference_logits
+from test_llama import reference_logits, with_random_gains
 
 from llmgpu import bench, bench_scale, torch_llama, torch_reference
 from llmgpu.cli import main
@@ -33,13 +33,7 @@ def _llama(n_kv_head, tied, pad, seed=1):
     """An fp32 ``Llama`` with random norm gains too (the init's ones would hide a gain applied in the wrong place)."""
     m = Llama(LlamaConfig(**SMALL, n_kv_head=n_kv_head, tie_embeddings=tied, pad_vocab_to=pad), dtype="fp32",
               xp=np, seed=seed)
-    rng = np.random.default_rng(seed + 7)
-    sd = {n: np.array(a) for n, a in m.state_dict(unpadded=True).items()}
-    for n, a in sd.items():
-        if a.ndim == 1:
-            sd[n] = (1.0 + 0.3 * rng.standard_normal(a.shape)).astype(np.float32)
-    m.load_state_dict(sd)
-    return m
+    return with_random_gains(m, seed + 7)
 
 
 def _tokens(cfg, B=3, T=13, seed=0):
