@@ -42,6 +42,7 @@ from .hf_files import (
     InteropError,
     as_float32,
     check_hf_dir,
+    config_with_defaults,
     eot_token_id,
     is_hf_dir,
     publish,
@@ -74,16 +75,8 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     def bad(msg):
         raise InteropError(f"{where}: {msg}")
 
-    if not isinstance(hf, dict):
-        bad("is not a JSON object")
-    c = {**HF_DEFAULTS, **hf}
-    if c.get("model_type") != "gpt2":
-        bad(f"model_type {c.get('model_type')!r} is not 'gpt2': llmgpu imports GPT-2 ('gpt2') and Llama ('llama') "
-            "models")
-    arch = c.get("architectures") or []
-    other = [a for a in arch if a not in ARCHITECTURES]
-    if other:
-        bad(f"architecture {other[0]} is not supported (llmgpu imports {' or '.join(ARCHITECTURES)})")
+    c = config_with_defaults(hf, where, HF_DEFAULTS, "gpt2", ARCHITECTURES,
+                             type_hint=": llmgpu imports GPT-2 ('gpt2') and Llama ('llama') models")
     if c["activation_function"] not in ACTIVATIONS:
         bad(f"activation_function {c['activation_function']!r}: llmgpu's GELU is the tanh approximation "
             f"({' or '.join(ACTIVATIONS)})")

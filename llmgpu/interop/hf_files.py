@@ -92,6 +92,23 @@ def where_weights(d: Path, files: list[Path]):
     return files[0] if len(files) == 1 else d
 
 
+def config_with_defaults(hf, where, defaults: dict, model_type: str, architectures: tuple, *, type_hint: str = "",
+                         arch_hint: str = "") -> dict:
+    """A ``config.json`` dict with the family's ``transformers`` defaults filled in, once it is a JSON object of
+    ``model_type`` whose ``architectures`` are among ours (what every family checks first); an ``InteropError``
+    naming ``where`` otherwise (``type_hint``, ``arch_hint``: what each message adds)."""
+    if not isinstance(hf, dict):
+        raise InteropError(f"{where}: is not a JSON object")
+    c = {**defaults, **hf}
+    if c.get("model_type") != model_type:
+        raise InteropError(f"{where}: model_type {c.get('model_type')!r} is not {model_type!r}{type_hint}")
+    other = [a for a in (c.get("architectures") or []) if a not in architectures]
+    if other:
+        raise InteropError(f"{where}: architecture {other[0]} is not supported (llmgpu imports "
+                           f"{' or '.join(architectures)}{arch_hint})")
+    return c
+
+
 def as_float32(v, key, where) -> np.ndarray:
     """A stored tensor as fp32 NumPy (bf16 and fp16 widened exactly); integer or bool tensors are refused."""
     if hasattr(v, "detach") and hasattr(v, "cpu"):  # a torch tensor, without importing torch

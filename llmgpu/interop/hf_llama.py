@@ -25,7 +25,15 @@ import numpy as np
 
 from ..model.llama_config import EMBED, LM_HEAD, LlamaConfig, llama_param_shapes
 from . import safetensors as st
-from .hf_files import WEIGHTS_FILE, InteropError, as_float32, eot_token_id, publish, write_config_and_info
+from .hf_files import (
+    WEIGHTS_FILE,
+    InteropError,
+    as_float32,
+    config_with_defaults,
+    eot_token_id,
+    publish,
+    write_config_and_info,
+)
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 ACTIVATIONS = ("silu", "swish")  # both SiLU in transformers' ACT2FN
@@ -44,14 +52,7 @@ def llama_config_from_hf(hf: dict, where="config.json") -> LlamaConfig:
     def bad(msg):
         raise InteropError(f"{where}: {msg}")
 
-    if not isinstance(hf, dict):
-        bad("is not a JSON object")
-    c = {**HF_DEFAULTS, **hf}
-    if c.get("model_type") != "llama":
-        bad(f"model_type {c.get('model_type')!r} is not 'llama'")
-    other = [a for a in (c.get("architectures") or []) if a not in ARCHITECTURES]
-    if other:
-        bad(f"architecture {other[0]} is not supported (llmgpu imports {' or '.join(ARCHITECTURES)} for Llama)")
+    c = config_with_defaults(hf, where, HF_DEFAULTS, "llama", ARCHITECTURES, arch_hint=" for Llama")
     if c["hidden_act"] not in ACTIVATIONS:
         bad(f"hidden_act {c['hidden_act']!r}: llmgpu's Llama MLP is SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias"):
