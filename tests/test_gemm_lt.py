@@ -164,7 +164,7 @@ def test_missing_nvmath_says_what_to_install(monkeypatch):
     monkeypatch.setattr(gemm_lt, "_import_lt", lambda: (None, "nvmath-python is not installed; " +
                                                         gemm_lt.INSTALL_HINT))
     with pytest.raises(gemm_lt.LtUnavailableError, match=r"llmgpu\[fast\]"):
-        gemm_lt._lt_module()
+        gemm_lt.lt_module()
     assert issubclass(gemm_lt.LtUnavailableError, backend.GPUUnavailableError)
 
 

@@ -75,6 +75,7 @@ from ..checks import (
 )
 from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
 from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
+from .lt_plan import LtPlan, alignment, set_attr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
 _LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU", "bgradb": "BGRADB",
@@ -85,7 +86,6 @@ CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
-_MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
 
 INSTALL_HINT = ("install the optional fast path: pip install 'llmgpu[fast]' "
                 "(brings nvmath-python==1.0.*, whose nvmath.bindings.cublasLt this module calls)")
@@ -113,7 +113,8 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def _lt_module():
+def lt_module():
+    """The nvmath.bindings.cublasLt module, or LtUnavailableError saying what to install."""
     return require_module(_import_lt, LtUnavailableError)
 
 
@@ -151,7 +152,8 @@ def _is_capturing(cp) -> bool:
         return False
 
 
-def _device_state(lt, cp) -> _DeviceState:
+def device_state(lt, cp) -> _DeviceState:
+    """The current device's handle and workspace (made on the first call, which must not be in a capture)."""
     dev = cp.cuda.Device().id
     st = _DEVICES.get(dev)
     if st is None:
@@ -162,35 +164,16 @@ def _device_state(lt, cp) -> _DeviceState:
 # --------------------------------------------------------------------------- plans
 
 
-def _set_attr(setter, dtype_of, obj, attr, value):
-    buf = np.array([value], dtype=dtype_of(attr))
-    setter(obj, int(attr), buf.ctypes.data, buf.itemsize)
+class _Plan(LtPlan):
+    """lt_gemm's problem: transposes, epilogue, bias / aux pointers (rewritten when a call brings others)."""
 
-
-def _alignment(ptr: int, stride_bytes: int = 0) -> int:
-    """Largest power of two (≤ 256) dividing the pointer and the batch stride in bytes."""
-    a = _MAX_ALIGN
-    for v in (ptr, stride_bytes):
-        if v:
-            a = min(a, v & -v)
-    return a
-
-
-class _Plan:
-    """One cublasLtMatmul problem: descriptor, layouts and the chosen algorithm, reused every call."""
-
-    __slots__ = ("desc", "layouts", "la", "lb", "lc", "algos", "n_algos", "algo_ptr", "ws_need", "ptr_buf",
-                 "ptr_addr", "last_bias", "last_aux", "has_bias", "has_aux", "describe", "handle", "ws_size", "align")
+    __slots__ = ("ptr_buf", "ptr_addr", "last_bias", "last_aux", "has_bias", "has_aux")
 
     def __init__(self, lt, st: _DeviceState, spec: dict, bias_ptr: int, aux_ptr: int):
+        super().__init__(lt, st, spec["describe"], spec["align"])
         A = lt.MatmulDescAttribute
         L = lt.MatrixLayoutAttribute
-        set_desc = functools.partial(_set_attr, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
-        set_lay = functools.partial(_set_attr, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
-        self.describe = spec["describe"]
-        self.handle, self.ws_size, self.align = st.handle, st.ws_size, spec["align"]
-        self.desc = None
-        self.layouts = []
+        set_lay = functools.partial(set_attr, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
         self.ptr_buf = np.zeros(2, dtype=np.int64)  # [bias ptr, aux ptr] staging for attribute writes
         self.ptr_addr = int(self.ptr_buf.ctypes.data)
         self.has_bias = spec["bias_code"] is not None
@@ -198,89 +181,46 @@ class _Plan:
         try:
             self.desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
             # cuBLASLt's A is our b and its B is our a (the row-major identity): transposes swap too
-            set_desc(self.desc, A.TRANSA, 1 if spec["trans_b"] else 0)
-            set_desc(self.desc, A.TRANSB, 1 if spec["trans_a"] else 0)
-            set_desc(self.desc, A.EPILOGUE, int(getattr(lt.Epilogue, _LT_EPILOGUE[spec["epilogue"]])))
+            self.set_desc(A.TRANSA, 1 if spec["trans_b"] else 0)
+            self.set_desc(A.TRANSB, 1 if spec["trans_a"] else 0)
+            self.set_desc(A.EPILOGUE, int(getattr(lt.Epilogue, _LT_EPILOGUE[spec["epilogue"]])))
             if self.has_bias:
-                set_desc(self.desc, A.BIAS_DATA_TYPE, spec["bias_code"])
-                set_desc(self.desc, A.BIAS_POINTER, bias_ptr)
+                self.set_desc(A.BIAS_DATA_TYPE, spec["bias_code"])
+                self.set_desc(A.BIAS_POINTER, bias_ptr)
             if self.has_aux:
-                set_desc(self.desc, A.EPILOGUE_AUX_POINTER, aux_ptr)
-                set_desc(self.desc, A.EPILOGUE_AUX_LD, spec["aux_ld"])
-                set_desc(self.desc, A.EPILOGUE_AUX_DATA_TYPE, spec["out_code"])
+                self.set_desc(A.EPILOGUE_AUX_POINTER, aux_ptr)
+                self.set_desc(A.EPILOGUE_AUX_LD, spec["aux_ld"])
+                self.set_desc(A.EPILOGUE_AUX_DATA_TYPE, spec["out_code"])
             m, n, count = spec["m"], spec["n"], spec["count"]
             (ar, ac), (br, bc) = spec["a_rc"], spec["b_rc"]
             # column-major views of the row-major buffers: a [r, c] row-major is c x r with ld = c
-            self.la = lt.matrix_layout_create(spec["in_code"], bc, br, bc)  # our b
-            self.layouts.append(self.la)
-            self.lb = lt.matrix_layout_create(spec["in_code"], ac, ar, ac)  # our a
-            self.layouts.append(self.lb)
-            self.lc = lt.matrix_layout_create(spec["out_code"], n, m, n)  # out (C and D)
-            self.layouts.append(self.lc)
+            self.la = self.new_layout(spec["in_code"], bc, br, bc)  # our b
+            self.lb = self.new_layout(spec["in_code"], ac, ar, ac)  # our a
+            self.lc = self.new_layout(spec["out_code"], n, m, n)  # out (C and D)
             if count > 1:
                 for lay, stride in ((self.la, spec["b_stride"]), (self.lb, ar * ac), (self.lc, m * n)):
                     set_lay(lay, L.BATCH_COUNT, count)
                     set_lay(lay, L.STRIDED_BATCH_OFFSET, stride)
-            self.ask_heuristic(1, lt)  # its first choice is what runs
+            self.ask_heuristic(1)  # its first choice is what runs
         except BaseException:
-            self.destroy(lt)
+            self.destroy()
             raise
         self.last_bias, self.last_aux = bias_ptr, aux_ptr
-
-    def ask_heuristic(self, n: int, lt=None):
-        """Ask cuBLASLt's heuristic for its first ``n`` algorithms for this problem (the plan runs the first, 0;
-        ``use(i)`` switches: tools/probes/probe_lt_algos.py times the candidates of every GEMM of the step)."""
-        lt = lt or _import_lt()[0]
-        P = lt.MatmulPreferenceAttribute
-        set_pref = functools.partial(_set_attr, lt.matmul_preference_set_attribute,
-                                     lt.get_matmul_preference_attribute_dtype)
-        pref = lt.matmul_preference_create()
-        try:
-            set_pref(pref, P.MAX_WORKSPACE_BYTES, self.ws_size)
-            al_a, al_b, al_c = self.align
-            set_pref(pref, P.MIN_ALIGNMENT_A_BYTES, al_b)  # cuBLASLt A = our b
-            set_pref(pref, P.MIN_ALIGNMENT_B_BYTES, al_a)
-            set_pref(pref, P.MIN_ALIGNMENT_C_BYTES, al_c)
-            set_pref(pref, P.MIN_ALIGNMENT_D_BYTES, al_c)
-            algos = np.zeros(max(1, int(n)), dtype=lt.matmul_heuristic_result_dtype)
-            cnt = np.zeros(1, dtype=np.int32)
-            try:
-                lt.matmul_algo_get_heuristic(self.handle, self.desc, self.la, self.lb, self.lc, self.lc, pref,
-                                             len(algos), algos.ctypes.data, cnt.ctypes.data)
-            except Exception as e:
-                raise RuntimeError(f"cuBLASLt has no algorithm for {self.describe}: {type(e).__name__}: {e}") from e
-        finally:
-            lt.matmul_preference_destroy(pref)
-        if int(cnt[0]) < 1 or int(algos["state"][0]) != 0:
-            raise RuntimeError(f"cuBLASLt heuristic returned no usable algorithm for {self.describe} "
-                               f"(count {int(cnt[0])}, state {int(algos['state'][0])})")
-        self.algos, self.n_algos = algos, int(cnt[0])
-        self.use(0)
-
-    def use(self, i: int):
-        """Launch with the heuristic's ``i``-th algorithm from now on (0, its first choice, by default)."""
-        if not 0 <= i < self.n_algos or int(self.algos["state"][i]) != 0:
-            raise IndexError(f"algorithm {i} of {self.n_algos} is not usable for {self.describe}")
-        self.ws_need = int(self.algos["workspace_size"][i])
-        # 'algo' is the first field of the result struct
-        self.algo_ptr = int(self.algos.ctypes.data) + i * self.algos.itemsize
-
-    def destroy(self, lt):
-        for lay in self.layouts:
-            lt.matrix_layout_destroy(lay)
-        self.layouts = []
-        if self.desc is not None:
-            lt.matmul_desc_destroy(self.desc)
-            self.desc = None
 
 
 def clear_plans():
     """Destroy every cached plan (call after the GPU finished the work that used them)."""
-    lt = _import_lt()[0]
     for p in _PLANS.values():
-        if lt is not None:
-            p.destroy(lt)
+        p.destroy()
     _PLANS.clear()
+
+
+def cached_plan(key: tuple, build):
+    """The cached plan of ``key``, or ``build()``'s, kept under ``key`` (``clear_plans`` destroys them all)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = build()
+    return plan
 
 
 def plan_count() -> int:
@@ -380,18 +320,18 @@ def _plan_key(device_id, a, b, trans_a, trans_b, out, bias_arr, epilogue, m, n, 
     b_stride = k * n if b.ndim > 2 else 0
     a_ptr, b_ptr, o_ptr = ptrs
     if count > 1:
-        align = (_alignment(a_ptr, m * k * a.dtype.itemsize), _alignment(b_ptr, b_stride * a.dtype.itemsize),
-                 _alignment(o_ptr, m * n * out.dtype.itemsize))
+        align = (alignment(a_ptr, m * k * a.dtype.itemsize), alignment(b_ptr, b_stride * a.dtype.itemsize),
+                 alignment(o_ptr, m * n * out.dtype.itemsize))
     else:
-        align = (_alignment(a_ptr), _alignment(b_ptr), _alignment(o_ptr))
+        align = (alignment(a_ptr), alignment(b_ptr), alignment(o_ptr))
     bias_code = CUDA_DATA_TYPES[bias_arr.dtype] if bias_arr is not None else None
     return (device_id, epilogue, a.dtype.name, out.dtype.name, bias_code, bool(trans_a), bool(trans_b), m, n, k,
             count, b.ndim > 2, align)
 
 
 def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha, beta, m, n, k, batch):
-    lt = _lt_module()
-    st = _device_state(lt, cp)
+    lt = lt_module()
+    st = device_state(lt, cp)
     a_ptr, b_ptr, o_ptr = ptrs = (int(a.data.ptr), int(b.data.ptr), int(out.data.ptr))
     bias_arr = bias if bias is not None else dbias
     key = _plan_key(st.device_id, a, b, trans_a, trans_b, out, bias_arr, epilogue, m, n, k, batch, ptrs)
@@ -419,12 +359,8 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
         plan.ptr_buf[1] = aux_ptr
         lt.matmul_desc_set_attribute(plan.desc, st.attr_aux_pointer, plan.ptr_addr + 8, 8)
         plan.last_aux = aux_ptr
-    stream = cp.cuda.get_current_stream().ptr
-    try:
-        lt.matmul(st.handle, plan.desc, scalar_ptr(alpha), b_ptr, plan.la, a_ptr, plan.lb, scalar_ptr(beta),
-                  o_ptr, plan.lc, o_ptr, plan.lc, plan.algo_ptr, st.ws_ptr, st.ws_size, stream)
-    except Exception as e:
-        raise RuntimeError(f"cublasLtMatmul failed for {plan.describe}: {type(e).__name__}: {e}") from e
+    plan.launch(st, scalar_ptr(alpha), b_ptr, a_ptr, scalar_ptr(beta), o_ptr, o_ptr,
+                cp.cuda.get_current_stream().ptr)
     return out
 
 
@@ -472,6 +408,6 @@ def lt_flops(m: int, n: int, k: int, batch: int = 1) -> float:
     return 2.0 * m * n * k * batch
 
 
-__all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "clear_plans",
-           "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm", "plan_count", "plan_key",
-           "unavailable_reason"]
+__all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "cached_plan",
+           "clear_plans", "device_state", "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm",
+           "lt_module", "plan_count", "plan_key", "unavailable_reason"]

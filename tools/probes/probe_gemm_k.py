@@ -387,8 +387,8 @@ def lt_enumerate(cp, w, dtype_name, shape, ks, a, b, a64, b64, budget, log, requ
     if not cublaslt.available():
         w.emit({"kind": "lt_algo", "skipped": cublaslt.unavailable_reason()})
         return
-    lt = cublaslt._lt_module()
-    st = cublaslt._device_state(lt, cp)
+    lt = cublaslt.lt_module()
+    st = cublaslt.device_state(lt, cp)
     CA = lt.MatmulAlgoConfigAttribute
     set_desc = _setter(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
     set_pref = _setter(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype)
@@ -737,7 +737,7 @@ def main(argv=None) -> int:
             from llmgpu.gemm import cublaslt
 
             if cublaslt.available():
-                meta["cublaslt"] = int(cublaslt._lt_module().get_version())
+                meta["cublaslt"] = int(cublaslt.lt_module().get_version())
         except Exception as e:
             meta["cublaslt_error"] = str(e)
         if torch_mod is not None:
