@@ -8,6 +8,7 @@ reference implementation (float32/float64), which is also the chapter's math.
     chapter 2      softmax_forward, softmax_backward, attention_forward, attention_backward
     chapter 3      layernorm_*, gelu_*, cross_entropy_*, embedding_*
     Llama          rmsnorm_*, rope_* (rotary position embedding), swiglu_* (the gated MLP activation)
+    chapter 5      cast (fp32 / bf16 / fp16), fp8 (FP8 formats, scaled casts with amax): imported as modules
     chapter 8      add_layernorm_forward (residual add fused into LayerNorm); flash_attention (cuDNN, optional)
 """
 

@@ -50,6 +50,8 @@ NVIDIA_ONLY = {
                        "MFMA intrinsics and a 64-lane fragment layout instead",
     "flash_attention_wgmma": "Hopper's warpgroup MMAs (wgmma: inline PTX for sm_90a, NVIDIA Hopper GPUs "
                              "only)",
+    "fp8": "cuda_fp8.h's OCP FP8 conversions (cvt.rn.satfinite.e4m3x2/e5m2x2 on sm_89+): ROCm 5.2 has no FP8 "
+           "header, and AMD's MI300 FP8 types are the FNUZ variants (another NaN, another bias)",
     "spin": "inline PTX (%globaltimer) and __nanosleep: a timing tool for NVIDIA GPUs",
 }
 _ERROR = re.compile(r"error: (.*)")

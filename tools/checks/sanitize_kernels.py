@@ -17,8 +17,9 @@ attention (tensor-core forward and every variant of the deterministic backward, 
 D = 64 and 128, T = 1, 65, 130, causal or not, on strided views of one QKV buffer),
 layernorm (naive / optimized / fast, register and shared accumulators, residual, fused add+LN), GELU,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
-optimized / counting), cast, AdamW (flat, per tensor, with working copy, skipped step), the fused
-gradient norm / clip, the loss scaler's update, the timing spin kernel; then one tiny training step
+optimized / counting), cast, the FP8 casts (flat, transposing, amax only) and the amax history's scale
+update, AdamW (flat, per tensor, with working copy, skipped step), the fused gradient norm / clip, the loss
+scaler's update, the timing spin kernel; then one tiny training step
 of ``GPT`` and of ``FastGPT`` with cuDNN's flash attention switched off (``FastOptions(attention_kernel="math")``,
 the chapter 2 kernels instead) followed by clipping and an AdamW step. Ends with a device synchronisation.
 
@@ -249,6 +250,20 @@ def ops(d: Driver):
         for dst in DTYPES:
             for n in (1, 1001):
                 d.run(f"cast {src}->{dst} n={n}", ca.cast, d.arr((n,), src), dst)
+
+    from llmgpu.ops import fp8
+
+    for dt in DTYPES:
+        for fmt in fp8.FP8_FORMATS:
+            for shape in ((1,), (7, 13), (64, 64), (65, 129)):  # scalar and vector paths, partial tiles
+                x, scale = d.arr(shape, dt, 30.0), d.xp.full(1, 2.0, np.float32)
+                amax = d.xp.zeros(1, np.float32)
+                d.run(f"fp8_cast {dt}->{fmt} {shape}", fp8.fp8_cast, x, scale, fmt, amax=amax)
+                d.run(f"fp8_cast transpose {dt}->{fmt} {shape}", fp8.fp8_cast, x, scale, fmt, transpose=True,
+                      amax=amax, accumulate_amax=True)
+            d.run(f"fp8_amax {dt}", fp8.fp8_amax, d.arr((1001,), dt))
+    for length in (1, 300):
+        d.run(f"AmaxHistory.update length={length}", fp8.AmaxHistory("e4m3", length, xp=d.xp).update)
 
 
 def dist(d: Driver):

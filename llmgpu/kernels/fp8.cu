@@ -1,0 +1,225 @@
+// fp8.cu: scaled casts to FP8 that also measure amax, and the scale update of delayed scaling (chapter 5, Hopper).
+//
+// An FP8 tensor is its bytes (the host keeps them as uint8 arrays: CuPy has no float8 dtype) plus one fp32
+// scale: q = fp8(x * scale), x ~ q * scale_inv. Every kernel here reads the scale from device memory and
+// writes amax = max |x| to device memory, so a training step that picks its scales on the GPU stays free of
+// host synchronisation and capturable in a CUDA graph.
+//
+// * Rounding: x * scale in fp32 (one IEEE multiply), then one round-to-nearest-even to the format
+//   (cvt.rn.satfinite on sm_89+, cuda_fp8.h's bit-exact emulation on sm_80).
+// * Saturating: |x * scale| beyond the format's largest finite value (448 for E4M3, 57344 for E5M2) and
+//   +-inf become +-that value (__NV_SATFINITE): an outlier costs precision, never an inf or NaN in the GEMM.
+// * NaN in, NaN out: always the byte FP8_NAN_BITS (a NaN in both formats), whatever the input's payload or sign.
+// * amax: max |x| over the input *before* scaling, as fp32. NaN propagates: one NaN input makes amax the
+//   canonical quiet NaN (bits 0x7fc00000), so the scale update and the trainer's finiteness check see it.
+//   The reduction works on the bit patterns of |x| as unsigned integers: for non-negative floats that order
+//   is the numeric order, +inf (0x7f800000) sits above every finite value and the canonical NaN above +inf.
+//   Each block reduces its part, then one atomicMax per block: max is order-independent, so the result is
+//   deterministic (bit-identical run to run). The host zeroes amax first (or leaves it, to accumulate).
+// * Transposed copy: cuBLASLt's FP8 GEMMs take only the "TN" layout, in row-major words out = a @ b^T with
+//   both operands contiguous along K. The backward GEMMs need x^T, dy^T and W^T, so the tiled cast writes
+//   y [R, C] and y^T [C, R] from one read of x (either output may be skipped).
+// NVIDIA-only (cuda_fp8.h; tools/checks/hip_compile_check.py says why). Ideas from NVIDIA Transformer Engine
+// (cast + transpose + amax in one pass; delayed scaling with an amax history) and Micikevicius et al. 2022,
+// "FP8 Formats for Deep Learning" (the two formats, per-tensor scales).
+#include "common.cuh"
+#include <cuda_fp8.h>
+
+// llmgpu:kernel fp8_cast_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}>
+// llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}>
+// llmgpu:kernel fp8_update_scale_kernel
+
+#define FP8_NAN_BITS 127         // 0x7f: NaN in E4M3 (S.1111.111) and in E5M2 (S.11111.11)
+#define FP8_SCALE_EXP_LIMIT 126  // scales are clamped to [2^-126, 2^126], so 1/scale is a finite normal float
+#define FP8_TILE 64              // the transposing cast's tile: 64 x 64 elements per block
+#define FP8_THREADS 256          // block size of every kernel here (the host reads it)
+
+constexpr unsigned FP8_QNAN_BITS = 0x7fc00000u;  // the canonical quiet NaN, what NaN inputs make amax
+
+// |v| as ordered bits: the unsigned order of these is the numeric order of |v|, NaN on top.
+__device__ __forceinline__ unsigned abs_bits(float v) {
+    return v != v ? FP8_QNAN_BITS : (__float_as_uint(v) & 0x7fffffffu);
+}
+
+template <__nv_fp8_interpretation_t FMT>
+__device__ __forceinline__ unsigned char to_fp8(float v, float scale) {
+    const float s = v * scale;
+    return s != s ? (unsigned char)FP8_NAN_BITS : (unsigned char)__nv_cvt_float_to_fp8(s, __NV_SATFINITE, FMT);
+}
+
+// Four elements to four bytes (element 0 in the low byte, as they lie in memory), two per conversion.
+template <__nv_fp8_interpretation_t FMT>
+__device__ __forceinline__ unsigned to_fp8x4(const float (&v)[4], float scale) {
+    float s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = v[k] * scale;
+    unsigned w = (unsigned)__nv_cvt_float2_to_fp8x2(make_float2(s[0], s[1]), __NV_SATFINITE, FMT) |
+                 ((unsigned)__nv_cvt_float2_to_fp8x2(make_float2(s[2], s[3]), __NV_SATFINITE, FMT) << 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        if (s[k] != s[k]) w = (w & ~(0xffu << (8 * k))) | ((unsigned)FP8_NAN_BITS << (8 * k));
+    return w;
+}
+
+// The block's max of `m` (bits of |x|), then one atomicMax into amax (skipped when there is nothing to raise).
+__device__ __forceinline__ void block_amax_to(unsigned m, float* amax) {
+    __shared__ unsigned warp_max_bits[32];
+    for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x * blockDim.y) >> 5;
+    if (lane == 0) warp_max_bits[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < nwarps ? warp_max_bits[lane] : 0u;
+        for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+        if (lane == 0 && m) atomicMax(reinterpret_cast<unsigned*>(amax), m);
+    }
+}
+
+// Flat cast: y[i] = fp8(x[i] * scale) for any shape; amax (optional: nullptr skips it) of |x|; thread 0 of
+// block 0 writes scale_inv = 1 / scale (the dequantization factor the GEMM reads; optional too).
+// vec: the host says x and y are aligned to 4 elements, so 4 elements move per access.
+template <typename T, __nv_fp8_interpretation_t FMT>
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_cast_kernel(const T* __restrict__ x, unsigned char* __restrict__ y, long long n, const float* __restrict__ scale,
+                float* __restrict__ scale_inv, float* __restrict__ amax, int vec) {
+    const float s = *scale;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    if (tid == 0 && scale_inv) *scale_inv = 1.0f / s;
+    unsigned m = 0;
+    const long long n4 = vec ? n / 4 : 0;
+    for (long long i = tid; i < n4; i += nthreads) {
+        float v[4];
+        load4_stream(x + 4 * i, v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+        store_stream(reinterpret_cast<unsigned*>(y) + i, to_fp8x4<FMT>(v, s));
+    }
+    for (long long i = 4 * n4 + tid; i < n; i += nthreads) {
+        const float v = to_float(x[i]);
+        m = max(m, abs_bits(v));
+        y[i] = to_fp8<FMT>(v, s);
+    }
+    if (amax) block_amax_to(m, amax);
+}
+
+// amax only (current scaling measures the tensor before it picks the scale that casts it).
+template <typename T>
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_amax_kernel(const T* __restrict__ x, long long n, float* __restrict__ amax, int vec) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    unsigned m = 0;
+    const long long n4 = vec ? n / 4 : 0;
+    for (long long i = tid; i < n4; i += nthreads) {
+        float v[4];
+        load4_stream(x + 4 * i, v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+    }
+    for (long long i = 4 * n4 + tid; i < n; i += nthreads) m = max(m, abs_bits(to_float(x[i])));
+    block_amax_to(m, amax);
+}
+
+// Cast + transpose: x [R, C] row-major -> y [R, C] and yt [C, R] (either may be nullptr), amax, scale_inv.
+// One block per 64 x 64 tile (grid.x over row tiles, grid.y over column tiles), 256 threads. Each thread
+// reads VEC consecutive elements of a row (coalesced), writes their bytes to y and to a shared tile; after
+// the barrier it gathers VEC consecutive *rows* of one column from the tile and writes them as one access
+// of yt's row. VEC = 4 needs C % 4 == 0, R % 4 == 0 and x, y, yt aligned to 4 elements (the host checks);
+// VEC = 1 takes any shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into
+// different shared-memory banks.
+template <typename T, __nv_fp8_interpretation_t FMT, int VEC>
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y, unsigned char* __restrict__ yt,
+                          long long R, long long C, const float* __restrict__ scale, float* __restrict__ scale_inv,
+                          float* __restrict__ amax) {
+    constexpr int PITCH = FP8_TILE + 1;
+    constexpr int GROUPS = FP8_TILE / VEC;                      // VEC-wide groups per tile row
+    constexpr int ITERS = FP8_TILE * GROUPS / FP8_THREADS;      // groups per thread
+    __shared__ unsigned char tile[FP8_TILE * PITCH];
+    const float s = *scale;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && scale_inv) *scale_inv = 1.0f / s;
+    const long long r0 = (long long)blockIdx.x * FP8_TILE, c0 = (long long)blockIdx.y * FP8_TILE;
+    unsigned m = 0;
+#pragma unroll 4  // VEC = 1 has 16 iterations: unrolling them all costs ~110 registers
+    for (int it = 0; it < ITERS; ++it) {
+        const int g = threadIdx.x + it * FP8_THREADS;
+        const int r = g / GROUPS, c = (g % GROUPS) * VEC;
+        const long long row = r0 + r, col = c0 + c;
+        if (row >= R || col >= C) continue;  // VEC = 4: C % 4 == 0, so a group is wholly in or out
+        const long long i = row * C + col;
+        unsigned char q[VEC];
+        if constexpr (VEC == 4) {
+            float v[4];
+            load_pack<T, 4>(x + i, v);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+            const unsigned w = to_fp8x4<FMT>(v, s);
+            if (y) *reinterpret_cast<unsigned*>(y + i) = w;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) q[k] = (unsigned char)(w >> (8 * k));
+        } else {
+            const float v = to_float(x[i]);
+            m = max(m, abs_bits(v));
+            q[0] = to_fp8<FMT>(v, s);
+            if (y) y[i] = q[0];
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) tile[r * PITCH + c + k] = q[k];
+    }
+    if (yt) {
+        __syncthreads();
+#pragma unroll 4
+        for (int it = 0; it < ITERS; ++it) {
+            const int g = threadIdx.x + it * FP8_THREADS;
+            const int c = g / GROUPS, r = (g % GROUPS) * VEC;  // yt's row c (x's column), x's rows r .. r+VEC-1
+            const long long col = c0 + c, row = r0 + r;
+            if (row >= R || col >= C) continue;  // VEC = 4: R % 4 == 0
+            if constexpr (VEC == 4) {
+                unsigned w = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) w |= (unsigned)tile[(r + k) * PITCH + c] << (8 * k);
+                *reinterpret_cast<unsigned*>(yt + col * R + row) = w;
+            } else {
+                yt[col * R + row] = tile[r * PITCH + c];
+            }
+        }
+    }
+    if (amax) block_amax_to(m, amax);  // its own shared scratch: no race with the tile
+}
+
+// Delayed scaling's bookkeeping, one block: history[pos] = *amax, pos = (pos + 1) % n, then the scale from
+// the max of the whole history: scale = fp8_max / amax_max * margin_factor (margin_factor = 2^-margin),
+// clamped to [2^-126, 2^126], rounded down to a power of two when pow2 (exact dequantization); a history max
+// that is 0, inf or NaN keeps the previous scale. scale_inv = 1 / scale. Current scaling is n = 1.
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_update_scale_kernel(float* __restrict__ history, int n, int* __restrict__ pos, const float* __restrict__ amax,
+                        float* __restrict__ scale, float* __restrict__ scale_inv, float fp8_max, float margin_factor,
+                        int pow2) {
+    __shared__ unsigned warp_max_bits[32];
+    if (threadIdx.x == 0) history[*pos] = *amax;
+    __syncthreads();  // the block sees the new entry before it reduces
+    unsigned m = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, abs_bits(history[i]));
+    for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max_bits[warp] = m;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max_bits[w]);
+    const float a = __uint_as_float(m);
+    float sc = *scale;
+    if (m != 0u && m < 0x7f800000u) {  // finite and > 0
+        const float lo = __uint_as_float((unsigned)(127 - FP8_SCALE_EXP_LIMIT) << 23);
+        const float hi = __uint_as_float((unsigned)(127 + FP8_SCALE_EXP_LIMIT) << 23);
+        sc = fp8_max / a;  // IEEE division (no fast math): the NumPy reference gets the same bits
+        sc = sc * margin_factor;
+        sc = fminf(fmaxf(sc, lo), hi);
+        if (pow2) sc = __uint_as_float(__float_as_uint(sc) & 0x7f800000u);
+    }
+    *scale = sc;
+    *scale_inv = 1.0f / sc;
+    *pos = (*pos + 1) % n;
+}
