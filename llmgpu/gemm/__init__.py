@@ -6,6 +6,8 @@
   (``nvmath-python``, the ``fast`` extra): bias, GELU and bias-gradient epilogues, and capturable in a
   CUDA graph. Imported on its own (``from llmgpu.gemm.cublaslt import lt_gemm``): it sits above the
   chapter 3 ops whose GELU its NumPy reference reuses.
+* ``llmgpu.gemm.fp8``: ``fp8_gemm``, FP8 operands (Hopper) through the same cuBLASLt path, per-tensor scales
+  read on the device (chapter 5); ``llmgpu.gemm.lt_plan`` is the cuBLASLt plan both build on.
 """
 
 from .cublas import CUDA_DATA_TYPES, check_operands, gemm, gemm_flops, prepare_out
