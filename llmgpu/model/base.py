@@ -32,7 +32,7 @@ from .. import backend
 from ..checks import check_token_ids
 from ..ops.cross_entropy import cross_entropy_forward
 from ..optim.params import ALIGN, FlatParams
-from .config import WTE, GPTConfig, activation_bytes, param_shapes
+from .config import WTE, GPTConfig, activation_bytes, block_param_names, param_shapes
 
 PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
 
@@ -74,6 +74,10 @@ class GPTBase:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names and shapes of the parameters, in their order in the flat buffers."""
         return param_shapes(self.config)
+
+    def _block_names(self, i: int) -> list[str]:
+        """The parameter names of block i (whose gradients are final once its backward has run)."""
+        return list(block_param_names(i).values())
 
     @property
     def tied(self) -> bool:

@@ -105,6 +105,7 @@ class FastGPT(GPTBase):
     shape (a ``KernelChoices``: a training run saves it in its checkpoint and pins it on resume)."""
 
     keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
+    _head_name = WTE  # the LM head's weight (the tied embedding)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN, options: FastOptions | None = None):
@@ -176,13 +177,14 @@ class FastGPT(GPTBase):
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
                 bias_grad(dy, out=G(b_name), accumulate=True)
 
-    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None):
+    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None, beta=0.0):
+        """``dy W`` (``+ beta · out``: a second branch's input gradient added by the GEMM)."""
         w = self.weight(w_name)
         n = dy.shape[0]
         m, k = w.shape
-        nbytes = (n * m + m * k + n * k * (2 if aux is not None else 1)) * dy.dtype.itemsize
+        nbytes = (n * m + m * k + n * k * (2 if aux is not None or beta else 1)) * dy.dtype.itemsize
         with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
-            return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out)
+            return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out, beta=beta)
 
     def _add_ln(self, x, a, ln, *, name):
         """(x + a written over a, LN(x + a), mean, rstd)."""
@@ -280,10 +282,11 @@ class FastGPT(GPTBase):
         return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
 
     def _forward_trunk(self, idx, store: bool, keep_pre: bool | None = None):
-        """Embeddings, the blocks and ln_f. Returns ``(x_L [N, C], hf, mean_f, rstd_f, caches, inputs)``:
-        with ``store``, every block's cache (no checkpointing) or every k-th block's input state. Without
-        ``store`` (inference) the MLP's GEMM does not keep its pre-activation (``keep_pre``, default ``store``).
-        With checkpointing the first pass keeps it too, so that the span inputs are the same bits as without."""
+        """Embeddings, the blocks and ln_f. Returns ``(state, caches, inputs)``: the final state ``(x_L [N, C],
+        hf = ln_f(x_L), its statistics...)``; with ``store``, every block's cache (no checkpointing) or every k-th
+        block's input state. Without ``store`` (inference) the MLP's GEMM does not keep its pre-activation
+        (``keep_pre``, default ``store``). With checkpointing the first pass keeps it too, so that the span inputs
+        are the same bits as without."""
         keep_pre = store if keep_pre is None else keep_pre
         B, T = idx.shape
         L, k = self.config.n_layer, self.checkpoint_every if store else 0
@@ -296,12 +299,12 @@ class FastGPT(GPTBase):
             if store and not k:
                 caches[i] = c
             del c
-        return (*state, caches, inputs)
+        return state, caches, inputs
 
     def _logits(self, hf):
         N = hf.shape[0]
         Vp, V = self.config.padded_vocab_size, self.config.vocab_size
-        logits = self._linear(hf, WTE, name="lm_head fwd")
+        logits = self._linear(hf, self._head_name, name="lm_head fwd")
         if Vp != V:
             with region("lm_head pad", bytes=N * (Vp - V) * logits.dtype.itemsize, flops=float(N * (Vp - V))):
                 logits[:, V:] = PAD_LOGIT
@@ -312,7 +315,7 @@ class FastGPT(GPTBase):
         idx = self.check_idx(idx)
         B, T = idx.shape
         C = self.config.n_embd
-        _, hf, _, _, _, _ = self._forward_trunk(idx, store=False)
+        (_, hf, *_), _, _ = self._forward_trunk(idx, store=False)
         if last_only:
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
         return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
@@ -399,9 +402,32 @@ class FastGPT(GPTBase):
         """The LM head's backward for one chunk: ``dh = dlogits W`` and ``dW += dlogitsᵀ h`` (fp32)."""
         n, Vp = dlogits.shape
         C, it = h.shape[1], self.dtype.itemsize
-        self._dgrad(dlogits, WTE, name="lm_head", out=dh)
+        self._dgrad(dlogits, self._head_name, name="lm_head", out=dh)
         with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
-            wgrad_gemm(dlogits, h, out=self.params.grad_of(WTE), beta=1.0, gemm=lt_gemm)
+            wgrad_gemm(dlogits, h, out=self.params.grad_of(self._head_name), beta=1.0, gemm=lt_gemm)
+
+    def _final_norm_backward(self, dhf, state):
+        """ln_f's backward from the final state: (the residual stream's gradient [N, C], the names made final)."""
+        x, _, mean, rstd = state
+        return self._ln_backward(dhf, x, "transformer.ln_f", mean, rstd, None, name="ln_f bwd"), [LNF_W, LNF_B]
+
+    def _embed_backward(self, dx, idx) -> list[str]:
+        """The embeddings' backward from the residual stream's gradient ``dx [N, C]``: their names."""
+        cfg, G = self.config, self.params.grad_of
+        B, T = idx.shape
+        N, C, Vp, it = B * T, cfg.n_embd, cfg.padded_vocab_size, self.dtype.itemsize
+        method = self.options.embedding_backward_method if self.xp is not np else "optimized"
+        if self.options.embedding_grad_into_fp32:  # fp32 row sums added into the fp32 gradients, touched rows only
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
+                embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
+                                   dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
+        else:
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
+                        flops=float(N * C)):
+                dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method)
+                accumulate_grad(G(WTE), dwte)
+                accumulate_grad(G(WPE), dwpe)
+        return [WTE, WPE]
 
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
         """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
@@ -410,26 +436,22 @@ class FastGPT(GPTBase):
         idx, targets = self.check_batch(idx, targets)
         ready = grads_ready or (lambda names: None)
         B, T = idx.shape
-        N, C, L, k = B * T, cfg.n_embd, cfg.n_layer, self.checkpoint_every
-        Vp = cfg.padded_vocab_size
-        G = self.params.grad_of
-        it = self.dtype.itemsize
+        L, k = cfg.n_layer, self.checkpoint_every
 
-        xL, hf, meanf, rstdf, caches, inputs = self._forward_trunk(idx, store=True)
+        state, caches, inputs = self._forward_trunk(idx, store=True)
         stored = nbytes_of(caches) + nbytes_of(inputs)
-        loss, dhf = self._head_forward_backward(hf, targets.reshape(-1), dloss)
-        del hf
+        loss, dhf = self._head_forward_backward(state[1], targets.reshape(-1), dloss)
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
-        dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
-        ready([LNF_W, LNF_B])
-        del dhf, xL
+        dx, names = self._final_norm_backward(dhf, state)
+        ready(names)
+        del dhf, state
 
         peak = stored
         if k == 0:
             for i in reversed(range(L)):
                 dx = self._block_backward(i, dx, caches[i], B, T)
                 caches[i] = None
-                ready(list(block_param_names(i).values()))
+                ready(self._block_names(i))
         else:
             for s in reversed(range(0, L, k)):  # the spans, last to first
                 e = min(s + k, L)
@@ -442,21 +464,10 @@ class FastGPT(GPTBase):
                 for j in reversed(range(s, e)):
                     dx = self._block_backward(j, dx, span[j - s], B, T)
                     span[j - s] = None
-                    ready(list(block_param_names(j).values()))
+                    ready(self._block_names(j))
                 inputs[s] = None
 
-        method = self.options.embedding_backward_method if self.xp is not np else "optimized"
-        if self.options.embedding_grad_into_fp32:  # fp32 row sums added into the fp32 gradients, touched rows only
-            with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
-                embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
-                                   dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
-        else:
-            with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
-                        flops=float(N * C)):
-                dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method)
-                accumulate_grad(G(WTE), dwte)
-                accumulate_grad(G(WPE), dwpe)
-        ready([WTE, WPE])
+        ready(self._embed_backward(dx, idx))
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 
