@@ -334,6 +334,29 @@ def test_auto_resolves_grouped_heads_like_any_shape(rng, monkeypatch, tmp_path):
     assert fa._resolve("auto", "fwd", q80, (k80, k80, q80), True, timed.append, fa.KernelChoices()) == "cudnn"
 
 
+def test_flash_benchmark_takes_grouped_shapes(capsys):
+    """benchmarks/bench_flash_attention.py --shape B,H,H_kv,T,D: a shape H_kv does not divide is a usage error naming
+    the form; a good one runs (on a GPU it is the benchmark itself: run it there; here it says why it times nothing)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        main = runpy.run_path(str(Path(bench_dir) / "bench_flash_attention.py"), run_name="bench")["main"]
+        for bad in ("8,9,4,2048,64", "8,9,3,2048", "8,9,x,2048,64"):
+            with pytest.raises(SystemExit) as e:
+                main(["--shape", bad])
+            assert e.value.code == 2 and "--shape takes B,H,H_kv,T,D" in capsys.readouterr().err
+        if backend.default_xp() is not np:
+            pytest.skip("a GPU is usable: run benchmarks/bench_flash_attention.py --shape 8,9,3,2048,64 itself")
+        assert main(["--shape", "8,9,3,2048,64"]) == {}
+    finally:
+        sys.path.remove(bench_dir)
+    assert "need a GPU" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- GPU
 
 GPU_GQA = [(1, 4, 2, 1, 8), (2, 6, 2, 33, 64), (1, 4, 1, 128, 64), (2, 6, 3, 77, 32), (1, 8, 2, 100, 128)]
