@@ -192,6 +192,13 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
     if fast:
         res["attention_kernel"] = model.options.attention_kernel
         res["attention_kernels"] = model.kernel_choices.as_dict()
+    if captured is not None and captured.pool is not None:
+        # the graph's private pool keeps its freed blocks cached for as long as anything allocated from it lives;
+        # drop the step, then hand those blocks back so that the next mode (PyTorch) gets the memory
+        graph_pool = captured.pool
+        del run, model, captured, rec
+        release_memory()
+        graph_pool.free_all_blocks()
     return res
 
 
