@@ -118,7 +118,7 @@ class GPTBase:
         if self.xp is np:
             return "CUDA graphs need the GPU (CuPy) backend; this model runs on NumPy"
         return (f"{type(self).__name__} runs its GEMMs through CuPy's cuBLAS, which refuses stream capture; "
-                "use FastGPT in bf16/fp16 for a graph step, or graph=False")
+                "use the fast step (FastGPT, FastLlama) in bf16/fp16 for a graph step, or graph=False")
 
     def check_capturable(self):
         """Raise ValueError saying why, unless the training step can be captured as a CUDA graph."""

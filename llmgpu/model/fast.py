@@ -129,11 +129,11 @@ class FastGPT(GPTBase):
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
         if self.options.attention_kernel == "math":
-            return ("FastGPT with attention_kernel='math' runs chapter 2's attention, whose GEMMs are CuPy's cuBLAS "
-                    "calls, which refuse stream capture; use a flash attention kernel for a graph step, or "
-                    "graph=False")
-        return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash attention "
-                "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
+            return (f"{type(self).__name__} with attention_kernel='math' runs chapter 2's attention, whose GEMMs are "
+                    "CuPy's cuBLAS calls, which refuse stream capture; use a flash attention kernel for a graph step, "
+                    "or graph=False")
+        return (f"{type(self).__name__} in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash "
+                "attention takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
                 "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
 
     @property
