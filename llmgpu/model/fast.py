@@ -105,7 +105,6 @@ class FastGPT(GPTBase):
     shape (a ``KernelChoices``: a training run saves it in its checkpoint and pins it on resume)."""
 
     keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
-    _head_name = WTE  # the LM head's weight (the tied embedding)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN, options: FastOptions | None = None):

@@ -26,18 +26,15 @@ with ``Llama``'s to rounding (the same ops in another order of rounding; in floa
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
-from ..ops.embedding import embedding_backward
 from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view
 from ..ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward
 from ..ops.swiglu import swiglu_backward, swiglu_forward
 from .fast import FastGPT
 from .llama import LlamaFamily
-from .llama_config import EMBED, LM_HEAD, NORM, block_names
+from .llama_config import EMBED, NORM, block_names
 
 
 class FastLlama(LlamaFamily, FastGPT):
@@ -194,17 +191,7 @@ class FastLlama(LlamaFamily, FastGPT):
     def _final_norm_backward(self, dhf, state):
         x, _, inv = state
         dx = self._norm_backward(dhf, x, NORM, inv, None, name="norm bwd")
-        return dx, [NORM] + ([] if self.config.tie_embeddings else [LM_HEAD])
-
-    def _embed_backward(self, dx, idx) -> list[str]:
-        B, T = idx.shape
-        N, C, Vp = B * T, self.config.n_embd, self.config.padded_vocab_size
-        method = "counting" if self.xp is not np else "optimized"
-        it = self.dtype.itemsize
-        with region("embedding bwd", bytes=N * C * it + 4 * N + 8 * min(N, Vp) * C, flops=float(N * C)):
-            embedding_backward(dx.reshape(B, T, C), idx, Vp, T, method=method, dwte_out=self.params.grad_of(EMBED),
-                               accumulate=True, positions=False)
-        return [EMBED]
+        return dx, self._norm_and_head_names()
 
 
 __all__ = ["FastLlama"]

@@ -77,9 +77,21 @@ class LlamaFamily:
     def _block_names(self, i: int) -> list[str]:
         return list(block_names(i).values())
 
-    @property
-    def _head_name(self) -> str:
-        return EMBED if self.config.tie_embeddings else LM_HEAD
+    def _norm_and_head_names(self) -> list[str]:
+        """The gradients made final by the final norm's and the LM head's backward (a tied head's waits for the
+        embedding's)."""
+        return [NORM] + ([] if self.tied else [LM_HEAD])
+
+    def _embed_backward(self, dx, idx) -> list[str]:
+        """The lookup's gradient from the residual stream's ``dx`` (``[B, T, C]`` or ``[N, C]``): its rows added into
+        their tokens' rows in fp32 (chapter 1's embedding backward without its position half: a Llama has none)."""
+        B, T = idx.shape
+        N, C, Vp = B * T, self.config.n_embd, self.config.padded_vocab_size
+        with region("embedding bwd", bytes=N * C * self.dtype.itemsize + 4 * N + 8 * min(N, Vp) * C,
+                    flops=float(N * C)):
+            embedding_backward(dx.reshape(B, T, C), idx, Vp, T, method="counting", dwte_out=self.params.grad_of(EMBED),
+                               accumulate=True, positions=False)
+        return [EMBED]
 
 
 class Llama(LlamaFamily, GPT):
@@ -90,14 +102,6 @@ class Llama(LlamaFamily, GPT):
 
     def _embed(self, idx):
         return self.weight(EMBED)[idx]  # a gather: x [B, T, C]; no position vector (RoPE rotates q and k)
-
-    def _embed_backward(self, dx, idx) -> list[str]:
-        # the lookup's gradient: rows of dx added into their tokens' rows in fp32 (chapter 1's embedding backward,
-        # without its position half: a Llama has none)
-        B, T = idx.shape
-        embedding_backward(dx, idx, self.config.padded_vocab_size, T, method="counting",
-                           dwte_out=self.params.grad_of(EMBED), accumulate=True, positions=False)
-        return [EMBED]
 
     def _head(self, x):
         B, T, C = x.shape
@@ -119,7 +123,7 @@ class Llama(LlamaFamily, GPT):
         del dlogits, hf
         with region("norm bwd", bytes=3 * dhf.nbytes):
             dx, _ = rmsnorm_backward(dhf, x2d, self.weight(NORM), inv, dweight=G(NORM), accumulate=True)
-        return dx, [NORM] + ([] if self.config.tie_embeddings else [LM_HEAD])
+        return dx, self._norm_and_head_names()
 
     # ------------------------------------------------------------------ one block
 
