@@ -203,43 +203,52 @@ class FastGPT(GPTBase):
 
     def _attention_forward(self, qkv, B, T):
         """Causal attention on the ``[N, 3C]`` QKV buffer: ``(y [N, C], state for the backward)``."""
-        cfg, xp = self.config, self.xp
+        cfg = self.config
         H, C = cfg.n_head, cfg.n_embd
         D = C // H
         it = qkv.dtype.itemsize
         with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=4 * B * T * C * it):
-            q, k, v = split_qkv(qkv.reshape(B, T, 3 * C), H)
-            if self.flash:
-                y = xp.empty((B, T, C), dtype=qkv.dtype)
-                o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H),
-                                                   kernel=self.options.attention_kernel, choices=self.kernel_choices)
-                return y.reshape(B * T, C), (q, k, v, o, stats)
-            qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
-            o, stats = attention_forward(qc, kc, vc, causal=True)
-            y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
-            return y, (qc, kc, vc, o, stats)
+            return self._attention_core(*split_qkv(qkv.reshape(B, T, 3 * C), H), B, T)
 
     def _attention_backward(self, dy, state, B, T):
         """``dqkv [N, 3C]`` from ``dy [N, C]``."""
         cfg, xp = self.config, self.xp
         H, C = cfg.n_head, cfg.n_embd
         D = C // H
-        q, k, v, o, stats = state
         it = dy.dtype.itemsize
         with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=8 * B * T * C * it):
             dqkv = xp.empty((B, T, 3 * C), dtype=dy.dtype)
-            if self.flash:
-                dq, dk, dv = split_qkv(dqkv, H)
-                flash_attention_backward(heads_view(dy.reshape(B, T, C), H), q, k, v, o, stats, causal=True,
-                                         dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
-                                         choices=self.kernel_choices)
-            else:
-                do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-                grads = attention_backward(do, q, k, v, o, stats, causal=True)
-                d5 = dqkv.reshape(B, T, 3, H, D)
-                for j, g in enumerate(grads):
-                    d5[:, :, j] = g.transpose(0, 2, 1, 3)
+            self._attention_core_backward(dy, state, *split_qkv(dqkv, H), B, T)
             return dqkv.reshape(B * T, 3 * C)
+
+    def _attention_core(self, q, k, v, B, T):
+        """Causal attention on ``[B, H, T, D]`` views q and ``[B, H_kv, T, D]`` views k, v (strided views of the
+        GEMMs' rows): ``(y [N, C], state for the backward)``. Flash attention reads the views and writes y's rows;
+        chapter 2's kernels take contiguous copies."""
+        xp, H, C = self.xp, self.config.n_head, self.config.n_embd
+        if self.flash:
+            y = xp.empty((B, T, C), dtype=q.dtype)
+            o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H),
+                                               kernel=self.options.attention_kernel, choices=self.kernel_choices)
+            return y.reshape(B * T, C), (q, k, v, o, stats)
+        qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
+        o, stats = attention_forward(qc, kc, vc, causal=True)
+        y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
+        return y, (qc, kc, vc, o, stats)
+
+    def _attention_core_backward(self, dy, state, dq, dk, dv, B, T):
+        """The gradients of ``_attention_core`` from ``dy [N, C]``, written into the ``[B, n, T, D]`` views dq, dk, dv
+        (dk, dv summed over each K/V head's group of query heads)."""
+        xp, H = self.xp, self.config.n_head
+        q, k, v, o, stats = state
+        if self.flash:
+            flash_attention_backward(heads_view(dy.reshape(B, T, -1), H), q, k, v, o, stats, causal=True,
+                                     dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
+                                     choices=self.kernel_choices)
+            return
+        do = xp.ascontiguousarray(dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
+        for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):
+            out[...] = g
 
     # ------------------------------------------------------------------ forward
 

@@ -27,8 +27,7 @@ with ``Llama``'s to rounding (the same ops in another order of rounding; in floa
 from __future__ import annotations
 
 from ..instrument import region
-from ..ops.attention import attention_backward, attention_forward
-from ..ops.flash_attention import flash_attention_backward, flash_attention_forward, heads_view
+from ..ops.flash_attention import heads_view
 from ..ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward
 from ..ops.swiglu import swiglu_backward, swiglu_forward
@@ -75,39 +74,22 @@ class FastLlama(LlamaFamily, FastGPT):
 
     def _attention_forward(self, q, k, v, B, T):
         """Causal grouped-query attention on rows q [N, C], k, v [N, kv_dim]: ``(y [N, C], state)``."""
-        cfg, xp = self.config, self.xp
+        cfg = self.config
         H, Hk, C, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.head_dim
         it = q.dtype.itemsize
         with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=(2 * q.size + 2 * k.size) * it):
-            qh = heads_view(q.reshape(B, T, C), H)
             kh, vh = (heads_view(a.reshape(B, T, Hk * D), Hk) for a in (k, v))
-            if self.flash:
-                y = xp.empty((B, T, C), dtype=q.dtype)
-                o, stats = flash_attention_forward(qh, kh, vh, causal=True, out=heads_view(y, H),
-                                                   kernel=self.options.attention_kernel, choices=self.kernel_choices)
-                return y.reshape(B * T, C), (qh, kh, vh, o, stats)
-            qc, kc, vc = (xp.ascontiguousarray(t) for t in (qh, kh, vh))  # chapter 2's kernels: [B, n, T, D]
-            o, stats = attention_forward(qc, kc, vc, causal=True)
-            y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
-            return y, (qc, kc, vc, o, stats)
+            return self._attention_core(heads_view(q.reshape(B, T, C), H), kh, vh, B, T)
 
     def _attention_backward(self, dy, state, B, T):
         """``(dq [N, C], dk, dv [N, kv_dim])`` from ``dy [N, C]`` (dk, dv summed over each K/V head's group)."""
         cfg, xp = self.config, self.xp
         H, Hk, C, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.head_dim
-        q, k, v, o, stats = state
         it = dy.dtype.itemsize
-        with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=4 * (dy.size + k.size) * it):
+        with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=4 * (dy.size + B * T * Hk * D) * it):
             dq = xp.empty((B, T, C), dtype=dy.dtype)
             dk, dv = (xp.empty((B, T, Hk * D), dtype=dy.dtype) for _ in range(2))
-            if self.flash:
-                flash_attention_backward(heads_view(dy.reshape(B, T, C), H), q, k, v, o, stats, causal=True,
-                                         dq=heads_view(dq, H), dk=heads_view(dk, Hk), dv=heads_view(dv, Hk),
-                                         kernel=self.options.attention_kernel, choices=self.kernel_choices)
-            else:
-                do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-                for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):
-                    out[...] = g.transpose(0, 2, 1, 3).reshape(out.shape)
+            self._attention_core_backward(dy, state, heads_view(dq, H), heads_view(dk, Hk), heads_view(dv, Hk), B, T)
             return dq.reshape(B * T, C), dk.reshape(B * T, -1), dv.reshape(B * T, -1)
 
     # ------------------------------------------------------------------ forward
