@@ -7,27 +7,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_fast_model import _batch, _losses, _need_fast  # the chapter 8 tests' helpers (tests/ is not a package)
 
 from llmgpu import backend
 from llmgpu.model import FastLlama, FastOptions, Llama, LlamaConfig
-from llmgpu.train import TrainConfig, Trainer, fast_path_available, read_log
+from llmgpu.testing import rel_error
+from llmgpu.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.ch10
 
 # grouped-query (4 query heads, 2 K/V heads), an untied head, an unaligned vocabulary (FastGPT pads it to 64)
 CFG = LlamaConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, ffn_dim=40, vocab_size=37, block_size=16,
                   tie_embeddings=False)
-
-
-def _batch(rng, cfg, B=2, T=11, xp=np):
-    idx = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    tgt = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    return backend.to_device(idx, xp), backend.to_device(tgt, xp)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _pair(cfg, dtype, *, xp=np, seed=1, book_dtype=None, book_xp=None, **fast_kw):
@@ -43,7 +34,7 @@ def _grad_errors(fast, book):
     out = {}
     for name in book.params.names:
         g, ref = backend.to_numpy(fast.params.grad_of(name)), backend.to_numpy(book.params.grad_of(name))
-        out[name] = _rel(g[: ref.shape[0]], ref)
+        out[name] = rel_error(g[: ref.shape[0]], ref)
     return out
 
 
@@ -56,7 +47,7 @@ def test_fast_llama_matches_the_book_llama_in_float64(rng, tied, n_kv_head, k):
     cfg = replace(CFG, tie_embeddings=tied, n_kv_head=n_kv_head)
     fast, book = _pair(cfg, "fp64", checkpoint_every=k)
     assert fast.config.padded_vocab_size == 64 and book.config.padded_vocab_size == 37
-    idx, tgt = _batch(rng, cfg)
+    idx, tgt = _batch(rng, cfg, T=11)
     np.testing.assert_allclose(fast.forward(idx)[0], book.forward(idx)[0], rtol=0, atol=1e-12)
     lf = float(fast.forward_backward(idx, tgt, dloss=0.5))
     lb = float(book.forward_backward(idx, tgt, dloss=0.5))
@@ -84,7 +75,7 @@ def test_fast_llama_checkpointing_gives_bitwise_identical_gradients_and_the_pred
 
 def test_fast_llama_forward_last_only_and_accumulation(rng):
     fast, book = _pair(CFG, "fp64")
-    idx, tgt = _batch(rng, CFG)
+    idx, tgt = _batch(rng, CFG, T=11)
     full, _ = fast.forward(idx)
     last, _ = fast.forward(idx, last_only=True)
     np.testing.assert_allclose(last, full[:, -1], rtol=0, atol=1e-12)
@@ -112,12 +103,6 @@ def test_trainer_runs_the_fast_llama_on_the_cpu_when_asked(tmp_path):
 
 
 # --------------------------------------------------------------------------- GPU
-
-
-def _need_fast(cp):
-    ok, why = fast_path_available(cp, "bf16")
-    if not ok:
-        pytest.skip(f"fast path unavailable: {why}")
 
 
 @pytest.mark.gpu
@@ -170,10 +155,6 @@ def test_gpu_fast_llama_is_bitwise_repeatable(cp, rng):
 def _gpu_cfg(**kw):
     return {**dict(arch="llama", preset="llama-tiny", device="gpu", dtype="bf16", batch=4, seq=64, lr=3e-3, warmup=2,
                    eval_every=0, log_every=4, progress=False, sample_tokens=0, plot=False), **kw}
-
-
-def _losses(out):
-    return [r["loss"] for r in read_log(out) if r["type"] == "train"]
 
 
 @pytest.mark.gpu
