@@ -42,6 +42,7 @@ Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import textwrap
@@ -78,8 +79,6 @@ def optimizer_settings(xp) -> TrainConfig:
 def release_memory():
     """Give cached GPU memory back between modes: CuPy's pool and PyTorch's caching allocator (and
     torch.compile's caches), so one framework's leftovers do not squeeze the next one."""
-    import gc
-
     gc.collect()
     cp = backend.cupy_module()
     if cp is not None and backend.gpu_available():
@@ -197,7 +196,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         # drop the step, then hand those blocks back so that the next mode (PyTorch) gets the memory
         graph_pool = captured.pool
         del run, model, captured, rec
-        release_memory()
+        gc.collect()  # the step's reference cycles; bench_main's release_memory() frees the default pool after
         graph_pool.free_all_blocks()
     return res
 
