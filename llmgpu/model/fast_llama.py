@@ -14,7 +14,9 @@ the fp32 buffer, and its flash attention (``FastOptions.attention_kernel``; grou
 * **RMSNorm with the residual stream.** The state entering block i is ``(x, rmsnorm(x), inv_rms)``, as FastGPT's
   is ``(x, ln_1(x), mean, rstd)``: each block ends with its residual add and the next block's input norm (the
   final norm after the last block), so a checkpointed span input already holds what its first block reads.
-  In the backward the residual gradient is added to the norm's input gradient.
+  The residual add and the norm after it are one kernel (``add_rmsnorm_forward``, the sum written over the
+  branch output, as FastGPT's ``_add_ln``); in the backward the residual gradient is added to the norm's input
+  gradient in the norm's kernel (``rmsnorm_backward(..., dresidual=)``, written over it).
 * **SwiGLU between two GEMMs** (gate and up), its backward written over the saved gate and up (they are not
   read again).
 * **Embedding**: a gather forward; backward adds the fp32 row sums of the tokens in the batch straight into the
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from ..instrument import region
 from ..ops.flash_attention import heads_view
-from ..ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, traffic_bytes
 from ..ops.rope import rope_backward, rope_forward
 from ..ops.swiglu import swiglu_backward, swiglu_forward
 from .fast import FastGPT
@@ -52,18 +54,22 @@ class FastLlama(LlamaFamily, FastGPT):
 
     def _norm(self, x, w_name, *, name):
         """``(rmsnorm(x), inv_rms)`` of rows ``x [N, C]``."""
-        with region(name, bytes=2 * x.nbytes + 4 * x.shape[0], flops=4.0 * x.size):
+        with region(name, bytes=traffic_bytes(*x.shape, x.dtype), flops=4.0 * x.size):
             return rmsnorm_forward(x, self.weight(w_name), self.config.norm_eps)
 
+    def _add_norm(self, x, a, w_name, *, name):
+        """``(x + a written over a, rmsnorm(x + a), inv_rms)``: the residual add and the next norm in one pass."""
+        with region(name, bytes=traffic_bytes(*x.shape, x.dtype, residual=True), flops=5.0 * x.size):
+            return add_rmsnorm_forward(x, a, self.weight(w_name), self.config.norm_eps, residual_out=a)
+
     def _norm_backward(self, dh, x, w_name, inv, dres, *, name):
-        """The norm's input gradient plus the residual gradient ``dres`` (None: none), written over ``dres``;
-        the gain's gradient accumulated in fp32 into the buffer."""
-        with region(name, bytes=(3 if dres is None else 5) * x.nbytes + 4 * x.shape[0], flops=8.0 * x.size):
+        """The norm's input gradient plus the residual gradient ``dres`` (None: none), written over ``dres`` by
+        the norm's kernel; the gain's gradient accumulated in fp32 into the buffer."""
+        with region(name, bytes=traffic_bytes(*x.shape, x.dtype, backward=True, residual=dres is not None),
+                    flops=8.0 * x.size):
             dx, _ = rmsnorm_backward(dh, x, self.weight(w_name), inv, dweight=self.params.grad_of(w_name),
-                                     accumulate=True)
-            if dres is None:
-                return dx
-            return self.xp.add(dres, dx, out=dres)
+                                     accumulate=True, dresidual=dres, dx=dres)
+            return dx
 
     def _rope(self, a, n_heads, B, T, *, inverse, name):
         """RoPE on rows ``a [N, n·D]`` seen as ``[B, T, n, D]``, in place."""
@@ -107,7 +113,7 @@ class FastLlama(LlamaFamily, FastGPT):
         (``need_output=False``: the last residual add and norm are not run). ``keep_pre=False`` (inference): the
         SwiGLU output is written over the gate (no backward reads them)."""
         x, h, inv = state
-        cfg, xp, L = self.config, self.xp, self.config.n_layer
+        cfg, L = self.config, self.config.n_layer
         H, Hk = cfg.n_head, cfg.n_kv_head
         n = block_names(i)
         q = self._linear(h, n["self_attn.q_proj.weight"], name="attn.q fwd")
@@ -117,9 +123,7 @@ class FastLlama(LlamaFamily, FastGPT):
         self._rope(k, Hk, B, T, inverse=False, name="rope k fwd")
         y, att = self._attention_forward(q, k, v, B, T)
         a = self._linear(y, n["self_attn.o_proj.weight"], name="attn.proj fwd")
-        with region("residual fwd", bytes=3 * a.nbytes, flops=float(a.size)):
-            x2 = xp.add(x, a, out=a)
-        h2, inv2 = self._norm(x2, n["post_attention_layernorm.weight"], name="post_norm fwd")
+        x2, h2, inv2 = self._add_norm(x, a, n["post_attention_layernorm.weight"], name="residual+post_norm fwd")
         g = self._linear(h2, n["mlp.gate_proj.weight"], name="mlp.gate fwd")
         u = self._linear(h2, n["mlp.up_proj.weight"], name="mlp.up fwd")
         with region("swiglu fwd", bytes=3 * g.nbytes, flops=5.0 * g.size):
@@ -129,10 +133,8 @@ class FastLlama(LlamaFamily, FastGPT):
         if not need_output:
             return cache, None
         m = self._linear(s, n["mlp.down_proj.weight"], name="mlp.down fwd")
-        with region("residual fwd", bytes=3 * m.nbytes, flops=float(m.size)):
-            x3 = xp.add(x2, m, out=m)
         nxt = block_names(i + 1)["input_layernorm.weight"] if i + 1 < L else NORM
-        return cache, (x3, *self._norm(x3, nxt, name="input_norm fwd" if i + 1 < L else "norm fwd"))
+        return cache, self._add_norm(x2, m, nxt, name="residual+input_norm fwd" if i + 1 < L else "residual+norm fwd")
 
     # ------------------------------------------------------------------ backward
 

@@ -26,7 +26,8 @@ from llmgpu.perf import profile, timing
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="gpt2", help="model size, of any family (default gpt2; tiny, d6, d24, d36, d48, smollm-135m, llama-tiny, ...)")
+    ap.add_argument("--preset", default="gpt2",
+                    help="model size, any family (default gpt2; d24, smollm-135m, llama-tiny, ...)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--book", action="store_true", help="the book step (GPT) instead of the fast one (FastGPT)")
