@@ -29,7 +29,7 @@ from .version import __version__
 
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
-    """A ``GPT`` (``FastGPT`` with ``fast``) or a ``Llama`` (no fast step yet) from a local Hugging Face GPT-2 or
+    """A ``GPT`` or a ``Llama`` (``FastGPT``, ``FastLlama`` with ``fast``) from a local Hugging Face GPT-2 or
     Llama directory (``config.json`` + ``model.safetensors``, as ``save_pretrained`` writes it) or an llmgpu run or
     checkpoint, in ``dtype`` on ``xp`` (default: the active backend). Never downloads (``train/pretrained.py``)."""
     from .train.pretrained import from_pretrained as load

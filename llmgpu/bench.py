@@ -2,9 +2,9 @@
 
 One run trains the same model on the same synthetic tokens with
 
-* **llmgpu**: ``llmgpu.model.GPT`` (the book step) or ``FastGPT`` (chapter 8), driven by
-  ``llmgpu.train.TrainStep``, the step of ``llmgpu train`` (fused clip, fused AdamW, eager or one CUDA
-  graph), with the optimizer settings of ``TrainConfig``;
+* **llmgpu**: ``llmgpu.model.GPT`` (the book step) or ``FastGPT`` (chapter 8; Llama: ``Llama``, ``FastLlama``),
+  driven by ``llmgpu.train.TrainStep``, the step of ``llmgpu train`` (fused clip, fused AdamW, eager or one
+  CUDA graph), with the optimizer settings of ``TrainConfig``;
 * **PyTorch** (when importable): the same GPT-2 in ``llmgpu.torch_reference`` (nanoGPT-style, flash
   SDPA), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
 
@@ -32,8 +32,8 @@ CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes
 ever held; fragmentation can make that a little more than the live peak).
 
 ``--arch llama`` (or a Llama preset: ``smollm-135m`` by default on a GPU, ``llama-tiny`` on a CPU) measures the
-Llama family: llmgpu's book step (``llmgpu.model.Llama``, mode ``llmgpu``; there is no fast Llama step yet) against
-``torch_reference.build_torch_llama``, eager and compiled, on the same padded vocabulary; MFU from
+Llama family, with the same modes: llmgpu's book step (``llmgpu.model.Llama``) and fast step (``FastLlama``, chapter
+10) against ``torch_reference.build_torch_llama``, eager and compiled, on the same padded vocabulary; MFU from
 ``LlamaConfig.flops_per_token``.
 
 Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_torch`` directly.
@@ -42,6 +42,7 @@ Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import textwrap
@@ -51,8 +52,8 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
-from .model import FastGPT, FastOptions
-from .model.family import ARCHS, FAMILIES, arch_of_preset, model_class
+from .model import FastOptions
+from .model.family import ARCHS, FAMILIES, arch_of_preset, fast_model_class, model_class
 from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -65,10 +66,8 @@ DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile") 
 # the benchmark's own sizes (a throughput measurement, not a training run's defaults)
 BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"},
                   "cpu": {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"}}
-# the Llama family: its presets instead of GPT-2's, and only the book step on llmgpu's side (no fast Llama step yet)
+# the Llama family: its presets instead of GPT-2's, the same modes
 LLAMA_PRESETS = {"gpu": "smollm-135m", "cpu": "llama-tiny"}
-LLAMA_MODES = ("llmgpu", "torch-eager", "torch-compile", "torch-compile-unpadded")
-LLAMA_DEFAULT_MODES = ("llmgpu", "torch-eager", "torch-compile")
 
 
 def optimizer_settings(xp) -> TrainConfig:
@@ -80,8 +79,6 @@ def optimizer_settings(xp) -> TrainConfig:
 def release_memory():
     """Give cached GPU memory back between modes: CuPy's pool and PyTorch's caching allocator (and
     torch.compile's caches), so one framework's leftovers do not squeeze the next one."""
-    import gc
-
     gc.collect()
     cp = backend.cupy_module()
     if cp is not None and backend.gpu_available():
@@ -105,18 +102,16 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
                     seed: int = 0, fast: bool = False, graph: bool = False, options: FastOptions | None = None):
     """``(step, model)``: ``step()`` runs ``llmgpu train``'s step (``TrainStep``) on one fixed synthetic batch and
     returns its device record ``[loss, grad norm, found_inf]`` without waiting for the GPU. ``fast=True``
-    uses ``FastGPT`` (with ``options``, a ``FastOptions``; None: the defaults); ``graph=True`` (with ``fast``)
+    uses the family's fast step (``FastGPT``, ``FastLlama``; with ``options``, a ``FastOptions``; None: the
+    defaults); ``graph=True`` (with ``fast``)
     replays the step as one CUDA graph from the second call on. ``step.train_step`` is the ``TrainStep`` (its
     ``.graph`` once captured)."""
     xp = xp or backend.default_xp()
     if options is not None and not fast:
         raise ValueError("options= are the fast model's (FastOptions): pass fast=True")
-    if fast and config.arch != "gpt2":
-        raise ValueError(f"the {config.arch} fast step does not exist yet: only the book step (fast=False)")
-    if fast:
-        model = FastGPT(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed, options=options)
-    else:  # the book step of the configuration's family (GPT or Llama)
-        model = model_class(config)(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed)
+    kw = {"options": options} if fast else {}
+    cls = fast_model_class(config) if fast else model_class(config)  # the family's fast step or book step
+    model = cls(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed, **kw)
     settings = optimizer_settings(xp)
     train_step = TrainStep(model, settings, graph=graph)
     rng = np.random.default_rng(seed)
@@ -133,9 +128,10 @@ def make_train_step(config, batch: int, seq: int, *, dtype: str = "bf16", xp=Non
 def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3, dtype: str = "bf16", xp=None,
                checkpoint_every: int = 0, seed: int = 0, graph: bool = False, fast: bool = False,
                options: FastOptions | None = None) -> dict:
-    """Train the book step of ``config``'s family (``llmgpu.model.GPT`` or ``Llama``; ``fast=True``: the chapter 8
-    ``FastGPT`` with ``options``) for ``warmup + steps`` steps on synthetic tokens through ``TrainStep``; returns the
-    metrics (with the fast model: the attention kernels its "auto" resolved to, ``attention_kernels``).
+    """Train the book step of ``config``'s family (``llmgpu.model.GPT`` or ``Llama``; ``fast=True``: its fast step,
+    ``FastGPT`` or ``FastLlama``, with ``options``) for ``warmup + steps`` steps on synthetic tokens through
+    ``TrainStep``; returns the metrics (with the fast model: the attention kernels its "auto" resolved to,
+    ``attention_kernels``).
 
     ``graph=True`` replays the step as one CUDA graph (``TrainStep``: the first warm-up step eager, the
     second captured) and times its replays: this needs every GEMM of the step routed through
@@ -195,6 +191,13 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
     if fast:
         res["attention_kernel"] = model.options.attention_kernel
         res["attention_kernels"] = model.kernel_choices.as_dict()
+    if captured is not None and captured.pool is not None:
+        # the graph's private pool keeps its freed blocks cached for as long as anything allocated from it lives;
+        # drop the step, then hand those blocks back so that the next mode (PyTorch) gets the memory
+        graph_pool = captured.pool
+        del run, model, captured, rec
+        gc.collect()  # the step's reference cycles; bench_main's release_memory() frees the default pool after
+        graph_pool.free_all_blocks()
     return res
 
 
@@ -317,19 +320,11 @@ def _defaults(a, gpu, arch="gpt2"):
 
 def bench_modes(args, arch: str, gpu: bool) -> list[str]:
     """The modes of ``--modes`` (or the family's defaults), each checked (ValueError, one line)."""
-    if arch == "llama":
-        default, valid = LLAMA_DEFAULT_MODES, LLAMA_MODES
-    else:
-        default = DEFAULT_MODES if gpu else tuple(m.replace("llmgpu-fast-graph", "llmgpu-fast") for m in DEFAULT_MODES)
-        valid = MODES
+    default = DEFAULT_MODES if gpu else tuple(m.replace("llmgpu-fast-graph", "llmgpu-fast") for m in DEFAULT_MODES)
     modes = [m.strip() for m in str(getattr(args, "modes", None) or ",".join(default)).split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(valid)}")
-    fast = [m for m in modes if m not in valid]
-    if fast:
-        raise ValueError(f"{', '.join(fast)}: the Llama fast step does not exist yet; --arch llama runs "
-                         f"{', '.join(valid)}")
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     return modes
 
 

@@ -683,6 +683,41 @@ def test_accumulate_adds_the_row_sums_into_the_touched_rows(rng):
         embedding_backward(dx, idx, v, max_t, dwte_out=g_te, dwpe_out=g_pe[:3].copy(), accumulate=True)
 
 
+def test_positions_false_sums_the_token_rows_only(rng):
+    """A model without a position embedding (Llama): positions=False adds the same token-row sums and touches no
+    dwpe; the other arguments are refused in one line."""
+    b, t, c, v = 3, 5, 4, 9
+    idx = rng.integers(0, 4, (b, t))
+    dx = random_array(rng, (b, t, c), "fp64")
+    g_te = random_array(rng, (v, c), "fp64")
+    want, _ = embedding_backward(dx, idx, v, t, dwte_out=g_te.copy(), dwpe_out=np.zeros((t, c)), accumulate=True)
+    got = g_te.copy()
+    res = embedding_backward(dx, idx, v, t, dwte_out=got, accumulate=True, positions=False)
+    assert res[0] is got and res[1] is None
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="positions=False sums the token rows only"):
+        embedding_backward(dx, idx, v, t, positions=False)
+    with pytest.raises(ValueError, match="positions=False sums the token rows only"):
+        embedding_backward(dx, idx, v, t, dwte_out=got, dwpe_out=np.zeros((t, c)), accumulate=True, positions=False)
+    with pytest.raises(TypeError, match="positions must be True or False"):
+        embedding_backward(dx, idx, v, t, dwte_out=got, accumulate=True, positions=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_positions_false_matches_the_token_rows(cp, rng, dtype):
+    b, t, c, v = 4, 333, 576, 1000
+    idx = _ids(rng, "hot20", b * t, v).reshape(b, t).astype(np.int32)
+    dx = random_array(rng, (b, t, c), dtype)
+    g_te = random_array(rng, (v, c), "fp32")
+    want_te, _ = _accumulate_want(dx, idx, v, g_te, np.zeros((t, c), np.float32))
+    o_te = cp.asarray(g_te)
+    res = embedding_backward(cp.asarray(dx), cp.asarray(idx), v, t, method="counting", dwte_out=o_te,
+                             accumulate=True, positions=False)
+    assert res[0] is o_te and res[1] is None
+    np.testing.assert_array_equal(_bits(o_te), want_te.view(np.uint8), err_msg="dwte bits")
+
+
 def _accumulate_want(dx, idx, v, g_te, g_pe):
     """The exact fp32 result of accumulate=True on the GPU: the counting order's fp32 row sums added once
     into the rows of the tokens that occur (in range), and the batch sums (b = 0, 1, ... from 0) into rows t < T."""

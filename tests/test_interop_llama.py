@@ -25,7 +25,6 @@ from llmgpu.interop.hf_llama import HF_DEFAULTS, llama_config_from_hf, llama_con
 from llmgpu.model import GPTConfig, Llama, LlamaConfig
 from llmgpu.model.family import config_from_dict
 from llmgpu.model.llama_config import EMBED, LM_HEAD, llama_param_shapes
-from llmgpu.train import ConfigError
 from llmgpu.train.checkpoint import save_checkpoint
 from llmgpu.train.pretrained import load_pretrained
 
@@ -251,10 +250,14 @@ def test_a_sharded_directory_is_named_by_the_directory(tmp_path, rng):
         llmgpu.from_pretrained(d, xp=np)
 
 
-def test_a_llama_has_no_fast_step(tmp_path, rng):
-    with pytest.raises(ConfigError, match="the Llama fast step does not exist yet") as e:
-        llmgpu.from_pretrained(write_llama_dir(tmp_path / "hf", random_weights(CFG, rng)), xp=np, fast=True)
-    assert "\n" not in str(e.value)
+def test_a_llama_directory_loads_into_the_fast_step_too(tmp_path, rng):
+    """fast=True: a FastLlama holding the same weights, whose logits are the book model's (fp64 on NumPy)."""
+    d = write_llama_dir(tmp_path / "hf", random_weights(CFG, rng))
+    book = llmgpu.from_pretrained(d, xp=np, dtype="fp64")
+    fast = llmgpu.from_pretrained(d, xp=np, dtype="fp64", fast=True)
+    assert type(fast).__name__ == "FastLlama"
+    idx = rng.integers(0, CFG.vocab_size, (2, 7))
+    np.testing.assert_allclose(fast.forward(idx)[0], book.forward(idx)[0], rtol=0, atol=1e-12)
 
 
 def test_train_init_fine_tunes_a_hugging_face_llama(tmp_path, rng, capsys):

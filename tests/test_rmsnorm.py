@@ -173,6 +173,125 @@ def test_bad_inputs(rng):
         rmsnorm_backward(dy, x, w, inv, dx=dy)
 
 
+# --------------------------------------------------------------------------- fused residual forms (NumPy)
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "bf16"])
+def test_add_rmsnorm_is_add_then_rmsnorm(rng, dtype):
+    """s = x + a rounded to the dtype, then the norm of that rounded s: equal to the unfused pair."""
+    x, w, _ = _inputs(rng, (2, 3, 10), dtype)
+    a = random_array(rng, (2, 3, 10), dtype)
+    s, y, inv = rms.add_rmsnorm_forward(x, a, w, 1e-5)
+    s_ref = (x.astype(np.float64) + a.astype(np.float64)).astype(x.dtype)
+    y_ref, inv_ref = rmsnorm_forward(s_ref, w, 1e-5)
+    assert s.dtype == y.dtype == x.dtype and inv.shape == (2, 3)
+    for u, v in ((s, s_ref), (y, y_ref), (inv, inv_ref)):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_add_rmsnorm_in_place_and_out(rng):
+    x, w, _ = _inputs(rng, (5, 12))
+    a = random_array(rng, (5, 12))
+    s_ref, y_ref, _ = rms.add_rmsnorm_forward(x, a, w)
+    x0 = x.copy()
+    out = poisoned((5, 12), "fp32", np)
+    s, y, _ = rms.add_rmsnorm_forward(x, a, w, residual_out=a, out=out)
+    assert s is a and y is out
+    np.testing.assert_array_equal(a, s_ref)
+    np.testing.assert_array_equal(out, y_ref)
+    np.testing.assert_array_equal(x, x0)  # x, the stream a model keeps, is untouched
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 3, 5)])
+def test_fused_backward_finite_differences(rng, shape):
+    """loss = sum(y * r) + sum(s * q) with (s, y) = add_rmsnorm(x, a): d/dx = d/da = the norm's backward at s
+    with dresidual = q (the residual branch's gradient), checked by fp64 central differences."""
+    x, a, r, q = (rng.standard_normal(shape) for _ in range(4))
+    w = rng.standard_normal(shape[-1])
+
+    def loss():
+        s, y, _ = rms.add_rmsnorm_forward(x, a, w)
+        return float((y * r).sum() + (s * q).sum())
+
+    s, _, inv = rms.add_rmsnorm_forward(x, a, w)
+    dx, dw = rmsnorm_backward(r, s, w, inv, dresidual=q)
+    check_gradient(loss, x, dx, name="dx (with dresidual)")
+    check_gradient(loss, a, dx, name="da (with dresidual)")
+    check_gradient(loss, w, dw, name="dweight")
+    dx0, dw0 = rmsnorm_backward(r, s, w, inv)
+    np.testing.assert_allclose(dx, dx0 + q, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(dw, dw0)
+
+
+def test_fused_backward_in_place_rounds_once(rng):
+    """dx written over dresidual; bf16: the sum in fp32, rounded once (not the rounded dx plus dresidual)."""
+    x, w, dy = _inputs(rng, (6, 16), "bf16")
+    dres = random_array(rng, (6, 16), "bf16")
+    _, inv = rmsnorm_forward(x, w)
+    gx, _ = rms.rmsnorm_backward_reference(dy, x, w, inv)
+    want = (gx + dres.astype(np.float32)).astype(backend.bfloat16)
+    buf = dres.copy()
+    dx, _ = rmsnorm_backward(dy, x, w, inv, dresidual=buf, dx=buf)
+    assert dx is buf
+    np.testing.assert_array_equal(dx.view(np.uint16), want.view(np.uint16))
+
+
+def test_fused_nonfinite_rule_reference():
+    """A NaN in a makes that row of s's norm NaN; NaN in dresidual[r, c] makes dx[r, c] NaN alone."""
+    x = np.ones((3, 4), np.float32)
+    a = np.zeros((3, 4), np.float32)
+    a[0, 2] = np.nan
+    s, y, inv = rms.add_rmsnorm_forward(x, a, np.ones(4, np.float32))
+    assert np.isnan(s[0, 2]) and np.isfinite(np.delete(s[0], 2)).all()
+    assert np.isnan(y[0]).all() and np.isnan(inv[0]) and np.isfinite(y[1:]).all()
+    xf = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    _, invf = rmsnorm_forward(xf, np.ones(5, np.float32))
+    dres = np.zeros((3, 5), np.float32)
+    dres[1, 2] = np.nan
+    dx, dw = rmsnorm_backward(np.ones((3, 5), np.float32), xf, np.ones(5, np.float32), invf, dresidual=dres)
+    assert np.isnan(dx[1, 2]) and np.isfinite(np.delete(dx.ravel(), 1 * 5 + 2)).all() and np.isfinite(dw).all()
+
+
+def test_fused_bad_inputs(rng):
+    x, w, dy = _inputs(rng, (4, 6))
+    a = random_array(rng, (4, 6))
+    _, inv = rmsnorm_forward(x, w)
+    with pytest.raises(ValueError, match="a must have shape"):
+        rms.add_rmsnorm_forward(x, a[:3].copy(), w)
+    with pytest.raises(TypeError, match="dtypes must match"):
+        rms.add_rmsnorm_forward(x, a.astype(np.float64), w)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        rms.add_rmsnorm_forward(x, a, w, -1.0)
+    with pytest.raises(ValueError, match="residual_out overlaps x"):
+        rms.add_rmsnorm_forward(x, a, w, residual_out=x)
+    buf = np.zeros(4 * 6 + 1, np.float32)
+    with pytest.raises(ValueError, match="residual_out overlaps a without being the same buffer"):
+        rms.add_rmsnorm_forward(x, buf[1:].reshape(4, 6), w, residual_out=buf[:-1].reshape(4, 6))
+    with pytest.raises(ValueError, match="out overlaps a"):
+        rms.add_rmsnorm_forward(x, a, w, out=a)
+    with pytest.raises(ValueError, match="out overlaps residual_out"):
+        s = np.empty((4, 6), np.float32)
+        rms.add_rmsnorm_forward(x, a, w, residual_out=s, out=s)
+    with pytest.raises(ValueError, match="residual_out must have shape"):
+        rms.add_rmsnorm_forward(x, a, w, residual_out=np.empty((4, 7), np.float32))
+    dres = random_array(rng, (4, 6))
+    with pytest.raises(ValueError, match="dresidual must have shape"):
+        rmsnorm_backward(dy, x, w, inv, dresidual=dres[:3].copy())
+    with pytest.raises(TypeError, match="dtypes must match"):
+        rmsnorm_backward(dy, x, w, inv, dresidual=dres.astype(np.float64))
+    with pytest.raises(ValueError, match="dx overlaps dresidual without being the same buffer"):
+        rmsnorm_backward(dy, x, w, inv, dresidual=buf[1:].reshape(4, 6), dx=buf[:-1].reshape(4, 6))
+    with pytest.raises(ValueError, match="dweight overlaps dresidual"):
+        rmsnorm_backward(dy, x, w, inv, dresidual=dres, dweight=dres.reshape(-1)[:6])
+
+
+def test_traffic_bytes_of_the_fused_forms():
+    n, c = 10, 8
+    assert rms.traffic_bytes(n, c, "bf16") == 2 * n * c * 2 + 4 * n
+    assert rms.traffic_bytes(n, c, "bf16", residual=True) == 4 * n * c * 2 + 4 * n  # x, a in; s, y out
+    assert rms.traffic_bytes(n, c, "bf16", backward=True, residual=True) == 4 * n * c * 2 + 4 * n
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -274,3 +393,112 @@ def test_gpu_bad_inputs(cp, rng):
         rmsnorm_backward(dyd, xd, wd, inv.astype(cp.float64))
     with pytest.raises(ValueError, match="C-contiguous"):
         rmsnorm_forward(cp.asfortranarray(xd), wd)
+
+
+def _bits(a):
+    a = backend.to_numpy(a)
+    return a.view(np.uint16 if a.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(7, 576), (5, 960), (3, 33), (2, 3, 1000), (9, 2048), (3, 4096), (2, 13000)])
+def test_gpu_add_rmsnorm_bitwise_the_unfused_pair(cp, rng, dtype, shape):
+    """s, y, inv_rms of the fused kernel are the bits of a CuPy add in the dtype followed by rmsnorm_forward,
+    on every variant (registers P = 3, 4, 8 ...; the re-read P = 0 above 32 * 8 * W; the scalar fallback,
+    C = 33), outputs poisoned, then again in place (residual_out=a)."""
+    x, w, _ = (cp.asarray(t) for t in _inputs(rng, shape, dtype))
+    a = cp.asarray(random_array(rng, shape, dtype))
+    s_ref = cp.add(x, a)
+    y_ref, inv_ref = rmsnorm_forward(s_ref, w)
+    s, y, inv = rms.add_rmsnorm_forward(x, a, w, residual_out=poisoned(shape, dtype, cp),
+                                        out=poisoned(shape, dtype, cp))
+    for name, u, v in (("s", s, s_ref), ("y", y, y_ref), ("inv_rms", inv, inv_ref)):
+        np.testing.assert_array_equal(_bits(u), _bits(v), err_msg=name)
+    x0 = x.copy()
+    s2, y2, inv2 = rms.add_rmsnorm_forward(x, a, w, residual_out=a)
+    assert s2 is a
+    for name, u, v in (("s in place", s2, s_ref), ("y in place", y2, y_ref), ("inv in place", inv2, inv_ref)):
+        np.testing.assert_array_equal(_bits(u), _bits(v), err_msg=name)
+    np.testing.assert_array_equal(_bits(x), _bits(x0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(7, 576), (5, 960), (3, 33), (2, 3, 1000), (9, 2048), (3, 4096), (2, 13000)])
+def test_gpu_backward_with_dresidual(cp, rng, dtype, shape):
+    """dx = the norm's gradient + dresidual, rounded once, on every variant (16-bit C = 2048: P = 8, the one that
+    loads dresidual pack by pack). dweight: the bits of the plain backward. dresidual = 0: the plain dx bit for
+    bit. fp32: bitwise the backward followed by an add; fp16/bf16: within one rounding of that pair, and as
+    close to the fp64 reference as the dtype allows. Then in place (dx=dresidual)."""
+    x, w, dy = _inputs(rng, shape, dtype)
+    dres = random_array(rng, shape, dtype)
+    xd, wd, dyd, dresd = _to(cp, x, w, dy, dres)
+    _, inv = rmsnorm_forward(xd, wd)
+    dx0, dw0 = rmsnorm_backward(dyd, xd, wd, inv)
+    dx, dw = rmsnorm_backward(dyd, xd, wd, inv, dresidual=dresd, dx=poisoned(shape, dtype, cp),
+                              dweight=poisoned((shape[-1],), dtype, cp))
+    np.testing.assert_array_equal(_bits(dw), _bits(dw0))
+    dxz, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=cp.zeros_like(dresd))
+    np.testing.assert_array_equal(_bits(dxz), _bits(dx0))
+    pair = cp.add(dx0, dresd)
+    if dtype == "fp32":
+        np.testing.assert_array_equal(_bits(dx), _bits(pair))
+    else:
+        f = (backend.to_numpy(t).astype(np.float64) for t in (dx, pair, dx0, dresd))
+        fused, unfused, d0, r = f
+        eps = float(np.finfo(np.float16).eps) if dtype == "fp16" else 2.0 ** -7
+        assert np.all(np.abs(fused - unfused) <= 2 * eps * (np.abs(d0) + np.abs(r)))  # <= 3 unit roundoffs
+    gx, _ = rms.rmsnorm_backward_reference(dy.astype(np.float64), x.astype(np.float64), w.astype(np.float64),
+                                           backend.to_numpy(inv).astype(np.float64), dres.astype(np.float64))
+    assert_close(dx, gx, dtype, name="dx with dresidual")
+    buf = dresd.copy()
+    dx2, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=buf, dx=buf)
+    assert dx2 is buf
+    np.testing.assert_array_equal(_bits(dx2), _bits(dx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_fused_unaligned_takes_the_scalar_kernels(cp, rng, dtype):
+    """a one element off 16 bytes: the fused forward and the residual backward run the scalar kernels and agree
+    with the reference (the unfused pair on aligned buffers takes the vector kernels: other sum orders, so no
+    bitwise claim here)."""
+    n, c = 9, 256
+    x, w, dy = _inputs(rng, (n, c), dtype)
+    a = random_array(rng, (n, c), dtype)
+    buf = cp.empty(n * c + 1, dtype=x.dtype)
+    buf[1:] = cp.asarray(a).ravel()
+    au = buf[1:].reshape(n, c)
+    s_ref, y_ref, inv_ref = rms.add_rmsnorm_forward(x, a, w)
+    s, y, inv = rms.add_rmsnorm_forward(cp.asarray(x), au, cp.asarray(w), residual_out=au)
+    np.testing.assert_array_equal(_bits(s), _bits(s_ref))
+    assert_close(y, y_ref, dtype, name="y (unaligned)")
+    dx, _ = rmsnorm_backward(cp.asarray(dy), s.copy(), cp.asarray(w), inv, dresidual=au, dx=au)
+    gx, _ = rms.rmsnorm_backward_reference(dy, s_ref, w, inv_ref, s_ref)
+    assert_close(dx, gx, dtype, name="dx (unaligned, in place)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [64, 4096])
+def test_gpu_fused_nonfinite_like_the_pair(cp, c):
+    """NaN and inf rows through the fused forward give the unfused pair's bits (NaN positions included); a NaN
+    in dresidual[r, c] makes dx[r, c] NaN alone."""
+    x = np.ones((4, c), np.float32)
+    a = np.zeros((4, c), np.float32)
+    x[0, 1] = np.nan
+    a[1, 2] = np.inf
+    a[2, 3] = 3e19
+    xd, ad, wd = cp.asarray(x), cp.asarray(a), cp.ones(c, cp.float32)
+    s_ref = cp.add(xd, ad)
+    y_ref, inv_ref = rmsnorm_forward(s_ref, wd)
+    s, y, inv = rms.add_rmsnorm_forward(xd, ad, wd)
+    for u, v in ((s, s_ref), (y, y_ref), (inv, inv_ref)):
+        np.testing.assert_array_equal(_bits(u), _bits(v))
+    assert np.isnan(backend.to_numpy(y)[0]).all()
+    xf = cp.asarray(np.random.default_rng(2).standard_normal((3, c)).astype(np.float32))
+    _, invf = rmsnorm_forward(xf, wd)
+    dres = cp.zeros((3, c), cp.float32)
+    dres[1, 2] = cp.nan
+    dx = backend.to_numpy(rmsnorm_backward(cp.ones((3, c), cp.float32), xf, wd, invf, dresidual=dres)[0])
+    assert np.isnan(dx[1, 2]) and np.isfinite(np.delete(dx.ravel(), c + 2)).all()

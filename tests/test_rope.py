@@ -137,6 +137,30 @@ def test_nonfinite_rule_reference():
     assert np.isnan(y2[0, 0]) and y2[0, 2] == np.inf and np.isfinite(y2[1]).all() and np.isfinite(y2[0, 1::2]).all()
 
 
+@pytest.mark.parametrize("shape, axis", [((2, 7, 3, 8), 1), ((2, 7, 3, 8), -3), ((7, 2, 6), 0), ((2, 5, 3, 1, 4), 1)])
+def test_token_major_layout_rotates_by_the_named_axis(rng, shape, axis):
+    """Positions along seq_axis ([B, T, H, D] with seq_axis=1, the fast model's layout) give the same rotation as
+    the [..., T, D] layout after moving that axis; forward and backward, in place too."""
+    x = random_array(rng, shape, "fp64")
+    cos, sin = rope_tables(shape[axis] + 2, shape[-1], xp=np, dtype=np.float64)
+    for fn in (rope_forward, rope_backward):
+        want = np.moveaxis(fn(np.ascontiguousarray(np.moveaxis(x, axis, -2)), cos, sin), -2, axis)
+        np.testing.assert_array_equal(fn(x, cos, sin, seq_axis=axis), want)
+        y = x.copy()
+        assert fn(y, cos, sin, out=y, seq_axis=axis) is y
+        np.testing.assert_array_equal(y, want)
+
+
+def test_seq_axis_bad_values(rng):
+    x = random_array(rng, (2, 5, 3, 8), "fp32")
+    cos, sin = rope_tables(5, 8, xp=np)
+    for bad in (3, -1, 4, -5, 1.0, "1"):
+        with pytest.raises(ValueError, match="seq_axis must name an axis of x before the last"):
+            rope_forward(x, cos, sin, seq_axis=bad)
+    with pytest.raises(ValueError, match=r"S >= T = 5"):  # T read from the named axis
+        rope_forward(x, *rope_tables(3, 8, xp=np), seq_axis=1)
+
+
 def test_bad_inputs(rng):
     x = random_array(rng, (2, 3, 5, 8), "fp32")
     cos, sin = rope_tables(5, 8, xp=np)
@@ -201,6 +225,21 @@ def test_gpu_in_place_and_unaligned(cp, rng, dtype):
     xu = buf[1:].reshape(shape)
     assert xu.data.ptr % 16 != 0
     assert_close(rope_forward(xu, cos, sin), want, dtype, name="y (unaligned)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(2, 9, 3, 64), (1, 5, 9, 64), (2, 7, 4, 6)])
+def test_gpu_token_major_layout(cp, rng, dtype, shape):
+    """[B, T, H, D] with seq_axis=1 (the fast Llama's layout): the kernel against the reference, in place,
+    forward and backward; (2, 7, 4, 6) runs the scalar kernel."""
+    x = random_array(rng, shape, dtype)
+    cos, sin = rope_tables(shape[1] + 3, shape[-1], xp=np)
+    cd, sd = cp.asarray(cos), cp.asarray(sin)
+    for fn in (rope_forward, rope_backward):
+        xd = cp.asarray(x)
+        assert fn(xd, cd, sd, out=xd, seq_axis=1) is xd
+        assert_close(xd, fn(x, cos, sin, seq_axis=1), dtype, name=fn.__name__)
 
 
 @pytest.mark.gpu

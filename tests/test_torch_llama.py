@@ -145,18 +145,18 @@ def test_bench_arch_llama_on_the_cpu_runs_its_modes_and_writes_json(tmp_path, ca
     assert data["arch"] == "llama" and data["preset"] == "llama-tiny" and data["model"] == cfg.as_dict()
     assert data["flops_per_token"] == cfg.flops_per_token(16)
     rows = data["results"]
-    assert [r["mode"] for r in rows] == ["llmgpu", "torch-eager", "torch-compile"]
-    ours = rows[0]
-    assert ours["arch"] == "llama" and ours["tokens_per_s"] > 0 and ours["vocab"] == 256
-    assert ours["mfu"] == pytest.approx(cfg.flops_per_token(16) * ours["tokens_per_s"]
-                                        / (data["gemm_ceiling_tflops"] * 1e12))
-    assert abs(ours["final_loss"] - math.log(256)) < 1.0
+    assert [r["mode"] for r in rows] == ["llmgpu", "llmgpu-fast", "torch-eager", "torch-compile"]
+    for ours in rows[:2]:  # the book step and the fast step (FastLlama, eager on NumPy)
+        assert ours["arch"] == "llama" and ours["tokens_per_s"] > 0 and ours["vocab"] == 256
+        assert ours["mfu"] == pytest.approx(cfg.flops_per_token(16) * ours["tokens_per_s"]
+                                            / (data["gemm_ceiling_tflops"] * 1e12))
+        assert abs(ours["final_loss"] - math.log(256)) < 1.0
     try:
         import torch  # noqa: F401
     except ImportError:
-        assert all(r.get("skipped") for r in rows[1:])
+        assert all(r.get("skipped") for r in rows[2:])
     else:  # the same vocabulary on both sides (the fair comparison), the same family
-        for r in rows[1:]:
+        for r in rows[2:]:
             assert r.get("arch") == "llama" and r["vocab"] == ours["vocab"] and r["tokens_per_s"] > 0, r
 
 
@@ -164,15 +164,14 @@ def test_bench_arch_from_the_preset_and_defaults():
     assert bench.bench_arch(_args()) == "gpt2"
     assert bench.bench_arch(_args(preset="smollm-360m")) == "llama"
     assert bench.bench_arch(_args(arch="llama")) == "llama"
-    assert bench.bench_modes(_args(), "llama", gpu=True) == ["llmgpu", "torch-eager", "torch-compile"]
+    assert bench.bench_modes(_args(), "llama", gpu=True) == ["llmgpu", "llmgpu-fast-graph", "torch-eager",
+                                                             "torch-compile"]
     assert bench.bench_modes(_args(), "gpt2", gpu=False) == ["llmgpu", "llmgpu-fast", "torch-eager", "torch-compile"]
     assert bench._defaults(_args(), True, "llama")["preset"] == "smollm-135m"
     assert bench._defaults(_args(), False, "llama")["preset"] == "llama-tiny"
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--arch", "llama", "--modes", "llmgpu,llmgpu-fast-graph"], "the Llama fast step does not exist yet"),
-    (["--arch", "llama", "--modes", "llmgpu-fast"], "the Llama fast step does not exist yet"),
     (["--arch", "gpt2", "--preset", "smollm-135m"], "is a llama model, not --arch gpt2's"),
     (["--arch", "llama", "--preset", "gpt2"], "is a gpt2 model, not --arch llama's"),
     (["--arch", "llama", "--preset", "llama-huge"], "unknown Llama preset"),
@@ -183,9 +182,11 @@ def test_bad_llama_bench_combinations_are_one_line(argv, needle, one_error_line)
     one_error_line(main(["bench", "--device", "cpu", *argv]), needle)
 
 
-def test_the_llama_fast_step_is_refused_below_the_cli_too():
-    with pytest.raises(ValueError, match="fast step does not exist yet"):
-        bench.make_train_step(LlamaConfig.preset("llama-tiny"), 2, 8, dtype="fp32", xp=np, fast=True)
+def test_the_llama_fast_step_trains_in_the_bench_and_the_scale_table_is_refused():
+    step, model = bench.make_train_step(LlamaConfig.preset("llama-tiny"), 2, 8, dtype="fp32", xp=np, fast=True)
+    assert type(model).__name__ == "FastLlama"
+    first = float(step()[0])
+    assert np.isfinite(first) and float(step()[0]) < first  # the same batch again: the loss falls
     with pytest.raises(ValueError, match="scale table is GPT-2's"):
         bench_scale.scale_main(_args(arch="llama", preset="llama-tiny", scale_table=True), np)
 

@@ -12,6 +12,7 @@ from dist_helpers import losses, needs_mpi, run_worker, train_cli
 from llmgpu.cli import main
 from llmgpu.model import GPT, GPTConfig, Llama, LlamaConfig, config_from_dict
 from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve, train
+from llmgpu.train import config as config_module
 from llmgpu.train import plan as plan_module
 from llmgpu.train.checkpoint import load_checkpoint
 from llmgpu.train.plan import SavedRun, plan_config
@@ -109,16 +110,18 @@ def test_llama_defaults_mirror_gpt2s():
     assert resolve(TrainConfig(arch="llama", preset="smollm-135m"), np).seq == 128
 
 
-def test_on_a_gpu_llama_takes_the_book_step_with_a_note(tmp_path, monkeypatch):
-    """Planned for a GPU where the fast step could run (pretended: the plan is pure, any non-NumPy xp is a GPU): GPT-2
-    takes the fast step as a graph, a Llama the book step in bf16 with one note, its preset SmolLM-135M's."""
+def test_on_a_gpu_llama_takes_the_fast_step_as_a_graph(tmp_path, monkeypatch):
+    """Planned for a GPU where the fast step could run (pretended: the plan is pure, any non-NumPy xp is a GPU): a
+    Llama takes the fast step as a graph in bf16, as GPT-2 does, with no note; its preset SmolLM-135M's."""
     monkeypatch.setattr(plan_module, "fast_path_available", lambda xp, dtype, k=0: (True, ""))
+    monkeypatch.setattr(config_module, "fast_path_available", lambda xp, dtype, k=0: (True, ""))
     gpu = object()
     p = plan_config(TrainConfig(arch="llama", out=str(tmp_path / "l")), gpu)
-    assert (p.cfg.preset, p.cfg.dtype, p.cfg.fast, p.cfg.graph, p.cfg.seq) == ("smollm-135m", "bf16", False, False,
+    assert (p.cfg.preset, p.cfg.dtype, p.cfg.fast, p.cfg.graph, p.cfg.seq) == ("smollm-135m", "bf16", True, True,
                                                                                1024)
-    assert len(p.notes) == 1 and "Llama fast step does not exist yet" in p.notes[0]
-    assert not plan_config(TrainConfig(arch="llama", fast=False, out=str(tmp_path / "m")), gpu).notes
+    assert not p.notes
+    q = plan_config(TrainConfig(arch="llama", fast=False, out=str(tmp_path / "m")), gpu)
+    assert (q.cfg.fast, q.cfg.graph, q.notes) == (False, False, ())
     # with the data's vocabulary, as GPT-2's presets take it
     m = plan_module.plan_model(p, data_vocab=50257, data_tokenizer="gpt2")
     assert isinstance(m.model_config, LlamaConfig) and m.model_config.vocab_size == 50257
@@ -128,9 +131,9 @@ def test_on_a_gpu_llama_takes_the_book_step_with_a_note(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,needles", [
     (["--preset", "tiny"], ["--preset tiny is a gpt2 preset", "llama-tiny, smollm-135m, smollm-360m"]),
-    (["--fast"], ["--fast: the Llama fast step does not exist yet", "book step"]),
-    (["--graph"], ["--graph: the Llama fast step does not exist yet"]),
-    (["--fast", "--dtype", "bf16"], ["--fast: the Llama fast step does not exist yet"]),
+    (["--fast"], ["--fast: the fast model is a GPU path"]),  # this machine has no GPU (CI, the CPU tests)
+    (["--graph"], ["--graph needs the fast model (--fast)"]),
+    (["--fast", "--dtype", "bf16"], ["--fast: the fast model is a GPU path"]),
 ])
 def test_llama_combinations_it_cannot_run_are_one_line(argv, needles, one_error_line):
     one_error_line(main(["train", *CLI, "--steps", "1", *argv]), *needles)

@@ -22,6 +22,13 @@
 // aligned, so a row moves as 16-byte chunks. lse and D are contiguous fp32 [B, H, T]. Rows and keys at or
 // beyond T are zero-filled in shared memory (so no uninitialised value meets a 0 probability) and masked.
 //
+// Grouped-query attention: k, v, dk, dv may have H / G heads (G divides H; G = 1 is plain multi-head attention),
+// query head h reading K/V head h / G. The forward and dQ kernels run over query heads and read K, V of head h / G;
+// the dK, dV kernels run over K/V heads, and a block walks the query tiles of its G query heads one head after the
+// other, summing into the same fp32 register accumulators, then stores once. So the sum over the group is exact in
+// fp32, in a fixed order (bitwise repeatable), with no atomics, no [B, H, T, D] scratch and no reduction kernel
+// (FlashAttention-2 sums an expanded dK, dV afterwards instead); with G = 1 it is the loop it always was.
+//
 // Tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16} (inline PTX, sm_80+: NVIDIA-only). One
 // warp computes a 16 × 8 fp32 tile C += A B with A 16 × 16 and B 16 × 8 in 16-bit. Lane l holds, with
 // g = l / 4 and c = 2 · (l % 4) (PTX ISA, "Matrix fragments for mma.m16n8k16"):
@@ -215,16 +222,16 @@ __device__ __forceinline__ float fa_ref(float m) { return m == -LLMGPU_INF ? 0.0
 template <typename T, int HD>
 __global__ void __launch_bounds__(FA_THREADS)
 flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                 float* __restrict__ lse, int H, int T_len, float scale, int causal, long long q_sb, long long q_sh,
-                 long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
-                 long long v_st, long long o_sb, long long o_sh, long long o_st) {
+                 float* __restrict__ lse, int H, int G, int T_len, float scale, int causal, long long q_sb,
+                 long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                 long long v_sh, long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int TPR = HD / 16, DPT = 16, BM = FA_THREADS / TPR, BN = 32;  // threads per row, dims per thread
     __shared__ float sK[BN][HD], sV[BN][HD];
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest causal rows first
     const int row = q0 + threadIdx.x / TPR, part = threadIdx.x % TPR;
-    const T* kb = k + b * k_sb + h * k_sh;
-    const T* vb = v + b * v_sb + h * v_sh;
+    const T* kb = k + b * k_sb + fa_udiv(h, G) * k_sh;  // the K/V head of query head h
+    const T* vb = v + b * v_sb + fa_udiv(h, G) * v_sh;
     const float c2 = scale * FA_LOG2E;
 
     float qr[DPT], acc[DPT];
@@ -297,9 +304,9 @@ flash_fwd_scalar(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::FWD_WARPS * 32, fa_cfg<HD>::FWD_MIN_BLOCKS)
 flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-          float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
-          long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
-          long long v_st, long long o_sb, long long o_sh, long long o_st) {
+          float* __restrict__ lse, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
+          long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+          long long v_sh, long long v_st, long long o_sb, long long o_sh, long long o_st) {
     constexpr int MT = fa_cfg<HD>::FWD_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::FWD_WARPS * 32, BM = fa_cfg<HD>::FWD_WARPS * WQ, BN = fa_cfg<HD>::FWD_BN;
     constexpr int LD = HD + FA_PAD, NBUF = fa_cfg<HD>::FWD_BUFS;
@@ -312,8 +319,8 @@ flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 mm + g (+ 8)
-    const T* kb = k + b * k_sb + h * k_sh;
-    const T* vb = v + b * v_sb + h * v_sh;
+    const T* kb = k + b * k_sb + fa_udiv(h, G) * k_sh;  // the K/V head of query head h
+    const T* vb = v + b * v_sb + fa_udiv(h, G) * v_sh;
     const float c2 = scale * FA_LOG2E;
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
     const int n_tiles = (kv_end + BN - 1) / BN;
@@ -456,20 +463,20 @@ __global__ void flash_bwd_dot(const T* __restrict__ dout, const T* __restrict__ 
     if (lane == 0) delta[r] = s;
 }
 
-// dK and dV for 16 · DKDV_WARPS keys (16 per warp), looping over the query tiles of BM = DKDV_BM rows that see them
-// (causal: from the diagonal on). The Q, dO, lse, D tiles are double-buffered (cp.async brings tile i + 1 while
-// the warps compute on tile i). Per query tile, in each warp's registers: Sᵀ = K Qᵀ, Pᵀ = exp(c Sᵀ − lse),
-// dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q; the dK, dV accumulators stay in registers for the
-// whole loop. Masks only on the diagonal and ragged tiles. Shared memory: K, V (BN rows), two buffers of Q, dO
-// (BM rows each), of lse · log2 e and of D (BM floats each).
+// dK and dV for 16 · DKDV_WARPS keys (16 per warp) of one K/V head, looping over the query tiles of BM = DKDV_BM rows
+// that see them (causal: from the diagonal on), of each of its G query heads in turn. The Q, dO, lse, D tiles are
+// double-buffered (cp.async brings tile i + 1 while the warps compute on tile i). Per query tile, in each warp's
+// registers: Sᵀ = K Qᵀ, Pᵀ = exp(c Sᵀ − lse), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − D), dK += dSᵀ Q; the dK, dV
+// accumulators stay in registers for the whole loop. Masks only on the diagonal and ragged tiles. Shared memory: K,
+// V (BN rows), two buffers of Q, dO (BM rows each), of lse · log2 e and of D (BM floats each).
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, fa_cfg<HD>::DKDV_MIN_BLOCKS)
 flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-               int H, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st,
-               long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
-               long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
-               long long dv_sb, long long dv_sh, long long dv_st) {
+               int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh,
+               long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh,
+               long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb, long long dk_sh,
+               long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * 16, BM = fa_cfg<HD>::DKDV_BM;
     constexpr int LD = HD + FA_PAD;
     T* sK = reinterpret_cast<T*>(fa_smem);
@@ -478,30 +485,35 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
     float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LD);  // two buffers: lse of the tile's rows
     float* sD = sL + 2 * BM;                                  // two buffers: D
-    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    const int bh = fa_block_head(), b = fa_udiv(bh, H / G), h = bh - b * (H / G);  // K/V head h of batch b
     if (bh >= n_bh) return;  // the last group's blocks beyond the heads
     const int k0 = fa_block_tile(false) * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = k0 + warp * 16;                 // this warp's first key
     const int keys[2] = {w0 + g, w0 + g + 8};  // this lane's two rows of Sᵀ
-    const T* qb = q + b * q_sb + h * q_sh;
-    const T* dob = dout + b * do_sb + h * do_sh;
-    const float* lseb = lse + (long long)bh * T_len;
-    const float* deltab = delta + (long long)bh * T_len;
+    const T* qb = q + b * q_sb + h * G * q_sh;  // the group's first query head h·G (its j-th: j · q_sh on)
+    const T* dob = dout + b * do_sb + h * G * do_sh;
+    const float* lseb = lse + (long long)bh * G * T_len;  // rows of query head b·H + h·G = bh·G
+    const float* deltab = delta + (long long)bh * G * T_len;
     const float c2 = scale * FA_LOG2E;
 
-    // the query tiles [q_first, T): causal ones before the block's first key see none of its keys
+    // the query tiles [q_first, T): causal ones before the block's first key see none of its keys; the loop's n_steps
+    // steps walk them for query head h·G, then h·G + 1, ... (no division: the next tile's row wraps to q_first)
     const int q_first = causal ? (k0 / BM) * BM : 0;
-    const int n_tiles = (T_len - q_first + BM - 1) / BM;
-    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of query tile i into buffer i % 2
-        const int q0 = q_first + i * BM, buf = i & 1;
-        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
-        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
+    const int n_steps = G * ((T_len - q_first + BM - 1) / BM);
+    int lj = 0, lq0 = q_first;  // the group's query head and first row of the next tile to load
+    auto load_q_tile = [&](int i) {  // Q, dO, lse, D of step i into buffer i % 2
+        const int buf = i & 1;
+        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb + lj * q_sh, q_st, lq0, T_len);
+        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob + lj * do_sh, do_st, lq0, T_len);
         for (int r = threadIdx.x; r < 2 * BM; r += NT) {  // lse and D: BM floats each, 4 bytes per copy
-            const int row = q0 + r % BM;
+            const int row = lq0 + r % BM;
             const bool in = row < T_len, is_l = r < BM;
-            fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, (is_l ? lseb : deltab) + (in ? row : 0), in);
+            const float* src = (is_l ? lseb : deltab) + (long long)lj * T_len;
+            fa_cp4((is_l ? sL : sD) + buf * BM + r % BM, src + (in ? row : 0), in);
         }
+        lq0 += BM;
+        if (lq0 >= T_len) lq0 = q_first, ++lj;
     };
     fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
@@ -514,13 +526,12 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
         for (int e = 0; e < 4; ++e) adk[n][e] = adv[n][e] = 0.0f;
 
-    for (int i = 0; i < n_tiles; ++i) {
-        const int q0 = q_first + i * BM;
+    for (int i = 0, q0 = q_first; i < n_steps; ++i, q0 = q0 + BM < T_len ? q0 + BM : q_first) {
         const T* cQ = sQ + (i & 1) * BM * LD;
         const T* cdO = sdO + (i & 1) * BM * LD;
         const float* cL = sL + (i & 1) * BM;
         const float* cD = sD + (i & 1) * BM;
-        if (i + 1 < n_tiles) {
+        if (i + 1 < n_steps) {
             load_q_tile(i + 1);
             fa_cp_commit();
             fa_cp_wait<1>();
@@ -600,10 +611,10 @@ flash_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::DQ_MIN_BLOCKS)
 flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
-             const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int H, int T_len,
-             float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st, long long k_sb,
-             long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb,
-             long long do_sh, long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
+             const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int H, int G,
+             int T_len, float scale, int causal, int n_bh, long long q_sb, long long q_sh, long long q_st,
+             long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
+             long long do_sb, long long do_sh, long long do_st, long long dq_sb, long long dq_sh, long long dq_st) {
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * 16, BN = fa_cfg<HD>::DQ_BN;
     constexpr int LD = HD + FA_PAD;
     T* sQ = reinterpret_cast<T*>(fa_smem);
@@ -616,8 +627,8 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * 16;
     const int rows[2] = {w0 + g, w0 + g + 8};
-    const T* kb = k + b * k_sb + h * k_sh;
-    const T* vb = v + b * v_sb + h * v_sh;
+    const T* kb = k + b * k_sb + fa_udiv(h, G) * k_sh;  // the K/V head of query head h
+    const T* vb = v + b * v_sb + fa_udiv(h, G) * v_sh;
     const float c2 = scale * FA_LOG2E;
     float rl[2], rd[2];  // lse · log2 e and D of this lane's rows
 #pragma unroll
@@ -728,7 +739,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
-                    T* __restrict__ dv, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                    T* __restrict__ dv, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
                     long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
                     long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
                     long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
@@ -741,27 +752,30 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
     T* sQ = sV + BN * LD;       // two buffers of BM rows
     T* sdO = sQ + 2 * BM * LD;  // two buffers of BM rows
     fa_row_stats* sS = reinterpret_cast<fa_row_stats*>(sdO + 2 * BM * LD);  // two buffers: the tile's row stats
-    const int bh = fa_block_head(), b = bh / H, h = bh % H;
+    const int bh = fa_block_head(), b = fa_udiv(bh, H / G), h = bh - b * (H / G);  // K/V head h of batch b
     if (bh >= n_bh) return;  // the last group's blocks beyond the heads
     const int k0 = fa_block_tile(false) * BN;  // causal: the first key tiles see the most queries, and start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = k0 + warp * WK;  // this warp's first key; lane rows w0 + 16 m + g (+ 8)
-    const T* qb = q + b * q_sb + h * q_sh;
-    const T* dob = dout + b * do_sb + h * do_sh;
-    const fa_row_stats* statsb = stats + (long long)bh * T_len;
+    const T* qb = q + b * q_sb + h * G * q_sh;  // the group's first query head h·G (its j-th: j · q_sh on)
+    const T* dob = dout + b * do_sb + h * G * do_sh;
+    const fa_row_stats* statsb = stats + (long long)bh * G * T_len;  // rows of query head b·H + h·G = bh·G
     const float c2 = scale * FA_LOG2E;
 
-    const int q_first = causal ? (k0 / BM) * BM : 0;
-    const int n_tiles = (T_len - q_first + BM - 1) / BM;
-    auto load_q_tile = [&](int i) {  // Q, dO and the row stats of query tile i into buffer i % 2
-        const int q0 = q_first + i * BM, buf = i & 1;
-        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb, q_st, q0, T_len);
-        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob, do_st, q0, T_len);
+    const int q_first = causal ? (k0 / BM) * BM : 0;  // the steps as in flash_bwd_dkdv: G heads' query tiles
+    const int n_steps = G * ((T_len - q_first + BM - 1) / BM);
+    int lj = 0, lq0 = q_first;  // the group's query head and first row of the next tile to load
+    auto load_q_tile = [&](int i) {  // Q, dO and the row stats of step i into buffer i % 2
+        const int buf = i & 1;
+        fa_load_tile<T, BM, HD, NT>(sQ + buf * BM * LD, qb + lj * q_sh, q_st, lq0, T_len);
+        fa_load_tile<T, BM, HD, NT>(sdO + buf * BM * LD, dob + lj * do_sh, do_st, lq0, T_len);
         if (threadIdx.x < BM) {
-            const int row = q0 + threadIdx.x;
+            const int row = lq0 + threadIdx.x;
             const bool in = row < T_len;
-            fa_cp8(sS + buf * BM + threadIdx.x, statsb + (in ? row : 0), in);
+            fa_cp8(sS + buf * BM + threadIdx.x, statsb + (long long)lj * T_len + (in ? row : 0), in);
         }
+        lq0 += BM;
+        if (lq0 >= T_len) lq0 = q_first, ++lj;
     };
     fa_load_tile<T, BN, HD, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
     fa_load_tile<T, BN, HD, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
@@ -776,12 +790,11 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) adk[m][n][e] = adv[m][n][e] = 0.0f;
 
-    for (int i = 0; i < n_tiles; ++i) {
-        const int q0 = q_first + i * BM;
+    for (int i = 0, q0 = q_first; i < n_steps; ++i, q0 = q0 + BM < T_len ? q0 + BM : q_first) {
         const T* cQ = sQ + (i & 1) * BM * LD;
         const T* cdO = sdO + (i & 1) * BM * LD;
         const fa_row_stats* cS = sS + (i & 1) * BM;
-        if (i + 1 < n_tiles) {
+        if (i + 1 < n_steps) {
             load_q_tile(i + 1);
             fa_cp_commit();
             fa_cp_wait<1>();
@@ -898,7 +911,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::WIDE_DQ_MIN_BLOCKS)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                   const T* __restrict__ o, const float* __restrict__ lse, fa_row_stats* __restrict__ stats,
-                  T* __restrict__ dq, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                  T* __restrict__ dq, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
                   long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
                   long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long o_sb,
                   long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
@@ -915,8 +928,8 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = (lane & 3) * 2;
     const int w0 = q0 + warp * WQ;  // this warp's first row; lane rows w0 + 16 m + g (+ 8)
-    const T* kb = k + b * k_sb + h * k_sh;
-    const T* vb = v + b * v_sb + h * v_sh;
+    const T* kb = k + b * k_sb + fa_udiv(h, G) * k_sh;  // the K/V head of query head h
+    const T* vb = v + b * v_sb + fa_udiv(h, G) * v_sh;
     const T* dob = dout + b * do_sb + h * do_sh;
     const float c2 = scale * FA_LOG2E;
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;

@@ -1,6 +1,7 @@
 // flash_attention_wgmma.cu: the flash-attention forward on Hopper's asynchronous warpgroup MMA (wgmma), chapter
-// 2b. Same arguments, math and row statistics as flash_fwd in flash_attention.cu (mma.sync, any sm_80+ GPU); this
-// one exists on sm_90a only (llmgpu:arch below: the loader compiles it for that target, and only on such a GPU).
+// 2b. Same arguments (grouped K/V heads included), math and row statistics as flash_fwd in flash_attention.cu
+// (mma.sync, any sm_80+ GPU); this one exists on sm_90a only (llmgpu:arch below: the loader compiles it for that
+// target, and only on such a GPU).
 // The layouts it relies on were pinned on the GPU by dev/cuda/wgmma_probe.py ("RS, B sw128" for S = Q Kᵀ, "RS, B
 // MN-major sw128 (imm-trans-b)" for O += P V); dev/cuda/flash_fwd_wgmma.py checks and times other tile shapes.
 //
@@ -86,7 +87,7 @@ __device__ __forceinline__ unsigned long long fw_desc(unsigned lo) {
 template <typename T, int HD, int PIPE, int BN, int WG>
 __global__ void __launch_bounds__(fw_cfg<HD, BN, WG>::NT, (fw_cfg<HD, BN, WG>::MIN_BLOCKS))
 flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                float* __restrict__ lse, int H, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                float* __restrict__ lse, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
                 long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
                 long long v_sh, long long v_st, long long o_sb, long long o_sh, long long o_st) {
 #ifdef LLMGPU_WGMMA
@@ -104,8 +105,8 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     if (bh >= n_bh) return;  // the last group's blocks beyond the heads
     const int q0 = fa_block_tile(true) * BM;  // the longest causal rows first
     const int wg0 = q0 + wg * 64, w0 = wg0 + w4 * 16;     // this warpgroup's and this warp's first row
-    const T* kb = k + b * k_sb + h * k_sh;
-    const T* vb = v + b * v_sb + h * v_sh;
+    const T* kb = k + b * k_sb + fa_udiv(h, G) * k_sh;  // the K/V head of query head h (grouped-query attention)
+    const T* vb = v + b * v_sb + fa_udiv(h, G) * v_sh;
     const float c2 = scale * FW_LOG2E;
     const int kv_end = causal ? min(T_len, q0 + BM) : T_len;
     const int n_tiles = (kv_end + BN - 1) / BN;

@@ -42,3 +42,10 @@ __device__ __forceinline__ int fa_block_head() { return blockIdx.z * gridDim.x +
 __device__ __forceinline__ int fa_block_tile(bool longest_last) {
     return longest_last ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
 }
+
+// a / b for a >= 0, b > 0 (the K/V head h / G of query head h, a block's batch and head): unsigned division takes
+// fewer instructions than the signed one, so ptxas recomputes it where needed instead of holding it in a register
+// (with signed divisions the D = 64 wgmma forward and wide dK/dV kernels, at their register caps, spilled).
+__device__ __forceinline__ int fa_udiv(int a, int b) {
+    return static_cast<int>(static_cast<unsigned>(a) / static_cast<unsigned>(b));
+}

@@ -21,6 +21,11 @@
 //                     touch consecutive words). The row is read twice (the second time from L1/L2): dx
 //                     needs mean(g * xhat) before it can be written.
 //   rmsnorm_weight_grad_reduce  dw from the per-block partial rows.
+// The residual stream around a norm, fused (template flags, the same kernels):
+//   rmsnorm_forward<..., ADD = 1>   s = x + a rounded to T (written to s, may be a), y = RMSNorm(s):
+//                                   reads x, a; writes s, y (the add + norm pair reads s back once more)
+//   rmsnorm_backward<..., RES = 1>  dx = RMSNorm backward + dres (may be written over dres), rounded once:
+//                                   reads dres in the kernel (the pair writes dx, reads it back, writes again)
 // dw has layernorm.cu's deterministic order, no atomics: lanes add their rows in order, the block adds
 // its warps in order w = 0, 1, ... into one row of an fp32 `partial [gridDim.x, C]`, and the second
 // kernel sums the blocks in a fixed order and rounds once (to the weight's dtype or fp32, or adds to
@@ -31,37 +36,77 @@
 // LlamaRMSNorm; so does |x| > ~1.8e19, whose square overflows fp32 (the row of y becomes 0).
 #include "common.cuh"
 
-// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
-// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 0, 0>
-// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}>
-// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 0, 0>
+// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}, {0,1}>
+// llmgpu:kernel rmsnorm_forward<{float,__half,__nv_bfloat16}, 0, 0, {0,1}>
+// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}, {0,1}>
+// llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 0, 0, {0,1}>
 // llmgpu:kernel rmsnorm_weight_grad_reduce<{float,__half,__nv_bfloat16}, {0,1}>
 
 #define RMSNORM_FWD_WARPS 4
 #define RMSNORM_BWD_WARPS 8
 
-template <typename T, int VEC, int P>
+// Pack j of a row as W floats: x's, or with ADD the residual sum s = x + a rounded to T, stored to s
+// first (what the next layer and the backward read; the norm below reads these rounded values).
+template <typename T, int W, int ADD>
+__device__ __forceinline__ void rms_input_pack(const T* __restrict__ x, const T* a, T* s, long long off, int j,
+                                               float (&v)[W]) {
+    load_pack<T, W>(x + off + j * W, v);
+    if constexpr (ADD) {
+        float t[W];
+        load_pack<T, W>(a + off + j * W, t);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = to_float(from_float<T>(v[k] + t[k]));
+        store_pack<T, W>(s + off + j * W, v);
+    }
+}
+
+// ADD = 1 (add_rmsnorm_forward): the row is s = x + a, written to s, and y = RMSNorm(s) from the
+// rounded s. Every sum runs in the order of ADD = 0, so y and inv_rms are bitwise those of
+// rmsnorm_forward(s) on the same plan (VEC, P). s may be a itself (in place: residual_out=a): a lane
+// reads pack j of a before it writes pack j of s, and no other lane touches it; a and s are therefore
+// not __restrict__. With P > 0 all of a lane's loads come before its first store of s (the compiler
+// may not move a load of a past a store to s that might alias it; loading first keeps them in flight
+// together, as layernorm.cu's add_layernorm_forward_warp). P = 0 (long rows, the scalar fallback)
+// adds pack by pack and its second pass reads s back (this lane's own stores).
+template <typename T, int VEC, int P, int ADD>
 __global__ void __launch_bounds__(32 * RMSNORM_FWD_WARPS)
-    rmsnorm_forward(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+    rmsnorm_forward(const T* __restrict__ x, const T* a, T* s, const T* __restrict__ w, T* __restrict__ y,
                     float* __restrict__ inv_rms, int N, int C, float eps) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int R = P > 0 ? P : 1;
+    using Pack = Packed<T, W>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * (blockDim.x >> 5) + warp;
     if (row >= N) return;  // whole warps leave together; no barrier follows
     const int nvec = C / W;  // the host guarantees C % W == 0
-    const T* xr = x + (long long)row * C;
-    T* yr = y + (long long)row * C;
+    const long long off = (long long)row * C;
+    const T* src = ADD ? s : x;  // what pass 2 of P = 0 reads again: the row's (rounded) values
+    T* yr = y + off;
 
     // pass 1: sum of squares (and the row kept in registers when P > 0)
     float v[R][W];
     float ss = 0.0f;
     if constexpr (P > 0) {
+        Pack rx[P], ra[P];
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             const int j = lane + 32 * p;
             if (j < nvec) {
-                load_pack<T, W>(xr + (long long)j * W, v[p]);
+                rx[p] = *reinterpret_cast<const Pack*>(x + off + j * W);
+                if constexpr (ADD) ra[p] = *reinterpret_cast<const Pack*>(a + off + j * W);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                Pack st;
+#pragma unroll
+                for (int k = 0; k < W; ++k) {
+                    st.v[k] = ADD ? from_float<T>(to_float(rx[p].v[k]) + to_float(ra[p].v[k])) : rx[p].v[k];
+                    v[p][k] = to_float(st.v[k]);
+                }
+                if constexpr (ADD) *reinterpret_cast<Pack*>(s + off + j * W) = st;
             } else {
 #pragma unroll
                 for (int k = 0; k < W; ++k) v[p][k] = 0.0f;  // past the row end: adds nothing
@@ -72,7 +117,7 @@ __global__ void __launch_bounds__(32 * RMSNORM_FWD_WARPS)
     } else {
         for (int j = lane; j < nvec; j += 32) {
             float t[W];
-            load_pack<T, W>(xr + (long long)j * W, t);
+            rms_input_pack<T, W, ADD>(x, a, s, off, j, t);
 #pragma unroll
             for (int k = 0; k < W; ++k) ss += t[k] * t[k];
         }
@@ -95,7 +140,7 @@ __global__ void __launch_bounds__(32 * RMSNORM_FWD_WARPS)
     } else {
         for (int j = lane; j < nvec; j += 32) {
             float t[W], g[W], o[W];
-            load_pack<T, W>(xr + (long long)j * W, t);
+            load_pack<T, W>(src + off + (long long)j * W, t);
             load_pack<T, W>(w + j * W, g);
 #pragma unroll
             for (int k = 0; k < W; ++k) o[k] = t[k] * r * g[k];
@@ -124,30 +169,46 @@ __device__ __forceinline__ float rms_row_terms(const T* __restrict__ dy, const T
     return sum_gx;
 }
 
-// Pack j of a row's dx = r * (g - xhat * mgx), g = dy * w, xhat = x * r.
-template <typename T, int W>
+// Pack j of a row's dx = r * (g - xhat * mgx) (+ res, the residual gradient's pack: RES = 1), g = dy * w,
+// xhat = x * r; rounded once.
+template <typename T, int W, int RES>
 __device__ __forceinline__ void rms_store_dx(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const T* __restrict__ w, T* __restrict__ dx, long long off, int j,
-                                             float r, float mgx) {
+                                             const T* __restrict__ w, T* dx, long long off, int j,
+                                             float r, float mgx, const float (&res)[W]) {
     float d[W], xv[W], ga[W], o[W];
     load_pack<T, W>(dy + off + j * W, d);
     load_pack<T, W>(x + off + j * W, xv);
     load_pack<T, W>(w + j * W, ga);
 #pragma unroll
-    for (int k = 0; k < W; ++k) o[k] = r * (d[k] * ga[k] - xv[k] * r * mgx);
+    for (int k = 0; k < W; ++k) {
+        o[k] = r * (d[k] * ga[k] - xv[k] * r * mgx);
+        if constexpr (RES) o[k] = __fadd_rn(o[k], res[k]);  // no fma with the product: in fp32 storage dx
+                                                              // is bitwise the backward followed by an add
+    }
     store_pack<T, W>(dx + off + j * W, o);
 }
 
+// RES = 1: dx = the RMSNorm gradient + dres (the gradient of the residual branch around the norm), in fp32
+// and rounded once: one read of dres instead of a separate add kernel (which would read dx back and
+// write it again). dx may be dres itself (in place): a lane reads pack j of dres before it writes pack j
+// of dx, and no other lane touches it; dres and dx are therefore not __restrict__. With P > 0 and room
+// beside the dw accumulators (P * W <= 48 floats) a lane loads its dres packs of the row in pass 1, next
+// to dy and x and before its first store of dx (a load may not pass a store that might alias it), and
+// holds them in registers. Otherwise (P = 0; 16-bit P = 8, which spilled holding them on sm_90, also
+// when they were loaded at the start of pass 2) each pack is loaded just before its store.
 // Shared memory: P > 0: C floats (the block's in-order sum at the end); P = 0: wpb * C floats.
 // Launch bounds with a minimum of 2 blocks per SM (at most 128 registers a thread): with the block
 // size alone, ptxas (CUDA 13, sm_80/sm_90) capped the 16-bit instantiations at 48 registers and spilled.
-template <typename T, int VEC, int P>
+template <typename T, int VEC, int P, int RES>
 __global__ void __launch_bounds__(32 * RMSNORM_BWD_WARPS, 2)
     rmsnorm_backward(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                     const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, int N,
+                     const float* __restrict__ inv_rms, const T* dres, T* dx, float* __restrict__ partial, int N,
                      int C) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int R = P > 0 ? P : 1;
+    constexpr bool HOLD = RES && P > 0 && P * W <= 48;  // dres packs loaded in pass 1, held in registers
+    constexpr int RR = HOLD ? P : 1;
+    using Pack = Packed<T, W>;
     extern __shared__ float rms_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     const int nvec = C / W;
@@ -172,13 +233,17 @@ __global__ void __launch_bounds__(32 * RMSNORM_BWD_WARPS, 2)
         const long long off = (long long)row * C;
         const float r = inv_rms[row];
         float sum_gx = 0.0f;
+        Pack rres[RR];
         // pass 1: mean(g * xhat), and this row's share of dw (registers: packs p = 0..P-1, unrolled, so
         // adw is indexed by constants; shared memory: any number of packs)
         if constexpr (P > 0) {
 #pragma unroll
             for (int p = 0; p < P; ++p) {
                 const int j = lane + 32 * p;
-                if (j < nvec) sum_gx += rms_row_terms<T, W>(dy, x, w, off, j, r, adw[p]);
+                if (j < nvec) {
+                    if constexpr (HOLD) rres[p] = *reinterpret_cast<const Pack*>(dres + off + j * W);
+                    sum_gx += rms_row_terms<T, W>(dy, x, w, off, j, r, adw[p]);
+                }
             }
         } else {
             for (int j = lane; j < nvec; j += 32) {
@@ -192,14 +257,26 @@ __global__ void __launch_bounds__(32 * RMSNORM_BWD_WARPS, 2)
         }
         const float mgx = warp_sum(sum_gx) * inv_c;
         // pass 2: dx
+        float t[W];
         if constexpr (P > 0) {
 #pragma unroll
             for (int p = 0; p < P; ++p) {
                 const int j = lane + 32 * p;
-                if (j < nvec) rms_store_dx<T, W>(dy, x, w, dx, off, j, r, mgx);
+                if (j < nvec) {
+                    if constexpr (HOLD) {
+#pragma unroll
+                        for (int k = 0; k < W; ++k) t[k] = to_float(rres[p].v[k]);
+                    } else if constexpr (RES) {
+                        load_pack<T, W>(dres + off + j * W, t);
+                    }
+                    rms_store_dx<T, W, RES>(dy, x, w, dx, off, j, r, mgx, t);
+                }
             }
         } else {
-            for (int j = lane; j < nvec; j += 32) rms_store_dx<T, W>(dy, x, w, dx, off, j, r, mgx);
+            for (int j = lane; j < nvec; j += 32) {
+                if constexpr (RES) load_pack<T, W>(dres + off + j * W, t);
+                rms_store_dx<T, W, RES>(dy, x, w, dx, off, j, r, mgx, t);
+            }
         }
     }
 

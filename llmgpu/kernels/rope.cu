@@ -39,19 +39,20 @@ __device__ __forceinline__ void load_table(const float* __restrict__ p, float (&
     }
 }
 
-// x, y: [rows, 2 * half] with rows = (leading axes) * T, position t = row % T. Grid: one thread per
-// pack, ceil(rows * half / W / THREADS) blocks.
+// x, y: [rows, 2 * half]; `inner` consecutive rows share a position and the positions cycle through T:
+// t = (row / inner) % T. [..., T, D] (the book model's [B, H, T, D]) has inner = 1; the fast model's
+// token-major [B, T, H, D] has inner = H. Grid: one thread per pack, ceil(rows * half / W / THREADS) blocks.
 template <typename T, int VEC, int INV>
 __global__ void __launch_bounds__(ROPE_THREADS) rope_rotate(const T* x, T* y, const float* __restrict__ cos_t,
                                                             const float* __restrict__ sin_t, long long rows,
-                                                            int seq, int half) {
+                                                            int seq, int inner, int half) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     const long long packs_per_row = half / W;  // the host guarantees half % W == 0
     const long long i = (long long)blockIdx.x * ROPE_THREADS + threadIdx.x;
     if (i >= rows * packs_per_row) return;
     const long long row = i / packs_per_row;
     const int e = (int)(i - row * packs_per_row) * W;  // first element of the pack in the first half
-    const int t = (int)(row % seq);
+    const int t = (int)((row / inner) % seq);
     const long long lo = row * 2 * half + e, hi = lo + half;
     float a[W], b[W], c[W], s[W];
     load_pack<T, W>(x + lo, a);

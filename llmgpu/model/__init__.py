@@ -7,7 +7,8 @@
 * ``options.py``: ``FastOptions``, every choice of that step (attention kernel, fusions, LM-head rows), one value.
 * ``llama_config.py`` and ``llama.py`` (chapter 10): ``LlamaConfig`` and ``Llama``, the book's step with RMSNorm,
   RoPE, SwiGLU and grouped-query attention, on ``GPT``'s loop.
-* ``family.py``: the families ``llmgpu train --arch`` names (configuration, presets, model class), one table.
+* ``fast_llama.py`` (chapter 10): ``FastLlama``, the Llama model on ``FastGPT``'s step.
+* ``family.py``: the families ``llmgpu train --arch`` names (configuration, presets, model classes), one table.
 """
 
 from .base import PAD_LOGIT, GPTBase, sample_token
@@ -20,13 +21,15 @@ from .config import (
                      gpt2_param_shapes,
                      training_flops,
 )
-from .family import ARCHS, config_from_dict, model_class
+from .family import ARCHS, config_from_dict, fast_model_class, model_class
 from .fast import FastGPT
+from .fast_llama import FastLlama
 from .gpt import GPT
 from .llama import Llama
 from .llama_config import LlamaConfig
 from .options import FastOptions
 
-__all__ = ["ARCHS", "GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastOptions", "GPTBase", "GPTConfig", "Llama",
-           "LlamaConfig", "activation_bytes", "block_activation_bytes", "block_param_names", "config_from_dict",
-           "gpt2_param_shapes", "model_class", "sample_token", "training_flops"]
+__all__ = ["ARCHS", "GPT", "PAD_LOGIT", "PRESETS", "FastGPT", "FastLlama", "FastOptions", "GPTBase", "GPTConfig",
+           "Llama", "LlamaConfig", "activation_bytes", "block_activation_bytes", "block_param_names",
+           "config_from_dict", "fast_model_class", "gpt2_param_shapes", "model_class", "sample_token",
+           "training_flops"]

@@ -32,7 +32,8 @@ from .. import backend
 from ..checks import check_token_ids
 from ..ops.cross_entropy import cross_entropy_forward
 from ..optim.params import ALIGN, FlatParams
-from .config import WTE, GPTConfig, activation_bytes, param_shapes
+from .config import WTE, GPTConfig, activation_bytes, block_param_names, param_shapes
+from .llama_config import LM_HEAD
 
 PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
 
@@ -75,10 +76,19 @@ class GPTBase:
         """Names and shapes of the parameters, in their order in the flat buffers."""
         return param_shapes(self.config)
 
+    def _block_names(self, i: int) -> list[str]:
+        """The parameter names of block i (whose gradients are final once its backward has run)."""
+        return list(block_param_names(i).values())
+
     @property
     def tied(self) -> bool:
         """Whether the LM head is the token embedding (GPT-2: always)."""
         return getattr(self.config, "tie_embeddings", True)
+
+    @property
+    def _head_name(self) -> str:
+        """The LM head's weight: the token embedding when tied, else its own matrix."""
+        return self.embedding_name if self.tied else LM_HEAD
 
     def num_parameters(self) -> int:
         return self.params.num_parameters
@@ -104,7 +114,7 @@ class GPTBase:
             else:
                 std = std_resid if name.endswith(self.residual_projections) else 0.02
                 d[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
-        for name in {self.embedding_name, "lm_head.weight"} & set(d):
+        for name in {self.embedding_name, LM_HEAD} & set(d):
             d[name][cfg.vocab_size:] = 0.0
         P.load_dict(d)
 
@@ -114,7 +124,7 @@ class GPTBase:
         if self.xp is np:
             return "CUDA graphs need the GPU (CuPy) backend; this model runs on NumPy"
         return (f"{type(self).__name__} runs its GEMMs through CuPy's cuBLAS, which refuses stream capture; "
-                "use FastGPT in bf16/fp16 for a graph step, or graph=False")
+                "use the fast step (FastGPT, FastLlama) in bf16/fp16 for a graph step, or graph=False")
 
     def check_capturable(self):
         """Raise ValueError saying why, unless the training step can be captured as a CUDA graph."""

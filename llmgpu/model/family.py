@@ -1,5 +1,6 @@
-"""The model families ``llmgpu train --arch`` names, one table: each family's configuration, presets and book-step
-class. What the trainer, the checkpoint readers and the command line look up instead of naming GPT-2.
+"""The model families ``llmgpu train --arch`` names, one table: each family's configuration, presets, book-step
+class and fast-step class. What the trainer, the checkpoint readers and the command line look up instead of naming
+GPT-2.
 
 A configuration dict (a checkpoint's ``model_config``) says its family under ``"arch"``; one without it is GPT-2's
 (every checkpoint written before the Llama family).
@@ -9,18 +10,21 @@ from __future__ import annotations
 
 from .config import PRESETS as GPT2_PRESETS
 from .config import GPTConfig
+from .fast import FastGPT
+from .fast_llama import FastLlama
 from .gpt import GPT
 from .llama import Llama
 from .llama_config import PRESETS as LLAMA_PRESETS
 from .llama_config import LlamaConfig
 
-# arch → (configuration class, presets, the book step's model class); the first is the default
+# arch → (configuration class, presets, the book step's model class, the fast step's: chapters 8 and 10); the first
+# is the default
 FAMILIES = {
-    "gpt2": (GPTConfig, GPT2_PRESETS, GPT),
-    "llama": (LlamaConfig, LLAMA_PRESETS, Llama),
+    "gpt2": (GPTConfig, GPT2_PRESETS, GPT, FastGPT),
+    "llama": (LlamaConfig, LLAMA_PRESETS, Llama, FastLlama),
 }
 ARCHS = tuple(FAMILIES)
-ALL_PRESETS = tuple(name for _, presets, _ in FAMILIES.values() for name in presets)
+ALL_PRESETS = tuple(name for _, presets, *_ in FAMILIES.values() for name in presets)
 
 
 def _family(arch: str):
@@ -37,7 +41,7 @@ def presets(arch: str) -> dict:
 
 def arch_of_preset(name: str) -> str | None:
     """The family a preset belongs to, or None for no preset of any."""
-    return next((a for a, (_, p, _) in FAMILIES.items() if name in p), None)
+    return next((a for a, (_, p, *_) in FAMILIES.items() if name in p), None)
 
 
 def config_from_dict(d: dict):
@@ -54,4 +58,11 @@ def model_class(config):
     return _family(config.arch)[2]
 
 
-__all__ = ["ALL_PRESETS", "ARCHS", "FAMILIES", "arch_of_preset", "config_from_dict", "model_class", "presets"]
+def fast_model_class(config):
+    """The fast step's model class of a configuration (``FastGPT`` for a ``GPTConfig``, ``FastLlama`` for a
+    ``LlamaConfig``)."""
+    return _family(config.arch)[3]
+
+
+__all__ = ["ALL_PRESETS", "ARCHS", "FAMILIES", "arch_of_preset", "config_from_dict", "fast_model_class", "model_class",
+           "presets"]

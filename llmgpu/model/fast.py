@@ -128,11 +128,11 @@ class FastGPT(GPTBase):
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
         if self.options.attention_kernel == "math":
-            return ("FastGPT with attention_kernel='math' runs chapter 2's attention, whose GEMMs are CuPy's cuBLAS "
-                    "calls, which refuse stream capture; use a flash attention kernel for a graph step, or "
-                    "graph=False")
-        return (f"FastGPT in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash attention "
-                "takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
+            return (f"{type(self).__name__} with attention_kernel='math' runs chapter 2's attention, whose GEMMs are "
+                    "CuPy's cuBLAS calls, which refuse stream capture; use a flash attention kernel for a graph step, "
+                    "or graph=False")
+        return (f"{type(self).__name__} in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash "
+                "attention takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
                 "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
 
     @property
@@ -176,13 +176,14 @@ class FastGPT(GPTBase):
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
                 bias_grad(dy, out=G(b_name), accumulate=True)
 
-    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None):
+    def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None, beta=0.0):
+        """``dy W`` (``+ beta · out``: a second branch's input gradient added by the GEMM)."""
         w = self.weight(w_name)
         n = dy.shape[0]
         m, k = w.shape
-        nbytes = (n * m + m * k + n * k * (2 if aux is not None else 1)) * dy.dtype.itemsize
+        nbytes = (n * m + m * k + n * k * (2 if aux is not None or beta else 1)) * dy.dtype.itemsize
         with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
-            return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out)
+            return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out, beta=beta)
 
     def _add_ln(self, x, a, ln, *, name):
         """(x + a written over a, LN(x + a), mean, rstd)."""
@@ -202,43 +203,52 @@ class FastGPT(GPTBase):
 
     def _attention_forward(self, qkv, B, T):
         """Causal attention on the ``[N, 3C]`` QKV buffer: ``(y [N, C], state for the backward)``."""
-        cfg, xp = self.config, self.xp
+        cfg = self.config
         H, C = cfg.n_head, cfg.n_embd
         D = C // H
         it = qkv.dtype.itemsize
         with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=4 * B * T * C * it):
-            q, k, v = split_qkv(qkv.reshape(B, T, 3 * C), H)
-            if self.flash:
-                y = xp.empty((B, T, C), dtype=qkv.dtype)
-                o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H),
-                                                   kernel=self.options.attention_kernel, choices=self.kernel_choices)
-                return y.reshape(B * T, C), (q, k, v, o, stats)
-            qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
-            o, stats = attention_forward(qc, kc, vc, causal=True)
-            y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
-            return y, (qc, kc, vc, o, stats)
+            return self._attention_core(*split_qkv(qkv.reshape(B, T, 3 * C), H), B, T)
 
     def _attention_backward(self, dy, state, B, T):
         """``dqkv [N, 3C]`` from ``dy [N, C]``."""
         cfg, xp = self.config, self.xp
         H, C = cfg.n_head, cfg.n_embd
         D = C // H
-        q, k, v, o, stats = state
         it = dy.dtype.itemsize
         with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=8 * B * T * C * it):
             dqkv = xp.empty((B, T, 3 * C), dtype=dy.dtype)
-            if self.flash:
-                dq, dk, dv = split_qkv(dqkv, H)
-                flash_attention_backward(heads_view(dy.reshape(B, T, C), H), q, k, v, o, stats, causal=True,
-                                         dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
-                                         choices=self.kernel_choices)
-            else:
-                do = xp.ascontiguousarray(dy.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-                grads = attention_backward(do, q, k, v, o, stats, causal=True)
-                d5 = dqkv.reshape(B, T, 3, H, D)
-                for j, g in enumerate(grads):
-                    d5[:, :, j] = g.transpose(0, 2, 1, 3)
+            self._attention_core_backward(dy, state, *split_qkv(dqkv, H), B, T)
             return dqkv.reshape(B * T, 3 * C)
+
+    def _attention_core(self, q, k, v, B, T):
+        """Causal attention on ``[B, H, T, D]`` views q and ``[B, H_kv, T, D]`` views k, v (strided views of the
+        GEMMs' rows): ``(y [N, C], state for the backward)``. Flash attention reads the views and writes y's rows;
+        chapter 2's kernels take contiguous copies."""
+        xp, H, C = self.xp, self.config.n_head, self.config.n_embd
+        if self.flash:
+            y = xp.empty((B, T, C), dtype=q.dtype)
+            o, stats = flash_attention_forward(q, k, v, causal=True, out=heads_view(y, H),
+                                               kernel=self.options.attention_kernel, choices=self.kernel_choices)
+            return y.reshape(B * T, C), (q, k, v, o, stats)
+        qc, kc, vc = (xp.ascontiguousarray(t) for t in (q, k, v))
+        o, stats = attention_forward(qc, kc, vc, causal=True)
+        y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
+        return y, (qc, kc, vc, o, stats)
+
+    def _attention_core_backward(self, dy, state, dq, dk, dv, B, T):
+        """The gradients of ``_attention_core`` from ``dy [N, C]``, written into the ``[B, n, T, D]`` views dq, dk, dv
+        (dk, dv summed over each K/V head's group of query heads)."""
+        xp, H = self.xp, self.config.n_head
+        q, k, v, o, stats = state
+        if self.flash:
+            flash_attention_backward(heads_view(dy.reshape(B, T, -1), H), q, k, v, o, stats, causal=True,
+                                     dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
+                                     choices=self.kernel_choices)
+            return
+        do = xp.ascontiguousarray(dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
+        for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):
+            out[...] = g
 
     # ------------------------------------------------------------------ forward
 
@@ -280,10 +290,11 @@ class FastGPT(GPTBase):
         return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
 
     def _forward_trunk(self, idx, store: bool, keep_pre: bool | None = None):
-        """Embeddings, the blocks and ln_f. Returns ``(x_L [N, C], hf, mean_f, rstd_f, caches, inputs)``:
-        with ``store``, every block's cache (no checkpointing) or every k-th block's input state. Without
-        ``store`` (inference) the MLP's GEMM does not keep its pre-activation (``keep_pre``, default ``store``).
-        With checkpointing the first pass keeps it too, so that the span inputs are the same bits as without."""
+        """Embeddings, the blocks and ln_f. Returns ``(state, caches, inputs)``: the final state ``(x_L [N, C],
+        hf = ln_f(x_L), its statistics...)``; with ``store``, every block's cache (no checkpointing) or every k-th
+        block's input state. Without ``store`` (inference) the MLP's GEMM does not keep its pre-activation
+        (``keep_pre``, default ``store``). With checkpointing the first pass keeps it too, so that the span inputs
+        are the same bits as without."""
         keep_pre = store if keep_pre is None else keep_pre
         B, T = idx.shape
         L, k = self.config.n_layer, self.checkpoint_every if store else 0
@@ -296,12 +307,12 @@ class FastGPT(GPTBase):
             if store and not k:
                 caches[i] = c
             del c
-        return (*state, caches, inputs)
+        return state, caches, inputs
 
     def _logits(self, hf):
         N = hf.shape[0]
         Vp, V = self.config.padded_vocab_size, self.config.vocab_size
-        logits = self._linear(hf, WTE, name="lm_head fwd")
+        logits = self._linear(hf, self._head_name, name="lm_head fwd")
         if Vp != V:
             with region("lm_head pad", bytes=N * (Vp - V) * logits.dtype.itemsize, flops=float(N * (Vp - V))):
                 logits[:, V:] = PAD_LOGIT
@@ -312,7 +323,7 @@ class FastGPT(GPTBase):
         idx = self.check_idx(idx)
         B, T = idx.shape
         C = self.config.n_embd
-        _, hf, _, _, _, _ = self._forward_trunk(idx, store=False)
+        (_, hf, *_), _, _ = self._forward_trunk(idx, store=False)
         if last_only:
             hf = self.xp.ascontiguousarray(hf.reshape(B, T, C)[:, -1])
         return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
@@ -399,9 +410,32 @@ class FastGPT(GPTBase):
         """The LM head's backward for one chunk: ``dh = dlogits W`` and ``dW += dlogitsᵀ h`` (fp32)."""
         n, Vp = dlogits.shape
         C, it = h.shape[1], self.dtype.itemsize
-        self._dgrad(dlogits, WTE, name="lm_head", out=dh)
+        self._dgrad(dlogits, self._head_name, name="lm_head", out=dh)
         with region("lm_head wgrad", flops=2.0 * n * Vp * C, bytes=(n * Vp + n * C) * it + 8 * Vp * C):
-            wgrad_gemm(dlogits, h, out=self.params.grad_of(WTE), beta=1.0, gemm=lt_gemm)
+            wgrad_gemm(dlogits, h, out=self.params.grad_of(self._head_name), beta=1.0, gemm=lt_gemm)
+
+    def _final_norm_backward(self, dhf, state):
+        """ln_f's backward from the final state: (the residual stream's gradient [N, C], the names made final)."""
+        x, _, mean, rstd = state
+        return self._ln_backward(dhf, x, "transformer.ln_f", mean, rstd, None, name="ln_f bwd"), [LNF_W, LNF_B]
+
+    def _embed_backward(self, dx, idx) -> list[str]:
+        """The embeddings' backward from the residual stream's gradient ``dx [N, C]``: their names."""
+        cfg, G = self.config, self.params.grad_of
+        B, T = idx.shape
+        N, C, Vp, it = B * T, cfg.n_embd, cfg.padded_vocab_size, self.dtype.itemsize
+        method = self.options.embedding_backward_method if self.xp is not np else "optimized"
+        if self.options.embedding_grad_into_fp32:  # fp32 row sums added into the fp32 gradients, touched rows only
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
+                embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
+                                   dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
+        else:
+            with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
+                        flops=float(N * C)):
+                dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method)
+                accumulate_grad(G(WTE), dwte)
+                accumulate_grad(G(WPE), dwpe)
+        return [WTE, WPE]
 
     def forward_backward(self, idx, targets, dloss=1.0, *, grads_ready=None):
         """One micro-batch: the loss (0-d device array) and gradients added into ``params.grad``; same
@@ -410,26 +444,22 @@ class FastGPT(GPTBase):
         idx, targets = self.check_batch(idx, targets)
         ready = grads_ready or (lambda names: None)
         B, T = idx.shape
-        N, C, L, k = B * T, cfg.n_embd, cfg.n_layer, self.checkpoint_every
-        Vp = cfg.padded_vocab_size
-        G = self.params.grad_of
-        it = self.dtype.itemsize
+        L, k = cfg.n_layer, self.checkpoint_every
 
-        xL, hf, meanf, rstdf, caches, inputs = self._forward_trunk(idx, store=True)
+        state, caches, inputs = self._forward_trunk(idx, store=True)
         stored = nbytes_of(caches) + nbytes_of(inputs)
-        loss, dhf = self._head_forward_backward(hf, targets.reshape(-1), dloss)
-        del hf
+        loss, dhf = self._head_forward_backward(state[1], targets.reshape(-1), dloss)
         # the gradient of the residual stream: from here on one [N, C] buffer, updated in place
-        dx = self._ln_backward(dhf, xL, "transformer.ln_f", meanf, rstdf, None, name="ln_f bwd")
-        ready([LNF_W, LNF_B])
-        del dhf, xL
+        dx, names = self._final_norm_backward(dhf, state)
+        ready(names)
+        del dhf, state
 
         peak = stored
         if k == 0:
             for i in reversed(range(L)):
                 dx = self._block_backward(i, dx, caches[i], B, T)
                 caches[i] = None
-                ready(list(block_param_names(i).values()))
+                ready(self._block_names(i))
         else:
             for s in reversed(range(0, L, k)):  # the spans, last to first
                 e = min(s + k, L)
@@ -442,21 +472,10 @@ class FastGPT(GPTBase):
                 for j in reversed(range(s, e)):
                     dx = self._block_backward(j, dx, span[j - s], B, T)
                     span[j - s] = None
-                    ready(list(block_param_names(j).values()))
+                    ready(self._block_names(j))
                 inputs[s] = None
 
-        method = self.options.embedding_backward_method if self.xp is not np else "optimized"
-        if self.options.embedding_grad_into_fp32:  # fp32 row sums added into the fp32 gradients, touched rows only
-            with region("embedding bwd", bytes=N * C * it + 4 * N + (min(N, Vp) + T) * C * 8, flops=float(N * C)):
-                embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method,
-                                   dwte_out=G(WTE), dwpe_out=G(WPE), accumulate=True)
-        else:
-            with region("embedding bwd", bytes=N * C * it + 4 * N + (Vp + cfg.block_size) * C * (it + 8),
-                        flops=float(N * C)):
-                dwte, dwpe = embedding_backward(dx.reshape(B, T, C), idx, Vp, cfg.block_size, method=method)
-                accumulate_grad(G(WTE), dwte)
-                accumulate_grad(G(WPE), dwpe)
-        ready([WTE, WPE])
+        ready(self._embed_backward(dx, idx))
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 

@@ -169,9 +169,6 @@ class GPT(GPTBase):
     # The pieces around the blocks, each a method so that a sibling architecture (model/llama.py) replaces them
     # and keeps forward_backward's loop, checkpointing included.
 
-    def _block_names(self, i: int) -> list[str]:
-        return list(block_param_names(i).values())
-
     def _embed(self, idx):
         """Token and position embeddings: x [B,T,C]."""
         return embedding_forward(idx, self.weight(WTE), self.weight(WPE))

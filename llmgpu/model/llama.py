@@ -28,8 +28,7 @@ from ..ops.linear import linear_backward, linear_forward
 from ..ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward, rope_tables
 from ..ops.swiglu import swiglu_backward, swiglu_forward
-from ..optim.params import ALIGN
-from .base import PAD_LOGIT, accumulate_grad
+from .base import PAD_LOGIT
 from .config import span_activation_bytes
 from .gpt import GPT
 from .llama_config import (
@@ -43,9 +42,10 @@ from .llama_config import (
 )
 
 
-class Llama(GPT):
-    """A Llama-family model from the chapter 1–3 and 10 ops, on NumPy or CuPy (``GPT`` has the loop, ``GPTBase``
-    the rest). ``checkpoint_every`` as ``GPT``'s."""
+class LlamaFamily:
+    """What a Llama model is whatever its step (the book's ``Llama`` below, chapter 10's ``FastLlama`` in
+    ``model/fast_llama.py``): its configuration and parameters, the RoPE tables, the activation formula, the names
+    the step's hooks ask for. A mixin: it comes first in the bases, before ``GPT`` or ``FastGPT``."""
 
     config_type = LlamaConfig
     embedding_name = EMBED
@@ -54,43 +54,54 @@ class Llama(GPT):
     norm_gains = ("norm.weight",)  # input_layernorm, post_attention_layernorm, model.norm
     residual_projections = ("o_proj.weight", "down_proj.weight")
 
-    def __init__(self, config: LlamaConfig, *, dtype="fp32", checkpoint_every: int = 0, xp=None, seed: int = 0,
-                 init: bool = True, param_multiple: int = ALIGN):
-        super().__init__(config, dtype=dtype, checkpoint_every=checkpoint_every, xp=xp, seed=seed, init=init,
-                         param_multiple=param_multiple)
+    def __init__(self, config: LlamaConfig, **kwargs):
+        super().__init__(config, **kwargs)
         table = backend.float64 if self.dtype == backend.float64 else backend.float32  # fp64: the FD reference
-        self.rope_cos, self.rope_sin = rope_tables(config.block_size, config.head_dim, config.rope_theta, xp=self.xp,
-                                                   dtype=table)
+        self.rope_cos, self.rope_sin = rope_tables(self.config.block_size, self.config.head_dim,
+                                                   self.config.rope_theta, xp=self.xp, dtype=table)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return llama_param_shapes(self.config)
 
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
         """``stored`` and ``peak`` activation bytes (``model/llama_config.llama_block_activation_bytes`` per block;
-        a checkpointed span keeps its input x)."""
+        a checkpointed span keeps its input x, and with ``keeps_ln_1`` its input_norm output and inverse rms)."""
         k = self.checkpoint_every if checkpoint_every is None else checkpoint_every
-        blk = llama_block_activation_bytes(self.config, batch, seq, self.dtype)
-        return span_activation_bytes(self.config.n_layer, k, sum(blk.values()), blk["x (block input)"])
-
-    # ------------------------------------------------------------------ around the blocks
+        blk = llama_block_activation_bytes(self.config, batch, seq, self.dtype,
+                                           attention="flash" if self.attention == "flash" else "math")
+        span_input = blk["x (block input)"]
+        if self.keeps_ln_1:
+            span_input += blk["input_norm output"] + blk["RMSNorm inverse rms"] // 2
+        return span_activation_bytes(self.config.n_layer, k, sum(blk.values()), span_input)
 
     def _block_names(self, i: int) -> list[str]:
         return list(block_names(i).values())
 
-    @property
-    def _head_name(self) -> str:
-        return EMBED if self.config.tie_embeddings else LM_HEAD
+    def _norm_and_head_names(self) -> list[str]:
+        """The gradients made final by the final norm's and the LM head's backward (a tied head's waits for the
+        embedding's)."""
+        return [NORM] + ([] if self.tied else [LM_HEAD])
+
+    def _embed_backward(self, dx, idx) -> list[str]:
+        """The lookup's gradient from the residual stream's ``dx`` (``[B, T, C]`` or ``[N, C]``): its rows added into
+        their tokens' rows in fp32 (chapter 1's embedding backward without its position half: a Llama has none)."""
+        B, T = idx.shape
+        N, C, Vp = B * T, self.config.n_embd, self.config.padded_vocab_size
+        with region("embedding bwd", bytes=N * C * self.dtype.itemsize + 4 * N + 8 * min(N, Vp) * C,
+                    flops=float(N * C)):
+            embedding_backward(dx.reshape(B, T, C), idx, Vp, T, method="counting", dwte_out=self.params.grad_of(EMBED),
+                               accumulate=True, positions=False)
+        return [EMBED]
+
+
+class Llama(LlamaFamily, GPT):
+    """A Llama-family model from the chapter 1–3 and 10 ops, on NumPy or CuPy (``GPT`` has the loop, ``GPTBase``
+    the rest). Same constructor as ``GPT``; ``checkpoint_every`` as ``GPT``'s."""
+
+    # ------------------------------------------------------------------ around the blocks
 
     def _embed(self, idx):
         return self.weight(EMBED)[idx]  # a gather: x [B, T, C]; no position vector (RoPE rotates q and k)
-
-    def _embed_backward(self, dx, idx) -> list[str]:
-        # the lookup's gradient: rows of dx added into their tokens' rows (chapter 1's embedding backward, whose
-        # position-embedding half is summed and dropped: a Llama has none)
-        cfg = self.config
-        dwte, _ = embedding_backward(dx, idx, cfg.padded_vocab_size, dx.shape[1])
-        accumulate_grad(self.params.grad_of(EMBED), dwte)
-        return [EMBED]
 
     def _head(self, x):
         B, T, C = x.shape
@@ -112,7 +123,7 @@ class Llama(GPT):
         del dlogits, hf
         with region("norm bwd", bytes=3 * dhf.nbytes):
             dx, _ = rmsnorm_backward(dhf, x2d, self.weight(NORM), inv, dweight=G(NORM), accumulate=True)
-        return dx, [NORM] + ([] if self.config.tie_embeddings else [LM_HEAD])
+        return dx, self._norm_and_head_names()
 
     # ------------------------------------------------------------------ one block
 
@@ -212,4 +223,4 @@ class Llama(GPT):
         return dx.reshape(B, T, C)
 
 
-__all__ = ["Llama"]
+__all__ = ["Llama", "LlamaFamily"]

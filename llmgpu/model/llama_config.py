@@ -159,17 +159,22 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def llama_block_activation_bytes(cfg: LlamaConfig, batch: int, seq: int, dtype="bf16") -> dict:
-    """Bytes one block of the book step's ``Llama`` keeps for its backward pass, by array (chapter 2's attention
-    with its ``B·H·T·T`` probabilities; q and k after RoPE, k and v with the n_kv_head heads of grouped-query
-    attention; RMSNorm's inverse RMS in fp32, as LayerNorm's statistics)."""
+def llama_block_activation_bytes(cfg: LlamaConfig, batch: int, seq: int, dtype="bf16", attention="math") -> dict:
+    """Bytes one Llama block keeps for its backward pass, by array (q and k after RoPE, k and v with the n_kv_head
+    heads of grouped-query attention; RMSNorm's inverse RMS in fp32, as LayerNorm's statistics). ``attention``:
+    ``"math"`` (the book step's chapter 2 attention: its ``B·H·T·T`` probabilities, and o in heads order besides
+    its ``[N, C]`` copy y) or ``"flash"`` (``FastLlama``: o written as y, one fp32 log-sum-exp per row)."""
     dt = backend.resolve_dtype(dtype)
     it, N, C, F = dt.itemsize, batch * seq, cfg.n_embd, cfg.ffn_dim
     stat = 8 if dt == backend.float64 else 4
+    if attention == "flash":
+        core = {"attention output y": it * N * C, "attention log-sum-exp": stat * batch * cfg.n_head * seq}
+    else:
+        core = {"attention probabilities P": it * batch * cfg.n_head * seq * seq, "attention output o": it * N * C,
+                "o as [N, C] (y)": it * N * C}
     return {
         "x (block input)": it * N * C, "input_norm output": it * N * C, "q": it * N * C,
-        "k, v": 2 * it * N * cfg.kv_dim, "attention probabilities P": it * batch * cfg.n_head * seq * seq,
-        "attention output o": it * N * C, "o as [N, C] (y)": it * N * C, "x + attention": it * N * C,
+        "k, v": 2 * it * N * cfg.kv_dim, **core, "x + attention": it * N * C,
         "post_norm output": it * N * C, "gate, up": 2 * it * N * F, "SwiGLU output": it * N * F,
         "RMSNorm inverse rms": 2 * stat * N,
     }  # fmt: skip

@@ -19,7 +19,7 @@ from .gelu import gelu_backward, gelu_forward
 from .layernorm import add_layernorm_forward, layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .matmul import matmul
-from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .rmsnorm import add_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
 from .softmax import softmax_backward, softmax_forward
 from .swiglu import swiglu_backward, swiglu_forward
@@ -27,6 +27,7 @@ from .vector_add import vector_add
 
 __all__ = [
     "add_layernorm_forward",
+    "add_rmsnorm_forward",
     "attention_backward",
     "attention_forward",
     "cross_entropy_backward",

@@ -191,7 +191,7 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
 
 
 def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_out=None, dwpe_out=None,
-                       accumulate=False):
+                       accumulate=False, positions=True):
     """``(dwte [V, C], dwpe [maxT, C])`` from ``dx [B, T, C]`` and the forward's ``idx [B, T]``.
 
     ``max_t`` is wpe's number of rows (an int, or wpe's shape). Gradients have dx's dtype, summed in
@@ -206,6 +206,9 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     ``dwpe_out[t] +=`` the sum over the batch, for ``t < T`` only. No sum is rounded to dx's dtype
     first. On the GPU it takes ``method="counting"`` (the same sums in the same order, bitwise
     repeatable and capturable); it returns ``(dwte_out, dwpe_out)``.
+
+    ``positions=False`` (a model without a position embedding, e.g. Llama; with ``accumulate=True``): only the
+    token rows are summed, ``dwpe_out`` is not taken and None is returned in its place.
     """
     check_method("embedding_backward", method, METHODS)
     xp = array_module(dx=dx, idx=idx, dwte_out=dwte_out, dwpe_out=dwpe_out)
@@ -222,8 +225,12 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     v, max_t = int(vocab_size), int(max_t)
     if t > max_t:
         raise ValueError(f"dx has T={t} positions but max_t is {max_t}")
+    if not isinstance(positions, (bool, np.bool_)):
+        raise TypeError(f"positions must be True or False, got {positions!r}")
+    if not positions and (not accumulate or dwpe_out is not None):
+        raise ValueError("positions=False sums the token rows only: it takes accumulate=True and no dwpe_out")
     if accumulate:
-        if dwte_out is None or dwpe_out is None:
+        if dwte_out is None or (positions and dwpe_out is None):
             raise ValueError("accumulate=True adds into dwte_out and dwpe_out: give both (fp32 gradient buffers)")
         if xp is not np and method != "counting":
             raise ValueError(f"accumulate=True runs on the GPU with method='counting', got method={method!r}")
@@ -232,7 +239,8 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
         _check_ids_numpy(idx, v)
         if accumulate:  # any float dtype here; the GPU path below checks for fp32
             for name, o, shape in (("dwte_out", dwte_out, (v, c)), ("dwpe_out", dwpe_out, (max_t, c))):
-                check_out(o, shape, o.dtype if o.dtype.kind == "f" else np.float32, xp, name=name)
+                if o is not None:
+                    check_out(o, shape, o.dtype if o.dtype.kind == "f" else np.float32, xp, name=name)
             _accumulate_reference(dx, idx, dwte_out, dwpe_out)
             return dwte_out, dwpe_out
         dwte, dwpe = embedding_backward_reference(dx, idx, v, max_t)
@@ -250,7 +258,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
         raise ValueError("B*T and V must be below 2**31")
     out_dtype = np.float32 if accumulate else dx.dtype
     dwte = check_out(dwte_out, (v, c), out_dtype, xp, name="dwte_out")
-    dwpe = check_out(dwpe_out, (max_t, c), out_dtype, xp, name="dwpe_out")
+    dwpe = check_out(dwpe_out, (max_t, c), out_dtype, xp, name="dwpe_out") if positions else None
     ti = _C_INDEX[idx.dtype]
     acc = int(bool(accumulate))
 
@@ -267,6 +275,8 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
 
     if method == "counting":
         _backward_counting(xp, dx, idx, dwte, v, ti, acc)
+        if not positions:
+            return dwte, None
         vec, grid, block = _pack_grid(v, c, dx.dtype, (dx, dwte, dwpe))
         get_kernel("embedding", "embedding_backward_wpe", dx.dtype, int(vec), acc)(
             (t if acc else max_t, grid[1]), block, (dx, dwpe, np.int32(b), np.int32(t), np.int32(c))
@@ -303,7 +313,8 @@ def _accumulate_reference(dx, idx, dwte_out, dwpe_out):
     sums = np.zeros((dwte_out.shape[0], c), dtype=ct)
     np.add.at(sums, ids, d)  # positions in order, as embedding_backward_reference
     dwte_out[rows] += sums[rows].astype(dwte_out.dtype)
-    dwpe_out[:t] += d.reshape(b, t, c).sum(axis=0).astype(dwpe_out.dtype)
+    if dwpe_out is not None:
+        dwpe_out[:t] += d.reshape(b, t, c).sum(axis=0).astype(dwpe_out.dtype)
 
 
 def _backward_counting(xp, dx, idx, dwte, v, ti, acc=0):

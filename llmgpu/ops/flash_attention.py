@@ -28,14 +28,14 @@ Implementations (``kernel=``), on CuPy arrays:
 * ``"cudnn"``  NVIDIA's fused attention through the cuDNN frontend (``llmgpu.ops.cudnn_attention``, an optional
   extra: ``pip install 'llmgpu[fast]'``), with its deterministic backward.
 * ``"auto"``   (default, ``DEFAULT_KERNEL``) whichever of ours and cuDNN is faster here, timed once per shape (B, H,
-  T, D, dtype, causal, direction) on the first call; cuDNN unless ours is at least ``AUTO_MARGIN`` faster; ours where
-  cuDNN is not installed or cannot take the shape, cuDNN for head dims ours lacks. What it resolved to is written
-  into ``choices=`` (a ``KernelChoices`` the caller owns: ``FastGPT`` keeps one per model, and a training run saves
-  it in its checkpoint and pins it on resume, so the resumed steps run the same kernels, bit-exact), else into this
-  process's record (``auto_choices()``); a record is read before anything is timed, then the machine's cache file
-  (``auto_cache_path``, keyed by GPU name, CUDA and cuDNN versions and our kernel source). The first call of a shape
-  syncs the device (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without a
-  decision, ours runs).
+  H_kv, T, D, dtype, causal, direction) on the first call; cuDNN unless ours is at least ``AUTO_MARGIN`` faster;
+  ours where cuDNN is not installed or cannot take the shape, cuDNN for head dims ours lacks. What it resolved to is
+  written into ``choices=`` (a ``KernelChoices`` the caller owns: ``FastGPT`` keeps one per model, and a training
+  run saves it in its checkpoint and pins it on resume, so the resumed steps run the same kernels, bit-exact), else
+  into this process's record (``auto_choices()``); a record is read before anything is timed, then the machine's
+  cache file (``auto_cache_path``, keyed by GPU name, CUDA and cuDNN versions and our kernel source). The first call
+  of a shape syncs the device (it times): make it outside CUDA-graph capture, as a warm-up (inside capture, without
+  a decision, ours runs).
 
 NumPy arrays run the reference of the same algorithm (``llmgpu.ops.flash_reference``, tiled online softmax;
 float32 math, float64 stays float64), so the math is checked on any machine.
@@ -49,9 +49,11 @@ gives q, k, v as views of the ``[B, T, 3C]`` output of the QKV projection and ``
 need element strides that are multiples of 8 (what those views give for D = 64 or 128).
 
 Grouped-query attention (GQA): k and v (and dk, dv) may have H_kv heads, H_kv dividing H, query head h reading K/V
-head h // (H / H_kv) (the order of chapter 2's ``attention_forward``, which also takes it). cuDNN takes such K/V as
-they are and returns dK/dV with H_kv heads; our kernels take H_kv = H only (``ours_unsupported`` says so, and
-"auto" then runs cuDNN without recording a choice); the NumPy reference repeats K/V per group and sums dK/dV over it.
+head h // (H / H_kv) (the order of chapter 2's ``attention_forward``, which also takes it). Both take such K/V as
+they are (no repeated copies) and return dK/dV with H_kv heads: cuDNN natively; ours with the forward and dQ kernels
+reading K/V head h // G, and each dK/dV block summing over its K/V head's G query heads in fp32 registers before
+one store (deterministic: no atomics; ``kernels/flash_attention.cu``). "auto" times the two per H_kv as for any
+shape. The NumPy reference repeats K/V per group and sums dK/dV over it.
 
 Our launches allocate nothing but one fp32 [B, H, T] buffer for D per shape (cached, made on the first call), so
 after a warm-up they are capturable in a CUDA graph.
@@ -126,20 +128,24 @@ def graph_count() -> int:
 # --------------------------------------------------------------------------- strided views
 
 
-def split_qkv(qkv, n_head: int):
+def split_qkv(qkv, n_head: int, n_kv_head: int | None = None):
     """q, k, v as ``[B, H, T, D]`` views of a contiguous ``[B, T, 3C]`` QKV buffer (no copy).
 
     Column block 0 of the last axis is q, block 1 k, block 2 v (the layout of GPT-2's ``c_attn``);
-    element strides ``(T·3C, D, 3C, 1)``.
+    element strides ``(T·3C, D, 3C, 1)``. With ``n_kv_head`` (grouped-query attention) the buffer is
+    ``[B, T, (H + 2·H_kv)·D]``: q's H heads, then k's and v's H_kv heads each.
     """
-    if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
-        raise ValueError(f"qkv must be [B, T, 3C] with C a multiple of n_head={n_head}, got {tuple(qkv.shape)}")
+    h_kv = n_head if n_kv_head is None else n_kv_head
+    kv_group(n_head, h_kv)
+    width = n_head + 2 * h_kv  # heads of D columns in a row
+    if qkv.ndim != 3 or qkv.shape[-1] % width:
+        want = "3C] with C a multiple of" if h_kv == n_head else f"(H + 2·H_kv)·D] with H_kv={h_kv},"
+        raise ValueError(f"qkv must be [B, T, {want} n_head={n_head}, got {tuple(qkv.shape)}")
     if not qkv.flags.c_contiguous:
         raise ValueError("qkv must be C-contiguous")
-    B, T, C3 = qkv.shape
-    D = C3 // (3 * n_head)
-    v5 = qkv.reshape(B, T, 3, n_head, D)
-    return tuple(v5[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    B, T, W = qkv.shape
+    heads = qkv.reshape(B, T, width, W // width).transpose(0, 2, 1, 3)
+    return heads[:, :n_head], heads[:, n_head:n_head + h_kv], heads[:, n_head + h_kv:]
 
 
 def heads_view(x, n_head: int):
@@ -207,12 +213,11 @@ def _check_gpu_layout(**arrays):
 
 
 def ours_unsupported(q, *arrays) -> str | None:
-    """Why our kernels cannot take these [B, H, T, D] CuPy arrays (None when they can)."""
+    """Why our kernels cannot take these CuPy arrays, q [B, H, T, D] and the others [B, H or H_kv, T, D] (H_kv
+    dividing H: grouped K/V heads are fine); None when they can."""
     B, H, T, D = q.shape
-    if any(a.shape[1] != H for a in arrays):
-        h_kv = next(a.shape[1] for a in arrays if a.shape[1] != H)
-        return (f"our flash attention kernels take as many K/V heads as query heads, got H={H}, H_kv={h_kv}: "
-                "grouped-query attention runs on kernel='cudnn' or llmgpu.ops.attention")
+    if any(not a.shape[1] or H % a.shape[1] for a in arrays):  # the public calls check it first (kv_group)
+        return f"our flash attention kernels take K/V heads dividing H={H}, got {[a.shape[1] for a in arrays]}"
     if D not in HEAD_DIMS:
         return f"our flash attention kernels take head dims {HEAD_DIMS}, got D={D} (kernel='cudnn' takes D % 8 == 0)"
     for a in (q, *arrays):
@@ -243,7 +248,8 @@ _PROCESS_CHOICES: dict = {}  # device id -> KernelChoices: what "auto" resolved 
 
 def auto_choices() -> dict:
     """What ``kernel="auto"`` resolved to so far in this process, per (device, direction, B, H, T, D, dtype,
-    causal): the process's record, which also holds what callers' own records (``choices=``) got."""
+    causal[, H_kv] as in ``KernelChoices``): the process's record, which also holds what callers' own records
+    (``choices=``) got."""
     return {(dev, *key): c for dev, rec in _PROCESS_CHOICES.items() for key, c in rec.items()}
 
 
@@ -256,7 +262,7 @@ def choices_unavailable(choices: KernelChoices) -> dict[str, str]:
     return {k: w for k, w in why.items() if w}
 
 
-def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma") -> str:
+def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma", kv_heads=None) -> str:
     """The disk-cache key: what the timing depends on (GPU, CUDA, cuDNN, our kernels' source) and the call."""
     try:
         gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
@@ -276,8 +282,9 @@ def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma") -> st
     except OSError:
         ours = "?"
     ours += f" {impl}"
+    kv = f" H_kv={kv_heads}" if kv_heads not in (None, shape[1]) else ""
     return (f"{gpu}|cuda {cp.cuda.runtime.runtimeGetVersion()}|cudnn {cudnn}|ours {ours}|{direction}|{dtype_name}|"
-            f"B={shape[0]} H={shape[1]} T={shape[2]} D={shape[3]}|causal={bool(causal)}")
+            f"B={shape[0]} H={shape[1]}{kv} T={shape[2]} D={shape[3]}|causal={bool(causal)}")
 
 
 def _capturing(cp) -> bool:
@@ -306,12 +313,10 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
     check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", *AUTO_RESOLVES_TO))
     if kernel != "auto":
         return kernel
-    if arrays[0].shape[1] != q.shape[1]:  # grouped K/V (arrays[0] is k): cuDNN only, nothing to time or record
-        if cudnn_attention.available():
-            return "cudnn"
-        _require_ours(q, *arrays)  # raises with ours' reason, which names the paths that take it
     cp = backend.cupy_module()
     key = (direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
+    if arrays[0].shape[1] != q.shape[1]:  # grouped K/V heads (arrays[0] is k): a shape of its own
+        key += (arrays[0].shape[1],)
     process = _PROCESS_CHOICES.setdefault(cp.cuda.Device().id, KernelChoices())
     record = process if choices is None else choices
 
@@ -332,7 +337,7 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
     if len(cands) == 1:  # nothing to compare: the same choice in every process
         return decided(cands[0])
     disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal,
-                            forward_impl(q) if direction == "fwd" else "mma")
+                            forward_impl(q) if direction == "fwd" else "mma", kv_heads=arrays[0].shape[1])
     cached = read_auto_cache().get(disk_key)
     if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
         return decided(cached)
@@ -358,9 +363,9 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
 def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=None, kernel=None, choices=None):
     """``O = softmax(scale · q kᵀ, causal) v`` without materialising the scores; returns ``(o, stats)``.
 
-    q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]`` with H_kv = H, or H_kv dividing H (grouped-query attention:
-    kernel "cudnn", or "auto", which then runs cuDNN); strided views allowed, unit stride along D. ``stats`` is an
-    ``AttentionStats`` with ``lse`` (fp32 ``[B, H, T]``): what ``flash_attention_backward`` needs.
+    q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]`` with H_kv = H, or H_kv dividing H (grouped-query attention, on
+    every kernel); strided views allowed, unit stride along D. ``stats`` is an ``AttentionStats`` with ``lse``
+    (fp32 ``[B, H, T]``): what ``flash_attention_backward`` needs.
     ``out`` ([B, H, T, D], may be a view such as ``heads_view(y, H)``) and ``lse`` (contiguous fp32
     [B, H, T]) are written when given (static buffers for CUDA graphs), else allocated.
     ``kernel``: "auto" (default: ``DEFAULT_KERNEL``), "ours", "mma", "wgmma", "scalar" or "cudnn" (GPU only; see

@@ -1,12 +1,12 @@
 """Where ``flash_attention``'s ``kernel="auto"`` keeps its choices (chapter 2b).
 
-**In a run**: a ``KernelChoices`` record, {(direction, B, H, T, D, dtype, causal): "ours" | "cudnn"}, owned by
+**In a run**: a ``KernelChoices`` record, {(direction, B, H, T, D, dtype, causal[, H_kv]): "ours" | "cudnn"}, owned by
 whoever calls (``FastGPT`` keeps one, ``model.kernel_choices``) and passed as ``choices=``. "auto" looks there first
 and writes there what it resolved. A training run saves its record in the checkpoint and a resumed run pins it
 (loads it before its first step: no timing, the same kernels, so the resumed steps are bit-exact).
 
 **On a machine**: a small JSON file (``auto_cache_path``), keyed by what the timing depends on (GPU name, CUDA
-and cuDNN versions, our kernels' source, dtype, B, H, T, D, causal, direction), read before timing anything, so
+and cuDNN versions, our kernels' source, dtype, B, H, H_kv, T, D, causal, direction), read before timing anything, so
 a new run on the same machine takes the choice an earlier one measured. A cache only: a run's choice is its
 record's. The file is written atomically; a missing, unreadable or damaged file reads as empty (and is rewritten
 on the next choice), never as an error.
@@ -22,13 +22,15 @@ from pathlib import Path
 
 AUTO_RESOLVES_TO = ("ours", "cudnn")  # what "auto" picks between
 DIRECTIONS = ("fwd", "bwd")
-_KEY_TEXT = re.compile(r"^(fwd|bwd) B=(\d+) H=(\d+) T=(\d+) D=(\d+) (\w+) (causal|full)$")
+_KEY_TEXT = re.compile(r"^(fwd|bwd) B=(\d+) H=(\d+)(?: H_kv=(\d+))? T=(\d+) D=(\d+) (\w+) (causal|full)$")
 
 
 class KernelChoices:
     """What ``kernel="auto"`` resolved to, per call: {(direction, B, H, T, D, dtype name, causal): "ours" |
-    "cudnn"}. ``as_dict()`` / ``from_dict()`` give and take the JSON form a checkpoint keeps
-    (``"fwd B=16 H=12 T=1024 D=64 bf16 causal": "cudnn"``)."""
+    "cudnn"}, the key ending in H_kv for grouped K/V heads (H_kv < H; a key with H_kv = H is stored without it, so
+    records made before grouped heads ran on our kernels read the same). ``as_dict()`` / ``from_dict()`` give and
+    take the JSON form a checkpoint keeps (``"fwd B=16 H=12 T=1024 D=64 bf16 causal": "cudnn"``,
+    ``"bwd B=8 H=9 H_kv=3 T=2048 D=64 bf16 causal": "ours"``)."""
 
     def __init__(self, entries: dict | None = None):
         self._by_key: dict = {}
@@ -39,11 +41,15 @@ class KernelChoices:
         return self._by_key.get(key)
 
     def record(self, key: tuple, choice: str):
-        direction, B, H, T, D, dtype, causal = key
+        direction, B, H, T, D, dtype, causal, *kv = key
         if direction not in DIRECTIONS or choice not in AUTO_RESOLVES_TO:
             raise ValueError(f"a kernel choice is a direction in {DIRECTIONS} and one of {AUTO_RESOLVES_TO}, got "
                              f"{direction!r}: {choice!r}")
-        self._by_key[(direction, int(B), int(H), int(T), int(D), str(dtype), bool(causal))] = choice
+        h_kv = int(kv[0]) if len(kv) == 1 and kv[0] is not None else int(H)
+        if len(kv) > 1 or h_kv < 1 or int(H) % h_kv:
+            raise ValueError(f"a kernel choice's key ends in H_kv, a divisor of H={H}, or nothing; got {key!r}")
+        grouped = (h_kv,) if h_kv != int(H) else ()
+        self._by_key[(direction, int(B), int(H), int(T), int(D), str(dtype), bool(causal), *grouped)] = choice
 
     def items(self):
         return self._by_key.items()
@@ -59,8 +65,8 @@ class KernelChoices:
 
     def as_dict(self) -> dict[str, str]:
         """JSON form, sorted: {"fwd B=16 H=12 T=1024 D=64 bf16 causal": "cudnn", ...}."""
-        return {f"{d} B={B} H={H} T={T} D={D} {dt} {'causal' if c else 'full'}": choice
-                for (d, B, H, T, D, dt, c), choice in sorted(self._by_key.items())}
+        return {f"{d} B={B} H={H}{''.join(f' H_kv={k}' for k in kv)} T={T} D={D} {dt} {'causal' if c else 'full'}":
+                choice for (d, B, H, T, D, dt, c, *kv), choice in sorted(self._by_key.items())}
 
     @classmethod
     def from_dict(cls, d: dict) -> KernelChoices:
@@ -73,8 +79,8 @@ class KernelChoices:
             if m is None:
                 raise ValueError(f"kernel choice key {text!r} is not of the form 'fwd B=16 H=12 T=1024 D=64 bf16 "
                                  "causal'")
-            d_, B, H, T, D, dt, c = m.groups()
-            out.record((d_, B, H, T, D, dt, c == "causal"), choice)
+            d_, B, H, h_kv, T, D, dt, c = m.groups()
+            out.record((d_, B, H, T, D, dt, c == "causal", h_kv), choice)
         return out
 
 # "auto" picks ours only when it is at least 3 % faster than cuDNN: closer than that, three timed calls cannot tell

@@ -23,6 +23,10 @@ The forward has two tensor-core kernels: ``flash_fwd`` (``mma.sync``, any sm_80+
 ``flash_fwd_wgmma`` (``kernels/flash_attention_wgmma.cu``: warpgroup MMAs, built for sm_90a only), with the same
 arguments and results up to rounding; ``ours_forward(impl="ours")`` takes the Hopper one where it runs.
 
+Grouped-query attention (k, v with H_kv = H / G heads): every kernel takes G; the forward and dQ kernels run over
+the B·H query heads and read K/V head h // G, the dK/dV kernels over the B·H_kv K/V heads, each block summing over
+its G query heads in registers (kernels/flash_attention.cu says why), so G = 1 is the multi-head launch unchanged.
+
 Every tensor-core kernel takes its (head, tile) from a grid of heads in groups (``plan``, ``tile_group``; the order
 is ``fa_block_head`` in kernels/flash_common.cuh): the same results bit for bit in any order, faster in a good one
 (dev/cuda/flash_tile_order.py measured it).
@@ -156,11 +160,13 @@ class Launch:
         return self.grid[0]
 
 
-def plan(name: str, q, group: int | None = None) -> Launch:
+def plan(name: str, q, group: int | None = None, kv_heads: int | None = None) -> Launch:
     """How tensor-core flash kernel ``name`` (flash_fwd, flash_fwd_wgmma, flash_bwd_dkdv[_wide],
     flash_bwd_dq[_wide]) is launched on q's shape and dtype. ``group``: heads per group of the launch order;
-    None: ``tile_group``'s choice for the kernel's occupancy on this GPU."""
+    None: ``tile_group``'s choice for the kernel's occupancy on this GPU. ``kv_heads``: H_kv (None: H), the heads
+    the dK/dV kernels' grid runs over."""
     B, H, T, D = q.shape
+    heads = (kv_heads or H) if "dkdv" in name else H
     if name == "flash_fwd_wgmma":
         smem, rows, threads = wgmma_smem_bytes(D), 64 * WGMMA_WG, 128 * WGMMA_WG
         kern = _kernel(name, smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
@@ -173,7 +179,7 @@ def plan(name: str, q, group: int | None = None) -> Launch:
         else:
             warps = c["DKDV_WARPS"] if "dkdv" in name else c["DQ_WARPS"]
             rows, threads = 16 * (c["WIDE_MT"] if name.endswith("_wide") else 1) * warps, 32 * warps
-    return Launch(kern, launch_grid(kern, threads, smem, B * H, -(-T // rows), group), (threads,), smem)
+    return Launch(kern, launch_grid(kern, threads, smem, B * heads, -(-T // rows), group), (threads,), smem)
 
 
 def launch_grid(kern, threads: int, smem: int, n_bh: int, n_tiles: int, group: int | None = None):
@@ -212,11 +218,17 @@ def forward_impl(q, impl: str = "ours") -> str:
     return impl
 
 
+def kv_group_size(q, k) -> int:
+    """G = H / H_kv, what the kernels take (the caller checked that H_kv divides H)."""
+    return q.shape[1] // k.shape[1]
+
+
 def ours_forward(q, k, v, o, lse, scale, causal, impl="ours", group=None):
-    """Launch our forward ``impl`` (``FWD_IMPLS``) on [B, H, T, D] views; o, lse written. ``group``: heads per
-    group of the launch order (default: ``plan``; the scalar kernel keeps the plain order)."""
+    """Launch our forward ``impl`` (``FWD_IMPLS``) on [B, H, T, D] views q, o and [B, H_kv, T, D] k, v; o, lse
+    written. ``group``: heads per group of the launch order (default: ``plan``; the scalar kernel keeps the plain
+    order)."""
     B, H, T, D = q.shape
-    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)))
+    head = (np.int32(H), np.int32(kv_group_size(q, k)), np.int32(T), np.float32(scale), np.int32(bool(causal)))
     views = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     impl = forward_impl(q, impl)
     if impl == "scalar":
@@ -245,13 +257,18 @@ def row_stats_buffer(cp, B, H, T, variant=DEFAULT_BWD_VARIANT):
 
 def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAULT_BWD_VARIANT, only=None,
                   group=None):
-    """dq, dk, dv by the kernels of ``variant``. ``only`` (benchmarks: one kernel's time) launches just the kernel
-    of that name from the variant's list; the others' outputs are then left as they were. ``group``: heads per
-    group of the launch order (default: ``plan``)."""
+    """dq, dk, dv by the kernels of ``variant`` (k, v, dk, dv with H_kv heads: dk, dv summed over each K/V head's
+    query heads). ``only`` (benchmarks: one kernel's time) launches just the kernel of that name from the variant's
+    list; the others' outputs are then left as they were. ``group``: heads per group of the launch order (default:
+    ``plan``)."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
+    H_kv, G = k.shape[1], kv_group_size(q, k)
     stats = row_stats_buffer(cp, B, H, T, variant)
-    head = (np.int32(H), np.int32(T), np.float32(scale), np.int32(bool(causal)), np.int32(B * H))
+
+    def head(n_heads):  # H, G, T, scale, causal and the heads the kernel's grid runs over
+        return np.int32(H), np.int32(G), np.int32(T), np.float32(scale), np.int32(bool(causal)), np.int32(B * n_heads)
+
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
     rows = B * H * T
@@ -264,12 +281,12 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
                                            *_strides(do), *_strides(o)))
             continue
         if name == "flash_bwd_dkdv":
-            args = (q, k, v, do, lse, stats, dk, dv, *head, *kv)
+            args = (q, k, v, do, lse, stats, dk, dv, *head(H_kv), *kv)
         elif name == "flash_bwd_dkdv_wide":  # lse · log2 e comes with D in stats
-            args = (q, k, v, do, stats, dk, dv, *head, *kv)
+            args = (q, k, v, do, stats, dk, dv, *head(H_kv), *kv)
         elif name == "flash_bwd_dq":
-            args = (q, k, v, do, lse, stats, dq, *head, *ins, *_strides(dq))
+            args = (q, k, v, do, lse, stats, dq, *head(H), *ins, *_strides(dq))
         else:  # flash_bwd_dq_wide: also reads O and writes the row stats
-            args = (q, k, v, do, o, lse, stats, dq, *head, *ins, *_strides(o), *_strides(dq))
-        run = plan(name, q, group)
+            args = (q, k, v, do, o, lse, stats, dq, *head(H), *ins, *_strides(o), *_strides(dq))
+        run = plan(name, q, group, kv_heads=H_kv)
         run.kernel(run.grid, run.block, args, shared_mem=run.smem)

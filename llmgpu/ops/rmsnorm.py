@@ -28,11 +28,27 @@ atomics: layernorm.cu's scheme). It has w's dtype, or fp32 when the caller passe
 buffer; ``accumulate=True`` adds into ``dweight`` (then required) instead of overwriting it, so a model
 accumulates straight into its fp32 gradient buffer.
 
+The residual stream around the norm, fused (chapter 8's ``add_layernorm_forward`` and ``dresidual`` for
+RMSNorm; the same kernels with a template flag, one pass over memory each):
+
+* ``add_rmsnorm_forward(x, a, w)`` writes ``s = x + a`` (rounded to the storage dtype; it may go over ``a``)
+  and ``y = rmsnorm(s)`` computed from that rounded ``s``. The sums run in ``rmsnorm_forward``'s order, so
+  on the GPU ``(s, y, inv_rms)`` are bitwise those of an add in the same dtype (any correctly rounded one:
+  fp32 arithmetic rounded once to fp16/bf16 is, 24 >= 2 * 11 + 2 bits) followed by ``rmsnorm_forward(s)``,
+  whenever both take the same kernel variant: every pointer 16-byte aligned or neither (fresh CuPy
+  buffers are).
+* ``rmsnorm_backward(..., dresidual=r)`` returns ``dx = rmsnorm's input gradient + r``, summed in fp32 and
+  rounded once (``dx=r``: written over it). In fp32 storage that is bitwise the backward followed by an
+  add; in fp16/bf16 the pair rounds twice and may differ from the fused result by a unit in the last
+  place of the larger term.
+
 Non-finite input: a NaN in row r of x makes ``inv_rms[r]`` and the whole row of y NaN; ±inf in a row
 gives ``mean(x**2) = inf``, ``inv_rms = 0``, and y = 0 at the finite entries, NaN at the infinite ones
 (``inf · 0``), as ``LlamaRMSNorm``; so does a finite ``|x| > ~1.8e19`` (its square overflows fp32; the
 row of y becomes 0, as in PyTorch). ``eps = 0`` and a row of zeros give ``inv_rms = inf`` and a NaN row.
-Backward: NaN in ``dy[r, c]`` makes row r of dx and ``dw[c]`` NaN, the rest finite.
+Backward: NaN in ``dy[r, c]`` makes row r of dx and ``dw[c]`` NaN, the rest finite. The fused forms
+apply these rules to ``s`` (a NaN in x or a makes that element of s NaN, so row r of y and ``inv_rms[r]``;
+an fp16 sum past 65504 is inf); NaN in ``dresidual[r, c]`` makes ``dx[r, c]`` NaN alone.
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ import numpy as np
 from .. import backend
 from ..checks import (
     array_module,
+    check_alias,
     check_array,
     check_float,
     check_gpu_dtype,
@@ -57,8 +74,9 @@ from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, resident
 
 FWD_WARPS = loader.constant("rmsnorm", "RMSNORM_FWD_WARPS")  # rows (warps) per block in the forward
 BWD_WARPS = loader.constant("rmsnorm", "RMSNORM_BWD_WARPS")  # rows (warps) per block in the backward
-# Packs per lane (16 bytes each) the register variants are instantiated for; 0 is the other variant.
-REGISTER_PACKS = tuple(sorted({int(e.split(",")[-1].strip(" >")) for e in loader.name_expressions("rmsnorm")
+# Packs per lane (16 bytes each) the register variants are instantiated for (template argument 2 of
+# rmsnorm_forward<T, VEC, P, ADD>); 0 is the other variant.
+REGISTER_PACKS = tuple(sorted({int(e.split(",")[2]) for e in loader.name_expressions("rmsnorm")
                                if e.startswith("rmsnorm_forward<")} - {0}))
 
 
@@ -97,14 +115,26 @@ def rmsnorm_forward_reference(x2, w, eps):
 
 
 @np.errstate(invalid="ignore", over="ignore")
-def rmsnorm_backward_reference(dy2, x2, w, inv_rms):
-    """(dx, dw) of rows ``[N, C]`` in the compute dtype (float32; float64 for float64 input), not rounded."""
+def add_rmsnorm_forward_reference(x2, a2, w, eps):
+    """The fused residual add + forward on NumPy rows: ``(s, y, inv_rms)``, ``s = x + a`` rounded to the
+    storage dtype first and normalized as it is (what the next layer and the backward read)."""
+    ct = reference_dtype(x2.dtype)
+    s = (x2.astype(ct) + a2.astype(ct)).astype(x2.dtype)
+    return (s, *rmsnorm_forward_reference(s, w, eps))
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def rmsnorm_backward_reference(dy2, x2, w, inv_rms, dresidual=None):
+    """(dx, dw) of rows ``[N, C]`` in the compute dtype (float32; float64 for float64 input), not rounded;
+    ``dresidual [N, C]`` is added to dx."""
     ct = reference_dtype(x2.dtype)
     r = inv_rms.astype(ct)[:, None]
     xhat = x2.astype(ct) * r
     d = dy2.astype(ct)
     g = d * w.astype(ct)
     dx = r * (g - xhat * (g * xhat).mean(axis=1, keepdims=True))
+    if dresidual is not None:
+        dx = dx + dresidual.astype(ct)
     return dx, (d * xhat).sum(axis=0)
 
 
@@ -139,12 +169,58 @@ def rmsnorm_forward(x, weight, eps=1e-5, *, out=None):
 
     _check_gpu(x, n_rows, c)
     out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
-    inv = xp.empty(lead, dtype=np.float32)
-    vec, packs = _plan(c, x.dtype, (x, weight, out))
-    kern = get_kernel("rmsnorm", "rmsnorm_forward", x.dtype, vec, packs)
+    return out, _launch_forward(x, None, None, weight, out, eps, n_rows, c, xp)
+
+
+def _launch_forward(x, a, s, weight, y, eps, n_rows, c, xp):
+    """rmsnorm_forward's kernel (ADD = 1 when ``a`` is given: s = x + a, then the norm of s); returns inv_rms."""
+    inv = xp.empty(x.shape[:-1], dtype=np.float32)
+    add = a is not None
+    vec, packs = _plan(c, x.dtype, (x, weight, y) + ((a, s) if add else ()))
+    kern = get_kernel("rmsnorm", "rmsnorm_forward", x.dtype, vec, packs, int(add))
     kern((-(-n_rows // FWD_WARPS),), (32 * FWD_WARPS,),
-         (x, weight, out, inv, np.int32(n_rows), np.int32(c), np.float32(eps)))
-    return out, inv
+         (x, a if add else x, s if add else y, weight, y, inv, np.int32(n_rows), np.int32(c), np.float32(eps)))
+    return inv
+
+
+def add_rmsnorm_forward(x, a, weight, eps=1e-5, *, residual_out=None, out=None):
+    """Residual add and RMSNorm in one pass: returns ``(s, y, inv_rms)``.
+
+    ``s = x + a`` (the residual stream, rounded to x's dtype) and ``y = rmsnorm(s)`` from that rounded ``s``
+    (bitwise the unfused pair on the GPU: module docstring). ``x``, ``a`` share shape ``[..., C]`` and dtype
+    with ``weight [C]``. ``s`` goes to ``residual_out`` when given, which may be ``a`` itself (in place; not
+    ``x``, which a model keeps for its backward); ``y`` goes to ``out`` (its own buffer). ``inv_rms`` and
+    ``eps`` as in ``rmsnorm_forward``.
+    """
+    xp = array_module(x=x, a=a, weight=weight, residual_out=residual_out, out=out)
+    check_array("x", x)
+    n_rows, c = _rows(x)
+    check_array("a", a, shape=tuple(x.shape))
+    check_array("weight", weight, shape=(c,))
+    check_same_dtype(x=x, a=a, weight=weight)
+    eps = check_float("eps", eps, low=0.0)
+    if residual_out is not None:
+        check_out(residual_out, x.shape, x.dtype, xp, name="residual_out")
+        check_alias("residual_out", residual_out, "a", a)
+        for name, b in (("x", x), ("weight", weight)):
+            _check_separate("residual_out", residual_out, name, b)
+    if out is not None:
+        check_out(out, x.shape, x.dtype, xp)
+        for name, b in (("x", x), ("a", a), ("weight", weight), ("residual_out", residual_out)):
+            _check_separate("out", out, name, b)
+    if xp is np:
+        s, y, inv = add_rmsnorm_forward_reference(x.reshape(n_rows, c), a.reshape(n_rows, c), weight, eps)
+        res = []
+        for val, buf in ((s, residual_out), (y, out)):
+            if buf is not None:
+                buf[...] = val.reshape(x.shape)
+            res.append(val.reshape(x.shape) if buf is None else buf)
+        return res[0], res[1], inv.reshape(x.shape[:-1])
+
+    _check_gpu(x, n_rows, c)
+    s = xp.empty(x.shape, dtype=x.dtype) if residual_out is None else residual_out
+    y = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+    return s, y, _launch_forward(x, a, s, weight, y, eps, n_rows, c, xp)
 
 
 def _check_separate(out_name, out, in_name, inp):
@@ -154,20 +230,24 @@ def _check_separate(out_name, out, in_name, inp):
         raise ValueError(f"{out_name} overlaps {in_name}: it needs a buffer of its own")
 
 
-def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulate=False):
+def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulate=False, dresidual=None):
     """Gradients of RMSNorm from the saved ``inv_rms``: returns ``(dx, dweight)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``weight [C]``; ``inv_rms`` is what
     ``rmsnorm_forward`` returned (shape ``x.shape[:-1]`` or ``(N,)``). ``dx`` and ``dweight`` are
     optional output buffers (``dweight`` in weight's dtype or fp32); ``accumulate=True`` adds the weight
-    gradient into ``dweight`` instead of overwriting it (sum in fp32, rounded once).
+    gradient into ``dweight`` instead of overwriting it (sum in fp32, rounded once). ``dresidual`` (dy's
+    shape and dtype): the gradient of a residual branch around the norm, added to dx in the same kernel
+    (rounded once); ``dx`` may be ``dresidual`` itself (in place).
     """
-    xp = array_module(dy=dy, x=x, weight=weight, inv_rms=inv_rms, dx=dx, dweight=dweight)
+    xp = array_module(dy=dy, x=x, weight=weight, inv_rms=inv_rms, dx=dx, dweight=dweight, dresidual=dresidual)
     check_array("x", x)
     n_rows, c = _rows(x)
     check_array("dy", dy, shape=tuple(x.shape))
     check_array("weight", weight, shape=(c,))
-    check_same_dtype(dy=dy, x=x, weight=weight)
+    if dresidual is not None:
+        check_array("dresidual", dresidual, shape=tuple(x.shape))
+    check_same_dtype(dy=dy, x=x, weight=weight, dresidual=dresidual)
     check_array("inv_rms", inv_rms, dtypes=(backend.float32, backend.float64))
     if tuple(inv_rms.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
         raise ValueError(f"inv_rms must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(inv_rms.shape)}")
@@ -183,14 +263,16 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
         check_out(dx, x.shape, x.dtype, xp, name="dx")
         for name, a in (("dy", dy), ("x", x), ("weight", weight)):
             _check_separate("dx", dx, name, a)
+        check_alias("dx", dx, "dresidual", dresidual)
     if dweight is not None:
         check_out(dweight, (c,), pdt, xp, name="dweight")
-        for name, a in (("dy", dy), ("x", x), ("weight", weight), ("dx", dx)):
+        for name, a in (("dy", dy), ("x", x), ("weight", weight), ("dx", dx), ("dresidual", dresidual)):
             _check_separate("dweight", dweight, name, a)
 
     if xp is np:
         gx, gw = rmsnorm_backward_reference(dy.reshape(n_rows, c), x.reshape(n_rows, c), weight,
-                                            inv_rms.reshape(n_rows))
+                                            inv_rms.reshape(n_rows),
+                                            None if dresidual is None else dresidual.reshape(n_rows, c))
         gx = gx.astype(x.dtype).reshape(x.shape)
         if dx is not None:
             dx[...] = gx
@@ -205,31 +287,36 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
         raise TypeError(f"inv_rms must be fp32 on the GPU path, got {inv_rms.dtype}")
     dx = xp.empty(x.shape, dtype=x.dtype) if dx is None else dx
     dweight = xp.empty((c,), dtype=pdt) if dweight is None else dweight
-    vec, packs = _plan(c, x.dtype, (dy, x, weight, dx))
+    res = dresidual is not None
+    vec, packs = _plan(c, x.dtype, (dy, x, weight, dx) + ((dresidual,) if res else ()))
     wpb = BWD_WARPS
     if packs > 0:
         smem = 4 * c  # the block's in-order sum at the end
     else:  # per-warp dw accumulators in shared memory: wpb * C floats
         wpb = max(1, min(BWD_WARPS, SMEM_WITHOUT_OPT_IN // (4 * c)))
         smem = 4 * wpb * c
-    kern = get_kernel("rmsnorm", "rmsnorm_backward", x.dtype, vec, packs)
+    kern = get_kernel("rmsnorm", "rmsnorm_backward", x.dtype, vec, packs, int(res))
     if not opt_in_shared_memory(kern, smem, xp):
         raise ValueError(f"C={c} is too long for rmsnorm_backward's GPU kernel: its dweight accumulators need "
                          f"{smem} bytes of shared memory per block, more than this GPU allows")
     blocks = min(-(-n_rows // wpb), resident_blocks(kern, 32 * wpb, smem, xp))
     partial = xp.empty((blocks, c), dtype=np.float32)
-    kern((blocks,), (32 * wpb,), (dy, x, weight, inv_rms, dx, partial, np.int32(n_rows), np.int32(c)),
+    kern((blocks,), (32 * wpb,),
+         (dy, x, weight, inv_rms, dresidual if res else dy, dx, partial, np.int32(n_rows), np.int32(c)),
          shared_mem=smem)
     red = get_kernel("rmsnorm", "rmsnorm_weight_grad_reduce", pdt, int(bool(accumulate)))
     red((-(-c // 32),), (32, 16), (partial, np.int32(blocks), np.int32(c), dweight))
     return dx, dweight
 
 
-def traffic_bytes(n_rows, c, dtype, backward=False):
-    """Minimum bytes: forward reads x, writes y (+ inv_rms); backward reads dy, x, writes dx (+ inv_rms, w, dw)."""
+def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
+    """Minimum bytes: forward reads x, writes y (+ inv_rms); backward reads dy, x, writes dx (+ inv_rms).
+    ``residual=True``: the fused forms (the forward also reads a and writes s, the backward reads dresidual).
+    The weight and its gradient (C elements) are left out."""
     s = backend.resolve_dtype(dtype).itemsize
-    return (3 if backward else 2) * n_rows * c * s + 4 * n_rows
+    rows = 3 + int(residual) if backward else 2 + 2 * int(residual)
+    return rows * n_rows * c * s + 4 * n_rows
 
 
-__all__ = ["rmsnorm_backward", "rmsnorm_backward_reference", "rmsnorm_forward", "rmsnorm_forward_reference",
-           "traffic_bytes"]
+__all__ = ["add_rmsnorm_forward", "add_rmsnorm_forward_reference", "rmsnorm_backward", "rmsnorm_backward_reference",
+           "rmsnorm_forward", "rmsnorm_forward_reference", "traffic_bytes"]

@@ -21,7 +21,9 @@ Backward: ``y = R x`` is linear, so ``dx = Rᵀ dy``, the rotation by ``-angle``
 negated (``rope_backward``). The tables are constants (no gradient).
 
 Storage of x fp32, fp16 or bf16 (float64 on the NumPy path), tables fp32; arithmetic fp32. ``x`` is
-``[..., T, D]`` (the model's ``[B, H, T, D]``), contiguous; the tables may be longer than T (rows
+``[..., T, D]`` (the book model's ``[B, H, T, D]``), contiguous, or with ``seq_axis`` naming another axis
+for the positions, e.g. ``seq_axis=1`` for the fast model's token-major ``[B, T, H, D]`` (the layout its
+GEMMs write, so no transposing copy is needed before attention); the tables may be longer than T (rows
 ``0 .. T - 1`` are used), so a model builds them once for its longest sequence. ``out`` may be ``x``
 itself: in place, what the model does to Q and K.
 
@@ -75,9 +77,11 @@ def _check_head_dim(head_dim):
 # --------------------------------------------------------------------------- NumPy reference
 
 
-def rope_reference(x, cos, sin, inverse=False):
-    """The rotation on NumPy arrays ``x [..., T, D]`` (by ``-angle`` when ``inverse``), arithmetic in float32
-    (float64 for float64 x), returned in x's dtype."""
+def rope_reference(x, cos, sin, inverse=False, seq_axis=-2):
+    """The rotation on NumPy arrays ``x [..., T, D]`` (positions along ``seq_axis``; by ``-angle`` when
+    ``inverse``), arithmetic in float32 (float64 for float64 x), returned in x's dtype."""
+    if _seq_axis(x, seq_axis) != x.ndim - 2:
+        return np.moveaxis(rope_reference(np.moveaxis(x, seq_axis, -2), cos, sin, inverse), -2, seq_axis)
     ct = np.float64 if x.dtype == backend.float64 else np.float32
     n_t, half = x.shape[-2], x.shape[-1] // 2
     c = cos[:n_t].astype(ct)
@@ -91,13 +95,22 @@ def rope_reference(x, cos, sin, inverse=False):
 # --------------------------------------------------------------------------- public API
 
 
-def _rotate(x, cos, sin, out, inverse, name):
+def _seq_axis(x, seq_axis):
+    """``seq_axis`` as a non-negative axis of x before the last (head_dim), or a ValueError."""
+    if not is_integer(seq_axis) or not -x.ndim <= seq_axis < x.ndim - 1 or seq_axis == -1:
+        raise ValueError(f"seq_axis must name an axis of x before the last (head_dim), -{x.ndim} .. {x.ndim - 2}, "
+                         f"got {seq_axis!r}")
+    return int(seq_axis) % x.ndim
+
+
+def _rotate(x, cos, sin, out, inverse, name, seq_axis):
     xp = array_module(**{name: x, "cos": cos, "sin": sin, "out": out})
     check_array(name, x)
     if x.ndim < 2:
         raise ValueError(f"{name} must be at least 2-D ([..., T, head_dim], e.g. [B, H, T, D]), got shape "
                          f"{tuple(x.shape)}")
-    n_t, d = x.shape[-2], x.shape[-1]
+    axis = _seq_axis(x, seq_axis)
+    n_t, d = x.shape[axis], x.shape[-1]
     if d % 2:
         raise ValueError(f"head_dim (the last axis of {name}) must be even: RoPE rotates pairs j, j + head_dim/2; "
                          f"got {d}")
@@ -114,7 +127,7 @@ def _rotate(x, cos, sin, out, inverse, name):
         check_alias("out", out, name, x)
 
     if xp is np:
-        y = rope_reference(x, cos, sin, inverse)
+        y = rope_reference(x, cos, sin, inverse, axis)
         if out is None:
             return y
         out[...] = y
@@ -125,23 +138,25 @@ def _rotate(x, cos, sin, out, inverse, name):
         raise TypeError(f"cos and sin must be fp32 on the GPU path, got {cos.dtype}")
     out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
     rows = x.size // d
+    inner = int(np.prod(x.shape[axis + 1:-1], dtype=np.int64))  # rows that share one position
     width = VECTOR_BYTES // x.dtype.itemsize
     vec = half % width == 0 and is_aligned(VECTOR_BYTES, x, out, cos, sin)
     packs = rows * (half // width if vec else half)
     kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse))
-    kern((-(-packs // THREADS),), (THREADS,), (x, out, cos, sin, np.int64(rows), np.int32(n_t), np.int32(half)))
+    kern((-(-packs // THREADS),), (THREADS,), (x, out, cos, sin, np.int64(rows), np.int32(n_t), np.int32(inner),
+                                                np.int32(half)))
     return out
 
 
-def rope_forward(x, cos, sin, *, out=None):
-    """``y = R(t) x`` for ``x [..., T, head_dim]`` and the tables of ``rope_tables``; shape and dtype of x,
-    written into ``out`` when given (``out=x``: in place)."""
-    return _rotate(x, cos, sin, out, False, "x")
+def rope_forward(x, cos, sin, *, out=None, seq_axis=-2):
+    """``y = R(t) x`` for ``x [..., T, head_dim]`` (positions along ``seq_axis``: 1 for ``[B, T, H, D]``) and the
+    tables of ``rope_tables``; shape and dtype of x, written into ``out`` when given (``out=x``: in place)."""
+    return _rotate(x, cos, sin, out, False, "x", seq_axis)
 
 
-def rope_backward(dy, cos, sin, *, out=None):
+def rope_backward(dy, cos, sin, *, out=None, seq_axis=-2):
     """``dx = R(t)ᵀ dy``, the rotation by ``-angle`` (RoPE is linear in x); ``out=dy`` for in place."""
-    return _rotate(dy, cos, sin, out, True, "dy")
+    return _rotate(dy, cos, sin, out, True, "dy", seq_axis)
 
 
 __all__ = ["rope_backward", "rope_forward", "rope_reference", "rope_tables"]

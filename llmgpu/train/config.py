@@ -216,12 +216,6 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
             upd[k] = v
     cfg = replace(cfg, **upd)
     validate(cfg)
-    if cfg.arch != "gpt2":  # the chapter 8 step is GPT-2's (FastGPT): other families run the book step
-        for name in ("fast", "graph"):
-            if getattr(cfg, name):
-                raise ConfigError(f"{flag_of(name)}: the {cfg.arch.capitalize()} fast step does not exist yet (FastGPT "
-                                  f"is GPT-2's); --arch {cfg.arch} trains on the book step, without a CUDA graph")
-        return replace(cfg, fast=False, graph=False)
     fast, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)
     if cfg.fast and not fast:
         raise ConfigError(f"--fast: {why}")
@@ -248,8 +242,8 @@ def presets_of(arch: str) -> dict:
 
 
 def fast_path_available(xp, dtype, checkpoint_every: int = 0) -> tuple[bool, str]:
-    """(whether ``FastGPT`` can train here, why not): a GPU, bf16/fp16, the ``fast`` extra. ``checkpoint_every``
-    is accepted for the callers' sake: the fast model checkpoints too (``model/fast.py``)."""
+    """(whether the fast step, ``FastGPT`` or ``FastLlama``, can train here, why not): a GPU, bf16/fp16, the
+    ``fast`` extra. ``checkpoint_every`` is accepted for the callers' sake: the fast model checkpoints too."""
     if xp is np:
         return False, "the fast model is a GPU path (cuBLASLt, cuDNN); on the CPU the book model runs"
     if backend.resolve_dtype(dtype) not in (backend.bfloat16, backend.float16):

@@ -98,9 +98,6 @@ def plan_config(cfg: TrainConfig, xp, *, explicit=None, saved: SavedRun | None =
         out, forked, fork_from = Path(cfg.out or default_out_dir()), False, None
         cfg = replace(cfg, out=str(out))
     resolved = resolve(cfg, xp)
-    if resolved.arch != "gpt2" and cfg.fast is None and fast_path_available(xp, resolved.dtype)[0]:
-        notes.append(f"the {resolved.arch.capitalize()} fast step does not exist yet: the book step trains it "
-                     f"({resolved.dtype}, no CUDA graph), where GPT-2 would run the chapter 8 step")
     return RunPlan(resolved, out, saved is not None, forked, fork_from, notes=tuple(notes))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import backend
 from ..interop import hf
-from ..model import FastGPT, GPTConfig, LlamaConfig, family
+from ..model import GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
 from ..version import __version__
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
@@ -85,12 +85,9 @@ def load_pretrained(path) -> Pretrained:
 
 
 def model_class(cfg: GPTConfig | LlamaConfig, fast: bool = False):
-    """The model of a configuration: its family's book step (``GPT``, ``Llama``), or ``FastGPT`` with ``fast``. A
-    Llama has no fast step yet: ``fast`` is then a one-line ``ConfigError``, as ``--fast`` is where it cannot run."""
-    if fast and cfg.arch != "gpt2":
-        raise ConfigError(f"fast: the {family_name(cfg)} fast step does not exist yet (FastGPT is GPT-2's); the book "
-                          "step (fast=False) runs it")
-    return FastGPT if fast else family.model_class(cfg)
+    """The model of a configuration: its family's book step (``GPT``, ``Llama``), or with ``fast`` its fast step
+    (``FastGPT``, ``FastLlama``)."""
+    return family.fast_model_class(cfg) if fast else family.model_class(cfg)
 
 
 def family_name(cfg: GPTConfig | LlamaConfig) -> str:
@@ -98,8 +95,8 @@ def family_name(cfg: GPTConfig | LlamaConfig) -> str:
 
 
 def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, pad_vocab_to: int | None = None):
-    """A ``GPT`` (``FastGPT`` with ``fast``) or a ``Llama`` holding ``pre``'s weights; ``pad_vocab_to``: None keeps
-    ``pre``'s."""
+    """A ``GPT`` or a ``Llama`` (``FastGPT``, ``FastLlama`` with ``fast``) holding ``pre``'s weights;
+    ``pad_vocab_to``: None keeps ``pre``'s."""
     cfg = pre.config if pad_vocab_to is None else replace(pre.config, pad_vocab_to=pad_vocab_to)
     model = model_class(cfg, fast)(cfg, dtype=dtype, xp=xp, init=False)
     try:
@@ -111,8 +108,8 @@ def build_model(pre: Pretrained, *, dtype="fp32", xp=None, fast: bool = False, p
 
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
-    """A model from a local Hugging Face GPT-2 or Llama directory or an llmgpu run: ``GPT`` (``FastGPT`` with
-    ``fast``; bf16/fp16 on a GPU) or ``Llama`` (no fast step: ``fast`` is a ``ConfigError``) in ``dtype`` on
+    """A model from a local Hugging Face GPT-2 or Llama directory or an llmgpu run: ``GPT`` or ``Llama`` (``FastGPT``,
+    ``FastLlama`` with ``fast``; bf16/fp16 on a GPU) in ``dtype`` on
     ``xp``: None (the active backend), ``numpy``/``cupy``, or 'auto', 'cpu', 'gpu' (``backend.resolve_xp``).
     Never downloads."""
     xp = backend.resolve_xp(xp)  # before reading the weights: a bad xp= says so at once

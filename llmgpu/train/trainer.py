@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..model import FastGPT, FastOptions, model_class
+from ..model import FastOptions, fast_model_class, model_class
 from ..optim import lr_at
 from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -120,7 +120,7 @@ class Trainer:
     def _build_model(self, plan: RunPlan, ckpt):
         """The model with its starting weights, the gradient seam, the step, and a checkpoint's state."""
         cfg, mcfg = plan.cfg, plan.model_config
-        fast = (FastGPT, {"options": FastOptions(cfg.attention_kernel)})  # GPT-2's chapter 8 step (config.resolve)
+        fast = (fast_model_class(mcfg), {"options": FastOptions(cfg.attention_kernel)})  # chapters 8 and 10
         model_cls, opts = fast if cfg.fast else (model_class(mcfg), {})
         self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=self.xp,
                                seed=cfg.seed, init=ckpt is None and self.init is None,

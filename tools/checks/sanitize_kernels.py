@@ -14,7 +14,7 @@ that hit the vector and the scalar (tail) paths: vector_add, the chapter-0 matmu
 gradient (linear forward / backward), softmax forward / backward (naive, warp, block; causal; odd
 and aligned row lengths; fp32 scores with 16-bit probabilities), chapter 2's attention (not cuDNN), our flash
 attention (tensor-core forward and every variant of the deterministic backward, the scalar forward; bf16 / fp16,
-D = 64 and 128, T = 1, 65, 130, causal or not, on strided views of one QKV buffer),
+D = 64 and 128, T = 1, 65, 130, causal or not, on strided views of one QKV buffer, grouped K/V heads too),
 layernorm (naive / optimized / fast, register and shared accumulators, residual, fused add+LN), GELU,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
 optimized / counting), cast, the FP8 casts (flat, transposing, amax only) and the amax history's scale
@@ -201,10 +201,12 @@ def ops(d: Driver):
 
     for dt in ("bf16", "fp16"):
         for dd in fa.HEAD_DIMS:
-            for b_, h, t in ((1, 2, 1), (2, 1, 65), (1, 1, 130)):  # one key, a partial tile, two full + a partial
-                qkv = d.arr((b_, t, 3 * h * dd), dt)
+            # one key, a partial tile, two full + a partial; then grouped K/V heads (H_kv < H)
+            for b_, h, h_kv, t in ((1, 2, 2, 1), (2, 1, 1, 65), (1, 1, 1, 130), (2, 4, 2, 65), (1, 3, 1, 130)):
+                qkv = d.arr((b_, t, (h + 2 * h_kv) * dd), dt)
                 for causal in (True, False):
-                    d.run(f"flash_attention {dt} T={t} D={dd} causal={causal}", _flash, fa, d, qkv, h, causal)
+                    d.run(f"flash_attention {dt} H={h} H_kv={h_kv} T={t} D={dd} causal={causal}", _flash, fa, d, qkv,
+                          h, h_kv, causal)
 
     for dt in DTYPES:
         for c in (32, 100, 768, 1000, 1600, 2048):  # 1600, 2048: the fast backward's long rows (P = 7, 8)
@@ -287,13 +289,13 @@ def _attention(att, d, q, k, v, causal):
     att.attention_backward(d.arr(q.shape, backend.dtype_name(q.dtype)), q, k, v, o, stats, causal)
 
 
-def _flash(fa, d, qkv, h, causal):
+def _flash(fa, d, qkv, h, h_kv, causal):
     """Our tensor-core forward and backward on strided views of one QKV buffer, then the other forwards (ours is the
     Hopper wgmma one on an sm_90 GPU, mma.sync elsewhere) and the scalar one."""
-    q, k, v = fa.split_qkv(qkv, h)
+    q, k, v = fa.split_qkv(qkv, h, h_kv)
     o, st = fa.flash_attention_forward(q, k, v, causal, kernel="ours")
     dqkv = d.xp.empty_like(qkv)
-    dq, dk, dv = fa.split_qkv(dqkv, h)
+    dq, dk, dv = fa.split_qkv(dqkv, h, h_kv)
     do = d.arr(q.shape, backend.dtype_name(q.dtype))
     for variant in fa.BWD_VARIANTS:  # every candidate backward (flash_launch), the default first
         fa.flash_attention_backward(do, q, k, v, o, st, causal, dq=dq, dk=dk, dv=dv, kernel="ours", variant=variant)

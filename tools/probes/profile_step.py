@@ -20,13 +20,14 @@ import numpy as np
 
 from llmgpu import backend
 from llmgpu.bench import make_train_step
-from llmgpu.model import GPTConfig
+from llmgpu.model.family import FAMILIES, arch_of_preset
 from llmgpu.perf import profile, timing
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="gpt2", help="model size (default gpt2; tiny, d6, d24, d36, d48, ...)")
+    ap.add_argument("--preset", default="gpt2",
+                    help="model size, any family (default gpt2; d24, smollm-135m, llama-tiny, ...)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--book", action="store_true", help="the book step (GPT) instead of the fast one (FastGPT)")
@@ -38,9 +39,10 @@ def main(argv=None) -> int:
     xp = backend.select_xp(a.device)
     gpu = xp is not np
     dtype = "bf16" if gpu else "fp32"
-    cfg = GPTConfig.preset(a.preset, pad_vocab_to=64)
+    config_class = FAMILIES[arch_of_preset(a.preset)][0]  # GPTConfig or LlamaConfig, by the preset's family
+    cfg = config_class.preset(a.preset, pad_vocab_to=64)
     if a.seq > cfg.block_size:
-        cfg = GPTConfig.preset(a.preset, pad_vocab_to=64, block_size=a.seq)
+        cfg = config_class.preset(a.preset, pad_vocab_to=64, block_size=a.seq)
     print(backend.device_info(xp).summary(), flush=True)
     copy = timing.copy_bandwidth(2**31 if gpu else 2**24, xp=xp)
     gemm = timing.gemm_ceiling(8192 if gpu else 256, dtype, xp=xp)
