@@ -132,9 +132,12 @@ def fp8_gemm(a, b, a_scale_inv, b_scale_inv, *, a_format="e4m3", b_format="e4m3"
 class _Fp8Plan(LtPlan):
     """The TN problem: our b is cuBLASLt's A (K x N column-major, transposed), our a its B (K x M); C and D are
     the output (N x M column-major = out [M, N] row-major); an FP8 D gets a bf16 C layout (never read: beta 0),
-    the type cuBLASLt pairs with FP8 outputs. Scale and amax pointers are attributes, rewritten when they change."""
+    the type cuBLASLt pairs with FP8 outputs, and so a C buffer of its own (``c_scratch``, bf16 of the output's
+    shape, kept with the plan): cuBLASLt takes C == D only when their layouts are the same, and refuses the call
+    (CUBLAS_STATUS_INVALID_VALUE, seen on an H100) otherwise. Scale and amax pointers are attributes, rewritten
+    when they change."""
 
-    __slots__ = ("ptr_buf", "ptr_addr", "last_ptrs", "attrs")
+    __slots__ = ("ptr_buf", "ptr_addr", "last_ptrs", "attrs", "c_scratch")
 
     def __init__(self, lt, st, spec: dict, ptrs: tuple):
         super().__init__(lt, st, spec["describe"], spec["align"])
@@ -164,6 +167,7 @@ class _Fp8Plan(LtPlan):
             self.destroy()
             raise
         self.last_ptrs = list(ptrs)
+        self.c_scratch = None  # an FP8 output's C (set by the caller, which owns the array module)
 
     def point_to(self, ptrs: tuple):
         """Rewrite the scale / amax pointer attributes that differ from the last call's (host memory only)."""
@@ -194,11 +198,15 @@ def _fp8_gemm_cupy(cp, a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, 
                 "describe": (f"fp8 a[{m}x{k}] {a_fmt.name} @ b[{n}x{k}]^T {b_fmt.name} -> {out_name}"
                              f"{' fast_accum' if fast_accum else ''}{' amax' if amax_out is not None else ''}"
                              f" (alignment a/b/out {align} B)")}
-        return _Fp8Plan(lt, st, spec, ptrs)
+        plan = _Fp8Plan(lt, st, spec, ptrs)
+        if fp8_out:
+            plan.c_scratch = cp.empty((m, n), dtype=backend.bfloat16)
+        return plan
 
     plan = cached_plan(key, build)
     plan.point_to(ptrs)
-    plan.launch(st, scalar_ptr(alpha), b_ptr, a_ptr, scalar_ptr(beta), o_ptr, o_ptr, cp.cuda.get_current_stream().ptr)
+    c_ptr = int(plan.c_scratch.data.ptr) if fp8_out else o_ptr
+    plan.launch(st, scalar_ptr(alpha), b_ptr, a_ptr, scalar_ptr(beta), c_ptr, o_ptr, cp.cuda.get_current_stream().ptr)
     return out
 
 
