@@ -57,6 +57,23 @@ def test_fast_llama_matches_the_book_llama_in_float64(rng, tied, n_kv_head, k):
     assert not fast.grads()["model.embed_tokens.weight"][37:].any()  # the padded rows get no gradient
 
 
+@pytest.mark.parametrize("multiple", [16, 48])
+def test_fast_llama_stacked_projections_and_their_fallback_give_the_same_gradients(rng, multiple):
+    """q|k|v and gate|up are one GEMM each over the stacked weights when they lie back to back (the default
+    layout); a layout with padding between them (``param_multiple=48``: 32·32 = 1024 elements is no multiple of
+    48) runs one GEMM each instead. Both are the book model's function and gradients in float64."""
+    from llmgpu.model.fast_llama import GATE_UP, QKV, _names
+    from llmgpu.model.llama_config import block_names
+
+    fast, book = _pair(CFG, "fp64", param_multiple=multiple)
+    stacked = [fast._stackable(_names(block_names(i), s)) for i in range(CFG.n_layer) for s in (QKV, GATE_UP)]
+    assert all(stacked) if multiple == 16 else not any(stacked)
+    idx, tgt = _batch(rng, CFG, T=9)
+    assert float(fast.forward_backward(idx, tgt)) == pytest.approx(float(book.forward_backward(idx, tgt)), rel=1e-12)
+    errs = _grad_errors(fast, book)
+    assert max(errs.values()) < 1e-11, errs
+
+
 def test_fast_llama_checkpointing_gives_bitwise_identical_gradients_and_the_predicted_bytes(rng):
     """Recomputing a span runs the same ops on the same inputs: the gradients are the same bits (fp32 on NumPy);
     the activation bytes the model counts equal ``activation_bytes``'s formula, stored and peak."""
