@@ -405,5 +405,5 @@ def test_gpu_row_views_unaligned_and_bad_layouts(cp, rng):
         assert_close(got, w, "bf16", name=f"{name} (unaligned rows)")
     with pytest.raises(ValueError, match=r"^gate must be C-contiguous, or a 2-D row view"):
         swiglu_forward(buf[:, ::2][:, :32], up)
-    with pytest.raises(ValueError, match="out overlaps up without being the same buffer"):
-        swiglu_forward(gate, up, out=buf[:, 32:64])
+    with pytest.raises(ValueError, match="out overlaps gate without being the same buffer"):
+        swiglu_forward(gate, up, out=buf[:, 32:64])  # gate's last column and up's first 31: gate is checked first
