@@ -169,6 +169,29 @@ def test_gpu_fast_llama_is_bitwise_repeatable(cp, rng):
     assert bool(cp.all(grads[0] == grads[1]))
 
 
+@pytest.mark.gpu
+def test_gpu_fast_llama_nondeterministic_attention_is_the_same_function(cp, rng):
+    """``FastOptions(deterministic_attention=False)`` with cuDNN's attention: its default backward (dQ by atomics),
+    the one PyTorch runs. The loss is the deterministic step's bit for bit (the forward is the same); every
+    gradient agrees to bf16 rounding (dQ sums in another order)."""
+    _need_fast(cp)
+    from llmgpu.ops import cudnn_attention
+
+    if not cudnn_attention.available():
+        pytest.skip(f"cuDNN attention unavailable: {cudnn_attention.unavailable_reason()}")
+    cfg = replace(CFG, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, ffn_dim=352, vocab_size=211, block_size=64)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=3, T=64))
+    losses, grads = [], []
+    for det in (True, False):
+        m = FastLlama(cfg, dtype="bf16", xp=cp, seed=4, options=FastOptions(attention_kernel="cudnn",
+                                                                           deterministic_attention=det))
+        losses.append(float(m.forward_backward(idx, tgt)))
+        grads.append(m.params.grad.copy())
+    assert losses[0] == losses[1]
+    assert rel_error(backend.to_numpy(grads[1]), backend.to_numpy(grads[0])) < 1e-2
+    assert not bool(cp.all(grads[0] == 0))
+
+
 def _gpu_cfg(**kw):
     return {**dict(arch="llama", preset="llama-tiny", device="gpu", dtype="bf16", batch=4, seq=64, lr=3e-3, warmup=2,
                    eval_every=0, log_every=4, progress=False, sample_tokens=0, plot=False), **kw}

@@ -57,13 +57,17 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_rotate(const T* x, T* y, co
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     const long long packs_per_row = half / W;  // the host guarantees half % W == 0
     const long long i = (long long)blockIdx.x * ROPE_THREADS + threadIdx.x;
-    if (i >= rows * packs_per_row) return;
-    const long long row = i / packs_per_row;
+    const long long packs = rows * packs_per_row;
+    if (i >= packs) return;
+    const bool narrow = packs <= 0xffffffffLL;  // every index below fits 32 bits: cheaper divisions
+    const long long row = index_div(i, packs_per_row, narrow);
     const int e = (int)(i - row * packs_per_row) * W;  // first element of the pack in the first half
-    const int t = (int)((row / inner) % seq);
+    const long long group = index_div(row, inner, narrow);
+    const int t = (int)(group - index_div(group, seq, narrow) * seq);  // group % seq
     long long lo_x = row * 2 * half + e, lo_y = lo_x;
     if constexpr (ROWS) {
-        const long long token = row / heads, within = (row - token * heads) * 2 * half + e;
+        const long long token = heads == inner ? group : index_div(row, heads, narrow);
+        const long long within = (row - token * heads) * 2 * half + e;
         lo_x = token * ld_x + within;
         lo_y = token * ld_y + within;
     }

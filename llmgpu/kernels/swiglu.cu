@@ -59,9 +59,9 @@ template <int ROWS>
 struct RowIndex {
     long long row, col;
     RowIndex() = default;
-    __device__ __forceinline__ RowIndex(long long e, long long cols) {
+    __device__ __forceinline__ RowIndex(long long e, long long cols, bool narrow) {
         if constexpr (ROWS) {
-            row = e / cols;
+            row = index_div(e, cols, narrow);
             col = e - row * cols;
         } else {
             row = 0;
@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, 
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int U = SWIGLU_UNROLL;
     const long long nvec = n / W;
+    const bool narrow = n <= 0xffffffffLL;  // every element index fits 32 bits: cheaper divisions
     const long long j0 = (long long)blockIdx.x * (SWIGLU_THREADS * U) + threadIdx.x;
     float a[U][W], u[U][W];
     RowIndex<ROWS> p[U];
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, 
     for (int k = 0; k < U; ++k) {  // all loads first: 2 * U * 16 bytes in flight per thread
         const long long j = j0 + k * SWIGLU_THREADS;
         if (j < nvec) {
-            p[k] = RowIndex<ROWS>(j * W, cols);
+            p[k] = RowIndex<ROWS>(j * W, cols, narrow);
             load_pack16<T, W>(gate + p[k].at(ld_gate), a[k]);
             load_pack16<T, W>(up + p[k].at(ld_up), u[k]);
         }
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, 
     }
     const long long i = nvec * W + (long long)blockIdx.x * SWIGLU_THREADS + threadIdx.x;  // W == 1: i >= n
     if (i < n) {
-        const RowIndex<ROWS> q(i, cols);
+        const RowIndex<ROWS> q(i, cols, narrow);
         h[q.at(ld_h)] = from_float<T>(silu_value(to_float(gate[q.at(ld_gate)])) * to_float(up[q.at(ld_up)]));
     }
 }
@@ -117,6 +118,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_backward(const T* dh, c
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int U = SWIGLU_UNROLL;
     const long long nvec = n / W;
+    const bool narrow = n <= 0xffffffffLL;  // every element index fits 32 bits: cheaper divisions
     const long long j0 = (long long)blockIdx.x * (SWIGLU_THREADS * U) + threadIdx.x;
     float d[U][W], a[U][W], u[U][W];
     RowIndex<ROWS> p[U];
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_backward(const T* dh, c
     for (int k = 0; k < U; ++k) {
         const long long j = j0 + k * SWIGLU_THREADS;
         if (j < nvec) {
-            p[k] = RowIndex<ROWS>(j * W, cols);
+            p[k] = RowIndex<ROWS>(j * W, cols, narrow);
             load_pack16<T, W>(dh + p[k].at(ld_dh), d[k]);
             load_pack16<T, W>(gate + p[k].at(ld_gate), a[k]);
             load_pack16<T, W>(up + p[k].at(ld_up), u[k]);
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_backward(const T* dh, c
     }
     const long long i = nvec * W + (long long)blockIdx.x * SWIGLU_THREADS + threadIdx.x;
     if (i < n) {
-        const RowIndex<ROWS> q(i, cols);
+        const RowIndex<ROWS> q(i, cols, narrow);
         const float dv = to_float(dh[q.at(ld_dh)]), uv = to_float(up[q.at(ld_up)]);
         float silu;
         const float g = silu_grad(to_float(gate[q.at(ld_gate)]), silu);

@@ -251,7 +251,7 @@ class FastGPT(GPTBase):
         if self.flash:
             flash_attention_backward(heads_view(dy.reshape(B, T, -1), H), q, k, v, o, stats, causal=True,
                                      dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
-                                     choices=self.kernel_choices)
+                                     choices=self.kernel_choices, deterministic=self.options.deterministic_attention)
             return
         do = xp.ascontiguousarray(dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
         for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):
