@@ -190,6 +190,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         res["graph_nodes"] = captured.node_counts()
     if fast:
         res["attention_kernel"] = model.options.attention_kernel
+        res["deterministic_attention"] = model.options.deterministic_attention
         res["attention_kernels"] = model.kernel_choices.as_dict()
     if captured is not None and captured.pool is not None:
         # the graph's private pool keeps its freed blocks cached for as long as anything allocated from it lives;
@@ -269,6 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--attention-kernel", choices=FLASH_KERNELS, default="auto",
                    help="flash attention of llmgpu's fast modes (auto: ours or cuDNN, whichever is faster here, per "
                         "shape; the result says which ran)")
+    p.add_argument("--nondeterministic-attention", action="store_true",
+                   help="let llmgpu's attention backward run cuDNN's default algorithm (atomics: faster, gradients "
+                        "not bitwise repeatable; what PyTorch's SDPA runs); default: deterministic")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
                         "llmgpu-fast instead of llmgpu-fast-graph on the CPU; scale table: llmgpu* and/or torch* pick "
@@ -396,7 +400,9 @@ def bench_main(args) -> int:
         try:
             if mode.startswith("llmgpu"):
                 fast = "-fast" in mode
-                opts = FastOptions(attention_kernel=getattr(args, "attention_kernel", None) or "auto") if fast else None
+                opts = FastOptions(attention_kernel=getattr(args, "attention_kernel", None) or "auto",
+                                   deterministic_attention=not getattr(args, "nondeterministic_attention", False)
+                                   ) if fast else None
                 r = run_llmgpu(cfg, o["batch"], o["seq"], o["steps"], warmup=o["warmup"], dtype=o["dtype"], xp=xp,
                                checkpoint_every=ckpt, seed=seed, graph=mode.endswith("-graph"), fast=fast, options=opts)
                 if r.get("attention_kernels"):  # what "auto" resolved to, per (direction, shape)

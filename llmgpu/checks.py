@@ -11,6 +11,7 @@ frontend) with a reason that says what to install.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import fields
 
 import numpy as np
@@ -109,13 +110,13 @@ def check_same_dtype(**arrays):
         raise TypeError(f"dtypes must match: {desc}")
 
 
-def check_out(out, shape, dtype, xp, name="out"):
-    """Validate a caller-provided output buffer, or allocate one."""
+def check_out(out, shape, dtype, xp, name="out", contiguous=True):
+    """Validate a caller-provided output buffer, or allocate one (``contiguous=False``: the op checks the layout)."""
     if out is None:
         return xp.empty(shape, dtype=dtype)
     if backend.get_array_module(out) is not xp:
         raise TypeError(f"{name} must live on the same device as the inputs")
-    check_array(name, out, shape=tuple(shape), dtype=dtype)
+    check_array(name, out, shape=tuple(shape), dtype=dtype, contiguous=contiguous)
     return out
 
 
@@ -123,17 +124,68 @@ def _address(a):
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
 
+def row_stride(name, a, row_axes, accepted):
+    """The step, in elements, from one row of ``a`` to the next, a row being its last ``row_axes`` axes: those must be
+    C-contiguous together, and the leading axes must step through memory by one stride ld >= the row's size (rows of a
+    wider array, e.g. ``gu[:, :F]`` of ``gu [N, 2F]``: ld = 2F). A C-contiguous array gives ld = its row's size.
+    Else a ValueError, ``{name} must be {accepted}``."""
+    it = a.itemsize
+    inner = list(zip(a.shape, a.strides))[max(a.ndim - row_axes, 0):]
+    lead = [(n, s) for n, s in list(zip(a.shape, a.strides))[:max(a.ndim - row_axes, 0)] if n > 1]  # size 1: no step
+    row = it
+    ok = a.ndim >= row_axes
+    for n, s in reversed(inner):
+        ok = ok and (n == 1 or s == row)
+        row *= n
+    ld = lead[-1][1] if lead else row  # bytes
+    ok = ok and ld % it == 0 and ld >= row  # a negative, zero or too short stride: rows that overlap or run backwards
+    ok = ok and all(s == s_next * n_next for (_, s), (n_next, s_next) in zip(lead, lead[1:]))
+    if not ok:
+        raise ValueError(f"{name} must be {accepted}; got shape {tuple(a.shape)}, strides {tuple(a.strides)} (bytes)")
+    return ld // it
+
+
+def _extent(a):
+    """[first byte, one past the last byte] that ``a`` spans, for any strides."""
+    lo = hi = _address(a)
+    for n, s in zip(a.shape, a.strides):
+        lo, hi = lo + min(0, (n - 1) * s), hi + max(0, (n - 1) * s)
+    return lo, hi + a.itemsize
+
+
+def _blocks(a):
+    """``(width, steps)``: the bytes of ``a``'s innermost C-contiguous run of axes (a whole row), and the absolute
+    strides of the axes above it (size-1 axes dropped)."""
+    axes = [(n, s) for n, s in zip(a.shape, a.strides) if n > 1]
+    width = a.itemsize
+    while axes and axes[-1][1] == width:
+        width *= axes.pop()[0]
+    return width, [abs(s) for _, s in axes]
+
+
 def overlaps(u, v) -> bool:
-    """Whether two (contiguous) arrays share any byte; None shares nothing."""
-    if u is None or v is None:
+    """Whether two arrays may share a byte (None shares nothing). Contiguous arrays: their byte ranges. Strided
+    views: with P the gcd of both arrays' outer strides, each array lies inside ``start + k P + [0, width)``, so
+    two views whose rows sit in disjoint columns of one period (``gu[:, :F]`` and ``gu[:, F:]``) do not overlap.
+    Conservative: an answer of True may be a false alarm, False never is."""
+    if u is None or v is None or u.size == 0 or v.size == 0:
         return False
-    pu, pv = _address(u), _address(v)
-    return pu < pv + v.nbytes and pv < pu + u.nbytes
+    (ulo, uhi), (vlo, vhi) = _extent(u), _extent(v)
+    if not (ulo < vhi and vlo < uhi):
+        return False
+    (wu, su), (wv, sv) = _blocks(u), _blocks(v)
+    period = math.gcd(*su, *sv)
+    if period == 0:  # two contiguous blocks whose ranges meet
+        return True
+    d = (_address(v) - _address(u)) % period  # where v's rows start within u's period
+    return not (wu <= d and d + wv <= period)  # v's row fits in the gap after u's (never when wu + wv > period)
 
 
 def same_buffer(u, v) -> bool:
-    """Whether two (contiguous) arrays are the same bytes: the same start and the same size."""
-    return _address(u) == _address(v) and u.nbytes == v.nbytes
+    """Whether two arrays are the same bytes element for element: the same start, shape, item size and strides
+    (those of size-1 axes aside)."""
+    return (_address(u) == _address(v) and tuple(u.shape) == tuple(v.shape) and u.itemsize == v.itemsize
+            and all(n == 1 or a == b for n, a, b in zip(u.shape, u.strides, v.strides)))
 
 
 def check_alias(out_name, out, in_name, inp):

@@ -266,3 +266,95 @@ def test_train_config_fields_of_the_wrong_type_are_refused_not_rounded(tmp_path,
     assert not (tmp_path / "r").exists()
     with pytest.raises(TypeError, match=f"--{field.replace('_', '-')} must be"):  # a saved configuration
         TrainConfig.from_dict({**TrainConfig().as_dict(), field: value})
+
+
+# --------------------------------------------------------------------------- overlap of strided views
+
+
+def _bytes_of(a, base):
+    """The set of byte offsets (from ``base``'s start) that the view ``a`` of ``base`` covers, element by element."""
+    start = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    offsets = np.zeros(1, np.int64) + start
+    for n, s in zip(a.shape, a.strides):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).ravel()
+    return set((offsets[:, None] + np.arange(a.itemsize)[None, :]).ravel().tolist())
+
+
+def test_overlaps_row_views_of_one_buffer():
+    """gate = gu[:, :F] and up = gu[:, F:] (one row period, disjoint columns) are apart; shifted views, the same
+    columns of other rows, and a view against its whole buffer are not."""
+    n, f = 5, 6
+    gu = np.zeros((n, 2 * f), np.float32)
+    gate, up = gu[:, :f], gu[:, f:]
+    assert not checks.overlaps(gate, up) and not checks.overlaps(up, gate)
+    assert not checks.overlaps(gu[::2, :f], gu[1::2, :f])  # every other row: one period of 2 rows
+    assert not checks.overlaps(gu[0, :f], up)  # a contiguous piece against a row view
+    for other in (gu[:, 1:f + 1], gu[:, f - 1:], gu, gu[:, :1], gate):
+        assert checks.overlaps(gate, other), other.strides
+    assert checks.overlaps(gu[1:, :f], gu[:-1, :f])  # the same columns one row down: rows 1..3 shared
+    assert checks.overlaps(gate, gu.view(np.int8)[:, 4 * f - 1:])  # bytes, not elements: gate's last byte
+    assert not checks.overlaps(gate, gu.view(np.int8)[:, 4 * f:])
+    qkv = np.zeros((2, 3, 8 * 4), np.float16).reshape(2, 3, 8, 4)  # 4 q, 2 k, 2 v heads of D = 4
+    assert not checks.overlaps(qkv[:, :, :6], qkv[:, :, 6:])  # q|k vs v
+    assert checks.overlaps(qkv[:, :, :6], qkv[:, :, 5:])
+    assert not checks.overlaps(None, gate) and not checks.overlaps(gate, gu[:0])
+
+
+def test_overlaps_never_misses_a_shared_byte(rng):
+    """Random 2-D and 3-D views of one buffer (slices, steps, reversals, transposes): whenever two share a byte
+    (counted element by element) overlaps says so; and at least some disjoint pairs are recognised as such."""
+    base = np.zeros(4 * 6 * 10, np.float32).reshape(4, 6, 10)
+    said_apart = 0
+    for _ in range(400):
+        views = []
+        for _ in range(2):
+            v = base
+            for axis, n in enumerate(base.shape):
+                a = int(rng.integers(0, n))
+                sl = [slice(None)] * base.ndim
+                sl[axis] = slice(a, int(rng.integers(a + 1, n + 1)), int(rng.choice([1, 1, 2])))
+                v = v[tuple(sl)]
+                if rng.random() < 0.15:
+                    v = np.flip(v, axis)
+            if rng.random() < 0.3:
+                v = v[0]
+            if rng.random() < 0.2:
+                v = v.T
+            views.append(v)
+        u, v = views
+        shared = bool(_bytes_of(u, base) & _bytes_of(v, base))
+        got = checks.overlaps(u, v)
+        assert got == checks.overlaps(v, u)
+        assert got or not shared, (u.shape, u.strides, v.shape, v.strides)
+        said_apart += not got
+    assert said_apart > 20
+
+
+def test_same_buffer_compares_layout():
+    gu = np.zeros((4, 8), np.float32)
+    assert checks.same_buffer(gu[:, :4], gu[:, :4])
+    assert checks.same_buffer(gu.reshape(4, 1, 8), gu[:, None, :])  # size-1 axes' strides do not matter
+    assert not checks.same_buffer(gu[:, :4], gu[:, :3])
+    assert not checks.same_buffer(gu[:2, :4], gu.reshape(8, 4)[:2])  # same start and bytes, other elements
+    assert not checks.same_buffer(gu[:, :4], gu[:, :4].T)
+    assert not checks.same_buffer(gu[:, :4], gu[:, :8:2])
+    checks.check_alias("dgate", gu[:, :4], "up", gu[:, 4:])
+    checks.check_alias("out", gu[:, :4], "gate", gu[:, :4])
+    with pytest.raises(ValueError, match="out overlaps gate without being the same buffer"):
+        checks.check_alias("out", gu[:, 1:5], "gate", gu[:, :4])
+
+
+def test_row_stride():
+    msg = "rows please"
+    gu = np.zeros((5, 12), np.float16)
+    assert checks.row_stride("g", gu[:, :6], 1, msg) == 12
+    assert checks.row_stride("g", gu, 1, msg) == 12 and checks.row_stride("g", gu[1:2, 3:7], 1, msg) == 4
+    assert checks.row_stride("g", gu[::2, 3:7], 1, msg) == 24
+    qkv = np.zeros((2, 3, 8 * 4), np.float32)
+    assert checks.row_stride("x", qkv.reshape(2, 3, 8, 4)[:, :, :6], 2, msg) == 32
+    wide = np.zeros((2, 4, 8, 4), np.float32)
+    for bad in (gu.T, gu[:, ::2], gu[:, ::-1], gu[::-1, :6], np.broadcast_to(gu[0], (3, 12)),
+                wide[:, :3, :6],  # B and T steps do not collapse into one token stride
+                wide[:, :, :, :2]):  # head_dim not contiguous with the heads
+        with pytest.raises(ValueError, match=r"^x must be rows please; got shape .* strides .* \(bytes\)$"):
+            checks.row_stride("x", bad, 2 if bad.ndim == 4 else 1, msg)

@@ -57,6 +57,23 @@ def test_fast_llama_matches_the_book_llama_in_float64(rng, tied, n_kv_head, k):
     assert not fast.grads()["model.embed_tokens.weight"][37:].any()  # the padded rows get no gradient
 
 
+@pytest.mark.parametrize("multiple", [16, 48])
+def test_fast_llama_stacked_projections_and_their_fallback_give_the_same_gradients(rng, multiple):
+    """q|k|v and gate|up are one GEMM each over the stacked weights when they lie back to back (the default
+    layout); a layout with padding between them (``param_multiple=48``: 32·32 = 1024 elements is no multiple of
+    48) runs one GEMM each instead. Both are the book model's function and gradients in float64."""
+    from llmgpu.model.fast_llama import GATE_UP, QKV, _names
+    from llmgpu.model.llama_config import block_names
+
+    fast, book = _pair(CFG, "fp64", param_multiple=multiple)
+    stacked = [fast._stackable(_names(block_names(i), s)) for i in range(CFG.n_layer) for s in (QKV, GATE_UP)]
+    assert all(stacked) if multiple == 16 else not any(stacked)
+    idx, tgt = _batch(rng, CFG, T=9)
+    assert float(fast.forward_backward(idx, tgt)) == pytest.approx(float(book.forward_backward(idx, tgt)), rel=1e-12)
+    errs = _grad_errors(fast, book)
+    assert max(errs.values()) < 1e-11, errs
+
+
 def test_fast_llama_checkpointing_gives_bitwise_identical_gradients_and_the_predicted_bytes(rng):
     """Recomputing a span runs the same ops on the same inputs: the gradients are the same bits (fp32 on NumPy);
     the activation bytes the model counts equal ``activation_bytes``'s formula, stored and peak."""
@@ -150,6 +167,29 @@ def test_gpu_fast_llama_is_bitwise_repeatable(cp, rng):
         grads.append(m.params.grad.copy())
     assert bool(cp.all(cp.isfinite(grads[0])))
     assert bool(cp.all(grads[0] == grads[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_fast_llama_nondeterministic_attention_is_the_same_function(cp, rng):
+    """``FastOptions(deterministic_attention=False)`` with cuDNN's attention: its default backward (dQ by atomics),
+    the one PyTorch runs. The loss is the deterministic step's bit for bit (the forward is the same); every
+    gradient agrees to bf16 rounding (dQ sums in another order)."""
+    _need_fast(cp)
+    from llmgpu.ops import cudnn_attention
+
+    if not cudnn_attention.available():
+        pytest.skip(f"cuDNN attention unavailable: {cudnn_attention.unavailable_reason()}")
+    cfg = replace(CFG, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, ffn_dim=352, vocab_size=211, block_size=64)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=3, T=64))
+    losses, grads = [], []
+    for det in (True, False):
+        m = FastLlama(cfg, dtype="bf16", xp=cp, seed=4, options=FastOptions(attention_kernel="cudnn",
+                                                                           deterministic_attention=det))
+        losses.append(float(m.forward_backward(idx, tgt)))
+        grads.append(m.params.grad.copy())
+    assert losses[0] == losses[1]
+    assert rel_error(backend.to_numpy(grads[1]), backend.to_numpy(grads[0])) < 1e-2
+    assert not bool(cp.all(grads[0] == 0))
 
 
 def _gpu_cfg(**kw):

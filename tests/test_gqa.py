@@ -327,6 +327,16 @@ def test_auto_resolves_grouped_heads_like_any_shape(rng, monkeypatch, tmp_path):
     fresh = fa.KernelChoices()
     assert fa._resolve("auto", "bwd", q, (k, v, q, q, q, k, v), True, timed.append, fresh) == "ours"
     assert timed == [] and fresh.as_dict() == {"bwd B=2 H=9 H_kv=3 T=40 D=64 bf16 causal": "ours"}
+    monkeypatch.setattr(fa.cudnn_attention, "available", lambda: True)
+    ms.update(ours=1.0, cudnn=0.5)  # a backward allowed cuDNN's atomics: a contest of its own, timed and recorded
+    timed.clear()
+    assert fa._resolve("auto", "bwd", q, (k, v, q, q, q, k, v), True, timed.append, fresh, False) == "cudnn"
+    shape = "B=2 H=9 H_kv=3 T=40 D=64 bf16 causal"
+    assert timed == ["ours", "cudnn"]
+    assert fresh.as_dict() == {f"bwd {shape}": "ours", f"bwd-nondeterministic {shape}": "cudnn"}
+    assert any("|bwd-nondeterministic|" in key for key in fa.read_auto_cache())
+    assert fa.KernelChoices.from_dict(fresh.as_dict()) == fresh  # what a checkpoint keeps reads back
+    monkeypatch.setattr(fa.cudnn_attention, "available", lambda: False)
     q80, k80 = random_array(rng, (1, 4, 5, 80), BF16), random_array(rng, (1, 2, 5, 80), BF16)
     with pytest.raises(ValueError, match="head dims"):
         fa._resolve("auto", "fwd", q80, (k80, k80, q80), True, timed.append, fa.KernelChoices())

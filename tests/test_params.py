@@ -62,6 +62,26 @@ def test_views_share_memory(rng):
     assert np.shares_memory(P.weight("w2"), P.data)
 
 
+def test_stacked_matrices_are_one_view_when_back_to_back(rng):
+    """``stacked``: matrices laid out back to back are one [Σ rows, cols] view of the working weights and of the
+    gradients (writes go through); padding between them (a size not a multiple of the alignment), a name out of
+    order, or another tensor in between gives None; different column counts are refused."""
+    shapes = {"q": (4, 8), "k": (2, 8), "v": (2, 8), "norm": (8,), "odd": (3, 5), "w": (2, 5), "x": (6, 8)}
+    P = _filled(shapes, np, rng)
+    qkv = P.stacked(("q", "k", "v"))
+    assert qkv.shape == (8, 8)
+    np.testing.assert_array_equal(qkv, np.concatenate([P.weight(n) for n in "qkv"]))
+    g = P.stacked(("q", "k", "v"), grad=True)
+    g[...] = rng.standard_normal(g.shape)
+    np.testing.assert_array_equal(P.grad_of("k"), g[4:6])  # a view, not a copy
+    assert P.stacked(("k", "q")) is None  # out of order
+    assert P.stacked(("q", "v")) is None  # k lies between them
+    assert P.stacked(("odd", "w")) is None  # 15 elements padded to 16: a gap
+    assert P.stacked(("v", "x")) is None  # the no-decay norm goes elsewhere, but "odd" and "w" lie between
+    with pytest.raises(ValueError, match="one column count"):
+        P.stacked(("w", "x"))
+
+
 def test_custom_no_decay_and_errors():
     P = FlatParams(SMALL, xp=np, no_decay=lambda n, s: n.startswith("emb") or len(s) < 2)
     assert not P.decay["emb"] and P.decay["w1"]

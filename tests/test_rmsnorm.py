@@ -449,9 +449,11 @@ def test_gpu_backward_with_dresidual(cp, rng, dtype, shape):
         fused, unfused, d0, r = f
         eps = float(np.finfo(np.float16).eps) if dtype == "fp16" else 2.0 ** -7
         assert np.all(np.abs(fused - unfused) <= 2 * eps * (np.abs(d0) + np.abs(r)))  # <= 3 unit roundoffs
-    gx, _ = rms.rmsnorm_backward_reference(dy.astype(np.float64), x.astype(np.float64), w.astype(np.float64),
-                                           backend.to_numpy(inv).astype(np.float64), dres.astype(np.float64))
-    assert_close(dx, gx, dtype, name="dx with dresidual")
+    C = shape[-1]  # the reference takes rows [N, C]
+    gx, _ = rms.rmsnorm_backward_reference(*(a.astype(np.float64).reshape(-1, C) for a in (dy, x)),
+                                           w.astype(np.float64), backend.to_numpy(inv).astype(np.float64).ravel(),
+                                           dres.astype(np.float64).reshape(-1, C))
+    assert_close(dx, gx.reshape(shape), dtype, name="dx with dresidual")
     buf = dresd.copy()
     dx2, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=buf, dx=buf)
     assert dx2 is buf

@@ -189,6 +189,77 @@ def test_bad_inputs(rng):
         rope_forward(buf[:x.size].reshape(x.shape), cos, sin, out=buf[8:].reshape(x.shape))
 
 
+# --------------------------------------------------------------------------- row views (NumPy)
+
+
+def _qkv(rng, b, t, h, hk, d, pad=0, dtype="fp32", xp=np):
+    """A fused q|k|v GEMM's output [B, T, (H + 2 Hk) D + pad] (pad: extra columns, an odd token stride) and the
+    [B, T, H + Hk, D] view of q's and k's heads."""
+    qkv = random_array(rng, (b, t, (h + 2 * hk) * d + pad), dtype, xp=xp)
+    return qkv, qkv[:, :, :(h + hk) * d].reshape(b, t, h + hk, d)
+
+
+@pytest.mark.parametrize("dims", [(2, 5, 4, 2, 8, 0), (1, 3, 3, 1, 6, 1), (2, 4, 2, 2, 2, 3)])
+def test_qk_view_of_qkv_in_place(rng, dims):
+    """q's and k's heads rotated in one call, in place inside qkv (seq_axis=1), forward then backward: the same
+    values as on a contiguous copy; v's heads and the pad columns untouched."""
+    b, t, h, hk, d, pad = dims
+    qkv, x = _qkv(rng, b, t, h, hk, d, pad)
+    assert np.shares_memory(x, qkv) and not x.flags.c_contiguous
+    cos, sin = rope_tables(t + 2, d, xp=np)
+    for fn in (rope_forward, rope_backward):
+        want = fn(x.copy(), cos, sin, seq_axis=1)
+        before = qkv.copy()
+        assert fn(x, cos, sin, out=x, seq_axis=1) is x
+        np.testing.assert_array_equal(x, want)
+        np.testing.assert_array_equal(qkv[..., (h + hk) * d:], before[..., (h + hk) * d:])
+
+
+def test_row_view_out_and_new_out(rng):
+    qkv, x = _qkv(rng, 2, 3, 2, 1, 4, pad=1)
+    cos, sin = rope_tables(3, 4, xp=np)
+    want = rope_forward(x.copy(), cos, sin, seq_axis=1)
+    y = rope_forward(x, cos, sin, seq_axis=1)
+    assert y.flags.c_contiguous
+    np.testing.assert_array_equal(y, want)
+    buf = poisoned((2, 3, 5 * 4), "fp32", np)  # out of its own token stride, poisoned around it
+    out = buf[:, :, 4:16].reshape(2, 3, 3, 4)
+    assert np.shares_memory(out, buf)
+    assert rope_backward(y, cos, sin, out=out, seq_axis=1) is out
+    np.testing.assert_allclose(out, x, rtol=1e-6, atol=1e-6)  # R^T R x = x, through the view
+    assert np.isnan(buf[:, :, :4]).all() and np.isnan(buf[:, :, 16:]).all()
+
+
+def test_row_views_nonfinite_rule():
+    """NaN at j of one head gives NaN at j and j + half of that head only, through the qkv view."""
+    qkv = np.ones((1, 2, 4 * 4), np.float32)
+    x = qkv[:, :, :12].reshape(1, 2, 3, 4)
+    x[0, 1, 2, 0] = np.nan
+    cos, sin = rope_tables(2, 4, xp=np)
+    rope_forward(x, cos, sin, out=x, seq_axis=1)
+    nan = np.isnan(qkv[0, 1])
+    assert nan[8] and nan[10] and nan.sum() == 2 and not np.isnan(qkv[0, 0]).any()
+
+
+def test_bad_layouts_and_overlapping_views(rng):
+    qkv, x = _qkv(rng, 2, 5, 2, 1, 8)
+    cos, sin = rope_tables(5, 8, xp=np)
+    layout = r"must be C-contiguous, or a view whose last two axes \(heads, head_dim\) are contiguous"
+    wide = np.zeros((2, 6, 3, 8), np.float32)
+    for bad in (np.swapaxes(qkv.reshape(2, 5, 8, 4), 2, 3)[:, :, :3],  # head_dim not the unit-stride axis
+                np.zeros((2, 5, 3, 16), np.float32)[..., ::2],  # head_dim with a step of 2
+                wide[:, :5],  # B and T do not collapse into one token stride
+                x[:, ::-1]):
+        with pytest.raises(ValueError, match=f"^x {layout}"):
+            rope_forward(bad, cos, sin, seq_axis=1)
+    with pytest.raises(ValueError, match=f"^out {layout}"):
+        rope_forward(x, cos, sin, out=wide[:, :5], seq_axis=1)
+    with pytest.raises(ValueError, match=f"^dy {layout}"):
+        rope_backward(wide[:, :5], cos, sin, seq_axis=1)
+    with pytest.raises(ValueError, match="out overlaps x without being the same buffer"):
+        rope_forward(x, cos, sin, out=qkv[:, :, 8:32].reshape(2, 5, 3, 8), seq_axis=1)  # shifted by one head
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -267,3 +338,60 @@ def test_gpu_bad_inputs(cp, rng):
         rope_forward(cp.asarray(x), cp.asarray(cos, dtype=cp.float64), cp.asarray(sin, dtype=cp.float64))
     with pytest.raises(TypeError, match="float64"):
         rope_forward(cp.asarray(x, dtype=cp.float64), cp.asarray(cos), cp.asarray(sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("dims", [(2, 9, 4, 2, 64, 0), (1, 7, 3, 1, 128, 8), (2, 5, 2, 2, 64, 1), (2, 6, 3, 1, 6, 0)])
+def test_gpu_qk_view_of_qkv_bitwise(cp, rng, dtype, dims):
+    """q's and k's heads in place inside qkv (seq_axis=1), forward and backward, bitwise against the contiguous
+    kernel on a copy; v's heads and the pad untouched; and a poisoned row-view out of another token stride.
+    Pad 1 (odd token stride) and D = 6 run the scalar kernel."""
+    b, t, h, hk, d, pad = dims
+    qkv, x = _qkv(rng, b, t, h, hk, d, pad, dtype, xp=cp)
+    assert x.data.ptr == qkv.data.ptr and not x.flags.c_contiguous  # a view, not a copy
+    cos, sin = rope_tables(t + 3, d, xp=cp)
+    bits = np.uint32 if dtype == "fp32" else np.uint16
+
+    def same(got, w, name):
+        np.testing.assert_array_equal(backend.to_numpy(got).view(bits), backend.to_numpy(w).view(bits), err_msg=name)
+
+    for fn in (rope_forward, rope_backward):
+        want = fn(x.copy(), cos, sin, seq_axis=1)
+        assert_close(want, fn(backend.to_numpy(x), backend.to_numpy(cos), backend.to_numpy(sin), seq_axis=1), dtype,
+                     name=f"{fn.__name__} vs reference")
+        same(fn(x, cos, sin, seq_axis=1), want, f"{fn.__name__} (new out)")
+        buf = poisoned((b, t, (h + hk + 1) * d + 1), dtype, cp)
+        out = buf[:, :, 1:(h + hk) * d + 1].reshape(x.shape)
+        assert out.data.ptr == buf.data.ptr + buf.itemsize  # a view of buf, not a copy
+        assert fn(x, cos, sin, out=out, seq_axis=1) is out
+        same(out, want, f"{fn.__name__} (row-view out)")
+        around = backend.to_numpy(buf).astype(np.float32)
+        assert np.isnan(around[..., 0]).all() and np.isnan(around[..., (h + hk) * d + 1:]).all()
+        before = backend.to_numpy(qkv)
+        assert fn(x, cos, sin, out=x, seq_axis=1) is x
+        same(x, want, f"{fn.__name__} (in place)")
+        same(qkv[..., (h + hk) * d:], before[..., (h + hk) * d:], "v heads and pad")
+
+
+@pytest.mark.gpu
+def test_gpu_row_views_nonfinite_and_bad_layouts(cp, rng):
+    """NaN and inf through the qkv view (packed kernel) as the reference gives them; bad layouts and an overlapping
+    out refused as on NumPy."""
+    qkv, x = _qkv(rng, 1, 4, 2, 1, 16, 0, "fp32")
+    x[0, 0, 0, 1] = np.nan
+    x[0, 1, 2, 9] = np.inf
+    x[0, 3, 1, 2] = -np.inf
+    cos, sin = rope_tables(4, 16, xp=np)
+    want = rope_forward(x.copy(), cos, sin, seq_axis=1)
+    qd = cp.asarray(qkv)
+    xd = qd[:, :, :48].reshape(1, 4, 3, 16)
+    got = backend.to_numpy(rope_forward(xd, cp.asarray(cos), cp.asarray(sin), out=xd, seq_axis=1))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^x must be C-contiguous, or a view whose last two axes"):
+        rope_forward(cp.zeros((1, 4, 3, 32), cp.float32)[..., ::2], cp.asarray(cos), cp.asarray(sin), seq_axis=1)
+    with pytest.raises(ValueError, match="out overlaps x without being the same buffer"):
+        rope_forward(xd, cp.asarray(cos), cp.asarray(sin), out=qd[:, :, 16:64].reshape(1, 4, 3, 16), seq_axis=1)

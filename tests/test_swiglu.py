@@ -158,6 +158,86 @@ def test_bad_inputs(rng):
         swiglu_backward(dh, gate, up, dgate=buf[:32].reshape(4, 8), dup=buf[:32].reshape(4, 8))
 
 
+# --------------------------------------------------------------------------- row views (NumPy)
+
+
+def _gu(rng, n, f, pad, dtype="fp32", xp=np):
+    """gu [n, 2f + pad] (a fused gate|up GEMM's output, pad extra columns: an odd row stride), its gate and up
+    views, and dh [n, f] contiguous."""
+    gu = random_array(rng, (n, 2 * f + pad), dtype, xp=xp, scale=3.0)
+    return gu, gu[:, :f], gu[:, f:2 * f], random_array(rng, (n, f), dtype, xp=xp)
+
+
+@pytest.mark.parametrize("n, f, pad", [(5, 8, 0), (3, 7, 1), (1, 5, 3)])
+def test_row_views_match_contiguous_copies(rng, n, f, pad):
+    gu, gate, up, dh = _gu(rng, n, f, pad)
+    want_h = swiglu_forward(gate.copy(), up.copy())
+    want = swiglu_backward(dh, gate.copy(), up.copy())
+    h = swiglu_forward(gate, up)
+    assert h.flags.c_contiguous
+    np.testing.assert_array_equal(h, want_h)
+    got = swiglu_backward(dh, gate, up)
+    assert all(g.flags.c_contiguous for g in got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    out = poisoned((n, 2 * f + 1), "fp32", np)  # a row-view output of its own stride, poisoned around it
+    assert swiglu_forward(gate, up, out=out[:, 1:f + 1]).base is out
+    np.testing.assert_array_equal(out[:, 1:f + 1], want_h)
+    assert np.isnan(out[:, 0]).all() and np.isnan(out[:, f + 1:]).all()
+
+
+def test_backward_in_place_over_gu(rng):
+    """dgate=gate, dup=up: the gradients land in gu's two halves; the pad columns and dh are untouched."""
+    gu, gate, up, dh = _gu(rng, 6, 5, 3)
+    before, dh_before = gu.copy(), dh.copy()
+    want = swiglu_backward(dh, gate.copy(), up.copy())
+    dgate, dup = swiglu_backward(dh, gate, up, dgate=gate, dup=up)
+    assert dgate is gate and dup is up
+    np.testing.assert_array_equal(gu[:, :5], want[0])
+    np.testing.assert_array_equal(gu[:, 5:10], want[1])
+    np.testing.assert_array_equal(gu[:, 10:], before[:, 10:])
+    np.testing.assert_array_equal(dh, dh_before)
+    gu, gate, up, _ = _gu(rng, 4, 6, 0)
+    want_h = swiglu_forward(gate.copy(), up.copy())
+    up_before = up.copy()
+    assert swiglu_forward(gate, up, out=gate) is gate  # h over gate, up kept
+    np.testing.assert_array_equal(gate, want_h)
+    np.testing.assert_array_equal(up, up_before)
+
+
+def test_row_views_nonfinite_rule():
+    """The module docstring's NaN/inf rule through row views: the ten cases as the columns of gu's halves."""
+    (gate, up, dh), want = _nonfinite_case("fp32")
+    gu = np.zeros((3, 2 * gate.size + 1), np.float32)
+    gu[:, :gate.size], gu[:, gate.size:-1] = gate, up
+    g, u = gu[:, :gate.size], gu[:, gate.size:-1]
+    _assert_rule(swiglu_forward(g, u)[1], want[0], "fp32", "h")
+    dgate, dup = swiglu_backward(np.tile(dh, (3, 1)), g, u, dgate=g, dup=u)
+    _assert_rule(dgate[2], want[1], "fp32", "dgate")
+    _assert_rule(dup[0], want[2], "fp32", "dup")
+
+
+def test_bad_layouts_and_overlapping_views(rng):
+    gu, gate, up, dh = _gu(rng, 4, 6, 0)
+    layout = r"must be C-contiguous, or a 2-D row view \(unit column stride, row stride >= its columns"
+    cube = np.zeros((2, 4, 12), np.float32)
+    for g, u, name in ((gu[:, ::2], up, "gate"), (gate, gu[:, ::-1][:, :6], "up"), (gate[::-1], up, "gate"),
+                       (cube[:, :, :6], cube[:, :, 6:], "gate"), (gate.T, up.T, "gate")):
+        with pytest.raises(ValueError, match=f"^{name} {layout}"):
+            swiglu_forward(g, u)
+    with pytest.raises(ValueError, match=f"^dh {layout}"):
+        swiglu_backward(np.zeros((4, 12), np.float32)[:, ::2], gate, up)
+    with pytest.raises(ValueError, match=f"^out {layout}"):
+        swiglu_forward(gate, up, out=np.zeros((6, 4), np.float32).T)
+    with pytest.raises(ValueError, match="out overlaps gate without being the same buffer"):
+        swiglu_forward(gate, up, out=gu[:, 1:7])
+    with pytest.raises(ValueError, match="dup overlaps gate without being the same buffer"):
+        swiglu_backward(dh, gate, up, dup=gu[:, 5:11])  # one column of gate, five of up
+    wide = np.zeros((4, 13), np.float32)
+    with pytest.raises(ValueError, match="dgate and dup must be separate buffers"):
+        swiglu_backward(dh, gate.copy(), up.copy(), dgate=wide[:, :6], dup=wide[:, 5:11])
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -255,3 +335,75 @@ def test_gpu_bad_inputs(cp, rng):
         swiglu_forward(cp.asarray(gate, dtype=cp.float64), cp.asarray(up, dtype=cp.float64))
     with pytest.raises(ValueError, match="C-contiguous"):
         swiglu_forward(cp.asarray(gate).T, cp.asarray(up).T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("n, f, pad", [(7, 64, 0), (3, 4 * 688 + 8, 8), (5, 40, 1), (4, 33, 0), (9, 13, 3)])
+def test_gpu_row_views_bitwise_and_in_place(cp, rng, dtype, n, f, pad):
+    """gate = gu[:, :F], up = gu[:, F:2F] against the contiguous kernel on copies, bitwise: forward into a new and
+    into a poisoned row-view out, backward into new buffers and in place over gu (pad columns and dh untouched).
+    (7, 64, 0), (3, 2760, 8): 16-byte packs; pad 1, odd F: the scalar path."""
+    gu, gate, up, dh = _gu(rng, n, f, pad, dtype, xp=cp)
+    gc, uc = gate.copy(), up.copy()
+    want_h = swiglu_forward(gc, uc)
+    want = swiglu_backward(dh, gc, uc)
+    bits = np.uint32 if dtype == "fp32" else np.uint16
+
+    def same(got, w, name):
+        np.testing.assert_array_equal(backend.to_numpy(got).view(bits), backend.to_numpy(w).view(bits), err_msg=name)
+
+    same(swiglu_forward(gate, up), want_h, "h")
+    out = poisoned((n, f + 3), dtype, cp)
+    swiglu_forward(gate, up, out=out[:, 2:f + 2])
+    same(out[:, 2:f + 2], want_h, "h (row-view out)")
+    around = backend.to_numpy(out).astype(np.float32)
+    assert np.isnan(around[:, :2]).all() and np.isnan(around[:, f + 2:]).all()
+    for g, w, name in zip(swiglu_backward(dh, gate, up), want, ("dgate", "dup")):
+        same(g, w, name)
+    before, dh_before = gu.copy(), dh.copy()
+    dgate, dup = swiglu_backward(dh, gate, up, dgate=gate, dup=up)
+    assert dgate is gate and dup is up
+    same(gu[:, :f], want[0], "dgate (in place)")
+    same(gu[:, f:2 * f], want[1], "dup (in place)")
+    same(gu[:, 2 * f:], before[:, 2 * f:], "pad columns")
+    same(dh, dh_before, "dh")
+    assert_close(want_h, swiglu_forward(backend.to_numpy(gc), backend.to_numpy(uc)), dtype, name="h vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("f, pad", [(16, 0), (10, 1)])
+def test_gpu_row_views_nonfinite_rule(cp, dtype, f, pad):
+    """The NaN/inf rule through row views, packed (F = 16) and scalar (F = 10, odd row stride)."""
+    (gate, up, dh), want = _nonfinite_case(dtype)
+    reps = -(-f // gate.size) + 1
+    gate, up, dh = (np.tile(a, reps)[:f] for a in (gate, up, dh))
+    want = [np.tile(w, reps)[:f] for w in want]
+    gu = cp.zeros((4, 2 * f + pad), dtype=gate.dtype)
+    gu[:, :f], gu[:, f:2 * f] = cp.asarray(gate), cp.asarray(up)
+    g, u = gu[:, :f], gu[:, f:2 * f]
+    h = backend.to_numpy(swiglu_forward(g, u))
+    dgate, dup = (backend.to_numpy(a) for a in swiglu_backward(cp.asarray(np.tile(dh, (4, 1))), g, u, dgate=g, dup=u))
+    for r in range(4):
+        _assert_rule(h[r], want[0], dtype, "h")
+        _assert_rule(dgate[r], want[1], dtype, "dgate")
+        _assert_rule(dup[r], want[2], dtype, "dup")
+
+
+@pytest.mark.gpu
+def test_gpu_row_views_unaligned_and_bad_layouts(cp, rng):
+    """A row view one element off 16 bytes (the scalar path) against the reference; bad layouts and overlapping
+    views refused as on NumPy."""
+    buf = random_array(rng, (6, 2 * 32 + 1), "bf16", xp=cp)
+    gate, up = buf[:, 1:33], buf[:, 33:65]
+    assert gate.data.ptr % 16 != 0
+    dh = random_array(rng, (6, 32), "bf16", xp=cp)
+    g, u, d = (backend.to_numpy(a) for a in (gate, up, dh))
+    assert_close(swiglu_forward(gate, up), swiglu_forward(g, u), "bf16", name="h (unaligned rows)")
+    for got, w, name in zip(swiglu_backward(dh, gate, up), swiglu_backward(d, g, u), ("dgate", "dup")):
+        assert_close(got, w, "bf16", name=f"{name} (unaligned rows)")
+    with pytest.raises(ValueError, match=r"^gate must be C-contiguous, or a 2-D row view"):
+        swiglu_forward(buf[:, ::2][:, :32], up)
+    with pytest.raises(ValueError, match="out overlaps gate without being the same buffer"):
+        swiglu_forward(gate, up, out=buf[:, 32:64])  # gate's last column and up's first 31: gate is checked first

@@ -11,6 +11,12 @@
 #define LLMGPU_INF __int_as_float(0x7f800000)
 
 template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
+
+// a / b for non-negative indices; `narrow` (the same for the whole grid: every index below 2^32) takes the
+// 32-bit division, a few instructions against the 64-bit one's emulated loop.
+__device__ __forceinline__ long long index_div(long long a, long long b, bool narrow) {
+    return narrow ? (long long)((unsigned)a / (unsigned)b) : a / b;
+}
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 

@@ -16,9 +16,15 @@
 // when half % W != 0 or a pointer is not 16-byte aligned). A pair is read and written by one thread,
 // both loads before both stores, so y may be x itself (in place, what the model does to Q and K) and
 // neither pointer is __restrict__. The tables are read as float4 (the host checks their alignment).
+//
+// Layout: ROWS = 0, x and y contiguous [rows, D]. ROWS = 1, head-rows of `heads` consecutive heads per
+// token, tokens ld_x (ld_y) elements apart: row r at (r / heads) * ld + (r % heads) * D. That is how the
+// fast Llama step rotates q's and k's heads in place inside its one fused q|k|v GEMM's output:
+// x = qkv.reshape(B, T, H + 2 Hk, D)[:, :, :H + Hk], heads = H + Hk, ld = (H + 2 Hk) D, v untouched.
+// With ROWS = 1 the host picks VEC = 1 only when ld_x and ld_y are multiples of W too.
 #include "common.cuh"
 
-// llmgpu:kernel rope_rotate<{float,__half,__nv_bfloat16}, {0,1}, {0,1}>
+// llmgpu:kernel rope_rotate<{float,__half,__nv_bfloat16}, {0,1}, {0,1}, {0,1}>
 
 #define ROPE_THREADS 256
 
@@ -42,21 +48,32 @@ __device__ __forceinline__ void load_table(const float* __restrict__ p, float (&
 // x, y: [rows, 2 * half]; `inner` consecutive rows share a position and the positions cycle through T:
 // t = (row / inner) % T. [..., T, D] (the book model's [B, H, T, D]) has inner = 1; the fast model's
 // token-major [B, T, H, D] has inner = H. Grid: one thread per pack, ceil(rows * half / W / THREADS) blocks.
-template <typename T, int VEC, int INV>
+// heads, ld_x, ld_y: the ROWS = 1 layout (unused when ROWS = 0).
+template <typename T, int VEC, int INV, int ROWS>
 __global__ void __launch_bounds__(ROPE_THREADS) rope_rotate(const T* x, T* y, const float* __restrict__ cos_t,
                                                             const float* __restrict__ sin_t, long long rows,
-                                                            int seq, int inner, int half) {
+                                                            int seq, int inner, int half, int heads,
+                                                            long long ld_x, long long ld_y) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     const long long packs_per_row = half / W;  // the host guarantees half % W == 0
     const long long i = (long long)blockIdx.x * ROPE_THREADS + threadIdx.x;
-    if (i >= rows * packs_per_row) return;
-    const long long row = i / packs_per_row;
+    const long long packs = rows * packs_per_row;
+    if (i >= packs) return;
+    const bool narrow = packs <= 0xffffffffLL;  // every index below fits 32 bits: cheaper divisions
+    const long long row = index_div(i, packs_per_row, narrow);
     const int e = (int)(i - row * packs_per_row) * W;  // first element of the pack in the first half
-    const int t = (int)((row / inner) % seq);
-    const long long lo = row * 2 * half + e, hi = lo + half;
+    const long long group = index_div(row, inner, narrow);
+    const int t = (int)(group - index_div(group, seq, narrow) * seq);  // group % seq
+    long long lo_x = row * 2 * half + e, lo_y = lo_x;
+    if constexpr (ROWS) {
+        const long long token = heads == inner ? group : index_div(row, heads, narrow);
+        const long long within = (row - token * heads) * 2 * half + e;
+        lo_x = token * ld_x + within;
+        lo_y = token * ld_y + within;
+    }
     float a[W], b[W], c[W], s[W];
-    load_pack<T, W>(x + lo, a);
-    load_pack<T, W>(x + hi, b);
+    load_pack<T, W>(x + lo_x, a);
+    load_pack<T, W>(x + lo_x + half, b);
     load_table<W>(cos_t + (long long)t * half + e, c);
     load_table<W>(sin_t + (long long)t * half + e, s);
     float ya[W], yb[W];
@@ -66,6 +83,6 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_rotate(const T* x, T* y, co
         ya[k] = a[k] * c[k] - b[k] * sn;
         yb[k] = b[k] * c[k] + a[k] * sn;
     }
-    store_pack<T, W>(y + lo, ya);
-    store_pack<T, W>(y + hi, yb);
+    store_pack<T, W>(y + lo_y, ya);
+    store_pack<T, W>(y + lo_y + half, yb);
 }

@@ -13,6 +13,12 @@
 // fallback the host picks when a pointer is not 16-byte aligned (packs of one element). With VEC = 1
 // the last n % W elements (the tail) go one per thread to the first threads of the grid.
 //
+// Layout: ROWS = 0, every array contiguous, element e at e. ROWS = 1, [n / cols, cols] row views, each
+// array with its own row stride (ld_*, elements): element e at (e / cols) * ld + e % cols. That is how
+// the fast Llama step reads gate = gu[:, :F] and up = gu[:, F:] of its fused gate|up GEMM's output
+// gu [N, 2F] (ld = 2F) and writes dgate, dup back over them. With ROWS = 1 the host picks VEC = 1 only
+// when cols and every ld are multiples of W (a pack never straddles two rows; there is no tail).
+//
 // The arithmetic is PyTorch's F.silu (aten/src/ATen/native/cuda/ActivationSiluKernel.cu): a / (1 + e)
 // with e = expf(-a) (accurate expf, IEEE division), and its backward s (1 + a (1 - s)), here with
 // 1 - s written e s (no cancellation where s is close to 1). Non-finite input, the same as PyTorch and
@@ -25,8 +31,8 @@
 // __restrict__.
 #include "common.cuh"
 
-// llmgpu:kernel swiglu_forward<{float,__half,__nv_bfloat16}, {0,1}>
-// llmgpu:kernel swiglu_backward<{float,__half,__nv_bfloat16}, {0,1}>
+// llmgpu:kernel swiglu_forward<{float,__half,__nv_bfloat16}, {0,1}, {0,1}>
+// llmgpu:kernel swiglu_backward<{float,__half,__nv_bfloat16}, {0,1}, {0,1}>
 
 #define SWIGLU_THREADS 256
 #define SWIGLU_UNROLL 2
@@ -46,20 +52,44 @@ __device__ __forceinline__ float silu_grad(float a, float& silu) {
     return s * (1.0f + a * fminf(e * s, 1.0f));
 }
 
-// Grid: ceil(n_packs / (THREADS * UNROLL)) blocks of THREADS threads (at least 1).
-template <typename T, int VEC>
-__global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, const T* up, T* h, long long n) {
+// Where element e of one array lies: e itself (ROWS = 0), or row e / cols, column e % cols of rows ld
+// apart. The row and column are computed once per pack, kept from the loads to the stores, and reused
+// by every array.
+template <int ROWS>
+struct RowIndex {
+    long long row, col;
+    RowIndex() = default;
+    __device__ __forceinline__ RowIndex(long long e, long long cols, bool narrow) {
+        if constexpr (ROWS) {
+            row = index_div(e, cols, narrow);
+            col = e - row * cols;
+        } else {
+            row = 0;
+            col = e;
+        }
+    }
+    __device__ __forceinline__ long long at(long long ld) const { return ROWS ? row * ld + col : col; }
+};
+
+// Grid: ceil(n_packs / (THREADS * UNROLL)) blocks of THREADS threads (at least 1). ld_*: unused when ROWS = 0.
+template <typename T, int VEC, int ROWS>
+__global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, const T* up, T* h, long long n,
+                                                                 long long cols, long long ld_gate,
+                                                                 long long ld_up, long long ld_h) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int U = SWIGLU_UNROLL;
     const long long nvec = n / W;
+    const bool narrow = n <= 0xffffffffLL;  // every element index fits 32 bits: cheaper divisions
     const long long j0 = (long long)blockIdx.x * (SWIGLU_THREADS * U) + threadIdx.x;
     float a[U][W], u[U][W];
+    RowIndex<ROWS> p[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {  // all loads first: 2 * U * 16 bytes in flight per thread
         const long long j = j0 + k * SWIGLU_THREADS;
         if (j < nvec) {
-            load_pack16<T, W>(gate + j * W, a[k]);
-            load_pack16<T, W>(up + j * W, u[k]);
+            p[k] = RowIndex<ROWS>(j * W, cols, narrow);
+            load_pack16<T, W>(gate + p[k].at(ld_gate), a[k]);
+            load_pack16<T, W>(up + p[k].at(ld_up), u[k]);
         }
     }
 #pragma unroll
@@ -68,29 +98,38 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_forward(const T* gate, 
         if (j < nvec) {
 #pragma unroll
             for (int i = 0; i < W; ++i) a[k][i] = silu_value(a[k][i]) * u[k][i];
-            store_pack16<T, W>(h + j * W, a[k]);
+            store_pack16<T, W>(h + p[k].at(ld_h), a[k]);
         }
     }
     const long long i = nvec * W + (long long)blockIdx.x * SWIGLU_THREADS + threadIdx.x;  // W == 1: i >= n
-    if (i < n) h[i] = from_float<T>(silu_value(to_float(gate[i])) * to_float(up[i]));
+    if (i < n) {
+        const RowIndex<ROWS> q(i, cols, narrow);
+        h[q.at(ld_h)] = from_float<T>(silu_value(to_float(gate[q.at(ld_gate)])) * to_float(up[q.at(ld_up)]));
+    }
 }
 
 // Same shape; three inputs, two outputs.
-template <typename T, int VEC>
+template <typename T, int VEC, int ROWS>
 __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_backward(const T* dh, const T* gate, const T* up,
-                                                                  T* dgate, T* dup, long long n) {
+                                                                  T* dgate, T* dup, long long n, long long cols,
+                                                                  long long ld_dh, long long ld_gate,
+                                                                  long long ld_up, long long ld_dgate,
+                                                                  long long ld_dup) {
     constexpr int W = VEC ? 16 / (int)sizeof(T) : 1;
     constexpr int U = SWIGLU_UNROLL;
     const long long nvec = n / W;
+    const bool narrow = n <= 0xffffffffLL;  // every element index fits 32 bits: cheaper divisions
     const long long j0 = (long long)blockIdx.x * (SWIGLU_THREADS * U) + threadIdx.x;
     float d[U][W], a[U][W], u[U][W];
+    RowIndex<ROWS> p[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
         const long long j = j0 + k * SWIGLU_THREADS;
         if (j < nvec) {
-            load_pack16<T, W>(dh + j * W, d[k]);
-            load_pack16<T, W>(gate + j * W, a[k]);
-            load_pack16<T, W>(up + j * W, u[k]);
+            p[k] = RowIndex<ROWS>(j * W, cols, narrow);
+            load_pack16<T, W>(dh + p[k].at(ld_dh), d[k]);
+            load_pack16<T, W>(gate + p[k].at(ld_gate), a[k]);
+            load_pack16<T, W>(up + p[k].at(ld_up), u[k]);
         }
     }
 #pragma unroll
@@ -104,16 +143,17 @@ __global__ void __launch_bounds__(SWIGLU_THREADS) swiglu_backward(const T* dh, c
                 a[k][i] = d[k][i] * u[k][i] * g;  // dgate
                 u[k][i] = d[k][i] * silu;         // dup
             }
-            store_pack16<T, W>(dgate + j * W, a[k]);
-            store_pack16<T, W>(dup + j * W, u[k]);
+            store_pack16<T, W>(dgate + p[k].at(ld_dgate), a[k]);
+            store_pack16<T, W>(dup + p[k].at(ld_dup), u[k]);
         }
     }
     const long long i = nvec * W + (long long)blockIdx.x * SWIGLU_THREADS + threadIdx.x;
     if (i < n) {
-        const float dv = to_float(dh[i]), uv = to_float(up[i]);
+        const RowIndex<ROWS> q(i, cols, narrow);
+        const float dv = to_float(dh[q.at(ld_dh)]), uv = to_float(up[q.at(ld_up)]);
         float silu;
-        const float g = silu_grad(to_float(gate[i]), silu);
-        dgate[i] = from_float<T>(dv * uv * g);
-        dup[i] = from_float<T>(dv * silu);
+        const float g = silu_grad(to_float(gate[q.at(ld_gate)]), silu);
+        dgate[q.at(ld_dgate)] = from_float<T>(dv * uv * g);
+        dup[q.at(ld_dup)] = from_float<T>(dv * silu);
     }
 }

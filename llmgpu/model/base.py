@@ -63,7 +63,7 @@ class GPTBase:
         self.dtype = backend.resolve_dtype(dtype)
         shapes = self.param_shapes()
         if self.dtype == backend.float64:
-            self.params = _float64_params(shapes, self.xp)
+            self.params = _float64_params(shapes, self.xp, param_multiple)
         else:
             self.params = FlatParams(shapes, xp=self.xp, working_dtype=self.dtype, multiple=param_multiple)
         self.stats: dict = {}  # activation-memory accounting of the last forward_backward
@@ -309,11 +309,12 @@ def nbytes_of(objs) -> int:
     return walk(objs)
 
 
-def _float64_params(shapes, xp) -> FlatParams:
-    """A FlatParams whose buffers are float64 (NumPy only): the finite-difference reference model."""
+def _float64_params(shapes, xp, multiple: int = ALIGN) -> FlatParams:
+    """A FlatParams whose buffers are float64 (NumPy only): the finite-difference reference model; the layout
+    of any other dtype's (``multiple``)."""
     if xp is not np:
         raise TypeError("dtype fp64 is a NumPy-only reference (finite-difference checks); use fp32/bf16/fp16 on GPU")
-    P = FlatParams(shapes, xp=np, working_dtype="fp32")
+    P = FlatParams(shapes, xp=np, working_dtype="fp32", multiple=multiple)
     for name in ("data", "grad", "m", "v"):
         setattr(P, name, np.zeros(P.numel, dtype=np.float64))
     P.working = P.data

@@ -152,9 +152,16 @@ class FastGPT(GPTBase):
 
     # ------------------------------------------------------------------ pieces
 
+    def _matrix(self, w_name, *, grad: bool = False):
+        """The weight ``w_name`` (with ``grad``: its fp32 gradient); a tuple of names is their stacked matrix
+        (``FlatParams.stacked``: one GEMM for several projections of one input, chapter 10)."""
+        if isinstance(w_name, tuple):
+            return self.params.stacked(w_name, grad=grad)
+        return self.params.grad_of(w_name) if grad else self.weight(w_name)
+
     def _linear(self, x, w_name, b_name=None, *, name, epilogue=None, aux=None):
-        """``x Wᵀ (+ b)`` through cuBLASLt, the bias in the epilogue."""
-        w = self.weight(w_name)
+        """``x Wᵀ (+ b)`` through cuBLASLt, the bias in the epilogue (``w_name``: a name or a stacked tuple)."""
+        w = self._matrix(w_name)
         n, k = x.shape
         m = w.shape[0]
         nbytes = (n * k + k * m + n * m * (2 if aux is not None else 1)) * x.dtype.itemsize
@@ -166,19 +173,19 @@ class FastGPT(GPTBase):
     def _linear_grads(self, dy, x, w_name, b_name, *, name):
         """dW += dyᵀ x (fp32, in the GEMM) and db += Σ dy (deterministic reduction; summed by the GEMM's BGRADB
         epilogue instead, the captured GPT-2 step was 1.5–3 ms slower: chapter 8)."""
-        G = self.params.grad_of
         n, cout = dy.shape
         cin = x.shape[1]
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=(n * cout + n * cin) * dy.dtype.itemsize
                     + 8 * cout * cin):
-            wgrad_gemm(dy, x, out=G(w_name), beta=1.0, gemm=lt_gemm)  # N % 64 != 0: split (issue 13)
+            dw = self._matrix(w_name, grad=True)
+            wgrad_gemm(dy, x, out=dw, beta=1.0, gemm=lt_gemm)  # N % 64 != 0: split (issue 13)
         if b_name is not None:
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
-                bias_grad(dy, out=G(b_name), accumulate=True)
+                bias_grad(dy, out=self.params.grad_of(b_name), accumulate=True)
 
     def _dgrad(self, dy, w_name, *, name, epilogue="none", aux=None, out=None, beta=0.0):
         """``dy W`` (``+ beta · out``: a second branch's input gradient added by the GEMM)."""
-        w = self.weight(w_name)
+        w = self._matrix(w_name)
         n = dy.shape[0]
         m, k = w.shape
         nbytes = (n * m + m * k + n * k * (2 if aux is not None or beta else 1)) * dy.dtype.itemsize
@@ -244,7 +251,7 @@ class FastGPT(GPTBase):
         if self.flash:
             flash_attention_backward(heads_view(dy.reshape(B, T, -1), H), q, k, v, o, stats, causal=True,
                                      dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
-                                     choices=self.kernel_choices)
+                                     choices=self.kernel_choices, deterministic=self.options.deterministic_attention)
             return
         do = xp.ascontiguousarray(dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
         for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):

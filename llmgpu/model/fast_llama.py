@@ -7,18 +7,25 @@ cross-entropy (the ``[N, Vp]`` logits never exist whole), its cuBLASLt GEMMs wri
 the fp32 buffer, and its flash attention (``FastOptions.attention_kernel``; grouped-query attention: K/V with
 ``n_kv_head`` heads, which cuDNN takes as they are). What is Llama's:
 
-* **Token-major heads, no copies.** q, k and v come out of their GEMMs as ``[B, T, heads, D]`` rows; RoPE rotates
-  q and k in place in that layout (``rope_forward(..., seq_axis=1)``) and flash attention reads them through
-  strided ``[B, H, T, D]`` views (``heads_view``), writing its output straight into the ``[N, C]`` rows the output
-  projection reads. The book step makes four transposing copies per block instead.
+* **Stacked projections.** q|k|v and gate|up are each one GEMM over the stacked weights (``FlatParams.stacked``:
+  the pieces lie back to back in the flat buffers, so ``[W_q; W_k; W_v]`` is a view, and so is its fp32
+  gradient): one ``[N, C + 2·kv_dim]`` and one ``[N, 2F]`` output, and in the backward one weight-gradient GEMM
+  and one input-gradient GEMM each, where separate GEMMs (K/V with only ``kv_dim`` outputs) fill the GPU worse
+  and the input gradients are summed through memory. A layout with padding between the pieces (some ZeRO shard
+  counts) falls back to one GEMM each.
+* **Token-major heads, no copies.** The q|k|v rows are ``[B, T, H + 2·H_kv, D]``; RoPE rotates q's and k's heads
+  in place in that layout, in one pass (``rope_forward(..., seq_axis=1)`` on a row-strided view) and flash
+  attention reads all three through strided ``[B, heads, T, D]`` views (``split_qkv``), writing its output
+  straight into the ``[N, C]`` rows the output projection reads. The book step makes four transposing copies
+  per block instead.
 * **RMSNorm with the residual stream.** The state entering block i is ``(x, rmsnorm(x), inv_rms)``, as FastGPT's
   is ``(x, ln_1(x), mean, rstd)``: each block ends with its residual add and the next block's input norm (the
   final norm after the last block), so a checkpointed span input already holds what its first block reads.
   The residual add and the norm after it are one kernel (``add_rmsnorm_forward``, the sum written over the
   branch output, as FastGPT's ``_add_ln``); in the backward the residual gradient is added to the norm's input
   gradient in the norm's kernel (``rmsnorm_backward(..., dresidual=)``, written over it).
-* **SwiGLU between two GEMMs** (gate and up), its backward written over the saved gate and up (they are not
-  read again).
+* **SwiGLU on the gate|up rows** (``swiglu_forward`` on the two column halves), its backward written over the
+  saved gate|up (they are not read again), which then is the stacked GEMMs' output gradient.
 * **Embedding**: a gather forward; backward adds the fp32 row sums of the tokens in the batch straight into the
   fp32 gradient (``embedding_backward(..., positions=False)``: there is no position table).
 
@@ -29,7 +36,7 @@ with ``Llama``'s to rounding (the same ops in another order of rounding; in floa
 from __future__ import annotations
 
 from ..instrument import region
-from ..ops.flash_attention import heads_view
+from ..ops.flash_attention import split_qkv
 from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, traffic_bytes
 from ..ops.rope import rope_backward, rope_forward
 from ..ops.swiglu import swiglu_backward, swiglu_forward
@@ -71,32 +78,65 @@ class FastLlama(LlamaFamily, FastGPT):
                                      accumulate=True, dresidual=dres, dx=dres)
             return dx
 
-    def _rope(self, a, n_heads, B, T, *, inverse, name):
-        """RoPE on rows ``a [N, n·D]`` seen as ``[B, T, n, D]``, in place."""
+    def _rope(self, heads, *, inverse, name):
+        """RoPE on token-major heads ``[B, T, n, D]`` (a view of a GEMM's rows), in place."""
         rot = rope_backward if inverse else rope_forward
-        with region(name, bytes=2 * a.nbytes, flops=6.0 * a.size):
-            a4 = a.reshape(B, T, n_heads, self.config.head_dim)
-            rot(a4, self.rope_cos, self.rope_sin, out=a4, seq_axis=1)
+        with region(name, bytes=2 * heads.nbytes, flops=6.0 * heads.size):
+            rot(heads, self.rope_cos, self.rope_sin, out=heads, seq_axis=1)
 
-    def _attention_forward(self, q, k, v, B, T):
-        """Causal grouped-query attention on rows q [N, C], k, v [N, kv_dim]: ``(y [N, C], state)``."""
+    def _stacked_linear(self, x, names, *, name):
+        """``x [W_a; W_b; ...]ᵀ``: the projections of one input side by side in one ``[N, Σ out]`` buffer, by one
+        GEMM over the stacked weights (they lie back to back in the flat buffers), else (a layout with padding
+        between them, e.g. some ZeRO shards) by one GEMM each and a copy."""
+        if self._stackable(names):
+            return self._linear(x, names, name=name + " fwd")
+        return self.xp.concatenate([self._linear(x, n, name=name + " fwd") for n in names], axis=1)
+
+    def _stacked_backward(self, d, x, names, *, name):
+        """The backward of ``_stacked_linear`` from ``d [N, Σ out]``: the weights' gradients accumulated into the
+        buffer and the input's gradient ``d [W_a; W_b; ...]`` returned."""
+        if self._stackable(names):
+            self._linear_grads(d, x, names, None, name=name)
+            return self._dgrad(d, names, name=name)
+        dx, col = None, 0
+        for n in names:  # one GEMM each on a contiguous copy of its columns; the input gradients summed (beta = 1)
+            rows = self.params.shapes[n][0]
+            dn = self.xp.ascontiguousarray(d[:, col:col + rows])
+            col += rows
+            self._linear_grads(dn, x, n, None, name=name)
+            dx = self._dgrad(dn, n, name=name, out=dx, beta=0.0 if dx is None else 1.0)
+        return dx
+
+    def _stackable(self, names) -> bool:
+        """Whether the weights ``names`` and their gradients each lie back to back (one stacked matrix)."""
+        P = self.params
+        return P.stacked(names) is not None and P.stacked(names, grad=True) is not None
+
+    def _attention_forward(self, qkv, B, T):
+        """Causal grouped-query attention on the ``[N, C + 2·kv_dim]`` q|k|v rows (RoPE applied):
+        ``(y [N, C], state)``."""
         cfg = self.config
-        H, Hk, C, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.head_dim
-        it = q.dtype.itemsize
-        with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=(2 * q.size + 2 * k.size) * it):
-            kh, vh = (heads_view(a.reshape(B, T, Hk * D), Hk) for a in (k, v))
-            return self._attention_core(heads_view(q.reshape(B, T, C), H), kh, vh, B, T)
+        H, Hk, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=2 * qkv.nbytes):
+            return self._attention_core(*split_qkv(qkv.reshape(B, T, -1), H, Hk), B, T)
 
     def _attention_backward(self, dy, state, B, T):
-        """``(dq [N, C], dk, dv [N, kv_dim])`` from ``dy [N, C]`` (dk, dv summed over each K/V head's group)."""
+        """``dqkv [N, C + 2·kv_dim]`` from ``dy [N, C]`` (dk, dv summed over each K/V head's group)."""
         cfg, xp = self.config, self.xp
         H, Hk, C, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.head_dim
-        it = dy.dtype.itemsize
-        with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=4 * (dy.size + B * T * Hk * D) * it):
-            dq = xp.empty((B, T, C), dtype=dy.dtype)
-            dk, dv = (xp.empty((B, T, Hk * D), dtype=dy.dtype) for _ in range(2))
-            self._attention_core_backward(dy, state, heads_view(dq, H), heads_view(dk, Hk), heads_view(dv, Hk), B, T)
-            return dq.reshape(B * T, C), dk.reshape(B * T, -1), dv.reshape(B * T, -1)
+        width = C + 2 * Hk * D
+        with region("attn.core bwd", flops=5.0 * B * H * T * T * D,
+                    bytes=(2 * dy.size + 2 * B * T * width) * dy.dtype.itemsize):
+            dqkv = xp.empty((B, T, width), dtype=dy.dtype)
+            self._attention_core_backward(dy, state, *split_qkv(dqkv, H, Hk), B, T)
+            return dqkv.reshape(B * T, width)
+
+    def _qk_heads(self, qkv, B, T):
+        """q's and k's heads of the q|k|v rows as one token-major ``[B, T, H + H_kv, D]`` view (RoPE turns them
+        all, in one pass)."""
+        cfg = self.config
+        H, Hk = cfg.n_head, cfg.n_kv_head
+        return qkv.reshape(B, T, H + 2 * Hk, cfg.head_dim)[:, :, :H + Hk]
 
     # ------------------------------------------------------------------ forward
 
@@ -110,26 +150,23 @@ class FastLlama(LlamaFamily, FastGPT):
 
     def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True, keep_pre: bool = True):
         """Block i from its input state ``(x, rmsnorm(x), inv_rms)``: ``(cache, the next state)``, as FastGPT's
-        (``need_output=False``: the last residual add and norm are not run). ``keep_pre=False`` (inference): the
-        SwiGLU output is written over the gate (no backward reads them)."""
+        (``need_output=False``: the last residual add and norm are not run). ``keep_pre`` is FastGPT's (its GELU
+        pre-activation); a Llama block always writes gate|up, and drops it with the cache in inference."""
         x, h, inv = state
         cfg, L = self.config, self.config.n_layer
-        H, Hk = cfg.n_head, cfg.n_kv_head
         n = block_names(i)
-        q = self._linear(h, n["self_attn.q_proj.weight"], name="attn.q fwd")
-        k = self._linear(h, n["self_attn.k_proj.weight"], name="attn.k fwd")
-        v = self._linear(h, n["self_attn.v_proj.weight"], name="attn.v fwd")
-        self._rope(q, H, B, T, inverse=False, name="rope q fwd")
-        self._rope(k, Hk, B, T, inverse=False, name="rope k fwd")
-        y, att = self._attention_forward(q, k, v, B, T)
+        F = cfg.ffn_dim
+        qkv = self._stacked_linear(h, _names(n, QKV), name="attn.qkv")  # [N, C + 2·kv_dim]
+        self._rope(self._qk_heads(qkv, B, T), inverse=False, name="rope q,k fwd")
+        y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["self_attn.o_proj.weight"], name="attn.proj fwd")
         x2, h2, inv2 = self._add_norm(x, a, n["post_attention_layernorm.weight"], name="residual+post_norm fwd")
-        g = self._linear(h2, n["mlp.gate_proj.weight"], name="mlp.gate fwd")
-        u = self._linear(h2, n["mlp.up_proj.weight"], name="mlp.up fwd")
-        with region("swiglu fwd", bytes=3 * g.nbytes, flops=5.0 * g.size):
-            s = swiglu_forward(g, u, out=None if keep_pre else g)
+        gu = self._stacked_linear(h2, _names(n, GATE_UP), name="mlp.gate,up")  # [N, 2F]: gate | up
+        g, u = gu[:, :F], gu[:, F:]
+        with region("swiglu fwd", bytes=3 * g.size * g.dtype.itemsize, flops=5.0 * g.size):
+            s = swiglu_forward(g, u)
         cache = {"x": x, "h1": h, "inv1": inv, "att": att, "y": y, "x2": x2, "h2": h2, "inv2": inv2,
-                 "g": g, "u": u, "s": s}
+                 "gu": gu, "s": s}
         if not need_output:
             return cache, None
         m = self._linear(s, n["mlp.down_proj.weight"], name="mlp.down fwd")
@@ -145,30 +182,23 @@ class FastLlama(LlamaFamily, FastGPT):
         # MLP: x3 = x2 + s W_dᵀ, s = silu(g) · u, g = h2 W_gᵀ, u = h2 W_uᵀ
         self._linear_grads(dx, c["s"], n["mlp.down_proj.weight"], None, name="mlp.down")
         ds = self._dgrad(dx, n["mlp.down_proj.weight"], name="mlp.down")
+        F = self.config.ffn_dim
+        gu = c["gu"]
         with region("swiglu bwd", bytes=5 * ds.nbytes, flops=12.0 * ds.size):
-            dg, du = swiglu_backward(ds, c["g"], c["u"], dgate=c["g"], dup=c["u"])  # over the saved g, u
+            swiglu_backward(ds, gu[:, :F], gu[:, F:], dgate=gu[:, :F], dup=gu[:, F:])  # dgate | dup over gate | up
         del ds
-        self._linear_grads(dg, c["h2"], n["mlp.gate_proj.weight"], None, name="mlp.gate")
-        self._linear_grads(du, c["h2"], n["mlp.up_proj.weight"], None, name="mlp.up")
-        dh2 = self._dgrad(dg, n["mlp.gate_proj.weight"], name="mlp.gate")
-        self._dgrad(du, n["mlp.up_proj.weight"], name="mlp.up", out=dh2, beta=1.0)
-        del dg, du
+        dh2 = self._stacked_backward(gu, c["h2"], _names(n, GATE_UP), name="mlp.gate,up")
         dx = self._norm_backward(dh2, c["x2"], n["post_attention_layernorm.weight"], c["inv2"], dx,
                                  name="post_norm+residual bwd")
         del dh2
         # attention: x2 = x + y W_oᵀ
         self._linear_grads(dx, c["y"], n["self_attn.o_proj.weight"], None, name="attn.proj")
         dy = self._dgrad(dx, n["self_attn.o_proj.weight"], name="attn.proj")
-        dq, dk, dv = self._attention_backward(dy, c["att"], B, T)
+        dqkv = self._attention_backward(dy, c["att"], B, T)
         del dy
-        self._rope(dq, self.config.n_head, B, T, inverse=True, name="rope q bwd")
-        self._rope(dk, self.config.n_kv_head, B, T, inverse=True, name="rope k bwd")
-        dh1 = None  # the three projections' input gradients, summed by the GEMMs (beta = 1 after the first)
-        for d, short in ((dq, "q"), (dk, "k"), (dv, "v")):
-            w = n[f"self_attn.{short}_proj.weight"]
-            self._linear_grads(d, c["h1"], w, None, name=f"attn.{short}")
-            dh1 = self._dgrad(d, w, name=f"attn.{short}", out=dh1, beta=0.0 if dh1 is None else 1.0)
-        del dq, dk, dv
+        self._rope(self._qk_heads(dqkv, B, T), inverse=True, name="rope q,k bwd")
+        dh1 = self._stacked_backward(dqkv, c["h1"], _names(n, QKV), name="attn.qkv")
+        del dqkv
         return self._norm_backward(dh1, c["x"], n["input_layernorm.weight"], c["inv1"], dx,
                                    name="input_norm+residual bwd")
 
@@ -176,6 +206,15 @@ class FastLlama(LlamaFamily, FastGPT):
         x, _, inv = state
         dx = self._norm_backward(dhf, x, NORM, inv, None, name="norm bwd")
         return dx, self._norm_and_head_names()
+
+
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+
+def _names(block: dict[str, str], short: tuple[str, ...]) -> tuple[str, ...]:
+    """The full names of a block's tensors ``short``, in that order (a stacked GEMM's pieces)."""
+    return tuple(block[k] for k in short)
 
 
 __all__ = ["FastLlama"]

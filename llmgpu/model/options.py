@@ -29,6 +29,9 @@ class FastOptions:
     # (chapter 2b's kernels) or "cudnn"; "math": chapter 2's attention instead (the B·H·T·T probabilities written;
     # CuPy's cuBLAS GEMMs, so no CUDA graph; what fp32 on the GPU always runs)
     attention_kernel: str = "auto"
+    # False: the attention backward may run cuDNN's default algorithm (dQ summed with atomics; faster, not bitwise
+    # repeatable, what PyTorch's SDPA runs); True keeps every step's gradients the same bits run to run
+    deterministic_attention: bool = True
     # issue 19, both on by default (False: the step before, for A/B benchmarks)
     fused_cross_entropy: bool = True  # the LM head's cross-entropy forward + backward as one pass over the logits
     embedding_grad_into_fp32: bool = True  # the embedding backward adds its fp32 row sums into the fp32 gradients

@@ -274,7 +274,7 @@ def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma", kv_he
     except Exception:
         cudnn = None
     kdir = Path(__file__).resolve().parent.parent / "kernels"
-    impl = DEFAULT_BWD_VARIANT if direction == "bwd" else fwd_impl  # which of ours was timed
+    impl = fwd_impl if direction == "fwd" else DEFAULT_BWD_VARIANT  # which of ours was timed
     files = ["flash_attention.cu", "common.cuh", "flash_common.cuh"] + ["flash_attention_wgmma.cu", "wgmma.cuh"] * (
         impl == "wgmma")
     try:
@@ -306,15 +306,17 @@ def _time_ms(cp, fn) -> float:
     return cp.cuda.get_elapsed_time(start, end) / AUTO_REPS
 
 
-def _resolve(kernel, direction, q, arrays, causal, run, choices):
+def _resolve(kernel, direction, q, arrays, causal, run, choices, deterministic=True):
     """The implementation to run: ``kernel`` itself, or for "auto" the recorded / cached / freshly timed faster one
     (module docstring), written into ``choices`` (None: the process's record). ``run(name)`` launches
-    implementation ``name`` on the caller's buffers (timing writes them too)."""
+    implementation ``name`` on the caller's buffers (timing writes them too). A backward that need not be
+    deterministic is another contest (cuDNN's faster algorithm), recorded under its own key."""
     check_choice("kernel", kernel, KERNELS if direction == "fwd" else ("auto", *AUTO_RESOLVES_TO))
     if kernel != "auto":
         return kernel
     cp = backend.cupy_module()
-    key = (direction, *q.shape, backend.dtype_name(q.dtype), bool(causal))
+    contest = direction if deterministic else "bwd-nondeterministic"
+    key = (contest, *q.shape, backend.dtype_name(q.dtype), bool(causal))
     if arrays[0].shape[1] != q.shape[1]:  # grouped K/V heads (arrays[0] is k): a shape of its own
         key += (arrays[0].shape[1],)
     process = _PROCESS_CHOICES.setdefault(cp.cuda.Device().id, KernelChoices())
@@ -336,7 +338,7 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices):
         _require_ours(q, *arrays)  # raises with ours' reason
     if len(cands) == 1:  # nothing to compare: the same choice in every process
         return decided(cands[0])
-    disk_key = _machine_key(cp, direction, q.shape, backend.dtype_name(q.dtype), causal,
+    disk_key = _machine_key(cp, contest, q.shape, backend.dtype_name(q.dtype), causal,
                             forward_impl(q) if direction == "fwd" else "mma", kv_heads=arrays[0].shape[1])
     cached = read_auto_cache().get(disk_key)
     if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
@@ -408,7 +410,7 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
 
 
 def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None,
-                             variant=None, choices=None):
+                             variant=None, choices=None, deterministic=True):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
     do, q, o are ``[B, H, T, D]``, k, v and dk, dv ``[B, H_kv, T, D]`` (as for the forward; dk and dv sum over
@@ -416,7 +418,10 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     when given (e.g. ``split_qkv(dqkv, H)``, so the gradient lands in the [B, T, 3C] layout the QKV
     projection's backward reads), else allocated contiguous. ``kernel``: "auto" (default), "ours" or "cudnn".
     ``variant``: which of our backward kernels (``BWD_VARIANTS``, see ``flash_launch``; default
-    ``DEFAULT_BWD_VARIANT``), only with ``kernel="ours"``. ``choices``: as for the forward.
+    ``DEFAULT_BWD_VARIANT``), only with ``kernel="ours"``. ``choices``: as for the forward. ``deterministic``
+    (default True): every candidate bitwise repeatable (ours always is; cuDNN's deterministic algorithm);
+    False lets cuDNN run its default backward (dQ summed with atomics: faster, the last bits vary run to run;
+    what PyTorch's SDPA runs), and "auto" times and records that pair under a key of its own.
     """
     if variant is not None:
         check_choice("variant", variant, BWD_VARIANTS)
@@ -455,13 +460,13 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     def run(name):
         if name == "cudnn":
             cudnn_attention.check_layout(q, k, v)
-            cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv)
+            cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, deterministic=deterministic)
         else:
             _require_ours(q, k, v, do, o, dq, dk, dv)
             ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, variant or DEFAULT_BWD_VARIANT)
         _BACKWARD_RAN.add(name)
 
-    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run, choices))
+    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run, choices, deterministic))
     return dq, dk, dv
 
 

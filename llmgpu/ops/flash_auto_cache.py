@@ -21,8 +21,10 @@ import tempfile
 from pathlib import Path
 
 AUTO_RESOLVES_TO = ("ours", "cudnn")  # what "auto" picks between
-DIRECTIONS = ("fwd", "bwd")
-_KEY_TEXT = re.compile(r"^(fwd|bwd) B=(\d+) H=(\d+)(?: H_kv=(\d+))? T=(\d+) D=(\d+) (\w+) (causal|full)$")
+# "bwd-nondeterministic": a backward allowed cuDNN's faster algorithm (dQ by atomics), a contest of its own
+DIRECTIONS = ("fwd", "bwd", "bwd-nondeterministic")
+_KEY_TEXT = re.compile(r"^(fwd|bwd|bwd-nondeterministic) B=(\d+) H=(\d+)(?: H_kv=(\d+))? T=(\d+) D=(\d+) (\w+) "
+                       r"(causal|full)$")
 
 
 class KernelChoices:

@@ -21,11 +21,17 @@ Backward: ``y = R x`` is linear, so ``dx = Rᵀ dy``, the rotation by ``-angle``
 negated (``rope_backward``). The tables are constants (no gradient).
 
 Storage of x fp32, fp16 or bf16 (float64 on the NumPy path), tables fp32; arithmetic fp32. ``x`` is
-``[..., T, D]`` (the book model's ``[B, H, T, D]``), contiguous, or with ``seq_axis`` naming another axis
-for the positions, e.g. ``seq_axis=1`` for the fast model's token-major ``[B, T, H, D]`` (the layout its
-GEMMs write, so no transposing copy is needed before attention); the tables may be longer than T (rows
-``0 .. T - 1`` are used), so a model builds them once for its longest sequence. ``out`` may be ``x``
-itself: in place, what the model does to Q and K.
+``[..., T, D]`` (the book model's ``[B, H, T, D]``), or with ``seq_axis`` naming another axis for the
+positions, e.g. ``seq_axis=1`` for the fast model's token-major ``[B, T, H, D]`` (the layout its GEMMs write,
+so no transposing copy is needed before attention); the tables may be longer than T (rows ``0 .. T - 1`` are
+used), so a model builds them once for its longest sequence. ``out`` may be ``x`` itself: in place, what the
+model does to Q and K.
+
+Layouts: ``x`` and ``out`` each C-contiguous, or a *row view*: the last two axes (heads, head_dim) contiguous
+and the leading ones stepping by one token stride ``ld >= heads · D`` elements, its own for each. That is how
+the fast Llama step rotates q's and k's heads together, in place, inside its one fused q|k|v GEMM's output
+``qkv [B·T, C + 2K]``: ``x = qkv.reshape(B, T, H + 2 Hk, D)[:, :, :H + Hk]``, ``out=x``, v's heads untouched.
+Anything else is a ValueError; a new ``out`` is C-contiguous.
 
 Non-finite input: the op is a 2x2 rotation of each pair in IEEE arithmetic, so a NaN in ``x[j]`` gives NaN
 in ``y[j]`` and ``y[j + half]``; ±inf gives ±inf or NaN by IEEE rules (at position 0, ``sin = 0`` and
@@ -42,12 +48,23 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_alias, check_array, check_float, check_gpu_dtype, check_out, is_integer
+from ..checks import (
+    array_module,
+    check_alias,
+    check_array,
+    check_float,
+    check_gpu_dtype,
+    check_out,
+    is_integer,
+    row_stride,
+)
 from ..kernels import get_kernel, loader
 from ..kernels.launch import VECTOR_BYTES, is_aligned
 
 THREADS = loader.constant("rope", "ROPE_THREADS")
 TABLE_DTYPES = (backend.float32, backend.float64)  # float64 tables: NumPy path only (the FD checks)
+LAYOUTS = ("C-contiguous, or a view whose last two axes (heads, head_dim) are contiguous and whose leading axes "
+           "step by one token stride (e.g. qkv.reshape(B, T, H + 2 * Hk, D)[:, :, :H + Hk])")
 
 
 def rope_tables(seq, head_dim, theta=10000.0, *, xp=None, dtype=backend.float32):
@@ -105,7 +122,7 @@ def _seq_axis(x, seq_axis):
 
 def _rotate(x, cos, sin, out, inverse, name, seq_axis):
     xp = array_module(**{name: x, "cos": cos, "sin": sin, "out": out})
-    check_array(name, x)
+    check_array(name, x, contiguous=False)
     if x.ndim < 2:
         raise ValueError(f"{name} must be at least 2-D ([..., T, head_dim], e.g. [B, H, T, D]), got shape "
                          f"{tuple(x.shape)}")
@@ -123,8 +140,12 @@ def _rotate(x, cos, sin, out, inverse, name, seq_axis):
     if cos.dtype != sin.dtype:
         raise TypeError(f"cos and sin must share one dtype, got {cos.dtype} and {sin.dtype}")
     if out is not None:
-        check_out(out, x.shape, x.dtype, xp)
+        check_out(out, x.shape, x.dtype, xp, contiguous=False)
         check_alias("out", out, name, x)
+    rows_layout = not (x.flags.c_contiguous and (out is None or out.flags.c_contiguous))
+    if rows_layout:  # token strides in elements; a new out is contiguous
+        ld_x = row_stride(name, x, 2, LAYOUTS)
+        ld_y = x.shape[-2] * d if out is None else row_stride("out", out, 2, LAYOUTS)
 
     if xp is np:
         y = rope_reference(x, cos, sin, inverse, axis)
@@ -141,16 +162,20 @@ def _rotate(x, cos, sin, out, inverse, name, seq_axis):
     inner = int(np.prod(x.shape[axis + 1:-1], dtype=np.int64))  # rows that share one position
     width = VECTOR_BYTES // x.dtype.itemsize
     vec = half % width == 0 and is_aligned(VECTOR_BYTES, x, out, cos, sin)
+    layout = (x.shape[-2], ld_x, ld_y) if rows_layout else (1, 0, 0)  # unused by the contiguous kernel
+    vec = vec and all(ld % width == 0 for ld in layout[1:])  # every token's row starts on a pack
     packs = rows * (half // width if vec else half)
-    kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse))
+    kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse), int(rows_layout))
     kern((-(-packs // THREADS),), (THREADS,), (x, out, cos, sin, np.int64(rows), np.int32(n_t), np.int32(inner),
-                                                np.int32(half)))
+                                                np.int32(half), np.int32(layout[0]), np.int64(layout[1]),
+                                                np.int64(layout[2])))
     return out
 
 
 def rope_forward(x, cos, sin, *, out=None, seq_axis=-2):
     """``y = R(t) x`` for ``x [..., T, head_dim]`` (positions along ``seq_axis``: 1 for ``[B, T, H, D]``) and the
-    tables of ``rope_tables``; shape and dtype of x, written into ``out`` when given (``out=x``: in place)."""
+    tables of ``rope_tables``; shape and dtype of x, written into ``out`` when given (``out=x``: in place). ``x``
+    and ``out`` may be row views of a wider buffer (module docstring)."""
     return _rotate(x, cos, sin, out, False, "x", seq_axis)
 
 

@@ -11,10 +11,18 @@ With ``s = sigmoid(gate)``, ``d silu / da = s + a s (1 - s) = s (1 + a (1 - s))`
     dgate = dh * up * s * (1 + gate * (1 - s))
     dup   = dh * silu(gate)
 
-``gate`` and ``up`` share any shape (contiguous) and dtype; storage fp32, fp16 or bf16, arithmetic fp32
-on the GPU (one fused pass over 16-byte packs, a scalar fallback for unaligned pointers). NumPy
-arrays run the reference, in float64 (float32's cancellation is not the point here; the reference
-is the spec the kernels are measured against).
+``gate`` and ``up`` share any shape and dtype; storage fp32, fp16 or bf16, arithmetic fp32 on the GPU (one
+fused pass over 16-byte packs, a scalar fallback for unaligned pointers). NumPy arrays run the reference, in
+float64 (float32's cancellation is not the point here; the reference is the spec the kernels are measured
+against).
+
+Layouts: every array C-contiguous (any shape), or 2-D ``[N, F]`` arrays that are each C-contiguous or a *row
+view*: unit column stride and a row stride ``ld >= F`` elements of its own. That is how the fast Llama step
+reads its one fused gate|up GEMM's output ``gu [N, 2F]``: ``gate = gu[:, :F]``, ``up = gu[:, F:]`` (ld = 2F),
+and the backward writes ``dgate``, ``dup`` back over them. The kernels then address element ``e`` of a
+``[N, F]`` array at ``(e / F) ld + e % F``; 16-byte packs need F and every ld to be multiples of the pack, else
+the scalar path. Anything else (N-D views, a column stride other than 1, negative strides) is a ValueError.
+Outputs the op allocates are C-contiguous.
 
 Non-finite input, the same on both paths and as PyTorch's ``F.silu`` (``a / (1 + exp(-a))``, and its
 backward ``s (1 + a (1 - s))``): NaN in ``gate``, ``up`` or ``dh`` gives NaN in every output it
@@ -25,7 +33,8 @@ keep PyTorch's answer so that a model gives the same outputs); every finite ``a`
 ``0 · inf`` likewise.
 
 In place: ``out`` may be ``gate`` or ``up``; ``dgate`` and ``dup`` may each be any of the inputs (not
-each other); a buffer that overlaps an input any other way is refused.
+each other); a buffer that overlaps an input any other way is refused (``checks.overlaps``: ``gu[:, :F]`` and
+``gu[:, F:]`` are apart, a shifted view is not).
 """
 
 from __future__ import annotations
@@ -33,7 +42,16 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_alias, check_array, check_gpu_dtype, check_out, check_same_dtype, overlaps
+from ..checks import (
+    array_module,
+    check_alias,
+    check_array,
+    check_gpu_dtype,
+    check_out,
+    check_same_dtype,
+    overlaps,
+    row_stride,
+)
 from ..kernels import get_kernel, loader
 from ..kernels.launch import VECTOR_BYTES, is_aligned
 
@@ -73,24 +91,49 @@ def swiglu_backward_reference(dh, gate, up):
 # --------------------------------------------------------------------------- public API
 
 
-def _launch(name, n, arrays, dtype, args):
-    width = VECTOR_BYTES // np.dtype(dtype).itemsize
-    vec = is_aligned(VECTOR_BYTES, *arrays)  # the kernels handle the tail past the last pack
+LAYOUTS = "C-contiguous, or a 2-D row view (unit column stride, row stride >= its columns, e.g. gu[:, :F])"
+
+
+def _row_strides(arrays):
+    """None when every array (name -> array, same shape) is C-contiguous: the flat kernels. Else each one's row
+    stride in elements (the arrays must then be 2-D), or a ValueError naming the first that is neither."""
+    if all(a.flags.c_contiguous for a in arrays.values()):
+        return None
+    for name, a in arrays.items():
+        if a.ndim != 2:
+            raise ValueError(f"{name} must be {LAYOUTS} when any array is not C-contiguous; got shape "
+                             f"{tuple(a.shape)}, strides {tuple(a.strides)} (bytes)")
+    return [row_stride(name, a, 1, LAYOUTS) for name, a in arrays.items()]
+
+
+def _launch(name, arrays, lds):
+    """One pass of kernel ``name`` over ``arrays`` (inputs then outputs, all of one shape); ``lds``: their row
+    strides (ROWS = 1) or None (flat)."""
+    first = arrays[0]
+    n, cols = first.size, first.shape[-1]
+    width = VECTOR_BYTES // first.dtype.itemsize
+    vec = is_aligned(VECTOR_BYTES, *arrays)  # flat: the kernels handle the tail past the last pack
+    if lds is not None:  # rows: a pack must not straddle two rows, and every row must start aligned
+        vec = vec and cols % width == 0 and all(ld % width == 0 for ld in lds)
     packs = n // width if vec else n
     blocks = max(1, -(-packs // (THREADS * UNROLL)))  # one pass: every pack once
-    get_kernel("swiglu", name, dtype, int(vec))((blocks,), (THREADS,), args)
+    strides = [np.int64(ld) for ld in lds or [n] * len(arrays)]  # unused by the flat kernels
+    get_kernel("swiglu", name, first.dtype, int(vec), int(lds is not None))(
+        (blocks,), (THREADS,), (*arrays, np.int64(n), np.int64(cols), *strides))
 
 
 def swiglu_forward(gate, up, *, out=None):
-    """h = silu(gate) * up, same shape and dtype as gate (written into ``out`` when given)."""
+    """h = silu(gate) * up, same shape and dtype as gate (written into ``out`` when given). Inputs and ``out``
+    may be row views (module docstring); a new h is C-contiguous."""
     xp = array_module(gate=gate, up=up, out=out)
-    check_array("gate", gate)
-    check_array("up", up, shape=tuple(gate.shape))
+    check_array("gate", gate, contiguous=False)
+    check_array("up", up, shape=tuple(gate.shape), contiguous=False)
     check_same_dtype(gate=gate, up=up)
     if out is not None:
-        check_out(out, gate.shape, gate.dtype, xp)
+        check_out(out, gate.shape, gate.dtype, xp, contiguous=False)
         check_alias("out", out, "gate", gate)
         check_alias("out", out, "up", up)
+    lds = _row_strides({"gate": gate, "up": up, **({} if out is None else {"out": out})})
     if xp is np:
         h = swiglu_forward_reference(gate, up)
         if out is None:
@@ -98,26 +141,32 @@ def swiglu_forward(gate, up, *, out=None):
         out[...] = h
         return out
     check_gpu_dtype("gate", gate)
-    out = xp.empty(gate.shape, dtype=gate.dtype) if out is None else out
-    _launch("swiglu_forward", gate.size, (gate, up, out), gate.dtype, (gate, up, out, np.int64(gate.size)))
+    if out is None:
+        out = xp.empty(gate.shape, dtype=gate.dtype)
+        lds = None if lds is None else [*lds, gate.shape[-1]]
+    _launch("swiglu_forward", (gate, up, out), lds)
     return out
 
 
 def swiglu_backward(dh, gate, up, *, dgate=None, dup=None):
     """Gradients of ``h = silu(gate) * up``: returns ``(dgate, dup)``, shape and dtype of gate (written into
-    the ``dgate`` / ``dup`` buffers when given)."""
+    the ``dgate`` / ``dup`` buffers when given: ``dgate=gate, dup=up`` overwrites ``gu`` in place). Any array
+    may be a row view (module docstring); new gradients are C-contiguous."""
     xp = array_module(dh=dh, gate=gate, up=up, dgate=dgate, dup=dup)
-    check_array("gate", gate)
-    check_array("up", up, shape=tuple(gate.shape))
-    check_array("dh", dh, shape=tuple(gate.shape))
+    check_array("gate", gate, contiguous=False)
+    check_array("up", up, shape=tuple(gate.shape), contiguous=False)
+    check_array("dh", dh, shape=tuple(gate.shape), contiguous=False)
     check_same_dtype(dh=dh, gate=gate, up=up)
     for out_name, o in (("dgate", dgate), ("dup", dup)):
         if o is not None:
-            check_out(o, gate.shape, gate.dtype, xp, name=out_name)
+            check_out(o, gate.shape, gate.dtype, xp, name=out_name, contiguous=False)
             for in_name, a in (("dh", dh), ("gate", gate), ("up", up)):
                 check_alias(out_name, o, in_name, a)
     if overlaps(dgate, dup):
         raise ValueError("dgate and dup must be separate buffers")
+    given = {k: a for k, a in (("dh", dh), ("gate", gate), ("up", up), ("dgate", dgate), ("dup", dup))
+             if a is not None}
+    lds = _row_strides(given)
     if xp is np:
         grads = swiglu_backward_reference(dh, gate, up)
         result = []
@@ -128,10 +177,12 @@ def swiglu_backward(dh, gate, up, *, dgate=None, dup=None):
             result.append(g)
         return result[0], result[1]
     check_gpu_dtype("gate", gate)
+    if lds is not None:
+        ld_of = dict(zip(given, lds))
+        lds = [ld_of.get(k, gate.shape[-1]) for k in ("dh", "gate", "up", "dgate", "dup")]  # new ones: contiguous
     dgate = xp.empty(gate.shape, dtype=gate.dtype) if dgate is None else dgate
     dup = xp.empty(gate.shape, dtype=gate.dtype) if dup is None else dup
-    _launch("swiglu_backward", gate.size, (dh, gate, up, dgate, dup), gate.dtype,
-            (dh, gate, up, dgate, dup, np.int64(gate.size)))
+    _launch("swiglu_backward", (dh, gate, up, dgate, dup), lds)
     return dgate, dup
 
 

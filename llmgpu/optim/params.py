@@ -145,6 +145,23 @@ class FlatParams:
         """The working-precision weight ``name`` (a view into ``.working``): the model reads here."""
         return self._view(self.working, name)
 
+    def stacked(self, names, *, grad: bool = False):
+        """Matrices ``names`` (same column count) as one ``[Σ rows, cols]`` view of the working weights (or, with
+        ``grad``, of the gradients), when they lie back to back in that buffer, else None. A fused GEMM over
+        the view is the GEMMs over the pieces (Llama's q|k|v and gate|up projections, chapter 10)."""
+        offsets = self.grad_offsets if grad else self.offsets
+        shapes = [self.shapes[n] for n in names]
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            raise ValueError(f"stacked matrices must be 2-D with one column count, got {dict(zip(names, shapes))}")
+        start = offsets[names[0]]
+        end = start
+        for n in names:
+            if offsets[n] != end:
+                return None  # padding or another tensor in between (e.g. a ZeRO layout): not one matrix
+            end += self.sizes[n]
+        rows = sum(s[0] for s in shapes)
+        return (self.grad if grad else self.working)[start:end].reshape(rows, shapes[0][1])
+
     # AdamW's first and second moments, one flat fp32 buffer each. They are allocated on first use, by the
     # optimizer built over these parameters: a ZeRO rank (chapter 9) builds its optimizer over its shard
     # instead, and so never holds the whole buffers.
