@@ -74,16 +74,15 @@ from ..checks import (
     require_module,
 )
 from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
-from .cublas import CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
+from .cublas import CUBLAS_COMPUTE_32F, CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 from .lt_plan import LtPlan, alignment, set_attr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
 _LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU", "bgradb": "BGRADB",
                 "gelu_bias_noaux": "GELU_BIAS"}  # the last: "gelu_bias" called without aux (lt_gemm picks it)
 
-# cudaDataType_t and cublasComputeType_t values (library_types.h, cublas_api.h)
-CUDA_R_32F = 0
-CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t (not nvmath.ComputeType, which is cuTENSOR's)
+CUDA_R_32F = CUDA_DATA_TYPES[backend.float32]  # the scale type: alpha and beta are fp32 (cublas.py has the codes;
+# its CUBLAS_COMPUTE_32F is cublasComputeType_t, not nvmath.ComputeType, which is cuTENSOR's)
 
 WORKSPACE_BYTES = 32 * 2**20  # NVIDIA's recommendation for Hopper; one buffer per device
 
