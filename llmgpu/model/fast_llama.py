@@ -40,6 +40,7 @@ from ..ops.flash_attention import split_qkv
 from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, traffic_bytes
 from ..ops.rope import rope_backward, rope_forward
 from ..ops.swiglu import swiglu_backward, swiglu_forward
+from ..ops.swiglu import traffic_bytes as swiglu_bytes
 from .fast import FastGPT
 from .llama import LlamaFamily
 from .llama_config import EMBED, NORM, block_names
@@ -163,7 +164,7 @@ class FastLlama(LlamaFamily, FastGPT):
         x2, h2, inv2 = self._add_norm(x, a, n["post_attention_layernorm.weight"], name="residual+post_norm fwd")
         gu = self._stacked_linear(h2, _names(n, GATE_UP), name="mlp.gate,up")  # [N, 2F]: gate | up
         g, u = gu[:, :F], gu[:, F:]
-        with region("swiglu fwd", bytes=3 * g.size * g.dtype.itemsize, flops=5.0 * g.size):
+        with region("swiglu fwd", bytes=swiglu_bytes(g.size, g.dtype), flops=5.0 * g.size):
             s = swiglu_forward(g, u)
         cache = {"x": x, "h1": h, "inv1": inv, "att": att, "y": y, "x2": x2, "h2": h2, "inv2": inv2,
                  "gu": gu, "s": s}
@@ -184,7 +185,7 @@ class FastLlama(LlamaFamily, FastGPT):
         ds = self._dgrad(dx, n["mlp.down_proj.weight"], name="mlp.down")
         F = self.config.ffn_dim
         gu = c["gu"]
-        with region("swiglu bwd", bytes=5 * ds.nbytes, flops=12.0 * ds.size):
+        with region("swiglu bwd", bytes=swiglu_bytes(ds.size, ds.dtype, backward=True), flops=12.0 * ds.size):
             swiglu_backward(ds, gu[:, :F], gu[:, F:], dgate=gu[:, :F], dup=gu[:, F:])  # dgate | dup over gate | up
         del ds
         dh2 = self._stacked_backward(gu, c["h2"], _names(n, GATE_UP), name="mlp.gate,up")
