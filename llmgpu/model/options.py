@@ -15,9 +15,11 @@ import numpy as np
 
 from ..ops import cross_entropy, embedding, layernorm
 from ..ops.flash_attention import AUTO_RESOLVES_TO
+from ..ops.fp8 import RECIPES as FP8_RECIPES
 
 FLASH_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # flash attention, both directions: a run's choices (TrainConfig, bench)
 ATTENTION_KERNELS = (*FLASH_KERNELS, "math")  # FastOptions.attention_kernel: also chapter 2's kernels
+FP8_MODES = ("off", *FP8_RECIPES)  # FastOptions.fp8: bf16 GEMMs, or FP8 ones with this scaling recipe
 
 
 @dataclass(frozen=True)
@@ -42,22 +44,28 @@ class FastOptions:
     embedding_backward_method: str = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
     layernorm_backward_method: str = "fast"  # two rows in flight per warp; residual gradient, fp32 accumulation fused
     cross_entropy_method: str = "fast"  # the unfused head's forward (fused_cross_entropy=False)
+    # issue 37 (chapter 5b): "current" or "delayed" runs the QKV, MLP-in and MLP-out GEMMs in FP8 (E4M3 weights and
+    # activations, E5M2 gradients) with that scaling recipe (ops/fp8.py); "off": every GEMM in the model's dtype
+    fp8: str = "off"
+    fp8_history: int = 16  # steps of amax the delayed recipe keeps per tensor (Transformer Engine's default is 1024)
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,
-                   "layernorm_backward_method": layernorm.METHODS, "cross_entropy_method": cross_entropy.METHODS}
+                   "layernorm_backward_method": layernorm.METHODS, "cross_entropy_method": cross_entropy.METHODS,
+                   "fp8": FP8_MODES}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in allowed and v not in allowed[f.name]:
                 raise ValueError(f"FastOptions.{f.name} must be one of {', '.join(allowed[f.name])}, got {v!r}")
             if f.type == "bool" and not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"FastOptions.{f.name} must be True or False, got {v!r}")
-        rows = self.lm_head_rows
-        if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) or rows < 1:
-            raise ValueError(f"FastOptions.lm_head_rows must be an int >= 1, got {rows!r}")
+        for name in ("lm_head_rows", "fp8_history"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"FastOptions.{name} must be an int >= 1, got {v!r}")
         if self.embedding_grad_into_fp32 and self.embedding_backward_method != "counting":
             raise ValueError("FastOptions.embedding_grad_into_fp32 adds into the fp32 gradients with the 'counting' "
                              f"embedding backward; got embedding_backward_method={self.embedding_backward_method!r}")
 
 
-__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FastOptions"]
+__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FP8_MODES", "FastOptions"]
