@@ -24,6 +24,7 @@ from llmgpu.gemm import fp8 as gemm_fp8
 from llmgpu.gemm.fp8 import fp8_gemm
 from llmgpu.ops import fp8
 from llmgpu.ops.fp8 import E4M3, E5M2, AmaxHistory, fp8_amax, fp8_cast, quantize, quantize_reference, scale_reference
+from llmgpu.ops.gelu import gelu_backward_reference, gelu_forward_reference
 from llmgpu.testing import random_array, rel_error
 
 pytestmark = pytest.mark.ch5
@@ -385,8 +386,11 @@ def test_gemm_bad_arguments(rng):
 class _FakeLt:
     """Records what ``_Fp8Plan`` asks of nvmath.bindings.cublasLt; the attribute ids are cuBLASLt's own."""
 
-    MatmulDescAttribute = types.SimpleNamespace(TRANSA=3, TRANSB=4, FAST_ACCUM=25, A_SCALE_POINTER=17,
-                                                B_SCALE_POINTER=18, D_SCALE_POINTER=20, AMAX_D_POINTER=21)
+    MatmulDescAttribute = types.SimpleNamespace(TRANSA=3, TRANSB=4, EPILOGUE=7, BIAS_POINTER=8, EPILOGUE_AUX_POINTER=10,
+                                                EPILOGUE_AUX_LD=11, A_SCALE_POINTER=17, B_SCALE_POINTER=18,
+                                                D_SCALE_POINTER=20, AMAX_D_POINTER=21, EPILOGUE_AUX_DATA_TYPE=22,
+                                                FAST_ACCUM=25, BIAS_DATA_TYPE=26)
+    Epilogue = types.SimpleNamespace(DEFAULT=1, BIAS=4, GELU_AUX_BIAS=164, DGELU=192)
     MatmulPreferenceAttribute = types.SimpleNamespace(MAX_WORKSPACE_BYTES=1, MIN_ALIGNMENT_A_BYTES=5,
                                                       MIN_ALIGNMENT_B_BYTES=6, MIN_ALIGNMENT_C_BYTES=7,
                                                       MIN_ALIGNMENT_D_BYTES=8)
@@ -401,7 +405,7 @@ class _FakeLt:
         return 1
 
     def get_matmul_desc_attribute_dtype(self, attr):
-        return np.int8 if attr == 25 else (np.int64 if attr in (17, 18, 20, 21) else np.int32)
+        return np.int8 if attr == 25 else (np.int64 if attr in (8, 10, 11, 17, 18, 20, 21) else np.int32)
 
     def matmul_desc_set_attribute(self, desc, attr, ptr, size):
         self.desc[attr] = int(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_byte * size).from_address(ptr)).view(
@@ -432,8 +436,10 @@ def test_fp8_plan_wiring_without_a_gpu(fp8_out):
     st = types.SimpleNamespace(handle=11, ws_size=1024, ws_ptr=4096, device_id=0)
     M, N, K = 40, 32, 64
     spec = {"m": M, "n": N, "k": K, "fast_accum": True, "fp8_out": fp8_out, "align": (256, 256, 256),
-            "a_code": 28, "b_code": 29, "out_code": 28 if fp8_out else 14, "describe": "test"}
-    ptrs = (1000, 2000, 3000 if fp8_out else 0, 4000 if fp8_out else 0)  # (b scale, a scale, d scale, amax)
+            "a_code": 28, "b_code": 29, "out_code": 28 if fp8_out else 14, "describe": "test", "epilogue": "none",
+            "bias_code": None}
+    # (b scale, a scale, d scale, amax, bias, aux)
+    ptrs = (1000, 2000, 3000 if fp8_out else 0, 4000 if fp8_out else 0, 0, 0)
     plan = gemm_fp8._Fp8Plan(lt, st, spec, ptrs)
     A = lt.MatmulDescAttribute
     assert lt.desc[A.TRANSA] == 1 and lt.desc[A.TRANSB] == 0 and lt.desc[A.FAST_ACCUM] == 1  # TN
@@ -444,11 +450,72 @@ def test_fp8_plan_wiring_without_a_gpu(fp8_out):
     assert lt.layouts == want
     heur = next(c for c in lt.calls if c[0] == "heuristic")
     assert heur[3] == 103 and heur[4] == (104 if fp8_out else 103)  # D's own layout only for FP8 bytes
-    plan.point_to((1000, 2500, ptrs[2], ptrs[3]))  # a new a-scale buffer: one attribute rewritten
+    assert not {A.EPILOGUE, A.BIAS_POINTER, A.EPILOGUE_AUX_POINTER} & set(lt.desc)
+    plan.point_to((1000, 2500, *ptrs[2:]))  # a new a-scale buffer: one attribute rewritten
     assert lt.desc[A.B_SCALE_POINTER] == 2500 and lt.desc[A.A_SCALE_POINTER] == 1000
     plan.launch(st, 1, 5000, 6000, 2, 7000, 7000, 9)
     call = lt.calls[-1]
     assert call[4] == 5000 and call[6] == 6000 and call[9] == call[11] == 7000 and call[-1] == 9
+
+
+@pytest.mark.parametrize("epilogue,code", [("bias", 4), ("gelu_bias", 164), ("dgelu", 192)])
+def test_fp8_plan_epilogue_wiring_without_a_gpu(epilogue, code):
+    lt = _FakeLt()
+    st = types.SimpleNamespace(handle=11, ws_size=1024, ws_ptr=4096, device_id=0)
+    M, N, K = 48, 32, 64
+    bias, aux = (5000 if epilogue != "dgelu" else 0), (6000 if epilogue != "bias" else 0)
+    spec = {"m": M, "n": N, "k": K, "fast_accum": False, "fp8_out": False, "align": (256, 256, 256), "a_code": 28,
+            "b_code": 28, "out_code": 14, "describe": "test", "epilogue": epilogue,
+            "bias_code": 14 if bias else None}
+    plan = gemm_fp8._Fp8Plan(lt, st, spec, (1000, 2000, 0, 0, bias, aux))
+    A = lt.MatmulDescAttribute
+    assert lt.desc[A.EPILOGUE] == code
+    assert lt.desc.get(A.BIAS_POINTER) == (bias or None) and lt.desc.get(A.BIAS_DATA_TYPE) == (14 if bias else None)
+    assert lt.desc.get(A.EPILOGUE_AUX_POINTER) == (aux or None)
+    assert lt.desc.get(A.EPILOGUE_AUX_LD) == (N if aux else None)  # aux is [M, N] row-major: N x M, ld N
+    plan.point_to((1000, 2000, 0, 0, bias and 5100, aux and 6100))  # the next layer's bias, the next call's aux
+    assert lt.desc.get(A.BIAS_POINTER) == (5100 if bias else None)
+    assert lt.desc.get(A.EPILOGUE_AUX_POINTER) == (6100 if aux else None)
+
+
+@pytest.mark.parametrize("epilogue", ["bias", "gelu_bias", "dgelu"])
+def test_gemm_emulation_epilogues(rng, epilogue):
+    M, N, K = 9, 32, 48
+    a, sa, A = _fp8_operand(rng, (M, K), E4M3)
+    b, sb, B = _fp8_operand(rng, (N, K), E4M3)
+    bias = rng.standard_normal(N).astype(F32) if epilogue != "dgelu" else None
+    aux = rng.standard_normal((M, N)).astype(F32) if epilogue == "dgelu" else None
+    aux_out = np.full((M, N), np.nan, F32) if epilogue == "gelu_bias" else None
+    out = gemm_fp8.fp8_gemm(a, b, sa, sb, out_dtype="fp32", epilogue=epilogue, bias=bias,
+                            aux=aux if aux is not None else aux_out)
+    r = A @ B.T
+    if epilogue == "dgelu":
+        want = r * gelu_backward_reference(np.ones_like(aux, np.float64), aux.astype(np.float64))
+    else:
+        pre = r + bias
+        want = pre if epilogue == "bias" else gelu_forward_reference(pre)
+        if epilogue == "gelu_bias":
+            np.testing.assert_allclose(aux_out, pre, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_epilogue_bad_arguments(rng):
+    a, sa, _ = _fp8_operand(rng, (8, 16), E4M3)
+    b, sb, _ = _fp8_operand(rng, (16, 16), E4M3)
+    bias, aux = np.zeros(16, F32), np.zeros((8, 16), F32)
+    for kwargs, msg in [(dict(epilogue="bias"), "needs bias="), (dict(epilogue="gelu_bias", bias=bias), "needs aux="),
+                        (dict(bias=bias), "does not use it"), (dict(epilogue="relu"), "epilogue"),
+                        (dict(epilogue="bias", bias=np.zeros(15, F32)), "bias"),
+                        (dict(epilogue="dgelu", aux=np.zeros((8, 16), np.float64)), "aux"),
+                        (dict(epilogue="bias", bias=bias, beta=1.0, out=np.zeros((8, 16), F32)), "beta == 0"),
+                        (dict(epilogue="bias", bias=bias, out_dtype="e4m3", out_scale=np.ones(1, F32)), "FP8 bytes")]:
+        kw = {"out_dtype": "fp32", **kwargs}
+        with pytest.raises((ValueError, TypeError), match=msg):
+            gemm_fp8.fp8_gemm(a, b, sa, sb, **kw)
+    out = np.zeros((8, 16), F32)
+    with pytest.raises(ValueError, match="aux overlaps out"):
+        gemm_fp8.fp8_gemm(a, b, sa, sb, out=out, out_dtype="fp32", epilogue="dgelu", aux=out)
+    gemm_fp8.fp8_gemm(a, b, sa, sb, out_dtype="fp32", epilogue="dgelu", aux=aux)  # the good call runs
 
 
 # =========================================================================== GPU: the kernels

@@ -78,7 +78,7 @@ from .cublas import CUBLAS_COMPUTE_32F, CUDA_DATA_TYPES, check_operands, prepare
 from .lt_plan import LtPlan, alignment, set_attr
 
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgradb")
-_LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU", "bgradb": "BGRADB",
+LT_EPILOGUE = {"none": "DEFAULT", "bias": "BIAS", "gelu_bias": "GELU_AUX_BIAS", "dgelu": "DGELU", "bgradb": "BGRADB",
                 "gelu_bias_noaux": "GELU_BIAS"}  # the last: "gelu_bias" called without aux (lt_gemm picks it)
 
 CUDA_R_32F = CUDA_DATA_TYPES[backend.float32]  # the scale type: alpha and beta are fp32 (cublas.py has the codes;
@@ -182,7 +182,7 @@ class _Plan(LtPlan):
             # cuBLASLt's A is our b and its B is our a (the row-major identity): transposes swap too
             self.set_desc(A.TRANSA, 1 if spec["trans_b"] else 0)
             self.set_desc(A.TRANSB, 1 if spec["trans_a"] else 0)
-            self.set_desc(A.EPILOGUE, int(getattr(lt.Epilogue, _LT_EPILOGUE[spec["epilogue"]])))
+            self.set_desc(A.EPILOGUE, int(getattr(lt.Epilogue, LT_EPILOGUE[spec["epilogue"]])))
             if self.has_bias:
                 self.set_desc(A.BIAS_DATA_TYPE, spec["bias_code"])
                 self.set_desc(A.BIAS_POINTER, bias_ptr)

@@ -15,6 +15,13 @@ an FP8 output; PyTorch's ``_scaled_mm`` asks the same), every pointer 16-byte al
 (cuBLASLt has no such kernel: one operand is E4M3, in training the weights or activations; the E5M2 one
 is the gradient).
 
+**Epilogues** (16/32-bit outputs only), as ``lt_gemm`` names them: ``"bias"`` adds ``bias`` [N] (bf16 or the
+output's type) in the store, ``"gelu_bias"`` writes ``GELU(result + bias)`` and, into ``aux`` [M, N], the
+pre-activation; ``"dgelu"`` multiplies the result by GELU'(``aux``). A linear layer's forward and the MLP's
+backward then need no extra pass in FP8 either. Whether cuBLASLt has an FP8 kernel for an epilogue is its
+heuristic's answer: a missing one is a ``RuntimeError`` when the plan is built (the first call, outside any
+capture); ``model/fp8_linear.py`` then runs the unfused form.
+
 **Outputs.** bf16, fp16 or fp32 (``beta`` may accumulate into them: fp32 weight gradients), or FP8
 (``out_dtype="e4m3"`` / ``"e5m2"``, bytes): then ``out = fp8(result · out_scale)`` and ``amax_out`` receives
 max |result| before ``out_scale`` (what the next scale is made from). ``amax_out`` is offered for FP8
@@ -40,14 +47,25 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, overlaps
+from ..checks import array_module, check_array, check_choice, overlaps
 from ..ops.fp8 import BYTES, Fp8Format, amax_reference, fp8_format, quantize_reference
 from .cublas import CUDA_DATA_TYPES, scalar_ptr
-from .cublaslt import CUBLAS_COMPUTE_32F, CUDA_R_32F, cached_plan, device_state, lt_module
+from .cublaslt import (
+    CUBLAS_COMPUTE_32F,
+    CUDA_R_32F,
+    LT_EPILOGUE,
+    cached_plan,
+    device_state,
+    gelu_grad_reference,
+    gelu_reference,
+    lt_module,
+)
 from .lt_plan import LtPlan, alignment
 
 OPERAND_ALIGN = 16  # bytes: FP8 operand pointers and rows (K), and the output rows (N)
-_SCALE_ATTRS = ("A_SCALE_POINTER", "B_SCALE_POINTER", "D_SCALE_POINTER", "AMAX_D_POINTER")
+_SCALE_ATTRS = ("A_SCALE_POINTER", "B_SCALE_POINTER", "D_SCALE_POINTER", "AMAX_D_POINTER", "BIAS_POINTER",
+                "EPILOGUE_AUX_POINTER")  # the per-call pointers of a plan (0: not used by it)
+EPILOGUES = ("none", "bias", "gelu_bias", "dgelu")
 
 
 def out_kind(out_dtype):
@@ -67,20 +85,25 @@ def _check_scalar(name, a, xp):
 
 
 def fp8_gemm(a, b, a_scale_inv, b_scale_inv, *, a_format="e4m3", b_format="e4m3", out=None, out_dtype="bf16",
-             out_scale=None, amax_out=None, alpha=1.0, beta=0.0, fast_accum=False):
+             out_scale=None, amax_out=None, alpha=1.0, beta=0.0, fast_accum=False, epilogue="none", bias=None,
+             aux=None):
     """``out = alpha · (a_scale_inv · a) @ (b_scale_inv · b)ᵀ + beta · out`` for FP8 bytes ``a`` [M, K] and
     ``b`` [N, K] (uint8, row-major); returns ``out`` [M, N].
 
     ``a_scale_inv``, ``b_scale_inv``: fp32 [1] on the operands' device. ``out_dtype``: bf16 (default), fp16,
     fp32, or 'e4m3' / 'e5m2' for FP8 bytes, which need ``out_scale`` (fp32 [1]: bytes = fp8(result · out_scale))
     and may take ``amax_out`` (fp32 [1], overwritten with max |result|). ``beta != 0`` accumulates into a given
-    16/32-bit ``out``. See the module docstring for the layout, the size rules and the error bound.
+    16/32-bit ``out``. ``epilogue``: "none", "bias" (``bias`` [N]), "gelu_bias" (``bias`` [N]; ``aux`` [M, N]
+    receives the pre-activation) or "dgelu" (``aux`` [M, N] read), for 16/32-bit outputs with ``alpha`` 1 and
+    ``beta`` 0; ``aux`` has the output's dtype. See the module docstring for the layout, the size rules and the
+    error bound.
     """
     a_fmt, b_fmt = fp8_format(a_format), fp8_format(b_format)
     kind = out_kind(out_dtype)
     fp8_out = isinstance(kind, Fp8Format)
+    check_choice("epilogue", epilogue, EPILOGUES)
     xp = array_module(a=a, b=b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, out=out, out_scale=out_scale,
-                      amax_out=amax_out)
+                      amax_out=amax_out, bias=bias, aux=aux)
     check_array("a", a, ndim=2, dtypes=(BYTES,))
     check_array("b", b, ndim=2, dtypes=(BYTES,))
     (m, k), (n, k2) = a.shape, b.shape
@@ -113,9 +136,10 @@ def fp8_gemm(a, b, a_scale_inv, b_scale_inv, *, a_format="e4m3", b_format="e4m3"
         if overlaps(out, arr):
             raise ValueError(f"out overlaps {name}")
     alpha, beta = float(alpha), float(beta)
+    _check_epilogue(epilogue, bias, aux, out, fp8_out, alpha, beta, m, n)
     if xp is np:
         return _fp8_gemm_numpy(a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, out_scale, amax_out, alpha,
-                               beta)
+                               beta, epilogue, bias, aux)
     if k % OPERAND_ALIGN or n % OPERAND_ALIGN:
         raise ValueError(f"cuBLASLt's FP8 GEMM needs K and N to be multiples of {OPERAND_ALIGN}, got K = {k}, N = {n} "
                          "(pad the weight's rows and the reduction length)")
@@ -123,7 +147,30 @@ def fp8_gemm(a, b, a_scale_inv, b_scale_inv, *, a_format="e4m3", b_format="e4m3"
         if int(arr.data.ptr) % OPERAND_ALIGN:
             raise ValueError(f"cuBLASLt's FP8 GEMM needs {name} to start on a {OPERAND_ALIGN}-byte boundary")
     return _fp8_gemm_cupy(xp, a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, out_scale, amax_out, alpha,
-                          beta, bool(fast_accum), m, n, k)
+                          beta, bool(fast_accum), m, n, k, epilogue, bias, aux)
+
+
+def _check_epilogue(epilogue, bias, aux, out, fp8_out, alpha, beta, m, n):
+    need = {"none": (), "bias": ("bias",), "gelu_bias": ("bias", "aux"), "dgelu": ("aux",)}[epilogue]
+    for name, arr in (("bias", bias), ("aux", aux)):
+        if name in need and arr is None:
+            raise ValueError(f"epilogue {epilogue!r} needs {name}=")
+        if name not in need and arr is not None:
+            raise ValueError(f"{name}= was given but epilogue {epilogue!r} does not use it")
+    if epilogue == "none":
+        return
+    if fp8_out:
+        raise ValueError(f"epilogue {epilogue!r} takes a bf16, fp16 or fp32 output, not FP8 bytes")
+    if alpha != 1.0 or beta != 0.0:
+        raise ValueError(f"epilogue {epilogue!r} requires alpha == 1 and beta == 0, got {alpha} and {beta}")
+    if bias is not None:
+        check_array("bias", bias, shape=(n,), dtypes=None)
+        if bias.dtype not in (backend.bfloat16, out.dtype):
+            raise TypeError(f"bias must be bf16 or out's dtype ({backend.dtype_name(out.dtype)}), got {bias.dtype}")
+    if aux is not None:
+        check_array("aux", aux, shape=(m, n), dtype=out.dtype, dtypes=None)
+        if overlaps(aux, out):
+            raise ValueError("aux overlaps out")
 
 
 # --------------------------------------------------------------------------- cuBLASLt
@@ -152,6 +199,13 @@ class _Fp8Plan(LtPlan):
             self.set_desc(A.TRANSB, 0)
             if spec["fast_accum"]:
                 self.set_desc(A.FAST_ACCUM, 1)
+            if spec["epilogue"] != "none":
+                self.set_desc(A.EPILOGUE, int(getattr(lt.Epilogue, LT_EPILOGUE[spec["epilogue"]])))
+            if spec["bias_code"] is not None:
+                self.set_desc(A.BIAS_DATA_TYPE, spec["bias_code"])
+            if spec["epilogue"] in ("gelu_bias", "dgelu"):
+                self.set_desc(A.EPILOGUE_AUX_LD, n)
+                self.set_desc(A.EPILOGUE_AUX_DATA_TYPE, spec["out_code"])
             self.la = self.new_layout(spec["b_code"], k, n, k)  # our b [N, K]
             self.lb = self.new_layout(spec["a_code"], k, m, k)  # our a [M, K]
             if spec["fp8_out"]:
@@ -179,24 +233,29 @@ class _Fp8Plan(LtPlan):
 
 
 def _fp8_gemm_cupy(cp, a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, out_scale, amax_out, alpha, beta,
-                   fast_accum, m, n, k):
+                   fast_accum, m, n, k, epilogue, bias, aux):
     lt = lt_module()
     st = device_state(lt, cp)
     fp8_out = isinstance(kind, Fp8Format)
     a_ptr, b_ptr, o_ptr = int(a.data.ptr), int(b.data.ptr), int(out.data.ptr)
     # cuBLASLt's A is our b, its B our a: so its A scale is b's, its B scale a's
     ptrs = (int(b_scale_inv.data.ptr), int(a_scale_inv.data.ptr),
-            int(out_scale.data.ptr) if fp8_out else 0, int(amax_out.data.ptr) if amax_out is not None else 0)
+            int(out_scale.data.ptr) if fp8_out else 0, int(amax_out.data.ptr) if amax_out is not None else 0,
+            int(bias.data.ptr) if bias is not None else 0, int(aux.data.ptr) if aux is not None else 0)
     out_code = kind.cuda_data_type if fp8_out else CUDA_DATA_TYPES[kind]
     out_name = kind.name if fp8_out else backend.dtype_name(kind)
     align = (alignment(a_ptr), alignment(b_ptr), alignment(o_ptr))
-    key = ("fp8", st.device_id, a_fmt.name, b_fmt.name, out_name, m, n, k, fast_accum, amax_out is not None, align)
+    bias_code = CUDA_DATA_TYPES[bias.dtype] if bias is not None else None
+    key = ("fp8", st.device_id, a_fmt.name, b_fmt.name, out_name, m, n, k, fast_accum, amax_out is not None, align,
+           epilogue, bias_code)
 
     def build():
         spec = {"m": m, "n": n, "k": k, "fast_accum": fast_accum, "fp8_out": fp8_out, "align": align,
                 "a_code": a_fmt.cuda_data_type, "b_code": b_fmt.cuda_data_type, "out_code": out_code,
+                "epilogue": epilogue, "bias_code": bias_code,
                 "describe": (f"fp8 a[{m}x{k}] {a_fmt.name} @ b[{n}x{k}]^T {b_fmt.name} -> {out_name}"
                              f"{' fast_accum' if fast_accum else ''}{' amax' if amax_out is not None else ''}"
+                             f"{'' if epilogue == 'none' else ' epilogue=' + epilogue}"
                              f" (alignment a/b/out {align} B)")}
         plan = _Fp8Plan(lt, st, spec, ptrs)
         if fp8_out:
@@ -213,13 +272,22 @@ def _fp8_gemm_cupy(cp, a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, 
 # --------------------------------------------------------------------------- NumPy emulation
 
 
-def _fp8_gemm_numpy(a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, out_scale, amax_out, alpha, beta):
-    """Dequantize, multiply in fp32, then round to the output type (or quantize with ``out_scale``)."""
+def _fp8_gemm_numpy(a, b, a_scale_inv, b_scale_inv, a_fmt, b_fmt, out, kind, out_scale, amax_out, alpha, beta,
+                    epilogue="none", bias=None, aux=None):
+    """Dequantize, multiply in fp32, apply the epilogue, then round to the output type (or quantize with
+    ``out_scale``)."""
     A = a_fmt.values()[a] * a_scale_inv[0]
     B = b_fmt.values()[b] * b_scale_inv[0]
     r = np.float32(alpha) * (A @ B.T)
     if beta != 0.0:
         r = r + np.float32(beta) * out.astype(np.float32)
+    if bias is not None:
+        r = r + bias.astype(np.float32)
+    if epilogue == "gelu_bias":
+        aux[...] = r.astype(aux.dtype)
+        r = gelu_reference(r)
+    elif epilogue == "dgelu":
+        r = r * gelu_grad_reference(aux.astype(np.float32))
     if isinstance(kind, Fp8Format):
         if amax_out is not None:
             amax_out[0] = amax_reference(r)
@@ -233,4 +301,4 @@ def fp8_gemm_flops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
 
 
-__all__ = ["OPERAND_ALIGN", "fp8_gemm", "fp8_gemm_flops", "out_kind"]
+__all__ = ["EPILOGUES", "OPERAND_ALIGN", "fp8_gemm", "fp8_gemm_flops", "out_kind"]
