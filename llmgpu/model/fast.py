@@ -1,31 +1,26 @@
 """The chapter 8 GPT: the same model as ``llmgpu.model.GPT``, with the step rebuilt for speed.
 
 ``FastGPT`` is ``GPT``'s sibling on ``GPTBase`` (``model/base.py``: configuration, parameters in one
-``FlatParams``, state dict names, initialization, sampling, the loss) with its own forward and backward
-passes. What changes,
-and why (chapter 8 measures each item):
+``FlatParams``, state dict names, initialization, sampling, the loss) with its own forward and backward passes.
+What changes, and why (chapter 8 measures each item):
 
-* **Every GEMM through cuBLASLt** (``llmgpu.gemm.cublaslt.lt_gemm``): CuPy refuses its own cuBLAS calls
-  while a stream is capturing, cuBLASLt called directly does not, so the whole training step can
-  become one CUDA graph (``llmgpu.train.TrainStep(graph=True)``). Weight gradients are written by the GEMM straight
-  into the fp32 gradient buffer (``beta=1`` accumulates); a token count N that is not a multiple of 64 is
-  split into two GEMMs (``llmgpu.gemm.ksplit.wgrad_gemm``: cuBLAS' precision trap at N = 2ⁿ + 1, issue 13).
-* **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)``
-  is one GEMM that also keeps the pre-activation (GELU_AUX_BIAS), and the backward's
-  ``(dm W₂) ⊙ GELU'(f)`` is one GEMM (DGELU). Each removes a read and a write of an ``[N, 4C]`` or
-  ``[N, C]`` activation. A forward without backward (``forward``) keeps no pre-activation (GELU_BIAS).
-* **Residual add + LayerNorm in one kernel** (``add_layernorm_forward``): ``x ← x + a`` followed by
-  ``LN(x)`` reads ``x`` and ``a`` once instead of three times; in the backward the residual gradient is
-  added inside the LayerNorm backward kernel (``dresidual=``) and dγ, dβ are accumulated straight into
-  the fp32 gradient buffer (``accumulate_params=True``).
+* **Every GEMM through cuBLASLt** (``llmgpu.gemm.cublaslt.lt_gemm``): CuPy refuses its own cuBLAS calls while a
+  stream is capturing, cuBLASLt called directly does not, so the whole step can become one CUDA graph
+  (``TrainStep(graph=True)``). Weight gradients go straight into the fp32 gradient buffer (``beta=1``); a token
+  count N not a multiple of 64 is split into two GEMMs (``ksplit.wgrad_gemm``: the trap at N = 2ⁿ + 1, issue 13).
+* **Epilogue fusions**: the bias add rides in the GEMM's store (BIAS), the MLP's ``GELU(x W₁ᵀ + b₁)`` is one GEMM
+  that also keeps the pre-activation (GELU_AUX_BIAS; GELU_BIAS in ``forward``), and the backward's
+  ``(dm W₂) ⊙ GELU'(f)`` is one GEMM (DGELU): each removes a read and a write of an activation.
+* **Residual add + LayerNorm in one kernel** (``add_layernorm_forward``): ``x ← x + a`` then ``LN(x)`` reads
+  ``x`` and ``a`` once instead of three times; the backward adds the residual gradient inside the LayerNorm
+  backward kernel (``dresidual=``) and accumulates dγ, dβ straight into the fp32 gradients.
 * **Flash attention** (``llmgpu.ops.flash_attention``: our kernel of chapter 2b or cuDNN's,
   ``FastOptions.attention_kernel``; "auto", the default, takes whichever is faster on the machine, chosen once per
   shape and kept in the model's ``kernel_choices``, which a training run saves in its checkpoint) on strided views
   of the QKV buffer: no ``[B, H, T, T]`` probabilities, and no transposing copies around attention. With fp32
   working precision on the GPU (both take fp16/bf16) the chapter 2 kernels run instead.
 
-Every choice of this step is a field of one frozen ``FastOptions`` (``FastGPT(..., options=...)``), fixed for
-the model's life; to compare two settings, build two models.
+Every choice of this step is a field of one frozen ``FastOptions`` (``options=``), fixed for the model's life.
 
 **The LM head in chunks of rows** (``lm_head_rows``): in ``forward_backward`` the logits are made, turned
 into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
@@ -34,30 +29,27 @@ any other activation — never exist whole. The loss is the chunks' sums over th
 With ``fused_cross_entropy`` (default) a chunk's cross-entropy forward and backward are one kernel
 (``cross_entropy_forward_backward``): it reads each row of logits once, writes the row's gradient over it
 (divided by the batch's target count, a device scalar) and adds the chunk's loss sum into one device scalar.
-With ``embedding_grad_into_fp32`` (default) the embedding backward adds its fp32 row sums straight into the
-fp32 gradients of ``wte`` (only the rows of tokens in the batch) and ``wpe``, instead of writing a bf16
-``[Vp, C]`` array (zeros included) that is then cast and added.
+With ``embedding_grad_into_fp32`` (default) the embedding backward adds its fp32 row sums straight into the fp32
+gradients of ``wte`` (the batch's token rows only) and ``wpe``, instead of a bf16 ``[Vp, C]`` array cast and added.
 
 **Vocabulary padding.** An unpadded vocabulary (50257) gives the LM head's GEMMs row strides that are not
-multiples of 16 bytes, and cuBLASLt then falls back to much slower kernels (on the H200 the GPT-2 step at
-B = 64 took 205 ms unpadded). ``FastGPT`` therefore pads the vocabulary to a multiple of ``VOCAB_ALIGN``
-when the configuration does not pad it already: the same function (padded logits are masked to -1e4,
-their gradients are zero), a ``config.padded_vocab_size`` of 50304, and ``state_dict(unpadded=True)``
-for the original shapes.
+multiples of 16 bytes, where cuBLASLt falls back to much slower kernels (205 ms per GPT-2 step at B = 64 on the
+H200), so ``FastGPT`` pads the vocabulary to a multiple of ``VOCAB_ALIGN`` when the configuration does not:
+padded logits are masked to -1e4, their gradients are zero, ``state_dict(unpadded=True)`` gives the original shapes.
+The gradients agree with ``GPT``'s to rounding (the fusions round at different points; in fp32 on NumPy ~1e-6).
 
-The gradients agree with ``GPT``'s to rounding (the fusions round at different points; in fp32 on
-NumPy the two agree to ~1e-6), not bitwise.
+**Activation checkpointing** (``checkpoint_every=k``, 0 = off), as chapter 6 does it for ``GPT``, except where
+a span starts: the fused residual add + LayerNorm crosses block boundaries (block i's ``ln_1`` runs in block
+i-1's last kernel), so the span input kept for every k-th block is the residual stream ``x`` entering it *and*
+``ln_1(x)`` with its mean and rstd (``2·B·T·C`` values instead of ``B·T·C``). The backward walks the spans from
+the last to the first, reruns a span's blocks from that state (the same kernels on the same inputs, the span's
+last residual add + LayerNorm skipped) and runs their backward: the gradients are bitwise those without
+checkpointing, and the step still captures as one CUDA graph.
 
-**Activation checkpointing** (``checkpoint_every=k``, 0 = off), as chapter 6 does it for ``GPT``, with
-one difference in where a span starts. The fused residual add + LayerNorm crosses block boundaries:
-block i's ``ln_1`` runs in the same kernel as block i-1's last residual add, so ``ln_1(x)`` cannot be
-recomputed from ``x`` by the kernel that made it. The span input kept for every k-th block is therefore
-the residual stream ``x`` entering it *and* ``ln_1(x)`` with its mean and rstd (what the fused kernel
-wrote; ``2·B·T·C`` values instead of ``B·T·C``). The backward pass walks the spans from the last to the
-first, reruns a span's blocks from that state (the same kernels on the same inputs; the span's last
-residual add + LayerNorm is skipped, as its output belongs to the next span) and then runs their
-backward: the gradients are bitwise identical to the run without checkpointing, and the step still
-captures as one CUDA graph (the recomputation is ordinary kernels; its buffers come from the graph's pool).
+**FP8** (``FastOptions(fp8="current" | "delayed")``, chapter 5b): each block's QKV, MLP-in and MLP-out layers run
+their three GEMMs in FP8 through ``model/fp8_linear.py`` (``_layer_forward`` / ``_layer_backward``); their
+caches then hold the inputs' one-byte transposed casts instead of the inputs.
+
 Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
 """
@@ -92,6 +84,7 @@ from ..ops.linear import bias_grad
 from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
+from .fp8_linear import Fp8Linears, Fp8Saved
 from .options import FastOptions
 
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
@@ -105,6 +98,7 @@ class FastGPT(GPTBase):
     shape (a ``KernelChoices``: a training run saves it in its checkpoint and pins it on resume)."""
 
     keeps_ln_1 = True  # a checkpointed span input holds ln_1's output and statistics too (module docstring)
+    runs_fp8 = True  # FastOptions.fp8 is implemented by this class's blocks (model/fp8_linear.py)
 
     def __init__(self, config: GPTConfig, *, dtype="bf16", checkpoint_every: int = 0, xp=None, seed: int = 0,
                  init: bool = True, param_multiple: int = ALIGN, options: FastOptions | None = None):
@@ -116,24 +110,27 @@ class FastGPT(GPTBase):
         if config.pad_vocab_to <= 1 and config.vocab_size % VOCAB_ALIGN:
             config = replace(config, pad_vocab_to=VOCAB_ALIGN)  # aligned LM-head GEMMs (module docstring)
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
-        on_np = self.xp is np
+        opts = self._options
         # flash attention (ours or cuDNN's) takes fp16/bf16; the NumPy reference runs any float type
-        self.flash = self.options.attention_kernel != "math" and (on_np or self.dtype in (backend.float16,
-                                                                                           backend.bfloat16))
+        half = self.dtype in (backend.float16, backend.bfloat16)
+        self.flash = opts.attention_kernel != "math" and (self.xp is np or half)
         self.attention = "flash" if self.flash else "math-copy"
+        if opts.fp8 != "off" and not self.runs_fp8:
+            raise ValueError(f"FastOptions.fp8={opts.fp8!r}: FP8 is implemented for the GPT-2 family's fast step only, "
+                             f"not {type(self).__name__}")
+        # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
+        self.fp8 = Fp8Linears(opts.fp8, opts.fp8_history, self.xp) if opts.fp8 != "off" else None
 
     def capture_blocker(self) -> str | None:
-        """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32 attention
-        falls back to chapter 2's kernels, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
+        """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32, or with
+        attention_kernel='math', attention is chapter 2's, whose batched GEMMs are CuPy's cuBLAS: capture is refused."""
         if self.xp is np or self.flash:
             return super().capture_blocker() if self.xp is np else None
-        if self.options.attention_kernel == "math":
-            return (f"{type(self).__name__} with attention_kernel='math' runs chapter 2's attention, whose GEMMs are "
-                    "CuPy's cuBLAS calls, which refuse stream capture; use a flash attention kernel for a graph step, "
-                    "or graph=False")
-        return (f"{type(self).__name__} in {backend.dtype_name(self.dtype)} runs chapter 2's attention (flash "
-                "attention takes bf16/fp16), whose GEMMs are CuPy's cuBLAS calls, which refuse stream capture; "
-                "use dtype='bf16' or 'fp16' for a graph step, or graph=False in fp32")
+        why = ("attention_kernel='math'" if self.options.attention_kernel == "math"
+               else f"{backend.dtype_name(self.dtype)} (flash attention takes bf16/fp16)")
+        return (f"{type(self).__name__} with {why} runs chapter 2's attention, whose GEMMs are CuPy's cuBLAS calls, "
+                "which refuse stream capture; use a flash attention kernel in bf16 or fp16 for a graph step, "
+                "or graph=False")
 
     @property
     def options(self) -> FastOptions:
@@ -191,6 +188,26 @@ class FastGPT(GPTBase):
         nbytes = (n * m + m * k + n * k * (2 if aux is not None or beta else 1)) * dy.dtype.itemsize
         with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
             return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out, beta=beta)
+
+    def _layer_forward(self, x, i: int, layer: str, *, name, epilogue=None, aux=None, train: bool = True):
+        """Block i's linear layer ``layer`` (one of ``fp8_linear.FP8_LAYERS``) on x: ``(y, what its backward
+        needs)``: x itself, or with ``FastOptions.fp8`` the FP8 GEMM's output and x's and W's FP8 casts
+        (``Fp8Saved``; None with ``train=False``)."""
+        w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
+        if self.fp8 is None:
+            return self._linear(x, w_name, b_name, name=name, epilogue=epilogue, aux=aux), x
+        return self.fp8.forward(x, self.weight(w_name), self.weight(b_name), f"h.{i}.{layer}", name=name,
+                                epilogue=epilogue or "bias", aux=aux, train=train)
+
+    def _layer_backward(self, dy, saved, i: int, layer: str, *, name, dgrad_name=None, epilogue="none", aux=None):
+        """The backward of ``_layer_forward``: dW and db accumulated (fp32), the input gradient returned."""
+        w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
+        if isinstance(saved, Fp8Saved):
+            G = self.params.grad_of
+            return self.fp8.backward(dy, saved, f"h.{i}.{layer}", G(w_name), G(b_name), name=name,
+                                     dgrad_name=dgrad_name or name, epilogue=epilogue, aux=aux)
+        self._linear_grads(dy, saved, w_name, b_name, name=name)
+        return self._dgrad(dy, w_name, name=dgrad_name or name, epilogue=epilogue, aux=aux)
 
     def _add_ln(self, x, a, ln, *, name):
         """(x + a written over a, LN(x + a), mean, rstd)."""
@@ -273,35 +290,34 @@ class FastGPT(GPTBase):
         return x, h, mean, rstd
 
     def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True, keep_pre: bool = True):
-        """Block i from its input state ``(x, ln_1(x), mean, rstd)``: ``(cache for the backward, the next
-        state)``; the next state is block i+1's input (``ln_f``'s after the last block), or None with
-        ``need_output=False`` (a recomputed span's last block: its final add + LayerNorm is not rerun).
-        ``keep_pre=False`` (inference): the MLP's pre-activation is not written (cuBLASLt's GELU_BIAS instead of
-        GELU_AUX_BIAS: one [N, 4C] write less) and the cache has no ``f``."""
+        """Block i from its input state ``(x, ln_1(x), mean, rstd)``: ``(cache for the backward, the next state)``,
+        block i+1's input (``ln_f``'s after the last block), or None with ``need_output=False`` (a recomputed span's
+        last block). ``keep_pre=False`` (inference): no MLP pre-activation (GELU_BIAS), no ``f`` in the cache."""
         x, h, mean, rstd = state
         N, C, L = B * T, self.config.n_embd, self.config.n_layer
         n = block_param_names(i)
-        qkv = self._linear(h, n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv fwd")
+        # h1, h2, g: what the weight gradients need (the inputs, or their FP8 casts: _layer_forward)
+        qkv, h1 = self._layer_forward(h, i, "attn.c_attn", name="attn.qkv fwd", train=keep_pre)
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
         f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre else None  # the pre-activation, by the epilogue
-        g = self._linear(h2, n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc+gelu fwd",
-                         epilogue="gelu_bias", aux=f)
-        cache = {"x": x, "h1": h, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
+        g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc+gelu fwd", epilogue="gelu_bias", aux=f,
+                                    train=keep_pre)
+        cache = {"x": x, "h1": h1, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
                  "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
-        if not need_output:
+        if not need_output:  # a recomputed span's last block: mlp.c_proj's backward still needs its FP8 casts
+            if self.fp8 is not None and keep_pre:
+                cache["g"] = self.fp8.keep(g, self.weight(n["mlp.c_proj.weight"]), f"h.{i}.mlp.c_proj")
             return cache, None
-        m = self._linear(g, n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj fwd")
+        m, cache["g"] = self._layer_forward(g, i, "mlp.c_proj", name="mlp.proj fwd", train=keep_pre)
         nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
         return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
 
     def _forward_trunk(self, idx, store: bool, keep_pre: bool | None = None):
-        """Embeddings, the blocks and ln_f. Returns ``(state, caches, inputs)``: the final state ``(x_L [N, C],
-        hf = ln_f(x_L), its statistics...)``; with ``store``, every block's cache (no checkpointing) or every k-th
-        block's input state. Without ``store`` (inference) the MLP's GEMM does not keep its pre-activation
-        (``keep_pre``, default ``store``). With checkpointing the first pass keeps it too, so that the span inputs
-        are the same bits as without."""
+        """Embeddings, the blocks and ln_f: ``(state, caches, inputs)``, the final state ``(x_L, ln_f(x_L),
+        statistics...)``; with ``store``, every block's cache (no checkpointing) or every k-th block's input state.
+        ``keep_pre`` (default ``store``): the MLP keeps its pre-activation (checkpointing too: the same bits)."""
         keep_pre = store if keep_pre is None else keep_pre
         B, T = idx.shape
         L, k = self.config.n_layer, self.checkpoint_every if store else 0
@@ -336,16 +352,13 @@ class FastGPT(GPTBase):
         return self.logits_and_loss(self._logits(hf), targets, B, T, last_only)
 
     def _block_backward(self, i: int, dx, c, B: int, T: int):
-        """Block i's backward from the gradient of its output (the residual stream), ``dx``, which is
-        updated in place and returned: the gradient of its input. Weight gradients accumulate in fp32, in
-        line with the input gradients (on a second stream they gained nothing: the GEMMs fill the GPU;
-        chapter 8)."""
+        """Block i's backward from its output's gradient ``dx`` (updated in place and returned: its input's). Weight
+        gradients accumulate in fp32 in line (on a second stream they gained nothing: the GEMMs fill the GPU)."""
         n = block_param_names(i)
         # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-        self._linear_grads(dx, c["g"], n["mlp.c_proj.weight"], n["mlp.c_proj.bias"], name="mlp.proj")
-        df = self._dgrad(dx, n["mlp.c_proj.weight"], name="mlp.proj+dgelu", epilogue="dgelu", aux=c["f"])
-        self._linear_grads(df, c["h2"], n["mlp.c_fc.weight"], n["mlp.c_fc.bias"], name="mlp.fc")
-        dh2 = self._dgrad(df, n["mlp.c_fc.weight"], name="mlp.fc")
+        df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", dgrad_name="mlp.proj+dgelu",
+                                  epilogue="dgelu", aux=c["f"])
+        dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc")
         del df
         dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
                                name="ln_2+residual bwd")
@@ -355,8 +368,7 @@ class FastGPT(GPTBase):
         dy = self._dgrad(dx, n["attn.c_proj.weight"], name="attn.proj")
         dqkv = self._attention_backward(dy, c["att"], B, T)
         del dy
-        self._linear_grads(dqkv, c["h1"], n["attn.c_attn.weight"], n["attn.c_attn.bias"], name="attn.qkv")
-        dh1 = self._dgrad(dqkv, n["attn.c_attn.weight"], name="attn.qkv")
+        dh1 = self._layer_backward(dqkv, c["h1"], i, "attn.c_attn", name="attn.qkv")
         del dqkv
         return self._ln_backward(dh1, c["x"], f"transformer.h.{i}.ln_1", c["mean1"], c["rstd1"], dx,
                                  name="ln_1+residual bwd")
@@ -364,12 +376,8 @@ class FastGPT(GPTBase):
     # ------------------------------------------------------------------ forward + backward
 
     def _head_forward_backward(self, hf, targets, dloss):
-        """LM head, cross-entropy and their backward, ``lm_head_rows`` rows at a time: ``(mean loss, dhf)``.
-
-        The logits (``[N, Vp]``, the largest activation of the step) exist for one chunk of rows at a time:
-        each chunk's logits are made, turned into their gradient in place, and used up by the chunk's dgrad
-        and its weight gradient (accumulated over the chunks in fp32) before the next chunk's are made. The
-        gradient of every row is divided by the number of targets of the whole batch, counted first."""
+        """LM head, cross-entropy and their backward, ``lm_head_rows`` rows at a time (module docstring): ``(mean
+        loss, dhf)``; every row's gradient is divided by the whole batch's target count, counted first."""
         N, C = hf.shape
         Vp = self.config.padded_vocab_size
         it, xp = self.dtype.itemsize, self.xp
@@ -483,6 +491,8 @@ class FastGPT(GPTBase):
                 inputs[s] = None
 
         ready(self._embed_backward(dx, idx))
+        if self.fp8 is not None:
+            self.fp8.end_step()
         self.stats = {"activation_bytes_stored": stored, "activation_bytes_peak": peak}
         return loss
 

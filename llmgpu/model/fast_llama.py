@@ -51,6 +51,8 @@ class FastLlama(LlamaFamily, FastGPT):
     ``checkpoint_every``, ``options``: a ``FastOptions``, whose attention kernel applies; its embedding fields must
     keep their defaults: the fp32 row sums are the only embedding backward here)."""
 
+    runs_fp8 = False  # FastOptions.fp8: the GPT-2 family's blocks only, so far (model/fp8_linear.py)
+
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
         o = self.options

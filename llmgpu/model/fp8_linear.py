@@ -1,0 +1,172 @@
+"""The FP8 linear layers of the fast step (issue 37, chapter 5b): ``FastOptions(fp8="current" | "delayed")``.
+
+**Which GEMMs.** The attention's QKV projection, the MLP's input (with its GELU) and output projections run
+their forward GEMM and both backward GEMMs in FP8; the attention's output projection, the LM head, attention
+itself, the norms and the optimizer stay in the model's dtype (``dev/cuda/fp8_plan.md`` argues each choice).
+
+**One layer.** Weights and activations are E4M3, the incoming gradient E5M2 (more range, less precision:
+Micikevicius et al. 2022). cuBLASLt's FP8 GEMMs take only operands contiguous along the reduction
+(``llmgpu.gemm.fp8``), so every cast also writes the transposed bytes the backward needs, in the same pass::
+
+    forward    x → x8, x8ᵀ        W → W8, W8ᵀ        y  = x8 · W8ᵀ   (+ bias, GELU: cuBLASLt's epilogue)
+    backward   dy → dy8, dy8ᵀ                        dW += dy8ᵀ · (x8ᵀ)ᵀ   (fp32, beta = 1)
+                                                     dx = dy8 · (W8ᵀ)ᵀ     (× GELU'(f): the DGELU epilogue)
+                                                     db += Σ dy             (the bf16 bias-gradient kernel)
+
+The forward keeps x8ᵀ (one byte per element) for the weight gradient instead of the bf16 input: the FP8 step
+stores less than the bf16 one.
+
+**Scaling** (``llmgpu.ops.fp8``). Weights always use current scaling (their amax taken just before the cast;
+small tensors). Activations and gradients follow the recipe: ``"current"`` measures each tensor before casting it
+(the scale always fits; a second read of the tensor), ``"delayed"`` casts with the scale from the last
+``fp8_history`` steps' amaxes and records this step's amax in the same pass; ``end_step()`` (called at the end of
+``forward_backward``) turns the recorded amaxes into the next scales. The first step of a delayed run has no
+history yet, so it scales like ``"current"``. Within one ``forward_backward`` no scale changes between a
+tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same
+bits as one without.
+
+**Epilogues cuBLASLt lacks.** Whether cuBLASLt has an FP8 kernel with the BIAS, GELU_AUX_BIAS or DGELU epilogue
+is its heuristic's answer on the machine. When it has none, the plan fails on the first call (always outside
+a CUDA graph capture) and the layer runs the same math unfused from then on (the GEMM in the model's dtype, then
+``add_bias`` / ``gelu_forward`` / ``gelu_backward``); ``unfused`` lists the epilogues for which that happened.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..gemm.fp8 import fp8_gemm
+from ..instrument import region
+from ..ops.fp8 import AmaxHistory, fp8_cast, quantize
+from ..ops.gelu import gelu_backward, gelu_forward
+from ..ops.linear import add_bias, bias_grad
+
+FP8_LAYERS = ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")  # per block, the linear layers that run in FP8
+FORMATS = {"x": "e4m3", "w": "e4m3", "dy": "e5m2"}  # the format of each of a layer's three tensors
+
+
+class Fp8Saved(NamedTuple):
+    """What a layer's forward keeps for its backward: x8ᵀ [Cin, N] and W8ᵀ [Cin, Cout] with their scale_inv."""
+
+    x_t: object
+    x_scale_inv: object
+    w_t: object
+    w_scale_inv: object
+
+
+class Fp8Linears:
+    """The FP8 linear layers of one model: the scaling state of every (layer, tensor) and the three GEMMs of a
+    layer. ``recipe``: "current" or "delayed" (module docstring); ``history``: steps of amax the delayed recipe
+    keeps per activation or gradient."""
+
+    def __init__(self, recipe: str, history: int, xp):
+        self.recipe, self.history, self.xp = recipe, int(history), xp
+        self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
+        self.primed = False  # delayed: False until the first step has filled the histories
+        self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
+
+    # ------------------------------------------------------------------ scaling
+
+    def state(self, layer: str, role: str) -> AmaxHistory:
+        key = (layer, role)
+        st = self.states.get(key)
+        if st is None:
+            length = self.history if self.recipe == "delayed" and role != "w" else 1
+            st = self.states[key] = AmaxHistory(FORMATS[role], length, xp=self.xp)
+        return st
+
+    def _delayed(self, role: str) -> bool:
+        return self.recipe == "delayed" and role != "w" and self.primed
+
+    def cast(self, x, layer: str, role: str, *, rowwise: bool = True, transpose: bool = True, record: bool = True):
+        """``x`` as FP8 bytes (``Fp8Tensor``) with the (layer, role) state's scaling; ``record=False`` (inference)
+        leaves a delayed state's amax alone."""
+        st = self.state(layer, role)
+        with region(f"fp8 cast {role}", bytes=x.size * (x.dtype.itemsize * (1 if self._delayed(role) else 2)
+                                                          + rowwise + transpose), flops=2.0 * x.size):
+            if self._delayed(role):
+                return fp8_cast(x, st.scale, st.fmt, rowwise=rowwise, transpose=transpose,
+                                amax=st.amax if record else None, accumulate_amax=record, scale_inv=st.scale_inv)
+            return quantize(x, st, recipe="current", rowwise=rowwise, transpose=transpose, scale_inv=st.scale_inv)
+
+    def end_step(self):
+        """After a step's backward: a delayed recipe's recorded amaxes become its next scales (one launch per
+        state, no host synchronisation). Nothing to do for current scaling."""
+        if self.recipe != "delayed":
+            return
+        for (_, role), st in self.states.items():
+            if role == "w":
+                continue
+            if self.primed:
+                st.update()
+            st.amax.fill(0)  # the next step's casts raise it again (accumulate_amax)
+        self.primed = True
+
+    # ------------------------------------------------------------------ the three GEMMs
+
+    def forward(self, x, w, bias, layer: str, *, name: str, epilogue: str = "none", aux=None, train: bool = True):
+        """``y = x Wᵀ`` (+ bias; ``epilogue`` "bias" or "gelu_bias", the latter writing the pre-activation into
+        ``aux``, a temporary when None) in x's dtype: ``(y, Fp8Saved or None)`` (None with ``train=False``).
+        ``name``: the profiler region's, as the bf16 step's."""
+        x8 = self.cast(x, layer, "x", transpose=train, record=train)
+        w8 = self.cast(w, layer, "w", transpose=train)
+        (n, k), m = x.shape, w.shape[0]
+        y = self.xp.empty((n, m), dtype=x.dtype)
+        if epilogue == "gelu_bias" and aux is None:  # inference: the pre-activation is written, then dropped
+            aux = self.xp.empty((n, m), dtype=x.dtype)
+        with region(name, flops=2.0 * n * k * m, bytes=n * k + k * m + n * m * x.dtype.itemsize):
+            self._gemm(x8.data, w8.data, x8.scale_inv, w8.scale_inv, "e4m3", y, epilogue, bias, aux)
+        return y, (Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv) if train else None)
+
+    def keep(self, x, w, layer: str) -> Fp8Saved:
+        """The casts ``forward`` would keep, without its GEMM (a recomputed span's last layer: its output is not
+        needed, its backward is)."""
+        x8 = self.cast(x, layer, "x", rowwise=False)
+        w8 = self.cast(w, layer, "w", rowwise=False)
+        return Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv)
+
+    def backward(self, dy, saved: Fp8Saved, layer: str, dw, db, *, name: str, dgrad_name: str, epilogue: str = "none",
+                 aux=None):
+        """``dW += dyᵀ x`` (fp32 ``dw``), ``db += Σ dy`` (``db`` None: no bias) and the input gradient ``dy W``
+        (``epilogue="dgelu"``: times GELU'(``aux``)), returned in dy's dtype. ``name``, ``dgrad_name``: the
+        profiler regions' names, as the bf16 step's."""
+        n, cout = dy.shape
+        cin = saved.x_t.shape[0]
+        if n % 16:
+            raise ValueError(f"the FP8 weight gradient reduces over the batch's B·T = {n} tokens, which cuBLASLt's FP8 "
+                             "GEMMs need to be a multiple of 16")
+        g8 = self.cast(dy, layer, "dy")
+        with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=n * (cout + cin) + 8 * cout * cin):
+            fp8_gemm(g8.data_t, saved.x_t, g8.scale_inv, saved.x_scale_inv, a_format="e5m2", out=dw, beta=1.0,
+                     out_dtype=dw.dtype)
+        if db is not None:
+            with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
+                bias_grad(dy, out=db, accumulate=True)
+        dx = self.xp.empty((n, cin), dtype=dy.dtype)
+        with region(dgrad_name + " dgrad", flops=2.0 * n * cout * cin, bytes=n * cout + cout * cin + n * cin * 2):
+            self._gemm(g8.data, saved.w_t, g8.scale_inv, saved.w_scale_inv, "e5m2", dx, epilogue, None, aux)
+        return dx
+
+    def _gemm(self, a, b, sa, sb, a_format, out, epilogue, bias, aux):
+        """``out = a · bᵀ`` with ``epilogue`` fused by cuBLASLt, or unfused where it has no FP8 kernel for it."""
+        if epilogue != "none" and epilogue not in self.unfused:
+            try:
+                return fp8_gemm(a, b, sa, sb, a_format=a_format, out=out, out_dtype=out.dtype, epilogue=epilogue,
+                                bias=bias, aux=aux)
+            except RuntimeError as e:
+                if "cuBLASLt" not in str(e) and "cublasLt" not in str(e):
+                    raise
+                self.unfused.add(epilogue)  # from now on the unfused form (the module docstring)
+        fp8_gemm(a, b, sa, sb, a_format=a_format, out=out, out_dtype=out.dtype)
+        if epilogue == "bias":
+            add_bias(out, bias)
+        elif epilogue == "gelu_bias":
+            aux[...] = out
+            add_bias(aux, bias)
+            gelu_forward(aux, out=out)
+        elif epilogue == "dgelu":
+            gelu_backward(out, aux, out=out)
+        return out
+
+
+__all__ = ["FP8_LAYERS", "FORMATS", "Fp8Linears", "Fp8Saved"]

@@ -1,0 +1,209 @@
+"""Chapter 5b: the FP8 step (``FastOptions(fp8=...)``, ``model/fp8_linear.py``) against the step it replaces.
+
+On the CPU the FP8 GEMMs run their NumPy emulation (the same bytes, scales and epilogues), so the error measured
+here is FP8's own: a few percent per gradient tensor, cosine similarity above 0.99 (dev/cuda/fp8_plan.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmgpu import backend
+from llmgpu.model import FastOptions, GPTConfig
+from llmgpu.model import fp8_linear as fp8_linear_module
+from llmgpu.model.fast import FastGPT
+from llmgpu.model.fp8_linear import FP8_LAYERS, Fp8Saved
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=37, block_size=16, pad_vocab_to=16)
+FP8_WEIGHTS = [f"transformer.h.{i}.{layer}.weight" for i in range(CFG.n_layer) for layer in FP8_LAYERS]
+
+
+def _batch(rng, B=2, T=16, xp=np):
+    idx = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+    tgt = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+    return backend.to_device(idx, xp), backend.to_device(tgt, xp)
+
+
+def _grads(m):
+    return {n: backend.to_numpy(m.params.grad_of(n)).astype(np.float64) for n in m.params.names}
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _cos(a, b):
+    return float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _step(model, idx, tgt, steps=1):
+    for _ in range(steps):
+        model.zero_grad()
+        loss = model.forward_backward(idx, tgt)
+    return float(loss), _grads(model)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_gradients_close_to_the_fp32_step(rng, recipe):
+    """Every gradient within FP8's expected error of the unquantized step's, and the FP8 layers really
+    quantized (their error is far above fp32 rounding)."""
+    idx, tgt = _batch(rng)
+    l_ref, g_ref = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=1), idx, tgt)
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=1, options=FastOptions(fp8=recipe))
+    l8, g8 = _step(m, idx, tgt, steps=3)  # delayed: steps 2 and 3 use the history
+    assert abs(l8 - l_ref) < 1e-2 * abs(l_ref)
+    for name, g in g_ref.items():
+        assert np.isfinite(g8[name]).all(), name
+        assert _rel(g8[name], g) < 0.15 and _cos(g8[name], g) > 0.99, (name, _rel(g8[name], g), _cos(g8[name], g))
+    assert min(_rel(g8[n], g_ref[n]) for n in FP8_WEIGHTS) > 1e-3  # quantized: not the fp32 GEMMs
+    assert len(m.fp8.states) == 3 * len(FP8_LAYERS) * CFG.n_layer and not m.fp8.unfused
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_checkpointing_is_bitwise(rng, recipe):
+    """Within one forward_backward no scale changes, so recomputing a span casts the same bytes."""
+    idx, tgt = _batch(rng)
+    runs = []
+    for k in (0, 1, 2):
+        m = FastGPT(CFG, dtype="fp32", xp=np, seed=3, checkpoint_every=k, options=FastOptions(fp8=recipe))
+        runs.append(_step(m, idx, tgt, steps=2))
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        for name, g in grads.items():
+            assert np.array_equal(g, runs[0][1][name]), name
+
+
+def test_delayed_scaling_first_step_is_current_then_uses_the_history(rng):
+    idx, tgt = _batch(rng)
+    cur = FastGPT(CFG, dtype="fp32", xp=np, seed=4, options=FastOptions(fp8="current"))
+    dl = FastGPT(CFG, dtype="fp32", xp=np, seed=4, options=FastOptions(fp8="delayed", fp8_history=4))
+    l_c, g_c = _step(cur, idx, tgt)
+    l_d, g_d = _step(dl, idx, tgt)
+    assert l_c == l_d and all(np.array_equal(g_c[n], g_d[n]) for n in g_c)  # no history yet: current scaling
+    assert dl.fp8.primed and not cur.fp8.primed
+    x_state = dl.fp8.state("h.0.mlp.c_fc", "x")
+    assert x_state.length == 4 and dl.fp8.state("h.0.mlp.c_fc", "w").length == 1
+    first = x_state.history.copy()
+    assert first.max() > 0 and x_state.amax[0] == 0  # recorded, and cleared for the next step's casts
+    idx2, tgt2 = _batch(rng)
+    dl.zero_grad()
+    dl.forward_backward(idx2 * 0 + 1, tgt2)  # another batch: its amax goes into the ring at the step's end
+    assert int(x_state.pos[0]) == 2 and x_state.history[1] > 0
+    want = np.float32(448.0) / x_state.history.max()  # E4M3's max over the ring's max
+    assert np.isclose(x_state.scale[0], want, rtol=1e-6)
+
+
+def test_fp8_inference_forward_leaves_the_delayed_state_alone(rng):
+    idx, tgt = _batch(rng)
+    ref = FastGPT(CFG, dtype="fp32", xp=np, seed=5)
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=5, options=FastOptions(fp8="delayed"))
+    _step(m, idx, tgt)
+    before = {k: (s.history.copy(), s.amax.copy(), s.scale.copy()) for k, s in m.fp8.states.items() if k[1] != "w"}
+    logits, loss = m.forward(idx, tgt)
+    ref_logits, ref_loss = ref.forward(idx, tgt)
+    assert _rel(np.asarray(logits, np.float64), np.asarray(ref_logits, np.float64)) < 0.05
+    for k, (h, a, s) in before.items():
+        st = m.fp8.states[k]
+        assert np.array_equal(st.history, h) and np.array_equal(st.amax, a) and np.array_equal(st.scale, s), k
+
+
+def test_fp8_forward_keeps_one_byte_casts_instead_of_the_inputs(rng):
+    idx, tgt = _batch(rng)
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="current"))
+    (_, h, *_), caches, _ = m._forward_trunk(idx, store=True)
+    c = caches[0]
+    for key in ("h1", "h2", "g"):
+        assert isinstance(c[key], Fp8Saved) and c[key].x_t.dtype == np.uint8, key
+    N, C = idx.size, CFG.n_embd
+    assert c["g"].x_t.shape == (4 * C, N) and c["h1"].w_t.shape == (C, 3 * C)
+
+
+def test_unfused_epilogues_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
+    """Where cuBLASLt's heuristic finds no FP8 kernel with an epilogue, the layer runs it unfused, same math."""
+    idx, tgt = _batch(rng)
+    _, g_fused = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current")), idx, tgt)
+    real = fp8_linear_module.fp8_gemm
+
+    def no_epilogues(*args, epilogue="none", **kwargs):
+        if epilogue != "none":
+            raise RuntimeError("cuBLASLt heuristic returned no usable algorithm for fp8 ... (count 0, state 0)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear_module, "fp8_gemm", no_epilogues)
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current"))
+    _, g = _step(m, idx, tgt)
+    assert m.fp8.unfused == {"bias", "gelu_bias", "dgelu"}
+    for name in g:
+        assert _rel(g[name], g_fused[name]) < 1e-5, name
+
+    def broken(*args, epilogue="none", **kwargs):
+        raise RuntimeError("something else went wrong")
+
+    monkeypatch.setattr(fp8_linear_module, "fp8_gemm", broken)
+    with pytest.raises(RuntimeError, match="something else"):  # only cuBLASLt's refusal falls back
+        FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current")).forward_backward(idx, tgt)
+
+
+def test_fp8_bad_inputs(rng):
+    idx, tgt = _batch(rng, B=1, T=15)  # 15 tokens: the FP8 weight gradient reduces over them
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=8, options=FastOptions(fp8="current"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        m.forward_backward(idx, tgt)
+    m.forward(idx)  # the forward alone takes any token count
+    from llmgpu.model.fast_llama import FastLlama
+    from llmgpu.model.llama_config import LlamaConfig
+
+    lcfg = LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, ffn_dim=32, vocab_size=32,
+                       block_size=8)
+    with pytest.raises(ValueError, match="GPT-2 family's fast step only"):
+        FastLlama(lcfg, dtype="fp32", xp=np, options=FastOptions(fp8="current"))
+    with pytest.raises(ValueError, match="FastOptions.fp8 must be one of off, current, delayed"):
+        FastOptions(fp8="e4m3")
+
+
+# =========================================================================== GPU
+
+
+def _gpu_cfg():
+    return GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=1000, block_size=256, pad_vocab_to=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe):
+    """bf16 model, FP8 GEMMs through cuBLASLt: gradients within FP8's error of the bf16 step's, losses close,
+    and the fused epilogues found on Hopper (no unfused fallback)."""
+    cfg = _gpu_cfg()
+    idx = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
+    tgt = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
+    bf = FastGPT(cfg, dtype="bf16", seed=1)
+    m = FastGPT(cfg, dtype="bf16", seed=1, options=FastOptions(fp8=recipe))
+    l_bf, g_bf = _step(bf, idx, tgt)
+    l8, g8 = _step(m, idx, tgt, steps=3)
+    assert abs(l8 - l_bf) < 2e-2 * abs(l_bf)
+    worst = {n: (_rel(g8[n], g), _cos(g8[n], g)) for n, g in g_bf.items()}
+    bad = {n: v for n, v in worst.items() if not (v[0] < 0.2 and v[1] > 0.98)}
+    assert not bad, bad
+    assert min(worst[n][0] for n in FP8_WEIGHTS if n.startswith("transformer.h.0")) > 2e-3
+    print("fp8 vs bf16 gradients: worst rel", max(v[0] for v in worst.values()), "worst cos",
+          min(v[1] for v in worst.values()), "unfused", m.fp8.unfused)
+    assert not m.fp8.unfused, f"cuBLASLt had no FP8 kernel for {m.fp8.unfused}"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_graph_step_replays_the_eager_step(cp, rng):
+    """The FP8 step captured as one CUDA graph gives the eager step's bits (scales live on the device)."""
+    from llmgpu.train import TrainConfig, TrainStep
+
+    cfg = _gpu_cfg()
+    batches = [[(cp.asarray(rng.integers(0, cfg.vocab_size, (2, 256)).astype(np.int32)),
+                 cp.asarray(rng.integers(0, cfg.vocab_size, (2, 256)).astype(np.int32)))] for _ in range(4)]
+    losses = []
+    for graph in (False, True):
+        m = FastGPT(cfg, dtype="bf16", seed=2, options=FastOptions(fp8="delayed"))
+        step = TrainStep(m, TrainConfig(lr=1e-3), graph=graph)
+        losses.append([float(step(b, 1e-3)[0]) for b in batches])
+        if graph:
+            assert step.graph is not None
+    assert losses[0] == losses[1] and all(np.isfinite(losses[0]))
