@@ -9,6 +9,7 @@ keeping the options it was built with, so a real run on NumPy shows what reaches
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +161,58 @@ def test_the_banner_names_the_fp8_gemms():
     line = run_banner(c, GPTConfig.preset("tiny"), 10**6, "bf16", 1, "GPU")
     assert "bf16 with FP8 QKV/MLP GEMMs (delayed scaling)" in line
     assert "FP8" not in run_banner(TrainConfig(**FAST, dtype="bf16"), GPTConfig.preset("tiny"), 10**6, "bf16", 1, "x")
+
+
+# --------------------------------------------------------------------------- the recipe (tools/recipes/fp8_vs_bf16.sh)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_compare_runs_names_the_fp8_run_and_its_recipe(recording, tmp_path, capsys):
+    import runpy
+
+    train(TrainConfig(**FAST, dtype="bf16", graph=False, steps=4, out=str(tmp_path / "bf16")))
+    train(TrainConfig(**FAST, dtype="fp8", fp8_recipe="delayed", graph=False, steps=4, out=str(tmp_path / "fp8")))
+    tool = runpy.run_path(str(REPO / "tools" / "recipes" / "compare_runs.py"), run_name="tool")
+    js = tmp_path / "c.json"
+    capsys.readouterr()
+    assert tool["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--window", "2", "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    a, b = data[str(tmp_path / "bf16")], data[str(tmp_path / "fp8")]
+    assert (a["dtype"], b["dtype"], b["fp8_recipe"]) == ("bf16", "fp8", "delayed") and "fp8_recipe" not in a
+    assert a["train_time_s"] > 0 and b["train_time_s"] > 0 and b["max_gap_to_first"] >= 0
+    assert f"{tmp_path / 'fp8'}: fp8 delayed, 4 steps" in capsys.readouterr().out
+
+
+def test_the_recipe_trains_both_precisions_alike_and_compares_them(tmp_path):
+    """The script's commands, recorded by a stand-in python3: per preset a bf16 and an fp8 run that differ in the dtype
+    (and the fp8 recipe) alone, then compare_runs into benchmarks/results/ch5b/."""
+    import os
+    import subprocess
+
+    log, fake = tmp_path / "calls.txt", tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$CALLS"\ncase "$*" in *sysconfig*) echo /no/stdlib;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "CALLS": str(log), "FP8_RECIPE": "delayed"}
+    res = subprocess.run(["bash", str(REPO / "tools" / "recipes" / "fp8_vs_bf16.sh"), str(tmp_path / "w"), "7",
+                          "gpt2,d24"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = [c for c in log.read_text().splitlines() if "sysconfig" not in c]
+    assert calls[0].startswith("-m llmgpu prepare /no/stdlib/*.py") and "--tokenizer gpt2" in calls[0]
+    runs = [c.split() for c in calls if c.startswith("-m llmgpu train")]
+    assert len(runs) == 4
+    flags = [dict(zip(r[3::2], r[4::2])) for r in [[x for x in c if x != "--fast" and not x.startswith("--no-")]
+                                                   for c in runs]]
+    assert [(f["--preset"], f["--dtype"]) for f in flags] == [("gpt2", "bf16"), ("gpt2", "fp8"), ("d24", "bf16"),
+                                                             ("d24", "fp8")]
+    assert all("--fast" in r for r in runs)
+    assert [f.get("--fp8-recipe") for f in flags] == [None, "delayed", None, "delayed"]
+    same = [{k: v for k, v in f.items() if k not in ("--dtype", "--fp8-recipe", "--out")} for f in flags]
+    assert same[0] == same[1] and same[2] == same[3]  # the same data, seed, batch and steps
+    assert (same[0]["--steps"], same[0]["--batch"], same[0]["--seq"], same[0]["--seed"]) == ("7", "16", "1024", "1337")
+    compares = [c for c in calls if "compare_runs.py" in c]
+    assert len(compares) == 2 and "benchmarks/results/ch5b/ch5b_fp8_vs_bf16_gpt2.json" in compares[0]
+    assert f"{tmp_path / 'w'}/d24-bf16 {tmp_path / 'w'}/d24-fp8" in compares[1] and "ch5b_fp8_vs_bf16_d24.png" in \
+        compares[1]
+    assert "in all (presets gpt2,d24, 7 steps, B=16, T=1024)" in res.stdout
