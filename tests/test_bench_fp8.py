@@ -276,3 +276,12 @@ def test_gpu_torch_compile_fp8_trains():
     r = torch_reference.run_torch(cfg, 4, 64, steps=3, mode="compile", warmup=2, dtype="bf16", device="cuda", fp8=True)
     assert r["fp8_recipe"] == "torchao tensorwise" and r["fp8_layers"] == 3 * cfg.n_layer
     assert math.isfinite(r["final_loss"]) and abs(r["final_loss"] - math.log(512)) < 1.0 and r["tokens_per_s"] > 0
+
+
+def test_the_scale_table_refuses_fp8_modes_rather_than_measure_bf16():
+    from llmgpu import bench_scale
+
+    with pytest.raises(ValueError, match="llmgpu-fp8-graph: the scale table measures the bf16 steps; FP8 runs one "
+                                         "preset per command"):
+        bench_scale.scale_main(_args(device="cpu", preset="tiny,d6", modes="llmgpu-fp8-graph"), np)
+    assert bench_scale._sides(_args(modes="llmgpu-fast-graph,torch-compile")) == ("llmgpu", "torch")
