@@ -20,7 +20,7 @@ from ..amp import Policy
 from ..checks import check_field_types
 from ..gemm import cublaslt
 from ..model.family import ALL_PRESETS, ARCHS, arch_of_preset, presets
-from ..model.options import FLASH_KERNELS, FP8_ARCHS, FP8_ONLY_GPT2, FastOptions, fp8_hardware_reason
+from ..model.options import FLASH_KERNELS, FastOptions, fp8_hardware_reason, fp8_setting_reason
 from ..ops import cudnn_attention, flash_attention
 from ..ops.fp8 import RECIPES as FP8_RECIPES
 
@@ -362,7 +362,8 @@ def validate(cfg: TrainConfig):
         Policy(compute_dtype(cfg.dtype))
     except ValueError:
         raise ConfigError(f"--dtype must be bf16, fp16, fp32 or fp8, got {cfg.dtype!r}") from None
-    need(cfg.dtype != FP8 or cfg.arch in FP8_ARCHS, f"--dtype fp8: {FP8_ONLY_GPT2}, not --arch {cfg.arch}'s")
+    if cfg.dtype == FP8 and (why := fp8_setting_reason(cfg.arch, FP8_STORAGE)):  # the GPT-2 family's fast step
+        raise ConfigError(f"--dtype fp8: {why}")
     need(cfg.fp8_recipe is None or cfg.fp8_recipe in FP8_RECIPES,
          f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.fp8_recipe!r}")
     need(cfg.fp8_recipe is None or cfg.dtype == FP8, f"--fp8-recipe {cfg.fp8_recipe} sets the scaling of --dtype "
