@@ -36,6 +36,7 @@ Llama family, with the same modes: llmgpu's book step (``llmgpu.model.Llama``) a
 10) against ``torch_reference.build_torch_llama``, eager and compiled, on the same padded vocabulary; MFU from
 ``LlamaConfig.flops_per_token``.
 
+FP8 (chapter 5b): ``--modes llmgpu-fp8-graph,torch-compile-fp8``, llmgpu's against torchao's (``llmgpu.bench_fp8``).
 Use: ``llmgpu bench`` (the CLI calls ``bench_main``), or ``run_llmgpu`` / ``run_torch`` directly.
 """
 
@@ -52,16 +53,18 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
+from .bench_fp8 import FP8_BENCH_MODES, fp8_ratios, fp8_skip_reason
 from .model import FastOptions
 from .model.family import ARCHS, FAMILIES, arch_of_preset, fast_model_class, model_class
 from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
-from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
+from .train.config import CPU_DEFAULTS, FP8_RECIPES, GPU_DEFAULTS, TrainConfig
 from .train.step import EAGER_WARMUP, TrainStep
 
-MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile", "torch-compile-unpadded")
+MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile", "torch-compile-unpadded",
+         *FP8_BENCH_MODES)
 DEFAULT_MODES = ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile")  # on the CPU: llmgpu-fast
 # the benchmark's own sizes (a throughput measurement, not a training run's defaults)
 BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 20, "warmup": 5, "dtype": "bf16"},
@@ -177,7 +180,8 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
     peak = None
     if gpu:
         peak = int(pool.total_bytes()) + (int(captured.pool.total_bytes()) if captured and captured.pool else 0)
-    mode = "llmgpu" + ("-fast" if fast else "") + ("-graph" if graph else "")
+    fp8 = model.options.fp8 if fast else "off"  # FastOptions(fp8=...): the FP8 step (bench_fp8)
+    mode = "llmgpu" + ("-fp8" if fp8 != "off" else "-fast" if fast else "") + ("-graph" if graph else "")
     res = {"framework": "llmgpu", "arch": config.arch, "mode": mode, "batch": batch, "seq": seq,
            "dtype": backend.dtype_name(dtype), "steps": steps, "warmup": warmup, "warmup_s": warmup_s,
            "ms_per_step": ms, "ms_min": min(times), "tokens_per_s": batch * seq / (ms * 1e-3),
@@ -192,6 +196,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         res["attention_kernel"] = model.options.attention_kernel
         res["deterministic_attention"] = model.options.deterministic_attention
         res["attention_kernels"] = model.kernel_choices.as_dict()
+        res.update({"fp8_recipe": fp8} if fp8 != "off" else {})
     if captured is not None and captured.pool is not None:
         # the graph's private pool keeps its freed blocks cached for as long as anything allocated from it lives;
         # drop the step, then hand those blocks back so that the next mode (PyTorch) gets the memory
@@ -206,13 +211,14 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
 
 
 def format_results(rows, *, ceiling_tflops=None) -> str:
-    """The benchmark table: mode, batch × seq, dtype, ms/step, tokens/s, MFU, peak memory, ratio to
-    torch.compile (the first torch-compile row), or the reason a mode did not run. The mode column is as wide
-    as the longest mode (``torch-compile-unpadded``), and the notes below the table wrap at its width."""
+    """The benchmark table: mode, batch × seq, dtype, ms/step, tokens/s, MFU, peak memory, ratio to torch.compile (the
+    first torch-compile row; an FP8 row's to torch-compile-fp8 too: "vs fp8"), or the reason a mode did not run. The
+    mode column is as wide as the longest mode (``torch-compile-unpadded``); the notes below wrap at its width."""
     ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
+    ref8 = next((r for r in rows if r.get("mode") == "torch-compile-fp8" and r.get("tokens_per_s")), None)
     w = max(len("mode"), *(len(r["mode"]) for r in rows)) + 2
     head = (f"{'mode':<{w}}{'B x T':>11}{'dtype':>6}{'ms/step':>9}{'tokens/s':>10}{'MFU':>7}{'peak GiB':>10}"
-            f"{'vs compile':>12}{'SM MHz':>8}")
+            f"{'vs compile':>12}" + (f"{'vs fp8':>8}" if ref8 else "") + f"{'SM MHz':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("error") or r.get("skipped"):
@@ -222,12 +228,14 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
         mem = r.get("peak_memory_bytes")
         m = r.get("mfu")
         ratio = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+        ratio8 = r["tokens_per_s"] / ref8["tokens_per_s"] if ref8 and r.get("fp8_recipe") else None  # FP8 rows only
         clk = (r.get("gpu_clocks") or {}).get("sm_mhz")
         lines.append(f"{r['mode']:<{w}}{str(r['batch']) + ' x ' + str(r['seq']):>11}{r['dtype']:>6}"
                      f"{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10,.0f}"
                      f"{'-' if m is None or m != m else f'{100 * m:.1f}%':>7}"
                      f"{'-' if mem is None else f'{mem / 2**30:.2f}':>10}"
                      f"{'-' if ratio is None else f'{ratio:.2f}x':>12}"
+                     + (f"{'-' if ratio8 is None else f'{ratio8:.2f}x':>8}" if ref8 else "") +
                      f"{'-' if clk is None else f'{clk:.0f}':>8}")
     lines.append("-" * len(head))
     notes = ["SM MHz: the median SM clock over the timed steps (nvidia-smi; the power limit lowers it)"
@@ -273,6 +281,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="let llmgpu's attention backward run cuDNN's default algorithm (atomics: faster, gradients "
                         "not bitwise repeatable; what PyTorch's SDPA runs); default: deterministic")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=FP8_RECIPES[0],
+                   help="scaling of llmgpu-fp8-graph's GEMMs: current (each tensor's amax this step, as torchao's "
+                        "tensorwise) or delayed (an amax history); default current")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
                         "llmgpu-fast instead of llmgpu-fast-graph on the CPU; scale table: llmgpu* and/or torch* pick "
@@ -371,6 +382,7 @@ def bench_main(args) -> int:
     cfg = FAMILIES[arch][0].preset(o["preset"], **overrides)
     cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
     ckpt, compile_mode, seed, note = run_options(args, xp)
+    recipe = getattr(args, "fp8_recipe", None) or FP8_RECIPES[0]
     kv = f", {cfg.n_kv_head} K/V heads, ffn {cfg.ffn_dim}" if arch == "llama" else ""
     print(f"model: {o['preset']} ({arch}: L={cfg.n_layer}, H={cfg.n_head}{kv}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "
@@ -398,11 +410,17 @@ def bench_main(args) -> int:
     for mode in modes:
         print(f"running {mode} ...", flush=True)
         try:
+            fp8 = recipe if mode in FP8_BENCH_MODES else "off"  # llmgpu-fp8-graph, torch-compile-fp8
+            why = (torch_reason or ("--compile-mode none" if "-compile" in mode and compile_mode == "none" else None)
+                   if mode.startswith("torch") else None) or fp8_skip_reason(mode, arch, o["dtype"], xp, torch)
+            if why:
+                rows.append({"mode": mode, "skipped": why})
+                continue
             if mode.startswith("llmgpu"):
-                fast = "-fast" in mode
+                fast = "-fast" in mode or fp8 != "off"
                 opts = FastOptions(attention_kernel=getattr(args, "attention_kernel", None) or "auto",
-                                   deterministic_attention=not getattr(args, "nondeterministic_attention", False)
-                                   ) if fast else None
+                                   deterministic_attention=not getattr(args, "nondeterministic_attention", False),
+                                   fp8=fp8) if fast else None
                 r = run_llmgpu(cfg, o["batch"], o["seq"], o["steps"], warmup=o["warmup"], dtype=o["dtype"], xp=xp,
                                checkpoint_every=ckpt, seed=seed, graph=mode.endswith("-graph"), fast=fast, options=opts)
                 if r.get("attention_kernels"):  # what "auto" resolved to, per (direction, shape)
@@ -410,15 +428,11 @@ def bench_main(args) -> int:
                         f"{key.split(' ')[0]} {choice}" for key, choice in r["attention_kernels"].items()))
             else:
                 tm = mode.split("-")[1]
-                why = torch_reason or ("--compile-mode none" if tm == "compile" and compile_mode == "none" else None)
-                if why:
-                    rows.append({"mode": mode, "skipped": why})
-                    continue
                 tcfg = replace(cfg, pad_vocab_to=0) if mode.endswith("-unpadded") else cfg
                 r = run_torch(tcfg, o["batch"], o["seq"], o["steps"], tm, dtype=o["dtype"],
                               settings=optimizer_settings(xp), warmup=o["warmup"] + (5 if tm == "compile" else 0),
                               device="cuda" if gpu else "cpu", seed=seed, compile_mode=compile_mode,
-                              sdpa=sdpa, checkpoint_every=ckpt)
+                              sdpa=sdpa, checkpoint_every=ckpt, fp8=fp8 != "off")
                 r["mode"] = mode
         except Exception as e:  # one failing mode (OOM, capture refused, ...) must not hide the others
             release_memory()
@@ -444,8 +458,8 @@ def bench_main(args) -> int:
     print()
     print(format_results(rows, ceiling_tflops=ceiling))
     ref = next((r for r in rows if r.get("mode") == "torch-compile" and r.get("tokens_per_s")), None)
-    ours = max((r for r in rows if r.get("framework") == "llmgpu" and r.get("tokens_per_s")),
-               key=lambda r: r["tokens_per_s"], default=None)  # our best mode
+    ours = max((r for r in rows if r.get("framework") == "llmgpu" and r.get("tokens_per_s") and "fp8_recipe" not in r),
+               key=lambda r: r["tokens_per_s"], default=None)  # our best bf16/fp32 mode (FP8: fp8_ratios)
     ratio = ours["tokens_per_s"] / ref["tokens_per_s"] if ours and ref else None
     ratios = {}
     for r in rows:  # our best mode against each torch.compile row, saying which vocabulary each trained
@@ -454,6 +468,7 @@ def bench_main(args) -> int:
             print(f"llmgpu ({ours['mode']}, vocab {ours.get('vocab')}) / {r['mode']} (vocab {r.get('vocab')}"
                   f"{', ' + r['compile_mode'] if r.get('compile_mode') else ''}) tokens/s: {x:.3f}"
                   + ("  <- the fair comparison (same vocabulary)" if r.get("vocab") == ours.get("vocab") else ""))
+    ratios8 = fp8_ratios(rows)
     out = getattr(args, "json", None) or ("bench.json" if gpu else None)
     if out:
         payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note, "arch": arch,
@@ -465,8 +480,8 @@ def bench_main(args) -> int:
                    "cupy": getattr(backend.cupy_module(), "__version__", None) if gpu else None,
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,
                    "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa,
-                   "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt,
-                   "results": rows}
+                   "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt, "fp8_recipe": recipe,
+                   "llmgpu_fp8_over": ratios8, "results": rows}
         if monitor is not None:  # every reading of the run, t in seconds from the first (timed_window: epoch s)
             payload["clocks"] = {"reason": monitor.reason, "interval_ms": monitor.interval_ms,
                                  "origin": monitor.samples[0].t if monitor.samples else None,

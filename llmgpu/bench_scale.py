@@ -42,6 +42,7 @@ import numpy as np
 
 from . import backend
 from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
+from .bench_fp8 import FP8_BENCH_MODES
 from .model import FastOptions, GPTConfig
 from .model.config import activation_bytes, state_bytes_per_parameter
 from .perf import timing
@@ -171,6 +172,9 @@ def _sides(args) -> tuple[str, ...]:
     modes = [m.strip() for m in str(getattr(args, "modes", None) or "").split(",") if m.strip()]
     if not modes:
         return ("llmgpu", "torch")
+    if fp8 := [m for m in modes if m in FP8_BENCH_MODES]:  # its llmgpu side is the bf16 graph: never FP8 unnoticed
+        raise ValueError(f"--modes {','.join(fp8)}: the scale table measures the bf16 steps; FP8 runs one preset per "
+                         f"command (llmgpu bench --preset d36 --modes {','.join(FP8_BENCH_MODES)})")
     sides = tuple(s for s in ("llmgpu", "torch") if any(m.startswith(s) for m in modes))
     if not sides:
         raise ValueError(f"--modes {','.join(modes)}: the scale table measures llmgpu* and/or torch* modes")

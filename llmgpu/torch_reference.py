@@ -15,6 +15,11 @@ checkpointing, the loss), the state-dict loading and the initialisation rule (``
 attention shape (``pick_sdpa_backend``: flash and cuDNN timed once, forward + backward), any
 ``torch.compile`` mode (``COMPILE_MODES``), and per-span activation checkpointing
 (``torch.utils.checkpoint``) when a large model needs it, as llmgpu's ``checkpoint_every``.
+
+PyTorch's FP8 training (``run_torch(..., fp8=True)``, chapter 5b) is torchao's float8 training, its "tensorwise"
+recipe (dynamic per-tensor scaling: the current scaling of ``FastOptions(fp8="current")``), on the linear layers
+llmgpu runs in FP8 (``model.options.FP8_LINEARS``: QKV, MLP in, MLP out; not the attention out-projection, not the
+LM head), under the same bf16 autocast; ``float8_unavailable_reason`` says why it cannot run (one line).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from . import backend
 from .model.base import PAD_LOGIT
 from .model.family import model_class
 from .model.llama_config import EMBED, LM_HEAD
+from .model.options import FP8_LINEARS, fp8_hardware_reason, fp8_setting_reason
 from .perf.timing import time_torch
 from .torch_llama import sdpa_takes_gqa, torch_llama_class
 from .train.config import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
@@ -316,10 +322,51 @@ def pick_sdpa_backend(config, batch: int, seq: int, *, dtype: str = "bf16", devi
     return res
 
 
+TORCHAO_RECIPE = "tensorwise"  # torchao's Float8LinearRecipeName: per-tensor dynamic scaling, its fastest recipe
+
+
+def float8_unavailable_reason(torch, device=None, *, dtype: str = "bf16", arch: str = "gpt2") -> str | None:
+    """Why torchao's float8 training cannot run here (one line), or None: the GPT-2 family (the layers llmgpu runs in
+    FP8), bf16 autocast around it, a CUDA GPU with FP8 tensor cores, torchao importable."""
+    if why := fp8_setting_reason(arch, backend.dtype_name(dtype)):
+        return why
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    cap = "{}.{}".format(*torch.cuda.get_device_capability(device)) if cuda else None
+    if why := fp8_hardware_reason(cap, torch.cuda.get_device_name(device) if cuda else "this GPU"):
+        return why
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:  # not installed, or built for another PyTorch
+        line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        return f"torchao's float8 training is not importable ({type(e).__name__}: {line}); pip install torchao"
+    return None
+
+
+def is_fp8_linear(fqn: str) -> bool:
+    """Whether the reference's linear layer ``fqn`` (``transformer.h.0.mlp.c_fc``) is one llmgpu runs in FP8."""
+    return fqn.startswith("transformer.h.") and fqn.endswith(tuple("." + n for n in FP8_LINEARS))
+
+
+def convert_to_float8(torch, model) -> int:
+    """Swap ``model``'s FP8 linear layers (``is_fp8_linear``) for torchao's ``Float8Linear`` with the tensorwise recipe,
+    in place; returns how many were swapped (3 per block, checked: a renamed layer must not go unnoticed)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_fp8_linear(n)]
+    want = len(FP8_LINEARS) * len(model.blocks)
+    if len(chosen) != want:
+        raise RuntimeError(f"the FP8 layer filter chose {len(chosen)} linear layers of the reference, not {want}: "
+                           f"{chosen[:6]}")
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(TORCHAO_RECIPE),
+                               module_filter_fn=lambda m, fqn: is_fp8_linear(fqn))
+    return len(chosen)
+
+
 def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager", *, warmup: int | None = None,
               dtype: str = "bf16", device=None, state_dict=None, seed: int = 0, mask_padded: bool = False,
               settings: TrainConfig | None = None, compile_mode: str = "default", sdpa: str | None = None,
-              checkpoint_every: int = 0) -> dict:
+              checkpoint_every: int = 0, fp8: bool = False) -> dict:
     """Train the PyTorch reference of ``config``'s family for ``warmup + steps`` steps on synthetic tokens;
     returns the metrics.
 
@@ -329,7 +376,9 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
     (``fused=True`` on CUDA), ``zero_grad(set_to_none=True)``. Times: CUDA events per step, median.
     ``compile_mode``: ``torch.compile``'s ``mode`` with ``mode="compile"`` (one of ``COMPILE_MODES`` but
     "none"; "default" is ``mode=None``). ``sdpa``: restrict attention to that SDPA backend (``SDPA_BACKENDS``;
-    None: PyTorch's choice). ``checkpoint_every``: recompute spans of k blocks in backward (0 = off).
+    None: PyTorch's choice). ``checkpoint_every``: recompute spans of k blocks in backward (0 = off). ``fp8``:
+    torchao's float8 training on llmgpu's FP8 layers (``convert_to_float8``) before ``torch.compile``; where it cannot
+    run (``float8_unavailable_reason``), a ValueError saying why.
     """
     torch = import_torch()
     if mode not in ("eager", "compile"):
@@ -341,9 +390,12 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
         raise ValueError(f"dtype must be bf16 or fp32 for the benchmark, got {dtype!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    if fp8 and (why := float8_unavailable_reason(torch, device, dtype=dtype, arch=config.arch)):
+        raise ValueError(why)
     if warmup is None:
         warmup = 5 if mode == "compile" else 3
     model = build_torch_model(config, state_dict=state_dict, device=device, seed=seed, mask_padded=mask_padded)
+    fp8_layers = convert_to_float8(torch, model) if fp8 else 0
     model.train()
     model.checkpoint_every = int(checkpoint_every)
     settings = settings or TrainConfig(lr=GPU_DEFAULTS["lr"] if cuda else CPU_DEFAULTS["lr"])
@@ -399,8 +451,11 @@ def run_torch(config, batch: int, seq: int, steps: int = 20, mode: str = "eager"
            "timed_window": [t_begin, t_end]}
     if mode == "compile":
         res["compile_mode"] = compile_mode
+    if fp8:
+        res.update(fp8_recipe=f"torchao {TORCHAO_RECIPE}", fp8_layers=fp8_layers)
     return res
 
 
-__all__ = ["COMPILE_MODES", "SDPA_BACKENDS", "build_torch_gpt", "build_torch_llama", "build_torch_model",
-           "pick_sdpa_backend", "run_torch", "sdpa_context", "sdpa_takes_gqa", "torch_train_step"]
+__all__ = ["COMPILE_MODES", "SDPA_BACKENDS", "TORCHAO_RECIPE", "build_torch_gpt", "build_torch_llama",
+           "build_torch_model", "convert_to_float8", "float8_unavailable_reason", "is_fp8_linear", "pick_sdpa_backend",
+           "run_torch", "sdpa_context", "sdpa_takes_gqa", "torch_train_step"]

@@ -24,7 +24,7 @@ FLOORS = [
     ("dist", ("dist",)),
     ("interop", ("interop",)),  # Hugging Face directories, safetensors: above the model, below the trainer
     ("train", ("train",)),
-    ("applications", ("torch_llama", "torch_reference", "bench", "bench_scale", "cli", "__main__")),
+    ("applications", ("torch_llama", "torch_reference", "bench", "bench_fp8", "bench_scale", "cli", "__main__")),
 ]
 FLOOR_OF = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 # Files of a readable size: (globs under the repository root, most lines). A longer file says why at its top (its

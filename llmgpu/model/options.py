@@ -20,6 +20,29 @@ from ..ops.fp8 import RECIPES as FP8_RECIPES
 FLASH_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # flash attention, both directions: a run's choices (TrainConfig, bench)
 ATTENTION_KERNELS = (*FLASH_KERNELS, "math")  # FastOptions.attention_kernel: also chapter 2's kernels
 FP8_MODES = ("off", *FP8_RECIPES)  # FastOptions.fp8: bf16 GEMMs, or FP8 ones with this scaling recipe
+# where FastOptions.fp8 applies (dev/cuda/fp8_plan.md): the linear layers whose GEMMs run in FP8, by nanoGPT's module
+# names (QKV, MLP in, MLP out; the attention out-projection attn.c_proj and the LM head stay in the model's dtype),
+# the families whose fast step has them, and the GPUs with FP8 tensor cores (Ada sm_89, Hopper sm_90 and later)
+FP8_LINEARS = ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")
+FP8_ARCHS = ("gpt2",)
+FP8_ONLY_GPT2 = "FP8 is implemented for the GPT-2 family's fast step only"
+FP8_MIN_SM = (8, 9)
+
+
+def fp8_setting_reason(arch: str, dtype: str) -> str | None:
+    """Why a run of family ``arch`` computing in ``dtype`` ('bf16') has no FP8 GEMMs (one line), or None."""
+    if arch not in FP8_ARCHS:
+        return f"{FP8_ONLY_GPT2}, not --arch {arch}'s"
+    return None if dtype == "bf16" else f"FP8 GEMMs run inside bf16 training (--dtype bf16), not {dtype}"
+
+
+def fp8_hardware_reason(capability: str | None, gpu: str = "this GPU") -> str | None:
+    """Why FP8 GEMMs cannot run on a GPU of compute ``capability`` ('9.0'; None: no GPU), one line; None if they can."""
+    need = f"FP8 GEMMs need a GPU with FP8 tensor cores (sm_{FP8_MIN_SM[0]}{FP8_MIN_SM[1]}+: Ada, Hopper and later)"
+    if capability is None:
+        return f"{need}; none is in use"
+    major, minor = (int(v) for v in str(capability).split("."))
+    return f"{need}; {gpu} is sm_{major}{minor}" if (major, minor) < FP8_MIN_SM else None
 
 
 @dataclass(frozen=True)
@@ -68,4 +91,5 @@ class FastOptions:
                              f"embedding backward; got embedding_backward_method={self.embedding_backward_method!r}")
 
 
-__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FP8_MODES", "FastOptions"]
+__all__ = ["ATTENTION_KERNELS", "FLASH_KERNELS", "FP8_ARCHS", "FP8_LINEARS", "FP8_MIN_SM", "FP8_MODES", "FP8_ONLY_GPT2",
+           "FastOptions", "fp8_hardware_reason", "fp8_setting_reason"]

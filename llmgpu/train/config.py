@@ -20,8 +20,12 @@ from ..amp import Policy
 from ..checks import check_field_types
 from ..gemm import cublaslt
 from ..model.family import ALL_PRESETS, ARCHS, arch_of_preset, presets
-from ..model.options import FLASH_KERNELS
+from ..model.options import FLASH_KERNELS, FastOptions, fp8_hardware_reason, fp8_setting_reason
 from ..ops import cudnn_attention, flash_attention
+from ..ops.fp8 import RECIPES as FP8_RECIPES
+
+FP8 = "fp8"  # --dtype fp8: bf16 storage and compute, FP8 GEMMs where FastOptions.fp8 puts them (FP8_STORAGE)
+FP8_STORAGE = "bf16"
 
 
 class ConfigError(ValueError):
@@ -49,7 +53,11 @@ class TrainConfig:
     preset: str | None = _opt(None, "model size of the --arch family (default: tiny on CPU, gpt2 on GPU; with --arch "
                               "llama: llama-tiny on CPU, smollm-135m on GPU)", "model", choices=list(ALL_PRESETS))
     dtype: str | None = _opt(None, "compute precision (default: bf16 on GPU, fp32 on CPU); master weights are "
-                             "always fp32", "model", choices=["bf16", "fp16", "fp32"])
+                             "always fp32; fp8: bf16 with the QKV and MLP GEMMs in FP8 (GPT-2's fast step on a GPU "
+                             "with FP8 tensor cores)", "model", choices=["bf16", "fp16", "fp32", FP8])
+    fp8_recipe: str | None = _opt(None, "scaling of --dtype fp8's GEMMs: current (each tensor's own amax, this "
+                                  "step) or delayed (the amax history of the last steps) (default current)", "model",
+                                  choices=list(FP8_RECIPES))
     checkpoint_every: int = _opt(0, "activation checkpointing: keep every K-th block input, recompute the rest "
                                  "(0 = off)", "model", metavar="K")
     vocab_size: int | None = _opt(None, "model vocabulary (default: the data's: 256 for bytes, 50257 for GPT-2 "
@@ -186,6 +194,22 @@ GPU_DEFAULTS = dict(preset="gpt2", batch=16, seq=1024, dtype="bf16", lr=6e-4, wa
 ARCH_DEFAULT_PRESETS = {"llama": ("llama-tiny", "smollm-135m")}
 
 
+def compute_dtype(dtype: str) -> str:
+    """The dtype the model is built in for ``--dtype``: bf16 for fp8 (its FP8 GEMMs are FastOptions'), else itself."""
+    return FP8_STORAGE if dtype == FP8 else dtype
+
+
+def fast_options(cfg: TrainConfig) -> FastOptions:
+    """The fast step's options of a resolved run: its attention kernel, and ``--dtype fp8``'s recipe."""
+    return FastOptions(cfg.attention_kernel, fp8=cfg.fp8_recipe if cfg.dtype == FP8 else "off")
+
+
+def fp8_unavailable_reason(xp) -> str | None:
+    """Why this device has no FP8 GEMMs (one line), or None: a GPU with FP8 tensor cores."""
+    info = None if xp is np else backend.device_info(xp)
+    return fp8_hardware_reason(info and info.compute_capability, info.name if info else "this GPU")
+
+
 def select_xp(device: str = "auto"):
     """NumPy or CuPy for ``--device`` (``backend.select_xp``), a bad choice as a ``ConfigError``."""
     try:
@@ -214,9 +238,13 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
             if k == "seq" and (preset in presets_of(cfg.arch) or cfg.block_size):  # a default never outgrows the model
                 v = min(v, model_block_size(replace(cfg, preset=preset)))
             upd[k] = v
+    if cfg.dtype == FP8 and cfg.fp8_recipe is None:
+        upd["fp8_recipe"] = FP8_RECIPES[0]
     cfg = replace(cfg, **upd)
     validate(cfg)
-    fast, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every)
+    fast, why = fast_path_available(xp, compute_dtype(cfg.dtype), cfg.checkpoint_every)
+    if cfg.dtype == FP8:
+        check_fp8(cfg, xp, fast, why)
     if cfg.fast and not fast:
         raise ConfigError(f"--fast: {why}")
     if cfg.fast is None:
@@ -229,6 +257,16 @@ def resolve(cfg: TrainConfig, xp) -> TrainConfig:
     if cfg.fast and cfg.attention_kernel == "cudnn" and (why := cudnn_attention.unavailable_reason()):
         raise ConfigError(f"--attention-kernel cudnn: {why}")
     return cfg
+
+
+def check_fp8(cfg: TrainConfig, xp, fast: bool, why: str):
+    """``--dtype fp8`` runs in the fast step on a GPU with FP8 tensor cores, or is refused: never bf16 instead."""
+    if cfg.fast is False:
+        raise ConfigError("--dtype fp8 runs in the fast step only: drop --no-fast")
+    if not fast:
+        raise ConfigError(f"--dtype fp8 runs in the fast step only, unavailable here: {why}")
+    if reason := fp8_unavailable_reason(xp):
+        raise ConfigError(f"--dtype fp8: {reason}")
 
 
 def model_block_size(cfg: TrainConfig) -> int:
@@ -321,11 +359,18 @@ def validate(cfg: TrainConfig):
     need(cfg.schedule in ("cosine", "linear", "constant"),
          f"--schedule must be cosine, linear or constant, got {cfg.schedule!r}")
     try:
-        Policy(cfg.dtype)
+        Policy(compute_dtype(cfg.dtype))
     except ValueError:
-        raise ConfigError(f"--dtype must be bf16, fp16 or fp32, got {cfg.dtype!r}") from None
+        raise ConfigError(f"--dtype must be bf16, fp16, fp32 or fp8, got {cfg.dtype!r}") from None
+    if cfg.dtype == FP8 and (why := fp8_setting_reason(cfg.arch, FP8_STORAGE)):  # the GPT-2 family's fast step
+        raise ConfigError(f"--dtype fp8: {why}")
+    need(cfg.fp8_recipe is None or cfg.fp8_recipe in FP8_RECIPES,
+         f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.fp8_recipe!r}")
+    need(cfg.fp8_recipe is None or cfg.dtype == FP8, f"--fp8-recipe {cfg.fp8_recipe} sets the scaling of --dtype "
+         f"fp8's GEMMs; this run's --dtype is {cfg.dtype}")
 
 
-__all__ = ["ARCH_DEFAULT_PRESETS", "CPU_DEFAULTS", "GPU_DEFAULTS", "RESUME_OVERRIDES", "ConfigError", "TrainConfig",
-           "explicit_fields", "fast_path_available", "flag_of", "model_block_size", "presets_of", "resolve",
-           "resume_config", "select_xp", "validate", "FINETUNE_DEFAULTS"]
+__all__ = ["ARCH_DEFAULT_PRESETS", "CPU_DEFAULTS", "FP8", "FP8_RECIPES", "FP8_STORAGE", "GPU_DEFAULTS",
+           "RESUME_OVERRIDES", "ConfigError", "TrainConfig", "check_fp8", "compute_dtype", "explicit_fields",
+           "fast_options", "fast_path_available", "flag_of", "fp8_unavailable_reason", "model_block_size",
+           "presets_of", "resolve", "resume_config", "select_xp", "validate", "FINETUNE_DEFAULTS"]

@@ -23,7 +23,16 @@ from pathlib import Path
 from ..model import GPTConfig, LlamaConfig
 from ..model.family import config_from_dict, presets
 from .checkpoint import META_FILE, CheckpointError
-from .config import ConfigError, TrainConfig, fast_path_available, model_block_size, resolve, resume_config
+from .config import (
+    FP8,
+    ConfigError,
+    TrainConfig,
+    compute_dtype,
+    fast_path_available,
+    model_block_size,
+    resolve,
+    resume_config,
+)
 from .rundir import default_out_dir, resume_target
 
 ModelConfig = GPTConfig | LlamaConfig  # a model of any family (model/family.py)
@@ -87,7 +96,11 @@ def plan_config(cfg: TrainConfig, xp, *, explicit=None, saved: SavedRun | None =
     if saved is not None:
         out, forked, fork_from = resume_target(cfg.resume, cfg.out)
         cfg = replace(resume_config(saved.train_config, cfg, explicit), out=str(out))
-        fast_ok, why = fast_path_available(xp, cfg.dtype, cfg.checkpoint_every) if cfg.fast else (True, "")
+        fast_ok, why = fast_path_available(xp, compute_dtype(cfg.dtype), cfg.checkpoint_every) if cfg.fast else \
+            (True, "")
+        if not fast_ok and cfg.dtype == FP8:  # FP8 GEMMs live in the fast step alone: never bf16 in their place
+            raise ConfigError(f"the checkpointed run trains with --dtype fp8, which runs in the fast step only, "
+                              f"unavailable here: {why}")
         if not fast_ok:
             # the run used the fast step, which this machine cannot run: continue on the book step (same model and
             # state; the losses will differ from an uninterrupted run in the last bits)

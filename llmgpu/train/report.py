@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .config import FP8
+
 # "[#####...............] 75/1378, loss 2.4970, val 2.6003, lr 6.00e-04, 277.4K tok/s, MFU 21.8%, 0:04<1:22"
 # tqdm draws the bar and the counts; the run's own numbers (elapsed<eta from the trainer's schedule fit,
 # which knows about evaluations and the time budget) are the postfix.
@@ -175,6 +177,8 @@ def read_log(path) -> list[dict]:
 def run_banner(cfg, mc, n_params: int, dtype: str, world: int, device: str) -> str:
     """The run's first line: the model, the batch (per rank), the step's options and the device."""
     family = "" if mc.arch == "gpt2" else f"{mc.arch.capitalize()}, "  # GPT-2's banner as it always was
+    if cfg.dtype == FP8:  # the model's dtype, with the GEMMs that run in FP8
+        dtype = f"{dtype} with FP8 QKV/MLP GEMMs ({cfg.fp8_recipe} scaling)"
     return (f"llmgpu train: {family}{mc.n_layer} layers, C={mc.n_embd}, {n_params / 1e6:.2f}M parameters, vocab "
             f"{mc.vocab_size}, {dtype}, batch {cfg.batch}x{cfg.seq}x{cfg.grad_accum}"
             + (f" on each of {world} ranks" if world > 1 else "")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..model import FastOptions, fast_model_class, model_class
+from ..model import fast_model_class, model_class
 from ..optim import lr_at
 from ..optim.params import ALIGN
 from ..perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
@@ -33,7 +33,7 @@ from ..version import __version__
 from . import checkpoint as ckpt_files
 from . import rundir
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, non_finite, save_checkpoint
-from .config import TrainConfig, select_xp
+from .config import TrainConfig, compute_dtype, fast_options, select_xp
 from .data import BatchLoader, Corpus, ValidationSplit, get_tokenizer, load_corpus, validation_loader
 from .divergence import RunHealth
 from .plan import RunPlan, SavedRun, fitted_total_steps, plan_config, plan_model, warmup_note
@@ -120,9 +120,9 @@ class Trainer:
     def _build_model(self, plan: RunPlan, ckpt):
         """The model with its starting weights, the gradient seam, the step, and a checkpoint's state."""
         cfg, mcfg = plan.cfg, plan.model_config
-        fast = (fast_model_class(mcfg), {"options": FastOptions(cfg.attention_kernel)})  # chapters 8 and 10
+        fast = (fast_model_class(mcfg), {"options": fast_options(cfg)})  # chapters 8 and 10 (and 5b: --dtype fp8)
         model_cls, opts = fast if cfg.fast else (model_class(mcfg), {})
-        self.model = model_cls(mcfg, dtype=cfg.dtype, checkpoint_every=cfg.checkpoint_every, xp=self.xp,
+        self.model = model_cls(mcfg, dtype=compute_dtype(cfg.dtype), checkpoint_every=cfg.checkpoint_every, xp=self.xp,
                                seed=cfg.seed, init=ckpt is None and self.init is None,
                                param_multiple=ALIGN * (self.world if cfg.zero else 1), **opts)
         self.params = self.model.params
@@ -321,8 +321,8 @@ class Trainer:
                     health=RunHealth(skipped=sum(1 for r in kept if r.get("type") == "train" and r.get("skipped"))),
                     refit=c.steps is None and c.max_time is not None and not resumed, kept=kept)
         self._bar = s.bar
-        s.ceiling, ceiling_src = mfu_ceiling(self.xp, c.dtype)  # MFU's denominator, measured now
-        datasheet, gpu_model = datasheet_peak_tflops(self.xp, c.dtype)
+        s.ceiling, ceiling_src = mfu_ceiling(self.xp, compute_dtype(c.dtype))  # MFU's denominator (fp8: bf16's)
+        datasheet, gpu_model = datasheet_peak_tflops(self.xp, compute_dtype(c.dtype))
         s.bar.message(run_banner(c, mc, self.model.num_parameters(), backend.dtype_name(self.model.dtype),
                                  self.world, backend.device_info(self.xp).summary()))
         s.bar.message(f"data: {self.corpus.description}; {self.corpus.n_train:,} training / "

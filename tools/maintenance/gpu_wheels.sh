@@ -4,7 +4,9 @@
 #   bash tools/maintenance/gpu_wheels.sh [MORE_PACKAGES...]
 # It downloads Python 3.12 manylinux x86_64 wheels into ./.whl: what tools/gpu_check.sh needs beyond the
 # machine's own packages (nbval, nbclient, nbformat, ipykernel and their dependencies for the notebooks;
-# nvmath-python and nvidia-cudnn-frontend for the fast path; pytest-xdist and execnet for `pytest -n 8`),
+# nvmath-python and nvidia-cudnn-frontend for the fast path; pytest-xdist and execnet for `pytest -n 8`; torchao
+# 0.18 for `llmgpu bench`'s torch-compile-fp8, PyTorch's FP8 training: the version that mode was written against,
+# one abi3 wheel that declares no dependencies, torch being the machine's),
 # then any MORE_PACKAGES. PACKAGES=... replaces the default list; SKIP=... (names) are not downloaded
 # because the machine has them (default: numpy and the CUDA/CuPy wheels). Copy the repository with .whl/
 # to the GPU machine; tools/gpu_check.sh installs .whl/*.whl first (pip --no-index --no-deps --target
@@ -14,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${WHL_DIR:-.whl}
 PY=${PY_VERSION:-3.12}
-PACKAGES=${PACKAGES:-"nbval nbclient nbformat ipykernel nvmath-python==1.0.* nvidia-cudnn-frontend>=1.32 pytest-xdist execnet"}
+PACKAGES=${PACKAGES:-"nbval nbclient nbformat ipykernel nvmath-python==1.0.* nvidia-cudnn-frontend>=1.32 pytest-xdist execnet
+  torchao==0.18.*"}
 # (cuDNN frontend 1.32 also pulls in the CUTLASS DSL, 2 x 92 MB, which its attention graphs do not load: the GPU runs
 # of 2026-12-03 passed without it; the cuda-* bindings are on the machine's image)
 SKIP=${SKIP:-"numpy cupy-cuda13x cupy-cuda12x nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cudnn-cu12

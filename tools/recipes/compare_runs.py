@@ -1,11 +1,11 @@
-"""Compare the loss curves of training runs (e.g. ``--dtype bf16`` against ``--dtype fp16``).
+"""Compare the loss curves of training runs (e.g. ``--dtype bf16`` against ``--dtype fp16`` or ``--dtype fp8``).
 
     python tools/recipes/compare_runs.py RUN_A RUN_B [...] [--png losses.png] [--json out.json]
 
-For each run directory (``llmgpu train --out DIR``): steps, skipped steps (fp16 overflows the loss scaler
-skipped), the mean loss of the first and the last ``--window`` steps, and the final validation loss; for
-every run after the first, the largest gap between its moving-average loss and the first run's over the
-steps both logged. ``--png`` draws the curves (``llmgpu.plotting.plot_loss_comparison``).
+For each run directory (``llmgpu train --out DIR``): its dtype (and FP8 recipe), steps, skipped steps (fp16 overflows
+the loss scaler skipped), the mean loss of the first and the last ``--window`` steps, the final validation loss and
+the training time; for every run after the first, the largest gap between its moving-average loss and the first
+run's over the steps both logged. ``--png`` draws the curves (``llmgpu.plotting.plot_loss_comparison``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ def summarize(records, window: int = 20) -> dict:
     tr = [r for r in records if r.get("type") == "train"]
     va = [r for r in records if r.get("type") == "val"]
     run = next((r for r in records if r.get("type") == "run"), {})
+    end = next((r for r in reversed(records) if r.get("type") == "end"), {})
+    recipe = run.get("config", {}).get("fp8_recipe")
     losses = np.array([r["loss"] for r in tr], dtype=float)
     w = max(1, min(window, len(losses)))
-    return {"dtype": run.get("config", {}).get("dtype"), "steps": len(tr),
+    return {"dtype": run.get("config", {}).get("dtype"), **({"fp8_recipe": recipe} if recipe else {}), "steps": len(tr),
             "skipped_steps": sum(bool(r.get("skipped")) for r in tr),
             "first_loss": float(losses[:w].mean()) if len(losses) else None,
             "last_loss": float(losses[-w:].mean()) if len(losses) else None,
             "final_val_loss": va[-1]["val_loss"] if va else None,
-            "tokens_per_s": next((r["tokens_per_s"] for r in reversed(tr) if "tokens_per_s" in r), None)}
+            "tokens_per_s": next((r["tokens_per_s"] for r in reversed(tr) if "tokens_per_s" in r), None),
+            "train_time_s": end.get("train_time_s")}
 
 
 def max_gap(a, b, window: int = 20) -> float | None:
@@ -47,6 +50,11 @@ def max_gap(a, b, window: int = 20) -> float | None:
     k = np.ones(w) / w
     d = np.convolve([la[s] for s in steps], k, "valid") - np.convolve([lb[s] for s in steps], k, "valid")
     return float(np.abs(d).max())
+
+
+def _precision(s: dict) -> str:
+    """A run's precision in words: its dtype, with the FP8 recipe ('fp8 current')."""
+    return f"{s['dtype']} {s['fp8_recipe']}" if s.get("fp8_recipe") else str(s["dtype"])
 
 
 def main(argv=None) -> int:
@@ -65,14 +73,14 @@ def main(argv=None) -> int:
             s["max_gap_to_first"] = max_gap(first, recs, a.window)
         s["curve"] = [[r["step"], r["loss"]] for r in recs if r.get("type") == "train"]  # (step, loss): to plot
         out[name] = s
-        print(f"{name}: {s['dtype']}, {s['steps']} steps, {s['skipped_steps']} skipped, loss {s['first_loss']:.4f} "
+        print(f"{name}: {_precision(s)}, {s['steps']} steps, {s['skipped_steps']} skipped, loss {s['first_loss']:.4f} "
               f"-> {s['last_loss']:.4f} (mean of {a.window})"
               + (f", val {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
               + (f", max gap to the first run {s['max_gap_to_first']:.4f}" if "max_gap_to_first" in s else ""))
     if a.png:
         from llmgpu.plotting import plot_loss_comparison
 
-        labels = {f"{Path(n).name} ({out[n]['dtype']})": recs for n, recs in logs.items()}
+        labels = {f"{Path(n).name} ({_precision(out[n])})": recs for n, recs in logs.items()}
         plot_loss_comparison(labels, a.png, smooth=a.window)
         print(f"wrote {a.png}")
     if a.json:
