@@ -8,10 +8,11 @@ accumulated into the fp32 gradient buffer: the model's call) at 72-74 % of the c
 ~78 %, where the forward norms reach 94-96 %. Each line reports the minimum bytes (``traffic_bytes``; RoPE:
 q and k read and written once) per time against two copies measured in the same run: a device-to-device copy
 of the same bytes (``pct_of_copy``, the fair bar at this size) and of 2 GiB (``pct_of_big_copy``, the figure
-``tools/probes/profile_step.py`` divides by). Both RMSNorm backward methods ("optimized", "fast") are timed
-alternately in ``--rounds`` rounds (median of the round medians), and their results compared in the same run
-(``dx`` max relative difference, ``dweight`` relative norm difference). Rows of N = B·T = 32768, C = 960;
-RoPE on the q and k heads (15 + 5 of D = 64) of the fused q|k|v rows [B, T, 25, 64], in place.
+``tools/probes/profile_step.py`` divides by). Both methods ("optimized", "fast") of the RMSNorm backward and of
+RoPE are timed alternately in ``--rounds`` rounds (median of the round medians), and their results compared in
+the same run (max relative difference, bitwise equality; ``dweight``: relative norm difference). Rows of
+N = B·T = 32768, C = 960; RoPE on the q and k heads (15 + 5 of D = 64) of the fused q|k|v rows [B, T, 25, 64],
+in place.
 
 On the GPU the results go to benchmarks/results/ch10/llama_kernels.json; on the CPU (NumPy, a smoke test of the
 script) nothing is written unless --out is given.
@@ -90,8 +91,26 @@ def rope_cases(xp, rng, cfg, b, t, dt):
     heads = qkv[:, :, :h + hk]
     cos, sin = rope.rope_tables(t, hd, cfg.rope_theta, xp=xp)
     nbytes = 2 * b * t * (h + hk) * hd * np.dtype(dt).itemsize
-    return [("rope q,k fwd", "current", lambda: rope.rope_forward(heads, cos, sin, out=heads, seq_axis=1), nbytes),
-            ("rope q,k bwd", "current", lambda: rope.rope_backward(heads, cos, sin, out=heads, seq_axis=1), nbytes)]
+    cases = []
+    for m in rope.METHODS:
+        cases.append(("rope q,k fwd", m, lambda m=m: rope.rope_forward(heads, cos, sin, out=heads, seq_axis=1,
+                                                                       method=m), nbytes))
+        cases.append(("rope q,k bwd", m, lambda m=m: rope.rope_backward(heads, cos, sin, out=heads, seq_axis=1,
+                                                                        method=m), nbytes))
+    return cases
+
+
+def compare_rope(xp, rng, cfg, b, t, dt):
+    """RoPE "fast" against "optimized" on the same q|k heads (not in place)."""
+    hd, h, hk = cfg.head_dim, cfg.n_head, cfg.n_kv_head
+    heads = _rand(rng, xp, dt, b, t, h + 2 * hk, hd)[:, :, :h + hk]
+    cos, sin = rope.rope_tables(t, hd, cfg.rope_theta, xp=xp)
+    out = {}
+    for fn in (rope.rope_forward, rope.rope_backward):
+        o, f = (backend.to_numpy(fn(heads, cos, sin, seq_axis=1, method=m)).astype(np.float64) for m in rope.METHODS)
+        out[fn.__name__] = {"max_rel_diff": float(np.max(np.abs(f - o)) / max(np.max(np.abs(o)), 1e-30)),
+                            "bitwise_equal": bool(np.array_equal(f, o))}
+    return out
 
 
 def main(argv=None) -> int:
@@ -124,14 +143,16 @@ def main(argv=None) -> int:
         print(f"{op:<22} {m:<10} {ms:8.4f} {gbps:7.0f} {rows[-1]['pct_of_copy']:7.1f} "
               f"{rows[-1]['pct_of_big_copy']:10.1f}")
     agree = compare_methods(xp, rng, n, c, dt)
-    print(f"fast vs optimized (with dresidual): {agree}")
+    print(f"rmsnorm fast vs optimized (with dresidual): {agree}")
+    agree_rope = compare_rope(xp, rng, cfg, b, t, dt)
+    print(f"rope fast vs optimized: {agree_rope}")
     speed = {op: next(r["ms"] for r in rows if r["op"] == op and r["method"] == "optimized")
              / next(r["ms"] for r in rows if r["op"] == op and r["method"] == "fast")
-             for op in ("rmsnorm bwd", "rmsnorm+residual bwd")}
+             for op in ("rmsnorm bwd", "rmsnorm+residual bwd", "rope q,k fwd", "rope q,k bwd")}
     print("fast speedup over optimized: " + ", ".join(f"{k} {v:.3f}x" for k, v in speed.items()))
     payload = {"benchmark": "ch10_llama_kernels", "preset": args.preset, "batch": b, "seq": t,
                "dtype": backend.dtype_name(dt), "copy_ceiling_gbps": big, "rows": rows,
-               "fast_vs_optimized": agree, "fast_speedup": speed}
+               "fast_vs_optimized": agree, "rope_fast_vs_optimized": agree_rope, "fast_speedup": speed}
     out = args.out or (RESULTS if on_gpu and not quick else None)
     if not _common.save(out, payload, xp):
         print("(not written: CPU or --quick run; pass --out to keep it)")
