@@ -12,8 +12,9 @@ reduction scheme ("inplace", "compute_type"). Every split configuration is also 
 runs (``repeatable``), ``beta = 1`` honoured, and its distance from the heuristic's result (``rel_vs_heuristic``,
 max-abs relative: a reordered fp32 sum, ~1e-6). The probe prints the winners (at least ``--min-speedup`` faster
 alone, on the heuristic's own algorithm) as a ``llmgpu.gemm.lt_splitk`` table, ready to become ``DEFAULT_TABLE``,
-and with ``--step`` times that fast training step (eager, bf16) without and with the table, alternating, since
-issue 19 found per-GEMM savings that the step did not keep. Question: issue 36's ``attn.qkv wgrad`` at 63 % of
+and with ``--step`` times that fast training step (eager, bf16) without and with the table (and with the table
+plus the "fast" RMSNorm backward and RoPE kernels), alternating, since issue 19 found per-GEMM savings that the
+step did not keep. Question: issue 36's ``attn.qkv wgrad`` at 63 % of
 the GEMM rate (one wave of ~47 tiles for 132 SMs).
 """
 
@@ -154,22 +155,31 @@ def winner(rec: dict, min_speedup: float):
 
 
 def step_with_table(xp, preset, batch, seq, table, reps):
-    """Eager fast-step ms without and with ``table``, alternating A, B, A, B (medians of ``reps`` each)."""
+    """Eager fast-step ms of three settings, alternating in two rounds (medians of ``reps`` steps each): the
+    heuristic's GEMMs, with the split-K ``table``, and with the table plus issue 36's "fast" RMSNorm backward and
+    RoPE kernels (``rmsnorm.BACKWARD_METHOD``, ``rope.ROPE_METHOD``; the step is GPU-bound, so eager shows them)."""
     from llmgpu.bench import make_train_step
+    from llmgpu.ops import rmsnorm, rope
 
+    settings = {"heuristic": ({}, "optimized", "optimized"), "split_k": (table, "optimized", "optimized"),
+                "split_k+fast_kernels": (table, "fast", "fast")}
+    defaults = (rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD)
     cfg = LlamaConfig.preset(preset, pad_vocab_to=64)
     step, model = make_train_step(cfg, batch, seq, dtype="bf16", xp=xp, fast=True)
-    got = {"heuristic": [], "split_k": []}
+    got = {label: [] for label in settings}
     try:
         for _ in range(2):
-            for label, tab in (("heuristic", {}), ("split_k", table)):
+            for label, (tab, norm_method, rope_method) in settings.items():
                 cublaslt.set_split_k(tab)
+                rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = norm_method, rope_method
                 got[label].append(timing.time_fn(step, xp=xp, warmup=2, reps=reps, host_ahead=False).median_ms)
     finally:
         cublaslt.set_split_k(None)
+        rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = defaults
         del model
-    return {"preset": preset, "batch": batch, "seq": seq, "heuristic_ms": got["heuristic"],
-            "split_k_ms": got["split_k"], "speedup": min(got["heuristic"]) / min(got["split_k"])}
+    base = min(got["heuristic"])
+    return {"preset": preset, "batch": batch, "seq": seq, "ms": got,
+            "speedup": {label: base / min(v) for label, v in got.items()}}
 
 
 def main(argv=None) -> int:
@@ -220,10 +230,10 @@ def main(argv=None) -> int:
     print("\n# winners, as llmgpu.gemm.lt_splitk.DEFAULT_TABLE (problem_key -> (splits, reduction)):", flush=True)
     print("DEFAULT_TABLE = {" + "".join(f"\n    {k!r}: {v!r}," for k, v in table.items()) + "\n}", flush=True)
     step = None
-    if step_run and table:
+    if step_run:
         step = step_with_table(xp, *step_run, a.seq, table, 10)
-        print(f"step {step_run[0]} B={step_run[1]}: heuristic {step['heuristic_ms']} ms, split-K {step['split_k_ms']} "
-              f"ms ({step['speedup']:.3f}x)", flush=True)
+        for label, ms in step["ms"].items():
+            print(f"step {step_run[0]} B={step_run[1]} {label:<22} {ms} ms ({step['speedup'][label]:.3f}x)", flush=True)
     if a.json:
         timing.save_results(a.json, {"probe": "wgrad_splitk", "seq": a.seq, "splits": splits,
                                      "min_speedup": a.min_speedup, "gemms": records,
