@@ -167,18 +167,20 @@ def step_with_table(xp, preset, batch, seq, table, reps):
     cfg = LlamaConfig.preset(preset, pad_vocab_to=64)
     step, model = make_train_step(cfg, batch, seq, dtype="bf16", xp=xp, fast=True)
     got = {label: [] for label in settings}
+    split_plans = {}  # label -> how many of the step's cached plans run split-K (0 would mean no key matched)
     try:
         for _ in range(2):
             for label, (tab, norm_method, rope_method) in settings.items():
                 cublaslt.set_split_k(tab)
                 rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = norm_method, rope_method
                 got[label].append(timing.time_fn(step, xp=xp, warmup=2, reps=reps, host_ahead=False).median_ms)
+                split_plans[label] = sum(1 for p in cublaslt._PLANS.values() if getattr(p, "split_k", None))
     finally:
         cublaslt.set_split_k(None)
         rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = defaults
         del model
     base = min(got["heuristic"])
-    return {"preset": preset, "batch": batch, "seq": seq, "ms": got,
+    return {"preset": preset, "batch": batch, "seq": seq, "ms": got, "split_k_plans": split_plans,
             "speedup": {label: base / min(v) for label, v in got.items()}}
 
 
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
     if step_run:
         step = step_with_table(xp, *step_run, a.seq, table, 10)
         for label, ms in step["ms"].items():
-            print(f"step {step_run[0]} B={step_run[1]} {label:<22} {ms} ms ({step['speedup'][label]:.3f}x)", flush=True)
+            print(f"step {step_run[0]} B={step_run[1]} {label:<22} {ms} ms ({step['speedup'][label]:.3f}x; "
+                  f"{step['split_k_plans'][label]} plans split)", flush=True)
     if a.json:
         timing.save_results(a.json, {"probe": "wgrad_splitk", "seq": a.seq, "splits": splits,
                                      "min_speedup": a.min_speedup, "gemms": records,
