@@ -303,7 +303,8 @@ def _to(cp, *arrays):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 8), (7, 33), (5, 3, 64), (64, 768), (33, 1000), (8, 2048), (16, 4096),
                                    (3, 5120), (2, 13000)])
-def test_gpu_matches_reference(cp, rng, dtype, shape):
+@pytest.mark.parametrize("method", rms.METHODS)
+def test_gpu_matches_reference(cp, rng, dtype, shape, method):
     """Kernels vs reference, outputs poisoned. Shapes cover every path: registers (P = 1..8), shared-memory
     accumulators (C above 32 * 8 * W: 4096 fp32, 5120; 13000: one warp per block, opted in above 48 KB),
     the scalar fallback (C = 33). Tolerance: the dtype's (1e-5 fp32, 5e-3 fp16, 2e-2 bf16, relative norm)
@@ -317,14 +318,15 @@ def test_gpu_matches_reference(cp, rng, dtype, shape):
     assert_close(inv, inv_ref, rtol=1e-5, name="inv_rms")
     dx_ref, dw_ref = rmsnorm_backward(dy, x, w, inv_ref)
     dx, dw = rmsnorm_backward(dyd, xd, wd, inv, dx=poisoned(shape, dtype, cp),
-                              dweight=poisoned((shape[-1],), dtype, cp))
+                              dweight=poisoned((shape[-1],), dtype, cp), method=method)
     assert_close(dx, dx_ref, dtype, name="dx")
     assert_close(dw, dw_ref, dtype, name="dweight")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_gpu_dweight_fp32_accumulate_and_deterministic(cp, rng, dtype):
+@pytest.mark.parametrize("method", rms.METHODS)
+def test_gpu_dweight_fp32_accumulate_and_deterministic(cp, rng, dtype, method):
     """Many rows per warp (n = 5000): fp32 dweight buffer, accumulate=True adds in fp32, and the same inputs
     give the same bits twice (fixed summation order, no atomics). Tolerance 1e-4 (relative norm): sums of
     5000 terms in fp32 in another order than NumPy's; a missing or doubled g0 is off by ~1."""
@@ -335,11 +337,11 @@ def test_gpu_dweight_fp32_accumulate_and_deterministic(cp, rng, dtype):
     _, dw_ref = rms.rmsnorm_backward_reference(dy, x, w, backend.to_numpy(inv))
     g0 = random_array(rng, c, "fp32")
     buf = cp.asarray(g0)
-    _, dw = rmsnorm_backward(dyd, xd, wd, inv, dweight=buf, accumulate=True)
+    _, dw = rmsnorm_backward(dyd, xd, wd, inv, dweight=buf, accumulate=True, method=method)
     assert dw is buf
     assert_close(dw, g0 + dw_ref, rtol=1e-4, name="dweight accumulated")
-    a = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32))
-    b = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32))
+    a = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32), method=method)
+    b = rmsnorm_backward(dyd, xd, wd, inv, dweight=cp.zeros(c, cp.float32), method=method)
     for u, v in zip(a, b):
         np.testing.assert_array_equal(backend.to_numpy(u).view(np.uint8), backend.to_numpy(v).view(np.uint8))
 
@@ -425,21 +427,27 @@ def test_gpu_add_rmsnorm_bitwise_the_unfused_pair(cp, rng, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("shape", [(7, 576), (5, 960), (3, 33), (2, 3, 1000), (9, 2048), (3, 4096), (2, 13000)])
-def test_gpu_backward_with_dresidual(cp, rng, dtype, shape):
+@pytest.mark.parametrize("shape", [(7, 576), (5, 960), (3, 33), (2, 3, 1000), (9, 2048), (3, 4096), (2, 13000),
+                                   (300, 960)])
+@pytest.mark.parametrize("method", rms.METHODS)
+def test_gpu_backward_with_dresidual(cp, rng, dtype, shape, method):
     """dx = the norm's gradient + dresidual, rounded once, on every variant (16-bit C = 2048: P = 8, the one that
-    loads dresidual pack by pack). dweight: the bits of the plain backward. dresidual = 0: the plain dx bit for
-    bit. fp32: bitwise the backward followed by an add; fp16/bf16: within one rounding of that pair, and as
-    close to the fp64 reference as the dtype allows. Then in place (dx=dresidual)."""
+    loads dresidual pack by pack; "fast": P = 3, 4, 4, 6, the rest its fallback). dweight: the bits of the plain
+    backward ("optimized"; "fast" with dresidual may run another grid, so another fixed order: close). dresidual =
+    0: the plain dx bit for bit. fp32: bitwise the backward followed by an add; fp16/bf16: within one rounding of
+    that pair, and as close to the fp64 reference as the dtype allows. Then in place (dx=dresidual)."""
     x, w, dy = _inputs(rng, shape, dtype)
     dres = random_array(rng, shape, dtype)
     xd, wd, dyd, dresd = _to(cp, x, w, dy, dres)
     _, inv = rmsnorm_forward(xd, wd)
-    dx0, dw0 = rmsnorm_backward(dyd, xd, wd, inv)
+    dx0, dw0 = rmsnorm_backward(dyd, xd, wd, inv, method=method)
     dx, dw = rmsnorm_backward(dyd, xd, wd, inv, dresidual=dresd, dx=poisoned(shape, dtype, cp),
-                              dweight=poisoned((shape[-1],), dtype, cp))
-    np.testing.assert_array_equal(_bits(dw), _bits(dw0))
-    dxz, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=cp.zeros_like(dresd))
+                              dweight=poisoned((shape[-1],), dtype, cp), method=method)
+    if method == "optimized":
+        np.testing.assert_array_equal(_bits(dw), _bits(dw0))
+    else:
+        assert_close(dw, dw0, dtype, name="dweight with dresidual")
+    dxz, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=cp.zeros_like(dresd), method=method)
     np.testing.assert_array_equal(_bits(dxz), _bits(dx0))
     pair = cp.add(dx0, dresd)
     if dtype == "fp32":
@@ -455,7 +463,7 @@ def test_gpu_backward_with_dresidual(cp, rng, dtype, shape):
                                            dres.astype(np.float64).reshape(-1, C))
     assert_close(dx, gx.reshape(shape), dtype, name="dx with dresidual")
     buf = dresd.copy()
-    dx2, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=buf, dx=buf)
+    dx2, _ = rmsnorm_backward(dyd, xd, wd, inv, dresidual=buf, dx=buf, method=method)
     assert dx2 is buf
     np.testing.assert_array_equal(_bits(dx2), _bits(dx))
 
@@ -504,3 +512,72 @@ def test_gpu_fused_nonfinite_like_the_pair(cp, c):
     dres[1, 2] = cp.nan
     dx = backend.to_numpy(rmsnorm_backward(cp.ones((3, c), cp.float32), xf, wd, invf, dresidual=dres)[0])
     assert np.isnan(dx[1, 2]) and np.isfinite(np.delete(dx.ravel(), c + 2)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("c", [576, 960, 1536])
+@pytest.mark.parametrize("res", [False, True])
+def test_gpu_fast_backward_agrees_with_optimized_and_repeats(cp, rng, dtype, c, res):
+    """Llama's rows (C = 576, 960: SmolLM-135M/360M; 1536: P = 6, the longest "fast" takes), more rows than one
+    wave of warps (4000: two rows in flight, several per warp): "fast" dx within one rounding of "optimized"
+    (the same expressions; equal unless the compiler contracts them differently), dweight in fp32 within 1e-5
+    of it (another fixed order), and the same bits on a second run; the grid is the plan's."""
+    n = 4000
+    x, w, dy = _to(cp, *_inputs(rng, (n, c), dtype))
+    dres = cp.asarray(random_array(rng, (n, c), dtype)) if res else None
+    _, inv = rmsnorm_forward(x, w)
+    assert rms.fast_backward_plan(n, c, dtype, residual=res, xp=cp) is not None
+    runs = []
+    for method in ("optimized", "fast", "fast"):
+        runs.append(rmsnorm_backward(dy, x, w, inv, dresidual=dres, dweight=cp.zeros(c, cp.float32), method=method))
+    (dx_o, dw_o), (dx_f, dw_f), (dx_f2, dw_f2) = runs
+    a, b = (backend.to_numpy(t).astype(np.float64) for t in (dx_f, dx_o))
+    eps = float(np.finfo(np.float16).eps) if dtype == "fp16" else 2.0 ** -7
+    assert np.all(np.abs(a - b) <= eps * np.abs(b) + 1e-6)
+    assert_close(dw_f, dw_o, rtol=1e-5, name="dweight fast vs optimized")
+    np.testing.assert_array_equal(_bits(dx_f2), _bits(dx_f))
+    np.testing.assert_array_equal(_bits(dw_f2), _bits(dw_f))
+
+
+def test_fast_backward_plan_refuses_rows_it_does_not_take():
+    """fp32, C not a multiple of 8, rows longer than FAST_PACKS[-1] packs per lane: None (the caller runs
+    "optimized"); decided before any kernel is fetched, so on any backend."""
+    assert rms.fast_backward_plan(10, 960, "fp32", xp=np) is None
+    assert rms.fast_backward_plan(10, 964, "bf16", xp=np) is None
+    assert rms.fast_backward_plan(10, 32 * 8 * rms.FAST_PACKS[-1] + 8, "bf16", xp=np) is None
+    assert rms.FAST_PACKS == (1, 2, 3, 4, 5, 6) and rms.BACKWARD_METHOD in rms.METHODS
+
+
+def test_backward_method_checked_and_numpy_runs_the_reference(rng):
+    x, w, dy = _inputs(rng, (6, 16))
+    _, inv = rmsnorm_forward(x, w)
+    want = rmsnorm_backward(dy, x, w, inv)
+    for method in rms.METHODS:
+        got = rmsnorm_backward(dy, x, w, inv, method=method)
+        for u, v in zip(got, want):
+            np.testing.assert_array_equal(u, v)
+    with pytest.raises(ValueError, match="method"):
+        rmsnorm_backward(dy, x, w, inv, method="naive")
+
+
+def test_llama_kernels_benchmark_runs_quick(capsys, tmp_path):
+    """benchmarks/bench_ch10_llama_kernels.py --quick (NumPy on a CPU, small rows on a GPU): every case timed, both
+    backward methods compared, the JSON written where --out says."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        main = runpy.run_path(str(Path(bench_dir) / "bench_ch10_llama_kernels.py"), run_name="bench")["main"]
+        assert main(["--quick", "--reps", "2", "--rounds", "1", "--out", str(tmp_path / "k.json")]) == 0
+    finally:
+        sys.path.remove(bench_dir)
+    data = json.loads((tmp_path / "k.json").read_text())
+    ops = {(r["op"], r["method"]) for r in data["rows"]}
+    assert {("rmsnorm+residual bwd", m) for m in rms.METHODS} <= ops and ("rope q,k bwd", "fast") in ops
+    assert data["fast_vs_optimized"]["dx_max_rel_diff"] < 1e-2
+    assert "fast speedup over optimized" in capsys.readouterr().out

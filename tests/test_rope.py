@@ -395,3 +395,44 @@ def test_gpu_row_views_nonfinite_and_bad_layouts(cp, rng):
         rope_forward(cp.zeros((1, 4, 3, 32), cp.float32)[..., ::2], cp.asarray(cos), cp.asarray(sin), seq_axis=1)
     with pytest.raises(ValueError, match="out overlaps x without being the same buffer"):
         rope_forward(xd, cp.asarray(cos), cp.asarray(sin), out=qd[:, :, 16:64].reshape(1, 4, 3, 16), seq_axis=1)
+
+
+def test_method_checked_and_numpy_runs_the_reference(rng):
+    from llmgpu.ops import rope
+
+    x = random_array(rng, (2, 5, 4, 8))
+    cos, sin = rope_tables(5, 8, xp=np)
+    for fn in (rope_forward, rope_backward):
+        want = fn(x, cos, sin, seq_axis=1)
+        for method in rope.METHODS:
+            np.testing.assert_array_equal(fn(x, cos, sin, seq_axis=1, method=method), want)
+        with pytest.raises(ValueError, match="method"):
+            fn(x, cos, sin, seq_axis=1, method="naive")
+    assert rope.HEADS_PER_THREAD == (4, 2) and rope.ROPE_METHOD in rope.METHODS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("dims", [(2, 9, 15, 5, 64, 0), (1, 7, 9, 3, 64, 0), (2, 5, 3, 1, 64, 0), (2, 5, 3, 1, 6, 0),
+                                  (1, 4, 5, 1, 64, 8), (1, 4, 3, 0, 64, 0)])
+def test_gpu_fast_method_agrees_with_optimized(cp, rng, dtype, dims):
+    """method="fast" (HPT heads per thread: SmolLM-360M's 20 and -135M's 12 q|k heads take 4, 4 heads 4, 6 heads
+    2, with pad 8 another token stride; 3 heads and D = 6 fall back to "optimized"), on the qkv row view in place
+    and on a contiguous [B, T, H, D] copy: within one rounding of "optimized" (the same arithmetic;
+    equal unless the compiler contracts it differently), v's heads untouched, and the reference's values."""
+    b, t, h, hk, d, pad = dims
+    qkv, x = _qkv(rng, b, t, h, hk, d, pad, dtype, xp=cp)
+    cos, sin = rope_tables(t, d, xp=cp)
+    cos_np, sin_np = backend.to_numpy(cos), backend.to_numpy(sin)
+    eps = {"fp32": 2.0 ** -23, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}[dtype]
+    for fn in (rope_forward, rope_backward):
+        for view in (x, x.copy()):  # the row view in place, then a contiguous array
+            orig = backend.to_numpy(view)
+            want = fn(view, cos, sin, seq_axis=1, method="optimized")
+            before = backend.to_numpy(qkv)
+            got = fn(view, cos, sin, out=view, seq_axis=1, method="fast")
+            assert got is view
+            g, w = (backend.to_numpy(a).astype(np.float64) for a in (got, want))
+            assert np.all(np.abs(g - w) <= eps * np.abs(w) + 1e-6), fn.__name__
+            assert_close(got, fn(orig, cos_np, sin_np, seq_axis=1), dtype, name=f"{fn.__name__} fast vs reference")
+            np.testing.assert_array_equal(backend.to_numpy(qkv[..., (h + hk) * d:]), before[..., (h + hk) * d:])

@@ -52,6 +52,11 @@ allocation happens when ``out`` (and ``aux`` / ``dbias``) are given, no host syn
 Make the first call of every shape outside stream capture (a warm-up): it builds the plan, and the
 very first call on a device allocates the workspace.
 
+**Split-K, per problem (opt-in).** A GEMM whose output has few tiles and whose K is long (a weight gradient) can
+run the heuristic's algorithm with K split in parts that are added in a fixed order: ``llmgpu.gemm.lt_splitk``
+holds the table of problems that do (empty by default), ``set_split_k`` installs another; a plan applies it
+when it is built, so launches and captures are unchanged.
+
 NumPy arrays run a reference of the same math (float32; float64 stays float64), so everything here
 is testable without a GPU. Without ``nvmath-python`` the CuPy path raises ``LtUnavailableError``
 naming the extra to install: ``pip install 'llmgpu[fast]'``.
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import numpy as np
 
@@ -74,6 +80,7 @@ from ..checks import (
     require_module,
 )
 from ..ops.gelu import gelu_backward_reference, gelu_forward_reference
+from . import lt_splitk
 from .cublas import CUBLAS_COMPUTE_32F, CUDA_DATA_TYPES, check_operands, prepare_out, scalar_ptr
 from .lt_plan import LtPlan, alignment, set_attr
 
@@ -222,6 +229,36 @@ def cached_plan(key: tuple, build):
     return plan
 
 
+def _problem_of(plan_key_: tuple) -> tuple:
+    """The split-K table's ``problem_key`` of a cached plan's key."""
+    _dev, epilogue, a_dt, o_dt, _bias, ta, tb, m, n, k = plan_key_[:10]
+    return lt_splitk.problem_key(m, n, k, a_dt, o_dt, trans_a=ta, trans_b=tb, epilogue=epilogue)
+
+
+def _configure_split_k(plan, problem: tuple):
+    """Switch a new plan to the split-K table's configuration for its problem, if any. One cuBLASLt refuses (another
+    GPU, another library version) runs the heuristic's pick instead, with a warning: the same product, slower."""
+    choice = lt_splitk.lookup(problem)
+    if choice is None:
+        return
+    try:
+        plan.use_split_k(*choice)
+    except ValueError as e:
+        warnings.warn(f"split-K table entry not used: {e}", RuntimeWarning, stacklevel=3)
+
+
+def set_split_k(table: dict | None) -> dict:
+    """Install a split-K table (``lt_splitk``: ``problem_key(...) -> (splits, reduction)``; None: the default, empty
+    unless a measured one was committed) and return the previous one. Cached plans of the problems either table
+    names are rebuilt on their next call, so call this outside stream capture, before a step's warm-up (a graph
+    captured earlier keeps the algorithm it captured)."""
+    old = lt_splitk.replace_table(table)
+    touched = set(old) | set(lt_splitk.table())
+    for key in [k for k, p in _PLANS.items() if isinstance(p, _Plan) and _problem_of(k) in touched]:
+        _PLANS.pop(key).destroy()
+    return old
+
+
 def plan_count() -> int:
     """Number of cached cuBLASLt plans (one per distinct problem seen)."""
     return len(_PLANS)
@@ -350,6 +387,8 @@ def _lt_cupy(cp, a, b, trans_a, trans_b, out, bias, epilogue, aux, dbias, alpha,
                          f" (trans_a={trans_a}, trans_b={trans_b}, alignment a/b/out {align} B)"),
         }
         plan = _PLANS[key] = _Plan(lt, st, spec, bias_ptr, aux_ptr)
+        if count == 1:
+            _configure_split_k(plan, _problem_of(key))
     if plan.has_bias and bias_ptr != plan.last_bias:  # a host-side descriptor write, no device work
         plan.ptr_buf[0] = bias_ptr
         lt.matmul_desc_set_attribute(plan.desc, st.attr_bias_pointer, plan.ptr_addr, 8)
@@ -409,4 +448,4 @@ def lt_flops(m: int, n: int, k: int, batch: int = 1) -> float:
 
 __all__ = ["EPILOGUES", "INSTALL_HINT", "LtUnavailableError", "WORKSPACE_BYTES", "available", "cached_plan",
            "clear_plans", "device_state", "gelu_grad_reference", "gelu_reference", "gemm", "lt_flops", "lt_gemm",
-           "lt_module", "plan_count", "plan_key", "unavailable_reason"]
+           "lt_module", "plan_count", "plan_key", "set_split_k", "unavailable_reason"]

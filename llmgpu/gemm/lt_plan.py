@@ -14,6 +14,8 @@ import functools
 import numpy as np
 
 MAX_ALIGN = 256  # cuBLASLt's default alignment assumption for every matrix (bytes)
+# LtPlan.use_split_k's reduction schemes: our names -> cublasLtReductionScheme_t member names
+REDUCTIONS = {"inplace": "INPLACE", "compute_type": "COMPUTE_TYPE", "output_type": "OUTPUT_TYPE"}
 
 
 def set_attr(setter, dtype_of, obj, attr, value):
@@ -38,7 +40,7 @@ class LtPlan:
     ``ask_heuristic(1)``; on failure ``destroy()``."""
 
     __slots__ = ("lt", "desc", "layouts", "la", "lb", "lc", "ld", "algos", "n_algos", "algo_ptr", "ws_need",
-                 "describe", "handle", "ws_size", "align")
+                 "describe", "handle", "ws_size", "align", "custom", "split_k")
 
     def __init__(self, lt, st, describe: str, align: tuple):
         """``lt``: the nvmath.bindings.cublasLt module; ``st``: the device's handle and workspace
@@ -48,6 +50,8 @@ class LtPlan:
         self.desc = None
         self.layouts = []
         self.ld = None
+        self.custom = None  # the configured algorithm use_split_k launches (a heuristic result struct), or None
+        self.split_k = None  # (splits, reduction) while use_split_k's configuration runs
 
     def set_desc(self, attr, value):
         set_attr(self.lt.matmul_desc_set_attribute, self.lt.get_matmul_desc_attribute_dtype, self.desc, attr, value)
@@ -96,6 +100,49 @@ class LtPlan:
         self.ws_need = int(self.algos["workspace_size"][i])
         # 'algo' is the first field of the result struct
         self.algo_ptr = int(self.algos.ctypes.data) + i * self.algos.itemsize
+        self.custom = self.split_k = None
+
+    def use_split_k(self, splits: int, reduction: str = "compute_type", base: int = 0):
+        """Launch the heuristic's ``base``-th algorithm with its reduction over K split ``splits`` ways from now on.
+
+        ``reduction`` names cuBLASLt's scheme for adding the ``splits`` partial products (``REDUCTIONS``):
+        ``"inplace"`` in the output buffer, in the output type, the workspace holding only counters that order the
+        additions; ``"compute_type"`` / ``"output_type"`` out of place in the workspace (fp32 / the output type),
+        then added by a second kernel. Every scheme adds the parts in an order fixed by the configuration, so the
+        result is the same bits run to run (no atomics). cuBLASLt checks the configuration
+        (``cublasLtMatmulAlgoCheck``); one it refuses, or one that needs more workspace than the device's, raises
+        ``ValueError`` and leaves the plan as it was. Host work only: what a launch captures is unchanged.
+        ``splits=1`` runs ``base`` as configured by the heuristic (like ``use(base)``).
+        """
+        splits = int(splits)
+        if splits < 1:
+            raise ValueError(f"splits must be >= 1, got {splits}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+        if not 0 <= base < self.n_algos or int(self.algos["state"][base]) != 0:
+            raise IndexError(f"algorithm {base} of {self.n_algos} is not usable for {self.describe}")
+        lt = self.lt
+        custom = self.algos[base:base + 1].copy()  # the result struct; its first field is the algo
+        ptr = int(custom.ctypes.data)
+        CA = lt.MatmulAlgoConfigAttribute
+        scheme = 0 if splits == 1 else int(getattr(lt.ReductionScheme, REDUCTIONS[reduction]))
+        set_algo = functools.partial(set_attr, lt.matmul_algo_config_set_attribute,
+                                     lt.get_matmul_algo_config_attribute_dtype)
+        checked = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        try:
+            set_algo(ptr, CA.SPLITK_NUM, splits)
+            set_algo(ptr, CA.REDUCTION_SCHEME, scheme)
+            lt.matmul_algo_check(self.handle, self.desc, self.la, self.lb, self.lc,
+                                 self.lc if self.ld is None else self.ld, ptr, checked.ctypes.data)
+        except Exception as e:
+            raise ValueError(f"cuBLASLt refuses split-K {splits} ({reduction}) on algorithm {base} for "
+                             f"{self.describe}: {type(e).__name__}: {e}") from e
+        need = int(checked["workspace_size"][0])
+        if need > self.ws_size:
+            raise ValueError(f"split-K {splits} ({reduction}) for {self.describe} needs {need} bytes of workspace, "
+                             f"more than the {self.ws_size} the device has")
+        self.custom, self.split_k = custom, (splits, reduction)
+        self.ws_need, self.algo_ptr = need, ptr
 
     def launch(self, st, alpha_ptr: int, a_ptr: int, b_ptr: int, beta_ptr: int, c_ptr: int, d_ptr: int,
                stream: int):
@@ -117,4 +164,4 @@ class LtPlan:
             self.desc = None
 
 
-__all__ = ["MAX_ALIGN", "LtPlan", "alignment", "set_attr"]
+__all__ = ["MAX_ALIGN", "REDUCTIONS", "LtPlan", "alignment", "set_attr"]

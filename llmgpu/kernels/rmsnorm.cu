@@ -21,6 +21,12 @@
 //                     touch consecutive words). The row is read twice (the second time from L1/L2): dx
 //                     needs mean(g * xhat) before it can be written.
 //   rmsnorm_weight_grad_reduce  dw from the per-block partial rows.
+//   rmsnorm_backward_fast       (method "fast", 16-bit rows of up to 32 * 6 * 8 = 1536) layernorm.cu's
+//                               layernorm_backward_fast for RMSNorm: the row held in registers as raw packs
+//                               (no second read), the next row's loads issued before the current row is
+//                               reduced (two rows in flight per warp), w in shared memory as fp32, dw in
+//                               per-warp shared-memory slots, blocks of 4 warps sized for occupancy; its
+//                               second stage rmsnorm_weight_grad_finish keeps 8 loads in flight per thread.
 // The residual stream around a norm, fused (template flags, the same kernels):
 //   rmsnorm_forward<..., ADD = 1>   s = x + a rounded to T (written to s, may be a), y = RMSNorm(s):
 //                                   reads x, a; writes s, y (the add + norm pair reads s back once more)
@@ -41,9 +47,12 @@
 // llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 1, {0,1,2,3,4,6,8}, {0,1}>
 // llmgpu:kernel rmsnorm_backward<{float,__half,__nv_bfloat16}, 0, 0, {0,1}>
 // llmgpu:kernel rmsnorm_weight_grad_reduce<{float,__half,__nv_bfloat16}, {0,1}>
+// llmgpu:kernel rmsnorm_backward_fast<{__half,__nv_bfloat16}, {1,2,3,4,5,6}, {0,1}>
+// llmgpu:kernel rmsnorm_weight_grad_finish<{float,__half,__nv_bfloat16}, {0,1}>
 
 #define RMSNORM_FWD_WARPS 4
 #define RMSNORM_BWD_WARPS 8
+#define RMSNORM_FAST_WARPS 4
 
 // Pack j of a row as W floats: x's, or with ADD the residual sum s = x + a rounded to T, stored to s
 // first (what the next layer and the backward read; the norm below reads these rounded values).
@@ -333,4 +342,197 @@ __global__ void __launch_bounds__(512) rmsnorm_weight_grad_reduce(const float* _
         for (int k = 1; k < 16; ++k) s += red[k][tx];
         dw[col] = from_float<TO>(ACC ? to_float(dw[col]) + s : s);
     }
+}
+
+// ------------------------------------------------------------------------------------ "fast" backward
+// Why "optimized" stays below a copy at Llama's rows (issue 36: 72-74 % of copy bandwidth at C = 960,
+// bf16, with dresidual): each warp owns one row at a time, so its loads for the next row wait until this
+// row's dx is stored; the row is read twice (pass 2 from L1/L2); 108 registers per thread leave 2 blocks of
+// 8 warps per SM; and the second stage adds the partial rows one dependent load at a time per thread. The
+// fast kernel removes each of those. dx is computed with the same expressions in the same order as
+// rmsnorm_backward (per-pack sums, then the packs in order, then the warp butterfly), dw in another
+// (fixed) order, since the grid differs.
+
+// Register estimate per thread and blocks per SM asked of the compiler: two rows of raw packs (dy, x and
+// dres: 2 x (2 + RES) x 4 P registers) plus addresses and temporaries; dw is in shared memory. Up to P = 4
+// the counts of layernorm.cu's LnFastPlan with shared-memory accumulators (RMSNorm needs fewer registers
+// than LayerNorm: no mean, one accumulator); longer rows: as many blocks as the estimate allows.
+template <typename T, int P, int RES>
+struct RmsFastPlan {
+    static constexpr int W = 16 / (int)sizeof(T);
+    static constexpr int threads = 32 * RMSNORM_FAST_WARPS;
+    static constexpr int regs = 2 * (2 + RES) * 4 * P + 32;
+    static constexpr int long_blocks = 65536 / (threads * (regs + 16)) > 0 ? 65536 / (threads * (regs + 16)) : 1;
+    static constexpr int min_blocks = P > 4 ? long_blocks : RES ? (P <= 2 ? 6 : P == 3 ? 5 : 4) : (P <= 3 ? 6 : 5);
+};
+
+// One row's share of this lane: packs j = lane + 32 p (p < P, j < nvec) of dy, x (and dres) as raw 16-byte
+// streaming loads, and the row's inv_rms.
+template <typename T, int P, int RES>
+__device__ __forceinline__ void rms_load_row(const T* __restrict__ dy, const T* __restrict__ x, const T* dres,
+                                             const float* __restrict__ inv_rms, int row, int C, int lane, int nvec,
+                                             Packed<T, 16 / (int)sizeof(T)> (&d)[P],
+                                             Packed<T, 16 / (int)sizeof(T)> (&xs)[P],
+                                             Packed<T, 16 / (int)sizeof(T)> (&rr)[P], float& r) {
+    constexpr int W = 16 / (int)sizeof(T);
+    const long long off = (long long)row * C + lane * W;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (lane + 32 * p < nvec) {
+            d[p] = load_raw16_stream(dy + off + 32 * W * p);
+            xs[p] = load_raw16_stream(x + off + 32 * W * p);
+            if constexpr (RES) rr[p] = load_raw16_stream(dres + off + 32 * W * p);
+        }
+    }
+    r = inv_rms[row];
+}
+
+// One warp per row, rows gw, gw + nw, ... (gw = global warp id, nw = warps in the grid); blockDim.x ==
+// RmsFastPlan::threads. Dynamic shared memory: 16 * 32 * P * Q * (1 + warps) bytes: w as fp32 float4s, then
+// every warp's dw slots (float4 slot (p, q) of lane l at (p * Q + q) * 32 + l: each lane only touches its
+// own slots, conflict-free, until the block's sum at the end). RES = 1: dx = the RMSNorm gradient + dres,
+// dres may be dx itself (a lane loads its packs of a row, this row and the next, before it stores that
+// row's dx, and no other lane touches them). Each block writes one row of partial [gridDim.x, C].
+template <typename T, int P, int RES>
+__global__ void __launch_bounds__((RmsFastPlan<T, P, RES>::threads), (RmsFastPlan<T, P, RES>::min_blocks))
+    rmsnorm_backward_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                          const float* __restrict__ inv_rms, const T* dres, T* dx, float* __restrict__ partial,
+                          int N, int C) {
+    constexpr int W = 16 / (int)sizeof(T);
+    constexpr int Q = W / 4;  // float4s per pack
+    using Pack = Packed<T, W>;
+    extern __shared__ float4 rms_fast_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
+    const float inv_c = 1.0f / (float)C;
+    const int nw = gridDim.x * wpb;
+    int row = blockIdx.x * wpb + warp;
+
+    // the first row's loads go out before the tables are built: they do not need them
+    Pack cd[P], cx[P], cr[P];
+    float cs = 0.0f;
+    if (row < N) rms_load_row<T, P, RES>(dy, x, dres, inv_rms, row, C, lane, nvec, cd, cx, cr, cs);
+
+    for (int i = threadIdx.x; i < nvec * Q; i += blockDim.x) {  // w -> fp32 float4 (p, q) of lane l
+        const int j = i / Q, q = i - j * Q;
+        const int p = j >> 5, l = j & 31;
+        const T* g = w + j * W + 4 * q;
+        rms_fast_smem[(p * Q + q) * 32 + l] = make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]),
+                                                          to_float(g[3]));
+    }
+    float4* sacc = rms_fast_smem + (P * Q + P * Q * warp) * 32 + lane;  // this lane's dw slots
+#pragma unroll
+    for (int i = 0; i < P * Q; ++i) sacc[i * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncthreads();
+
+    for (; row < N; row += nw) {
+        // 1. the next row's loads first: they travel while this row is reduced and stored
+        const int nxt = row + nw;
+        Pack nd[P], nx[P], nr[P];
+        float ns = 0.0f;
+        if (nxt < N) rms_load_row<T, P, RES>(dy, x, dres, inv_rms, nxt, C, lane, nvec, nd, nx, nr, ns);
+
+        // 2. sum(g * xhat) (rms_row_terms' order: within a pack, then the packs) and this row's dw share
+        float sum_gx = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+                float part = 0.0f;
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const float4 g4 = rms_fast_smem[(p * Q + q) * 32 + lane];
+                    const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
+                    float dwq[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int k = 4 * q + e;
+                        const float d = pack_elem(cd[p], k);
+                        const float xh = pack_elem(cx[p], k) * cs;
+                        part += d * ga[e] * xh;
+                        dwq[e] = d * xh;
+                    }
+                    float4* sa = sacc + (p * Q + q) * 32;
+                    float4 a = *sa;
+                    a.x += dwq[0]; a.y += dwq[1]; a.z += dwq[2]; a.w += dwq[3];
+                    *sa = a;
+                }
+                sum_gx += part;
+            }
+        }
+        const float mgx = warp_sum(sum_gx) * inv_c;
+
+        // 3. dx (+ dres), rms_store_dx's expression, one 16-byte store per pack
+        T* dxr = dx + (long long)row * C + lane * W;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (lane + 32 * p < nvec) {
+                Pack o;
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const float4 g4 = rms_fast_smem[(p * Q + q) * 32 + lane];
+                    const float ga[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int k = 4 * q + e;
+                        float v = cs * (pack_elem(cd[p], k) * ga[e] - pack_elem(cx[p], k) * cs * mgx);
+                        if constexpr (RES) v = __fadd_rn(v, pack_elem(cr[p], k));
+                        o.v[k] = from_float<T>(v);
+                    }
+                }
+                *reinterpret_cast<Pack*>(dxr + 32 * W * p) = o;
+            }
+        }
+
+        // 4. the next row becomes the current one (register renaming after unrolling)
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            cd[p] = nd[p];
+            cx[p] = nx[p];
+            if constexpr (RES) cr[p] = nr[p];
+        }
+        cs = ns;
+    }
+
+    // the block's partial row: thread t adds columns t, t + blockDim.x, ... over the warps in order 0, 1, ...
+    __syncthreads();
+    const float* slots = reinterpret_cast<const float*>(rms_fast_smem + P * Q * 32);
+    float* out = partial + (long long)blockIdx.x * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const int j = c / W, k = c - j * W;  // pack j (lane j & 31, its pack j >> 5), element k
+        const int slot = ((((j >> 5) * Q + (k >> 2)) * 32 + (j & 31)) << 2) + (k & 3);
+        float t = slots[slot];
+        for (int wi = 1; wi < wpb; ++wi) t += slots[(long long)wi * (P * Q * 32 * 4) + slot];
+        out[c] = t;
+    }
+}
+
+// Second stage of the fast backward: dw[c] = sum_b partial[b, c] in a fixed order, rounded once to TO (or, with
+// ACC = 1, added to what dw holds, in fp32). layernorm.cu's layernorm_param_grad_finish for one gradient:
+// block (32, 32), 32 columns per block; thread (x, y) sums blocks b = y, y + 32, ... with eight independent
+// loads in flight (the sum is latency-bound: a few MB at most), then warp y adds the 32 partial sums of
+// column y with a butterfly.
+template <typename TO, int ACC>
+__global__ void __launch_bounds__(1024) rmsnorm_weight_grad_finish(const float* __restrict__ partial, int nparts,
+                                                                   int C, TO* __restrict__ dw) {
+    __shared__ float red[32][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * 32 + tx;
+    float t = 0.0f;
+    if (col < C) {
+        const float* src = partial + col;
+        int b = ty;
+        for (; b + 7 * 32 < nparts; b += 8 * 32) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = src[(long long)(b + 32 * i) * C];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t += v[i];
+        }
+        for (; b < nparts; b += 32) t += src[(long long)b * C];
+    }
+    red[ty][tx] = t;
+    __syncthreads();
+    const float r = warp_sum(red[tx][ty]);  // warp ty: column blockIdx.x * 32 + ty, over the 32 rows
+    const int c = blockIdx.x * 32 + ty;
+    if (tx == 0 && c < C) dw[c] = from_float<TO>(ACC ? to_float(dw[c]) + r : r);
 }

@@ -64,20 +64,36 @@ from ..checks import (
     check_array,
     check_float,
     check_gpu_dtype,
+    check_method,
     check_out,
     check_same_dtype,
     overlaps,
     reference_dtype,
 )
 from ..kernels import get_kernel, loader
-from ..kernels.launch import SMEM_WITHOUT_OPT_IN, opt_in_shared_memory, resident_blocks, vector_width
+from ..kernels.launch import (
+    SMEM_WITHOUT_OPT_IN,
+    opt_in_shared_memory,
+    persistent_grid,
+    resident_blocks,
+    vector_width,
+)
 
 FWD_WARPS = loader.constant("rmsnorm", "RMSNORM_FWD_WARPS")  # rows (warps) per block in the forward
 BWD_WARPS = loader.constant("rmsnorm", "RMSNORM_BWD_WARPS")  # rows (warps) per block in the backward
+FAST_WARPS = loader.constant("rmsnorm", "RMSNORM_FAST_WARPS")  # warps per block of the "fast" backward
+# The backward's kernels: "optimized" (rmsnorm_backward, one row per warp at a time) or "fast"
+# (rmsnorm_backward_fast: two rows in flight per warp; 16-bit rows of whole 16-byte packs up to FAST_PACKS[-1]
+# packs per lane, others run "optimized"). BACKWARD_METHOD is what method=None runs.
+METHODS = ("optimized", "fast")
+BACKWARD_METHOD = "optimized"
 # Packs per lane (16 bytes each) the register variants are instantiated for (template argument 2 of
 # rmsnorm_forward<T, VEC, P, ADD>); 0 is the other variant.
 REGISTER_PACKS = tuple(sorted({int(e.split(",")[2]) for e in loader.name_expressions("rmsnorm")
                                if e.startswith("rmsnorm_forward<")} - {0}))
+FAST_PACKS = tuple(sorted({int(e.split(",")[1]) for e in loader.name_expressions("rmsnorm")
+                           if e.startswith("rmsnorm_backward_fast<")}))
+_FAST_PLANS: dict = {}  # (device, dtype, packs, residual, n_rows) -> (blocks, smem): no driver queries per call
 
 
 def _rows(x, name="x"):
@@ -230,7 +246,8 @@ def _check_separate(out_name, out, in_name, inp):
         raise ValueError(f"{out_name} overlaps {in_name}: it needs a buffer of its own")
 
 
-def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulate=False, dresidual=None):
+def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulate=False, dresidual=None,
+                     method=None):
     """Gradients of RMSNorm from the saved ``inv_rms``: returns ``(dx, dweight)``.
 
     ``dy`` and ``x`` share shape ``[..., C]`` and dtype with ``weight [C]``; ``inv_rms`` is what
@@ -238,8 +255,14 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
     optional output buffers (``dweight`` in weight's dtype or fp32); ``accumulate=True`` adds the weight
     gradient into ``dweight`` instead of overwriting it (sum in fp32, rounded once). ``dresidual`` (dy's
     shape and dtype): the gradient of a residual branch around the norm, added to dx in the same kernel
-    (rounded once); ``dx`` may be ``dresidual`` itself (in place).
+    (rounded once); ``dx`` may be ``dresidual`` itself (in place). ``method`` ("optimized" or "fast"; None:
+    ``BACKWARD_METHOD``) picks the GPU kernels: the same dx expressions in the same order (the two agree to the
+    last bit unless the compiler contracts them differently), dweight summed in another fixed order; "fast"
+    takes fp16/bf16 rows of whole 16-byte packs with C <= 32 * 8 * FAST_PACKS[-1] and runs "optimized" for
+    the rest. NumPy arrays run the reference whatever the method.
     """
+    method = BACKWARD_METHOD if method is None else method
+    check_method("rmsnorm_backward", method, METHODS)
     xp = array_module(dy=dy, x=x, weight=weight, inv_rms=inv_rms, dx=dx, dweight=dweight, dresidual=dresidual)
     check_array("x", x)
     n_rows, c = _rows(x)
@@ -288,6 +311,9 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
     dx = xp.empty(x.shape, dtype=x.dtype) if dx is None else dx
     dweight = xp.empty((c,), dtype=pdt) if dweight is None else dweight
     res = dresidual is not None
+    if method == "fast" and _backward_fast(dy, x, weight, inv_rms, dresidual, dx, dweight, accumulate, n_rows, c,
+                                           xp):
+        return dx, dweight
     vec, packs = _plan(c, x.dtype, (dy, x, weight, dx) + ((dresidual,) if res else ()))
     wpb = BWD_WARPS
     if packs > 0:
@@ -309,6 +335,52 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
     return dx, dweight
 
 
+def fast_backward_plan(n_rows, c, dtype, *, residual=False, xp=None):
+    """``(kernel, blocks, threads, shared_mem)`` of the "fast" backward for ``[n_rows, c]`` rows of ``dtype`` (16-byte
+    aligned arrays), or None when it does not take them (fp32, C not a multiple of 8, rows longer than
+    ``FAST_PACKS[-1]`` packs per lane, row indices past 32 bits). Its second stage then adds ``blocks`` partial
+    rows; the benchmark reads the grid from here."""
+    xp = backend.default_xp() if xp is None else xp
+    dtype = backend.resolve_dtype(dtype)
+    if dtype.itemsize != 2 or c % 8:
+        return None
+    per_lane = -(-(c // 8) // 32)
+    packs = next((p for p in FAST_PACKS if p >= per_lane), None)
+    if packs is None:
+        return None
+    kern = get_kernel("rmsnorm", "rmsnorm_backward_fast", dtype, packs, int(residual))
+    threads = 32 * FAST_WARPS
+    key = (xp.cuda.Device().id, dtype, packs, bool(residual), n_rows)
+    plan = _FAST_PLANS.get(key)
+    if plan is None:
+        smem = 16 * 32 * packs * 2 * (1 + FAST_WARPS)  # w (fp32 float4s), then every warp's dw slots
+        if not opt_in_shared_memory(kern, smem, xp):
+            return None
+        blocks = persistent_grid(kern, n_rows, threads, smem, xp)
+        plan = _FAST_PLANS[key] = (blocks, smem)
+    blocks, smem = plan
+    if n_rows + blocks * FAST_WARPS >= 2**31:  # the kernel's row indices are 32-bit
+        return None
+    return kern, blocks, threads, smem
+
+
+def _backward_fast(dy, x, weight, inv_rms, dres, dx, dweight, accumulate, n_rows, c, xp):
+    """rmsnorm_backward_fast + rmsnorm_weight_grad_finish; False when the rows do not suit it."""
+    res = dres is not None
+    if vector_width(x.dtype, c, dy, x, weight, dx, *((dres,) if res else ())) == 1:
+        return False
+    plan = fast_backward_plan(n_rows, c, x.dtype, residual=res, xp=xp)
+    if plan is None:
+        return False
+    kern, blocks, threads, smem = plan
+    partial = xp.empty((blocks, c), dtype=np.float32)
+    kern((blocks,), (threads,), (dy, x, weight, inv_rms, dres if res else dy, dx, partial, np.int32(n_rows),
+                                 np.int32(c)), shared_mem=smem)
+    fin = get_kernel("rmsnorm", "rmsnorm_weight_grad_finish", dweight.dtype, int(bool(accumulate)))
+    fin((-(-c // 32),), (32, 32), (partial, np.int32(blocks), np.int32(c), dweight))
+    return True
+
+
 def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
     """Minimum bytes: forward reads x, writes y (+ inv_rms); backward reads dy, x, writes dx (+ inv_rms).
     ``residual=True``: the fused forms (the forward also reads a and writes s, the backward reads dresidual).
@@ -318,5 +390,6 @@ def traffic_bytes(n_rows, c, dtype, backward=False, *, residual=False):
     return rows * n_rows * c * s + 4 * n_rows
 
 
-__all__ = ["add_rmsnorm_forward", "add_rmsnorm_forward_reference", "rmsnorm_backward", "rmsnorm_backward_reference",
-           "rmsnorm_forward", "rmsnorm_forward_reference", "traffic_bytes"]
+__all__ = ["BACKWARD_METHOD", "METHODS", "add_rmsnorm_forward", "add_rmsnorm_forward_reference", "fast_backward_plan",
+           "rmsnorm_backward", "rmsnorm_backward_reference", "rmsnorm_forward", "rmsnorm_forward_reference",
+           "traffic_bytes"]

@@ -54,6 +54,7 @@ from ..checks import (
     check_array,
     check_float,
     check_gpu_dtype,
+    check_method,
     check_out,
     is_integer,
     row_stride,
@@ -62,6 +63,13 @@ from ..kernels import get_kernel, loader
 from ..kernels.launch import VECTOR_BYTES, is_aligned
 
 THREADS = loader.constant("rope", "ROPE_THREADS")
+# The GPU kernels: "optimized" (rope_rotate, one thread per pack of one head) or "fast" (rope_rotate_heads: one
+# thread per pack of HEADS_PER_THREAD heads that share a position and so a cos/sin row; 16-byte packs, HPT
+# dividing the heads per position, else "optimized"). ROPE_METHOD is what method=None runs.
+METHODS = ("optimized", "fast")
+ROPE_METHOD = "optimized"
+HEADS_PER_THREAD = tuple(sorted({int(e.split(",")[-1].rstrip(">")) for e in loader.name_expressions("rope")
+                                 if e.startswith("rope_rotate_heads<")}, reverse=True))  # (4, 2): the largest fits
 TABLE_DTYPES = (backend.float32, backend.float64)  # float64 tables: NumPy path only (the FD checks)
 LAYOUTS = ("C-contiguous, or a view whose last two axes (heads, head_dim) are contiguous and whose leading axes "
            "step by one token stride (e.g. qkv.reshape(B, T, H + 2 * Hk, D)[:, :, :H + Hk])")
@@ -120,7 +128,9 @@ def _seq_axis(x, seq_axis):
     return int(seq_axis) % x.ndim
 
 
-def _rotate(x, cos, sin, out, inverse, name, seq_axis):
+def _rotate(x, cos, sin, out, inverse, name, seq_axis, method):
+    method = ROPE_METHOD if method is None else method
+    check_method("rope", method, METHODS)
     xp = array_module(**{name: x, "cos": cos, "sin": sin, "out": out})
     check_array(name, x, contiguous=False)
     if x.ndim < 2:
@@ -164,24 +174,30 @@ def _rotate(x, cos, sin, out, inverse, name, seq_axis):
     vec = half % width == 0 and is_aligned(VECTOR_BYTES, x, out, cos, sin)
     layout = (x.shape[-2], ld_x, ld_y) if rows_layout else (1, 0, 0)  # unused by the contiguous kernel
     vec = vec and all(ld % width == 0 for ld in layout[1:])  # every token's row starts on a pack
-    packs = rows * (half // width if vec else half)
-    kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse), int(rows_layout))
+    hpt = next((h for h in HEADS_PER_THREAD if inner % h == 0 and (not rows_layout or x.shape[-2] % h == 0)), 0)
+    if method == "fast" and vec and hpt:
+        packs = rows // hpt * (half // width)
+        kern = get_kernel("rope", "rope_rotate_heads", x.dtype, int(inverse), int(rows_layout), hpt)
+    else:
+        packs = rows * (half // width if vec else half)
+        kern = get_kernel("rope", "rope_rotate", x.dtype, int(vec), int(inverse), int(rows_layout))
     kern((-(-packs // THREADS),), (THREADS,), (x, out, cos, sin, np.int64(rows), np.int32(n_t), np.int32(inner),
                                                 np.int32(half), np.int32(layout[0]), np.int64(layout[1]),
                                                 np.int64(layout[2])))
     return out
 
 
-def rope_forward(x, cos, sin, *, out=None, seq_axis=-2):
+def rope_forward(x, cos, sin, *, out=None, seq_axis=-2, method=None):
     """``y = R(t) x`` for ``x [..., T, head_dim]`` (positions along ``seq_axis``: 1 for ``[B, T, H, D]``) and the
     tables of ``rope_tables``; shape and dtype of x, written into ``out`` when given (``out=x``: in place). ``x``
-    and ``out`` may be row views of a wider buffer (module docstring)."""
-    return _rotate(x, cos, sin, out, False, "x", seq_axis)
+    and ``out`` may be row views of a wider buffer (module docstring). ``method`` ("optimized", "fast"; None:
+    ``ROPE_METHOD``) picks the GPU kernel (the same arithmetic; NumPy runs the reference)."""
+    return _rotate(x, cos, sin, out, False, "x", seq_axis, method)
 
 
-def rope_backward(dy, cos, sin, *, out=None, seq_axis=-2):
+def rope_backward(dy, cos, sin, *, out=None, seq_axis=-2, method=None):
     """``dx = R(t)ᵀ dy``, the rotation by ``-angle`` (RoPE is linear in x); ``out=dy`` for in place."""
-    return _rotate(dy, cos, sin, out, True, "dy", seq_axis)
+    return _rotate(dy, cos, sin, out, True, "dy", seq_axis, method)
 
 
-__all__ = ["rope_backward", "rope_forward", "rope_reference", "rope_tables"]
+__all__ = ["METHODS", "ROPE_METHOD", "rope_backward", "rope_forward", "rope_reference", "rope_tables"]
