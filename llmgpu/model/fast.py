@@ -85,7 +85,7 @@ from ..optim.params import ALIGN
 from .base import PAD_LOGIT, GPTBase, accumulate_grad, nbytes_of
 from .config import LNF_B, LNF_W, WPE, WTE, GPTConfig, block_param_names
 from .fp8_linear import Fp8Linears, Fp8Saved
-from .options import FastOptions
+from .options import FP8_ONLY_GPT2, FastOptions
 
 VOCAB_ALIGN = 64  # pad the vocabulary to a multiple of this (unless the config pads already)
 
@@ -116,8 +116,7 @@ class FastGPT(GPTBase):
         self.flash = opts.attention_kernel != "math" and (self.xp is np or half)
         self.attention = "flash" if self.flash else "math-copy"
         if opts.fp8 != "off" and not self.runs_fp8:
-            raise ValueError(f"FastOptions.fp8={opts.fp8!r}: FP8 is implemented for the GPT-2 family's fast step only, "
-                             f"not {type(self).__name__}")
+            raise ValueError(f"FastOptions.fp8={opts.fp8!r}: {FP8_ONLY_GPT2}, not {type(self).__name__}")
         # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
         self.fp8 = Fp8Linears(opts.fp8, opts.fp8_history, self.xp) if opts.fp8 != "off" else None
 

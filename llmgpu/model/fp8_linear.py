@@ -40,8 +40,8 @@ from ..instrument import region
 from ..ops.fp8 import AmaxHistory, fp8_cast, quantize
 from ..ops.gelu import gelu_backward, gelu_forward
 from ..ops.linear import add_bias, bias_grad
+from .options import FP8_LINEARS as FP8_LAYERS  # per block, the linear layers that run in FP8
 
-FP8_LAYERS = ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")  # per block, the linear layers that run in FP8
 FORMATS = {"x": "e4m3", "w": "e4m3", "dy": "e5m2"}  # the format of each of a layer's three tensors
 
 
