@@ -21,6 +21,8 @@ import numpy as np
 from llmgpu import backend
 from llmgpu.bench import make_train_step
 from llmgpu.model.family import FAMILIES, arch_of_preset
+from llmgpu.model.options import FastOptions
+from llmgpu.ops.fp8 import RECIPES as FP8_RECIPES
 from llmgpu.perf import profile, timing
 
 
@@ -33,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--book", action="store_true", help="the book step (GPT) instead of the fast one (FastGPT)")
     ap.add_argument("--reps", type=int, default=3, help="profiled steps (default 3), after one warm-up step")
     ap.add_argument("--top", type=int, default=24, help="rows printed (default 24; the JSON keeps all)")
+    ap.add_argument("--fp8", choices=FP8_RECIPES, help="the fast step with FastOptions(fp8=...) (chapter 5b)")
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
@@ -46,10 +49,13 @@ def main(argv=None) -> int:
     print(backend.device_info(xp).summary(), flush=True)
     copy = timing.copy_bandwidth(2**31 if gpu else 2**24, xp=xp)
     gemm = timing.gemm_ceiling(8192 if gpu else 256, dtype, xp=xp)
-    step, _ = make_train_step(cfg, a.batch, a.seq, dtype=dtype, xp=xp, fast=not a.book)
+    if a.fp8 and a.book:
+        ap.error("--fp8 is the fast step's (FastOptions.fp8); drop --book")
+    options = FastOptions(fp8=a.fp8) if a.fp8 else None
+    step, _ = make_train_step(cfg, a.batch, a.seq, dtype=dtype, xp=xp, fast=not a.book, options=options)
     rows = profile.profile_step(step, reps=a.reps, gbps_ceiling=copy, tflops_ceiling=gemm, xp=xp)
     ms = rows[0]["step_ms"]
-    kind = "book" if a.book else "fast"
+    kind = "book" if a.book else ("fast fp8-" + a.fp8 if a.fp8 else "fast")
     print(f"{a.preset} ({cfg.num_parameters() / 1e6:.0f}M) {kind} step, B={a.batch} T={a.seq} {dtype}: {ms:.2f} ms "
           f"= {a.batch * a.seq / ms * 1e3:,.0f} tokens/s under the timer (copy {copy:,.0f} GB/s, GEMM {gemm:.3g} "
           f"TFLOP/s)\n")
