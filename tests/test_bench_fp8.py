@@ -275,7 +275,11 @@ def test_gpu_torch_compile_fp8_trains():
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64, pad_vocab_to=64)
     r = torch_reference.run_torch(cfg, 4, 64, steps=3, mode="compile", warmup=2, dtype="bf16", device="cuda", fp8=True)
     assert r["fp8_recipe"] == "torchao tensorwise" and r["fp8_layers"] == 3 * cfg.n_layer
-    assert math.isfinite(r["final_loss"]) and abs(r["final_loss"] - math.log(512)) < 1.0 and r["tokens_per_s"] > 0
+    assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0
+    # the same steps in bf16 without torchao (eager): FP8 follows them (the fixed batch is being learned: on the
+    # H100 the loss went from log(512) = 6.2 to about 5 in these 5 steps)
+    ref = torch_reference.run_torch(cfg, 4, 64, steps=3, mode="eager", warmup=2, dtype="bf16", device="cuda")
+    assert abs(r["final_loss"] - ref["final_loss"]) < 0.05 * ref["final_loss"], (r["final_loss"], ref["final_loss"])
 
 
 def test_the_scale_table_refuses_fp8_modes_rather_than_measure_bf16():

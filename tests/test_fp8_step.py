@@ -119,10 +119,19 @@ def test_fp8_forward_keeps_one_byte_casts_instead_of_the_inputs(rng):
     assert c["g"].x_t.shape == (4 * C, N) and c["h1"].w_t.shape == (C, 3 * C)
 
 
-def test_unfused_epilogues_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
-    """Where cuBLASLt's heuristic finds no FP8 kernel with an epilogue, the layer runs it unfused, same math."""
+FUSED = FastOptions(fp8="current", fp8_fused_epilogues=True)
+
+
+def test_unfused_epilogues_by_default_and_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
+    """The default runs bias and GELU as separate passes; with fused epilogues on, a cuBLASLt without an FP8 kernel
+    for one makes the layer fall back to the same separate passes. All three compute the same function."""
     idx, tgt = _batch(rng)
-    _, g_fused = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current")), idx, tgt)
+    _, g_fused = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FUSED), idx, tgt)
+    default = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current"))
+    _, g_default = _step(default, idx, tgt)
+    assert not default.fp8.fused_epilogues and not default.fp8.unfused
+    for name in g_default:
+        assert _rel(g_default[name], g_fused[name]) < 1e-5, name
     real = fp8_linear_module.fp8_gemm
 
     def no_epilogues(*args, epilogue="none", **kwargs):
@@ -131,7 +140,7 @@ def test_unfused_epilogues_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fp8_linear_module, "fp8_gemm", no_epilogues)
-    m = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current"))
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FUSED)
     _, g = _step(m, idx, tgt)
     assert m.fp8.unfused == {"bias", "gelu_bias", "dgelu"}
     for name in g:
@@ -142,7 +151,7 @@ def test_unfused_epilogues_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
 
     monkeypatch.setattr(fp8_linear_module, "fp8_gemm", broken)
     with pytest.raises(RuntimeError, match="something else"):  # only cuBLASLt's refusal falls back
-        FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current")).forward_backward(idx, tgt)
+        FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FUSED).forward_backward(idx, tgt)
 
 
 def test_fp8_bad_inputs(rng):
@@ -170,15 +179,15 @@ def _gpu_cfg():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe):
+@pytest.mark.parametrize("recipe,fused", [("current", False), ("delayed", False), ("current", True)])
+def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused):
     """bf16 model, FP8 GEMMs through cuBLASLt: gradients within FP8's error of the bf16 step's, losses close,
     and the fused epilogues found on Hopper (no unfused fallback)."""
     cfg = _gpu_cfg()
     idx = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
     tgt = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
     bf = FastGPT(cfg, dtype="bf16", seed=1)
-    m = FastGPT(cfg, dtype="bf16", seed=1, options=FastOptions(fp8=recipe))
+    m = FastGPT(cfg, dtype="bf16", seed=1, options=FastOptions(fp8=recipe, fp8_fused_epilogues=fused))
     l_bf, g_bf = _step(bf, idx, tgt)
     l8, g8 = _step(m, idx, tgt, steps=3)
     assert abs(l8 - l_bf) < 2e-2 * abs(l_bf)

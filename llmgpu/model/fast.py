@@ -118,7 +118,8 @@ class FastGPT(GPTBase):
         if opts.fp8 != "off" and not self.runs_fp8:
             raise ValueError(f"FastOptions.fp8={opts.fp8!r}: {FP8_ONLY_GPT2}, not {type(self).__name__}")
         # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
-        self.fp8 = Fp8Linears(opts.fp8, opts.fp8_history, self.xp) if opts.fp8 != "off" else None
+        self.fp8 = (Fp8Linears(opts.fp8, opts.fp8_history, self.xp, fused_epilogues=opts.fp8_fused_epilogues)
+                    if opts.fp8 != "off" else None)
 
     def capture_blocker(self) -> str | None:
         """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32, or with

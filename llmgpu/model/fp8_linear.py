@@ -25,10 +25,12 @@ history yet, so it scales like ``"current"``. Within one ``forward_backward`` no
 tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same
 bits as one without.
 
-**Epilogues cuBLASLt lacks.** Whether cuBLASLt has an FP8 kernel with the BIAS, GELU_AUX_BIAS or DGELU epilogue
-is its heuristic's answer on the machine. When it has none, the plan fails on the first call (always outside
-a CUDA graph capture) and the layer runs the same math unfused from then on (the GEMM in the model's dtype, then
-``add_bias`` / ``gelu_forward`` / ``gelu_backward``); ``unfused`` lists the epilogues for which that happened.
+**Epilogues.** cuBLASLt has FP8 kernels with the BIAS, GELU_AUX_BIAS and DGELU epilogues, but on an H100 they
+ran 1.3-2.6x slower than the same FP8 GEMM without an epilogue (chapter 5b's profile), more than the separate
+passes cost. So by default (``FastOptions.fp8_fused_epilogues=False``) the GEMM writes its plain product and
+``add_bias`` / ``gelu_forward`` / ``gelu_backward`` follow. With the fused epilogues on, a machine whose cuBLASLt
+has no such FP8 kernel fails the plan on the first call (always outside a CUDA graph capture) and the layer runs
+the unfused form from then on; ``unfused`` lists the epilogues for which that happened.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class Fp8Linears:
     layer. ``recipe``: "current" or "delayed" (module docstring); ``history``: steps of amax the delayed recipe
     keeps per activation or gradient."""
 
-    def __init__(self, recipe: str, history: int, xp):
+    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: bool = False):
         self.recipe, self.history, self.xp = recipe, int(history), xp
+        self.fused_epilogues = bool(fused_epilogues)
         self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
         self.primed = False  # delayed: False until the first step has filled the histories
         self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
@@ -149,7 +152,7 @@ class Fp8Linears:
 
     def _gemm(self, a, b, sa, sb, a_format, out, epilogue, bias, aux):
         """``out = a · bᵀ`` with ``epilogue`` fused by cuBLASLt, or unfused where it has no FP8 kernel for it."""
-        if epilogue != "none" and epilogue not in self.unfused:
+        if epilogue != "none" and self.fused_epilogues and epilogue not in self.unfused:
             try:
                 return fp8_gemm(a, b, sa, sb, a_format=a_format, out=out, out_dtype=out.dtype, epilogue=epilogue,
                                 bias=bias, aux=aux)
@@ -157,13 +160,13 @@ class Fp8Linears:
                 if "cuBLASLt" not in str(e) and "cublasLt" not in str(e):
                     raise
                 self.unfused.add(epilogue)  # from now on the unfused form (the module docstring)
+        if epilogue == "gelu_bias":  # the product into the pre-activation's buffer, then two passes
+            fp8_gemm(a, b, sa, sb, a_format=a_format, out=aux, out_dtype=aux.dtype)
+            gelu_forward(add_bias(aux, bias), out=out)
+            return out
         fp8_gemm(a, b, sa, sb, a_format=a_format, out=out, out_dtype=out.dtype)
         if epilogue == "bias":
             add_bias(out, bias)
-        elif epilogue == "gelu_bias":
-            aux[...] = out
-            add_bias(aux, bias)
-            gelu_forward(aux, out=out)
         elif epilogue == "dgelu":
             gelu_backward(out, aux, out=out)
         return out

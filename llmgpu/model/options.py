@@ -71,6 +71,9 @@ class FastOptions:
     # activations, E5M2 gradients) with that scaling recipe (ops/fp8.py); "off": every GEMM in the model's dtype
     fp8: str = "off"
     fp8_history: int = 16  # steps of amax the delayed recipe keeps per tensor (Transformer Engine's default is 1024)
+    # cuBLASLt's FP8 GEMMs with a BIAS, GELU_AUX_BIAS or DGELU epilogue measured 1.3-2.6x slower than the same GEMM
+    # without one on an H100 (chapter 5b's profile), more than the separate bias / GELU passes cost: off by default
+    fp8_fused_epilogues: bool = False
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,
