@@ -119,19 +119,23 @@ def test_fp8_forward_keeps_one_byte_casts_instead_of_the_inputs(rng):
     assert c["g"].x_t.shape == (4 * C, N) and c["h1"].w_t.shape == (C, 3 * C)
 
 
-FUSED = FastOptions(fp8="current", fp8_fused_epilogues=True)
+FUSED = FastOptions(fp8="current", fp8_fused_epilogues=("bias", "gelu_bias", "dgelu"))
+UNFUSED = FastOptions(fp8="current", fp8_fused_epilogues=())
 
 
 def test_unfused_epilogues_by_default_and_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
-    """The default runs bias and GELU as separate passes; with fused epilogues on, a cuBLASLt without an FP8 kernel
-    for one makes the layer fall back to the same separate passes. All three compute the same function."""
+    """Epilogues run fused, as separate passes, or (fused asked for, but cuBLASLt has no FP8 kernel for them)
+    separate after a fallback: all compute the same function."""
     idx, tgt = _batch(rng)
     _, g_fused = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FUSED), idx, tgt)
-    default = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="current"))
-    _, g_default = _step(default, idx, tgt)
-    assert not default.fp8.fused_epilogues and not default.fp8.unfused
-    for name in g_default:
-        assert _rel(g_default[name], g_fused[name]) < 1e-5, name
+    for opts in (UNFUSED, FastOptions(fp8="current")):
+        default = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=opts)
+        _, g_default = _step(default, idx, tgt)
+        assert default.fp8.fused_epilogues == set(opts.fp8_fused_epilogues) and not default.fp8.unfused
+        for name in g_default:
+            assert _rel(g_default[name], g_fused[name]) < 1e-5, name
+    with pytest.raises(ValueError, match="fp8_fused_epilogues must be a tuple of bias, gelu_bias, dgelu"):
+        FastOptions(fp8="current", fp8_fused_epilogues=("relu",))
     real = fp8_linear_module.fp8_gemm
 
     def no_epilogues(*args, epilogue="none", **kwargs):
@@ -179,7 +183,8 @@ def _gpu_cfg():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe,fused", [("current", False), ("delayed", False), ("current", True)])
+@pytest.mark.parametrize("recipe,fused", [("current", ("gelu_bias",)), ("delayed", ()),
+                                          ("current", ("bias", "gelu_bias", "dgelu"))])
 def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused):
     """bf16 model, FP8 GEMMs through cuBLASLt: gradients within FP8's error of the bf16 step's, losses close,
     and the fused epilogues found on Hopper (no unfused fallback)."""

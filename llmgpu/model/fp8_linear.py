@@ -25,12 +25,12 @@ history yet, so it scales like ``"current"``. Within one ``forward_backward`` no
 tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same
 bits as one without.
 
-**Epilogues.** cuBLASLt has FP8 kernels with the BIAS, GELU_AUX_BIAS and DGELU epilogues, but on an H100 they
-ran 1.3-2.6x slower than the same FP8 GEMM without an epilogue (chapter 5b's profile), more than the separate
-passes cost. So by default (``FastOptions.fp8_fused_epilogues=False``) the GEMM writes its plain product and
-``add_bias`` / ``gelu_forward`` / ``gelu_backward`` follow. With the fused epilogues on, a machine whose cuBLASLt
-has no such FP8 kernel fails the plan on the first call (always outside a CUDA graph capture) and the layer runs
-the unfused form from then on; ``unfused`` lists the epilogues for which that happened.
+**Epilogues.** cuBLASLt has FP8 kernels with the BIAS, GELU_AUX_BIAS and DGELU epilogues, but on an H100 some
+ran slower than the same FP8 GEMM without an epilogue followed by a separate pass (the fused DGELU 2.4x slower;
+chapter 5b's profiles). ``FastOptions.fp8_fused_epilogues`` names the ones fused (default: GELU_AUX_BIAS only);
+the others run as the plain product followed by ``add_bias`` / ``gelu_forward`` / ``gelu_backward``. A machine whose
+cuBLASLt has no FP8 kernel for a fused one fails the plan on the first call (always outside a CUDA graph
+capture), and the layer runs it unfused from then on; ``unfused`` lists the epilogues for which that happened.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ class Fp8Linears:
     layer. ``recipe``: "current" or "delayed" (module docstring); ``history``: steps of amax the delayed recipe
     keeps per activation or gradient."""
 
-    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: bool = False):
+    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: tuple = ()):
         self.recipe, self.history, self.xp = recipe, int(history), xp
-        self.fused_epilogues = bool(fused_epilogues)
+        self.fused_epilogues = frozenset(fused_epilogues)
         self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
         self.primed = False  # delayed: False until the first step has filled the histories
         self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
@@ -152,7 +152,7 @@ class Fp8Linears:
 
     def _gemm(self, a, b, sa, sb, a_format, out, epilogue, bias, aux):
         """``out = a · bᵀ`` with ``epilogue`` fused by cuBLASLt, or unfused where it has no FP8 kernel for it."""
-        if epilogue != "none" and self.fused_epilogues and epilogue not in self.unfused:
+        if epilogue in self.fused_epilogues and epilogue not in self.unfused:
             try:
                 return fp8_gemm(a, b, sa, sb, a_format=a_format, out=out, out_dtype=out.dtype, epilogue=epilogue,
                                 bias=bias, aux=aux)

@@ -20,6 +20,7 @@ from ..ops.fp8 import RECIPES as FP8_RECIPES
 FLASH_KERNELS = ("auto", *AUTO_RESOLVES_TO)  # flash attention, both directions: a run's choices (TrainConfig, bench)
 ATTENTION_KERNELS = (*FLASH_KERNELS, "math")  # FastOptions.attention_kernel: also chapter 2's kernels
 FP8_MODES = ("off", *FP8_RECIPES)  # FastOptions.fp8: bf16 GEMMs, or FP8 ones with this scaling recipe
+FP8_EPILOGUES = ("bias", "gelu_bias", "dgelu")  # what the FP8 linear layers may fuse (FastOptions.fp8_fused_epilogues)
 # where FastOptions.fp8 applies (dev/cuda/fp8_plan.md): the linear layers whose GEMMs run in FP8, by nanoGPT's module
 # names (QKV, MLP in, MLP out; the attention out-projection attn.c_proj and the LM head stay in the model's dtype),
 # the families whose fast step has them, and the GPUs with FP8 tensor cores (Ada sm_89, Hopper sm_90 and later)
@@ -71,9 +72,10 @@ class FastOptions:
     # activations, E5M2 gradients) with that scaling recipe (ops/fp8.py); "off": every GEMM in the model's dtype
     fp8: str = "off"
     fp8_history: int = 16  # steps of amax the delayed recipe keeps per tensor (Transformer Engine's default is 1024)
-    # cuBLASLt's FP8 GEMMs with a BIAS, GELU_AUX_BIAS or DGELU epilogue measured 1.3-2.6x slower than the same GEMM
-    # without one on an H100 (chapter 5b's profile), more than the separate bias / GELU passes cost: off by default
-    fp8_fused_epilogues: bool = False
+    # the epilogues cuBLASLt fuses into the FP8 GEMMs; the others run as separate passes. On an H100 (GPT-2, B=32;
+    # chapter 5b's profiles) the fused DGELU was 2.4x slower than GEMM + pass, the fused GELU_AUX_BIAS 1.26x faster,
+    # the fused BIAS faster for QKV and slower for MLP-out: "gelu_bias" alone is fused by default
+    fp8_fused_epilogues: tuple = ("gelu_bias",)
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,
@@ -85,6 +87,10 @@ class FastOptions:
                 raise ValueError(f"FastOptions.{f.name} must be one of {', '.join(allowed[f.name])}, got {v!r}")
             if f.type == "bool" and not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"FastOptions.{f.name} must be True or False, got {v!r}")
+        fused = self.fp8_fused_epilogues
+        if not isinstance(fused, tuple) or not set(fused) <= set(FP8_EPILOGUES):
+            raise ValueError(f"FastOptions.fp8_fused_epilogues must be a tuple of {', '.join(FP8_EPILOGUES)}, "
+                             f"got {fused!r}")
         for name in ("lm_head_rows", "fp8_history"):
             v = getattr(self, name)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
