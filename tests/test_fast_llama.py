@@ -57,6 +57,18 @@ def test_fast_llama_matches_the_book_llama_in_float64(rng, tied, n_kv_head, k):
     assert not fast.grads()["model.embed_tokens.weight"][37:].any()  # the padded rows get no gradient
 
 
+def test_fast_llama_rope_pass_or_fold_is_the_same_function_in_float64(rng):
+    """On NumPy the fold is the reference's rope_backward after attention's: with and without it, the same
+    gradients to float64 rounding."""
+    idx, tgt = _batch(rng, CFG, T=11)
+    grads = []
+    for fold in (True, False):
+        m = FastLlama(CFG, dtype="fp64", seed=2, options=FastOptions(rope_in_attention_backward=fold))
+        m.forward_backward(idx, tgt)
+        grads.append(m.params.grad.copy())
+    assert rel_error(grads[0], grads[1]) < 1e-13 and np.any(grads[0])
+
+
 @pytest.mark.parametrize("multiple", [16, 48])
 def test_fast_llama_stacked_projections_and_their_fallback_give_the_same_gradients(rng, multiple):
     """q|k|v and gate|up are one GEMM each over the stacked weights when they lie back to back (the default
@@ -123,10 +135,11 @@ def test_trainer_runs_the_fast_llama_on_the_cpu_when_asked(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["auto", "cudnn", "math"])
+@pytest.mark.parametrize("kernel", ["auto", "ours", "cudnn", "math"])
 @pytest.mark.parametrize("n_kv_head", [2, 4])
 def test_gpu_fast_llama_bf16_matches_the_float64_book_llama(cp, rng, kernel, n_kv_head):
-    """bf16 on the GPU (flash attention: cuDNN, or "auto"'s choice; "math": chapter 2's kernels) against the fp64
+    """bf16 on the GPU (flash attention: ours with RoPE's backward folded in, cuDNN with a RoPE pass after, or
+    "auto"'s choice; "math": chapter 2's kernels) against the fp64
     book model on NumPy: the loss to 1e-2 relative, every gradient to 5e-2 (bf16 rounds each activation to 8 bits
     of mantissa; the largest errors sit in the small norm gains)."""
     _need_fast(cp)
@@ -190,6 +203,25 @@ def test_gpu_fast_llama_nondeterministic_attention_is_the_same_function(cp, rng)
     assert losses[0] == losses[1]
     assert rel_error(backend.to_numpy(grads[1]), backend.to_numpy(grads[0])) < 1e-2
     assert not bool(cp.all(grads[0] == 0))
+
+
+@pytest.mark.gpu
+def test_gpu_rope_folded_into_attention_backward_is_the_same_function(cp, rng):
+    """``FastOptions(rope_in_attention_backward=False)``, the separate RoPE pass, against the default fold (our
+    kernels): the loss bit for bit (the forward is the same), every gradient to bf16 rounding (the fold rotates the
+    fp32 accumulators, the pass the rounded dq, dk), not all zero."""
+    _need_fast(cp)
+    cfg = replace(CFG, n_layer=2, n_head=6, n_kv_head=2, n_embd=384, ffn_dim=352, vocab_size=211, block_size=128)
+    idx, tgt = (cp.asarray(a) for a in _batch(rng, cfg, B=3, T=127))
+    losses, grads = [], []
+    for fold in (True, False):
+        m = FastLlama(cfg, dtype="bf16", xp=cp, seed=4, options=FastOptions(attention_kernel="ours",
+                                                                           rope_in_attention_backward=fold))
+        losses.append(float(m.forward_backward(idx, tgt)))
+        grads.append(m.params.grad.copy())
+    assert losses[0] == losses[1]
+    assert rel_error(backend.to_numpy(grads[0]), backend.to_numpy(grads[1])) < 1e-2
+    assert not bool(cp.all(grads[0] == grads[1])) and not bool(cp.all(grads[0] == 0))
 
 
 def _gpu_cfg(**kw):

@@ -41,6 +41,11 @@
 // rows padded by 8 elements (16 bytes) so that no ldmatrix has a bank conflict; the inner tiles arrive by cp.async,
 // double-buffered (or in a ring of three), so the next tile's copy overlaps this tile's MMAs.
 //
+// RoPE (the fast Llama step): q and k arrive rotated (ops/rope.py, applied in place after the QKV GEMM), so the
+// backward's dQ and dK are gradients with respect to the rotated vectors. The wide kernels can fold RoPE's backward
+// (the inverse rotation, dx_j = dy_j cos + dy_{j+D/2} sin, dx_{j+D/2} = dy_{j+D/2} cos − dy_j sin) into their
+// stores (ROPE = 1, given its fp32 tables): a separate pass over dQ and dK less, and one rounding less.
+//
 // Determinism: no atomics anywhere. The backward runs one kernel over key tiles (dK, dV, looping over query
 // tiles) and one over query tiles (dQ, looping over key tiles): each output element is written by exactly one
 // thread in a fixed order, so two runs give the same bits. The price is computing the scores twice.
@@ -52,8 +57,8 @@
 // llmgpu:kernel flash_bwd_dot<{__half,__nv_bfloat16}>
 // llmgpu:kernel flash_bwd_dkdv<{__half,__nv_bfloat16}, {64,128}>
 // llmgpu:kernel flash_bwd_dq<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}>
-// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}>
+// llmgpu:kernel flash_bwd_dkdv_wide<{__half,__nv_bfloat16}, {64,128}, {0,1}>
+// llmgpu:kernel flash_bwd_dq_wide<{__half,__nv_bfloat16}, {64,128}, {0,1}>
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -735,14 +740,15 @@ struct fa_row_stats {
 // flash_bwd_dkdv, so the two agree to rounding, not to the bit): ~250 registers with the d loops of Sᵀ and dPᵀ
 // fully unrolled (no spill since the row statistics come packed; unrolled by 2 it measured 6 % slower), 2 blocks
 // (8 warps) per SM as flash_bwd_dkdv.
-template <typename T, int HD>
+template <typename T, int HD, int ROPE>
 __global__ void __launch_bounds__(fa_cfg<HD>::DKDV_WARPS * 32, 2)
 flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
                     T* __restrict__ dv, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
                     long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
                     long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long dk_sb,
-                    long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st) {
+                    long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh, long long dv_st,
+                    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WK = 16 * MT;  // 16-key tiles and keys per warp
     constexpr int NT = fa_cfg<HD>::DKDV_WARPS * 32, BN = fa_cfg<HD>::DKDV_WARPS * WK, BM = fa_cfg<HD>::WIDE_KV_BM;
     constexpr int LD = HD + FA_PAD;
@@ -887,6 +893,9 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
             if (key >= T_len) continue;
             T* krow = dkb + (long long)key * dk_st;
             T* vrow = dvb + (long long)key * dv_st;
+            if constexpr (ROPE)
+                fa_rope_backward_row<HD>(adk[m], r, rope_cos + (long long)key * (HD / 2),
+                                         rope_sin + (long long)key * (HD / 2), c);
 #pragma unroll
             for (int n = 0; n < HD / 8; ++n) {
                 *reinterpret_cast<unsigned*>(krow + n * 8 + c) =
@@ -907,14 +916,15 @@ flash_bwd_dkdv_wide(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // through a ring of WIDE_DQ_BUFS buffers: with three, two tiles are in flight and one barrier per tile suffices
 // (the barrier at the top of tile j + 1 proves every warp has left tile j − 1, whose buffer tile j + 2 takes); with
 // HD = 128 three buffers would not leave room for three blocks, so it keeps two and a barrier at the end of a tile.
-template <typename T, int HD>
+template <typename T, int HD, int ROPE>
 __global__ void __launch_bounds__(fa_cfg<HD>::DQ_WARPS * 32, fa_cfg<HD>::WIDE_DQ_MIN_BLOCKS)
 flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
                   const T* __restrict__ o, const float* __restrict__ lse, fa_row_stats* __restrict__ stats,
                   T* __restrict__ dq, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
                   long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
                   long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st, long long o_sb,
-                  long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st) {
+                  long long o_sh, long long o_st, long long dq_sb, long long dq_sh, long long dq_st,
+                  const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {
     constexpr int MT = fa_cfg<HD>::WIDE_MT, WQ = 16 * MT;  // 16-row tiles and rows per warp
     constexpr int NT = fa_cfg<HD>::DQ_WARPS * 32, BM = fa_cfg<HD>::DQ_WARPS * WQ, BN = fa_cfg<HD>::WIDE_DQ_BN;
     constexpr int LD = HD + FA_PAD, NBUF = fa_cfg<HD>::WIDE_DQ_BUFS;
@@ -1062,6 +1072,9 @@ flash_bwd_dq_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __r
             const int row = w0 + m * 16 + g + 8 * r;
             if (row >= T_len) continue;
             T* qrow = dqb + (long long)row * dq_st;
+            if constexpr (ROPE)
+                fa_rope_backward_row<HD>(adq[m], r, rope_cos + (long long)row * (HD / 2),
+                                         rope_sin + (long long)row * (HD / 2), c);
 #pragma unroll
             for (int n = 0; n < HD / 8; ++n)
                 *reinterpret_cast<unsigned*>(qrow + n * 8 + c) =

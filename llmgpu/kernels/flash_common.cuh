@@ -1,6 +1,6 @@
 // flash_common.cuh: what the flash-attention kernels share (flash_attention.cu, flash_attention_wgmma.cu): the
-// asynchronous global -> shared copies their tiles arrive by (NVIDIA only: inline PTX, sm_80+), and the order in
-// which their blocks take (head, tile) pairs.
+// asynchronous global -> shared copies their tiles arrive by (NVIDIA only: inline PTX, sm_80+), the order in
+// which their blocks take (head, tile) pairs, and RoPE's backward on a row of a gradient before its store.
 #pragma once
 
 __device__ __forceinline__ unsigned fa_saddr(const void* p) {
@@ -48,4 +48,26 @@ __device__ __forceinline__ int fa_block_tile(bool longest_last) {
 // (with signed divisions the D = 64 wgmma forward and wide dK/dV kernels, at their register caps, spilled).
 __device__ __forceinline__ int fa_udiv(int a, int b) {
     return static_cast<int>(static_cast<unsigned>(a) / static_cast<unsigned>(b));
+}
+
+// RoPE's backward on one row of a gradient about to be stored (flash_attention.cu's header gives the formula), in
+// place on the fp32 accumulators: x[n][2r + e] holds column n·8 + c + e of the row (r = 0: lane row g, r = 1: g + 8).
+// Column j pairs with j + HD/2, which is tile n + HD/16 of the same lane (the C fragments put a lane's columns at
+// c, c + 1 of every 8-column tile), so a lane rotates its own values. cos_row, sin_row: the rows of the [S, HD/2]
+// fp32 tables at this row's position (8-byte aligned: the host checks, and runs a separate pass otherwise).
+template <int HD>
+__device__ __forceinline__ void fa_rope_backward_row(float (&x)[HD / 8][4], int r, const float* __restrict__ cos_row,
+                                                     const float* __restrict__ sin_row, int c) {
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+        const float2 cs = *reinterpret_cast<const float2*>(cos_row + n * 8 + c);
+        const float2 sn = *reinterpret_cast<const float2*>(sin_row + n * 8 + c);
+        const float cv[2] = {cs.x, cs.y}, sv[2] = {sn.x, sn.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float lo = x[n][2 * r + e], hi = x[n + HD / 16][2 * r + e];
+            x[n][2 * r + e] = lo * cv[e] + hi * sv[e];
+            x[n + HD / 16][2 * r + e] = hi * cv[e] - lo * sv[e];
+        }
+    }
 }

@@ -228,8 +228,7 @@ class FastGPT(GPTBase):
     def _attention_forward(self, qkv, B, T):
         """Causal attention on the ``[N, 3C]`` QKV buffer: ``(y [N, C], state for the backward)``."""
         cfg = self.config
-        H, C = cfg.n_head, cfg.n_embd
-        D = C // H
+        H, C, D = cfg.n_head, cfg.n_embd, cfg.n_embd // cfg.n_head
         it = qkv.dtype.itemsize
         with region("attn.core fwd", flops=2.0 * B * H * T * T * D, bytes=4 * B * T * C * it):
             return self._attention_core(*split_qkv(qkv.reshape(B, T, 3 * C), H), B, T)
@@ -237,8 +236,7 @@ class FastGPT(GPTBase):
     def _attention_backward(self, dy, state, B, T):
         """``dqkv [N, 3C]`` from ``dy [N, C]``."""
         cfg, xp = self.config, self.xp
-        H, C = cfg.n_head, cfg.n_embd
-        D = C // H
+        H, C, D = cfg.n_head, cfg.n_embd, cfg.n_embd // cfg.n_head
         it = dy.dtype.itemsize
         with region("attn.core bwd", flops=5.0 * B * H * T * T * D, bytes=8 * B * T * C * it):
             dqkv = xp.empty((B, T, 3 * C), dtype=dy.dtype)
@@ -260,19 +258,21 @@ class FastGPT(GPTBase):
         y = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).reshape(B * T, C)
         return y, (qc, kc, vc, o, stats)
 
-    def _attention_core_backward(self, dy, state, dq, dk, dv, B, T):
-        """The gradients of ``_attention_core`` from ``dy [N, C]``, written into the ``[B, n, T, D]`` views dq, dk, dv
-        (dk, dv summed over each K/V head's group of query heads)."""
+    def _attention_core_backward(self, dy, state, dq, dk, dv, B, T, rope=None):
+        """The gradients of ``_attention_core`` from ``dy [N, C]`` into the ``[B, n, T, D]`` views dq, dk, dv (dk, dv
+        summed over each K/V head's group). ``rope``: Llama's (cos, sin), applied by flash attention (returns True)."""
         xp, H = self.xp, self.config.n_head
         q, k, v, o, stats = state
         if self.flash:
             flash_attention_backward(heads_view(dy.reshape(B, T, -1), H), q, k, v, o, stats, causal=True,
                                      dq=dq, dk=dk, dv=dv, kernel=self.options.attention_kernel,
-                                     choices=self.kernel_choices, deterministic=self.options.deterministic_attention)
-            return
+                                     choices=self.kernel_choices, deterministic=self.options.deterministic_attention,
+                                     rope=rope)
+            return rope is not None
         do = xp.ascontiguousarray(dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
         for out, g in zip((dq, dk, dv), attention_backward(do, q, k, v, o, stats, causal=True)):
             out[...] = g
+        return False
 
     # ------------------------------------------------------------------ forward
 

@@ -17,7 +17,9 @@ the fp32 buffer, and its flash attention (``FastOptions.attention_kernel``; grou
   in place in that layout, in one pass (``rope_forward(..., seq_axis=1)`` on a row-strided view) and flash
   attention reads all three through strided ``[B, heads, T, D]`` views (``split_qkv``), writing its output
   straight into the ``[N, C]`` rows the output projection reads. The book step makes four transposing copies
-  per block instead.
+  per block instead. In the backward, RoPE's inverse rotation of dq and dk is folded into flash attention's
+  stores (``flash_attention_backward(..., rope=)``; our kernels do it in registers), not a pass of its own
+  (``FastOptions.rope_in_attention_backward``).
 * **RMSNorm with the residual stream.** The state entering block i is ``(x, rmsnorm(x), inv_rms)``, as FastGPT's
   is ``(x, ln_1(x), mean, rstd)``: each block ends with its residual add and the next block's input norm (the
   final norm after the last block), so a checkpointed span input already holds what its first block reads.
@@ -124,15 +126,21 @@ class FastLlama(LlamaFamily, FastGPT):
             return self._attention_core(*split_qkv(qkv.reshape(B, T, -1), H, Hk), B, T)
 
     def _attention_backward(self, dy, state, B, T):
-        """``dqkv [N, C + 2·kv_dim]`` from ``dy [N, C]`` (dk, dv summed over each K/V head's group)."""
+        """``dqkv [N, C + 2·kv_dim]`` from ``dy [N, C]`` (dk, dv summed over each K/V head's group), RoPE's backward
+        applied to dq and dk: folded into flash attention's stores, else a pass after it."""
         cfg, xp = self.config, self.xp
         H, Hk, C, D = cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.head_dim
         width = C + 2 * Hk * D
         with region("attn.core bwd", flops=5.0 * B * H * T * T * D,
                     bytes=(2 * dy.size + 2 * B * T * width) * dy.dtype.itemsize):
             dqkv = xp.empty((B, T, width), dtype=dy.dtype)
-            self._attention_core_backward(dy, state, *split_qkv(dqkv, H, Hk), B, T)
-            return dqkv.reshape(B * T, width)
+            fold = self.options.rope_in_attention_backward
+            rotated = self._attention_core_backward(dy, state, *split_qkv(dqkv, H, Hk), B, T,
+                                                    rope=(self.rope_cos, self.rope_sin) if fold else None)
+        dqkv = dqkv.reshape(B * T, width)
+        if not rotated:
+            self._rope(self._qk_heads(dqkv, B, T), inverse=True, name="rope q,k bwd")
+        return dqkv
 
     def _qk_heads(self, qkv, B, T):
         """q's and k's heads of the q|k|v rows as one token-major ``[B, T, H + H_kv, D]`` view (RoPE turns them
@@ -197,9 +205,8 @@ class FastLlama(LlamaFamily, FastGPT):
         # attention: x2 = x + y W_oᵀ
         self._linear_grads(dx, c["y"], n["self_attn.o_proj.weight"], None, name="attn.proj")
         dy = self._dgrad(dx, n["self_attn.o_proj.weight"], name="attn.proj")
-        dqkv = self._attention_backward(dy, c["att"], B, T)
+        dqkv = self._attention_backward(dy, c["att"], B, T)  # RoPE's backward included
         del dy
-        self._rope(self._qk_heads(dqkv, B, T), inverse=True, name="rope q,k bwd")
         dh1 = self._stacked_backward(dqkv, c["h1"], _names(n, QKV), name="attn.qkv")
         del dqkv
         return self._norm_backward(dh1, c["x"], n["input_layernorm.weight"], c["inv1"], dx,

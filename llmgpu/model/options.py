@@ -64,6 +64,9 @@ class FastOptions:
     # rows of logits alive at a time in the training step (module docstring): [8192, 50304] bf16 is 0.8 GB,
     # against 6.6 GB for the whole [65536, 50304] at B = 64, T = 1024; large enough for full-speed GEMMs
     lm_head_rows: int = 8192
+    # issue 36 (the Llama family; GPT-2 has no RoPE): RoPE's backward on dq, dk folded into the flash attention
+    # backward's stores (False: a separate pass after it, the step before, for A/B benchmarks)
+    rope_in_attention_backward: bool = True
     # kernel variants of chapter 3 (verified on the H200; see benchmarks/bench_ch3_layernorm_gelu_ce.py)
     embedding_backward_method: str = "counting"  # deterministic, no host sync, fixed launch shapes (capturable)
     layernorm_backward_method: str = "fast"  # two rows in flight per warp; residual gradient, fp32 accumulation fused

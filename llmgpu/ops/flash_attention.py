@@ -90,6 +90,8 @@ from .flash_launch import (
     ours_forward,
     smem_bytes,
 )
+from .qkv_views import heads_view, split_qkv
+from .rope import check_rope_tables, rope_backward_heads
 
 KERNELS = ("auto", *FWD_IMPLS, "cudnn")  # the forward's; the backward takes "auto", "ours", "cudnn"
 DEFAULT_KERNEL = "auto"
@@ -123,39 +125,6 @@ def backward_is_deterministic() -> bool | None:
 def graph_count() -> int:
     """Number of cached cuDNN attention graphs."""
     return cudnn_attention.graph_count()
-
-
-# --------------------------------------------------------------------------- strided views
-
-
-def split_qkv(qkv, n_head: int, n_kv_head: int | None = None):
-    """q, k, v as ``[B, H, T, D]`` views of a contiguous ``[B, T, 3C]`` QKV buffer (no copy).
-
-    Column block 0 of the last axis is q, block 1 k, block 2 v (the layout of GPT-2's ``c_attn``);
-    element strides ``(T·3C, D, 3C, 1)``. With ``n_kv_head`` (grouped-query attention) the buffer is
-    ``[B, T, (H + 2·H_kv)·D]``: q's H heads, then k's and v's H_kv heads each.
-    """
-    h_kv = n_head if n_kv_head is None else n_kv_head
-    kv_group(n_head, h_kv)
-    width = n_head + 2 * h_kv  # heads of D columns in a row
-    if qkv.ndim != 3 or qkv.shape[-1] % width:
-        want = "3C] with C a multiple of" if h_kv == n_head else f"(H + 2·H_kv)·D] with H_kv={h_kv},"
-        raise ValueError(f"qkv must be [B, T, {want} n_head={n_head}, got {tuple(qkv.shape)}")
-    if not qkv.flags.c_contiguous:
-        raise ValueError("qkv must be C-contiguous")
-    B, T, W = qkv.shape
-    heads = qkv.reshape(B, T, width, W // width).transpose(0, 2, 1, 3)
-    return heads[:, :n_head], heads[:, n_head:n_head + h_kv], heads[:, n_head + h_kv:]
-
-
-def heads_view(x, n_head: int):
-    """A ``[B, H, T, D]`` view of a contiguous ``[B, T, C]`` buffer (no copy): element strides ``(T·C, D, C, 1)``."""
-    if x.ndim != 3 or x.shape[-1] % n_head:
-        raise ValueError(f"x must be [B, T, C] with C a multiple of n_head={n_head}, got {tuple(x.shape)}")
-    if not x.flags.c_contiguous:
-        raise ValueError("x must be C-contiguous")
-    B, T, C = x.shape
-    return x.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
 
 
 def _check_bhtd(name, a, shape=None, dtype=None):
@@ -315,7 +284,7 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices, deterministic=T
     if kernel != "auto":
         return kernel
     cp = backend.cupy_module()
-    contest = direction if deterministic else "bwd-nondeterministic"
+    contest = direction if deterministic else f"{direction}-nondeterministic"
     key = (contest, *q.shape, backend.dtype_name(q.dtype), bool(causal))
     if arrays[0].shape[1] != q.shape[1]:  # grouped K/V heads (arrays[0] is k): a shape of its own
         key += (arrays[0].shape[1],)
@@ -410,7 +379,7 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
 
 
 def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=None, dv=None, kernel=None,
-                             variant=None, choices=None, deterministic=True):
+                             variant=None, choices=None, deterministic=True, rope=None):
     """Gradients ``(dq, dk, dv)`` from dO, the inputs, the forward's output and its ``stats`` (lse).
 
     do, q, o are ``[B, H, T, D]``, k, v and dk, dv ``[B, H_kv, T, D]`` (as for the forward; dk and dv sum over
@@ -422,6 +391,9 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     (default True): every candidate bitwise repeatable (ours always is; cuDNN's deterministic algorithm);
     False lets cuDNN run its default backward (dQ summed with atomics: faster, the last bits vary run to run;
     what PyTorch's SDPA runs), and "auto" times and records that pair under a key of its own.
+    ``rope``: ``rope_tables``' (cos, sin) when q and k were rotated by RoPE (the Llama step): dq, dk are then those of
+    the *unrotated* q, k (our wide kernels fold RoPE's backward into their stores; cuDNN, the base variant and NumPy
+    run ``rope_backward`` after), and "auto" times each contestant with its RoPE pass (contest "bwd-rope").
     """
     if variant is not None:
         check_choice("variant", variant, BWD_VARIANTS)
@@ -447,15 +419,19 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     dq = _out("dq", dq, q.shape, q.dtype, xp)
     dk = _out("dk", dk, k.shape, q.dtype, xp)
     dv = _out("dv", dv, k.shape, q.dtype, xp)
+    if rope is not None:
+        rope = check_rope_tables(rope, T, D, xp)
     kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
         check_choice("kernel", kernel, ("auto", "ours", "cudnn"))
-        G = H // k.shape[1]
-        kr, vr = (np.repeat(a, G, axis=1) if G > 1 else a for a in (k, v))  # repeat, then sum over each group
-        for g, r in zip((dq, dk, dv), flash_reference.tiled_backward(do, q, kr, vr, o, lse, stats.scale, causal)):
-            g[...] = (r if g.shape == r.shape else r.reshape(B, H // G, G, T, D).sum(axis=2)).astype(g.dtype)
+        for g, r in zip((dq, dk, dv), flash_reference.grouped_backward(do, q, k, v, o, lse, stats.scale, causal)):
+            g[...] = r.astype(g.dtype)
+        for g in (dq, dk) if rope is not None else ():
+            rope_backward_heads(g, *rope)
         return dq, dk, dv
     _check_gpu_layout(q=q, k=k, v=v, do=do, o=o, dq=dq, dk=dk, dv=dv)
+    bwd_variant = variant or DEFAULT_BWD_VARIANT
+    fold = rope is not None and bwd_variant == "wide" and all(t.data.ptr % 8 == 0 for t in rope)
 
     def run(name):
         if name == "cudnn":
@@ -463,10 +439,15 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
             cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, deterministic=deterministic)
         else:
             _require_ours(q, k, v, do, o, dq, dk, dv)
-            ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, variant or DEFAULT_BWD_VARIANT)
+            ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, bwd_variant,
+                          rope=rope if fold else None)
+        if rope is not None and not (name == "ours" and fold):
+            for g in (dq, dk):
+                rope_backward_heads(g, *rope)
         _BACKWARD_RAN.add(name)
 
-    run(_resolve(kernel, "bwd", q, (k, v, do, o, dq, dk, dv), causal, run, choices, deterministic))
+    direction = "bwd" if rope is None else "bwd-rope"
+    run(_resolve(kernel, direction, q, (k, v, do, o, dq, dk, dv), causal, run, choices, deterministic))
     return dq, dk, dv
 
 

@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 
 AUTO_RESOLVES_TO = ("ours", "cudnn")  # what "auto" picks between
-# "bwd-nondeterministic": a backward allowed cuDNN's faster algorithm (dQ by atomics), a contest of its own
-DIRECTIONS = ("fwd", "bwd", "bwd-nondeterministic")
-_KEY_TEXT = re.compile(r"^(fwd|bwd|bwd-nondeterministic) B=(\d+) H=(\d+)(?: H_kv=(\d+))? T=(\d+) D=(\d+) (\w+) "
+# "bwd-nondeterministic": a backward allowed cuDNN's faster algorithm (dQ by atomics), a contest of its own;
+# "bwd-rope[-nondeterministic]": a backward with RoPE's backward after it (folded into ours, a pass after cuDNN's)
+DIRECTIONS = ("fwd", "bwd", "bwd-nondeterministic", "bwd-rope", "bwd-rope-nondeterministic")
+_KEY_TEXT = re.compile(r"^(" + "|".join(DIRECTIONS) + r") B=(\d+) H=(\d+)(?: H_kv=(\d+))? T=(\d+) D=(\d+) (\w+) "
                        r"(causal|full)$")
 
 

@@ -27,6 +27,10 @@ Grouped-query attention (k, v with H_kv = H / G heads): every kernel takes G; th
 the B·H query heads and read K/V head h // G, the dK/dV kernels over the B·H_kv K/V heads, each block summing over
 its G query heads in registers (kernels/flash_attention.cu says why), so G = 1 is the multi-head launch unchanged.
 
+RoPE (Llama): the wide kernels come in two instantiations, ``ROPE = 0`` and ``ROPE = 1``; the second takes RoPE's
+fp32 cos/sin tables and applies RoPE's backward (the inverse rotation) to dQ and dK in registers before storing them
+(``ours_backward(rope=...)``), so the fast Llama step needs no separate pass over them.
+
 Every tensor-core kernel takes its (head, tile) from a grid of heads in groups (``plan``, ``tile_group``; the order
 is ``fa_block_head`` in kernels/flash_common.cuh): the same results bit for bit in any order, faster in a good one
 (dev/cuda/flash_tile_order.py measured it).
@@ -160,11 +164,12 @@ class Launch:
         return self.grid[0]
 
 
-def plan(name: str, q, group: int | None = None, kv_heads: int | None = None) -> Launch:
+def plan(name: str, q, group: int | None = None, kv_heads: int | None = None, rope: bool = False) -> Launch:
     """How tensor-core flash kernel ``name`` (flash_fwd, flash_fwd_wgmma, flash_bwd_dkdv[_wide],
     flash_bwd_dq[_wide]) is launched on q's shape and dtype. ``group``: heads per group of the launch order;
     None: ``tile_group``'s choice for the kernel's occupancy on this GPU. ``kv_heads``: H_kv (None: H), the heads
-    the dK/dV kernels' grid runs over."""
+    the dK/dV kernels' grid runs over. ``rope``: the wide backward kernels' instantiation that folds RoPE's
+    backward into its dQ/dK stores."""
     B, H, T, D = q.shape
     heads = (kv_heads or H) if "dkdv" in name else H
     if name == "flash_fwd_wgmma":
@@ -172,7 +177,7 @@ def plan(name: str, q, group: int | None = None, kv_heads: int | None = None) ->
         kern = _kernel(name, smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
     else:
         smem = smem_bytes(name, D)
-        kern = _kernel(name, smem, q.dtype, D)
+        kern = _kernel(name, smem, q.dtype, D, *((int(rope),) if name.endswith("_wide") else ()))
         c = FA_CFG[D]
         if name == "flash_fwd":
             rows, threads = fwd_rows(D), 32 * c["FWD_WARPS"]
@@ -256,11 +261,12 @@ def row_stats_buffer(cp, B, H, T, variant=DEFAULT_BWD_VARIANT):
 
 
 def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAULT_BWD_VARIANT, only=None,
-                  group=None):
+                  group=None, rope=None):
     """dq, dk, dv by the kernels of ``variant`` (k, v, dk, dv with H_kv heads: dk, dv summed over each K/V head's
     query heads). ``only`` (benchmarks: one kernel's time) launches just the kernel of that name from the variant's
     list; the others' outputs are then left as they were. ``group``: heads per group of the launch order (default:
-    ``plan``)."""
+    ``plan``). ``rope``: ``(cos, sin)``, C-contiguous fp32 ``[S >= T, D / 2]`` tables on 8-byte boundaries (the
+    caller checks): dq and dk come out through RoPE's backward, folded into the stores ("wide" only)."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
     H_kv, G = k.shape[1], kv_group_size(q, k)
@@ -269,6 +275,9 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     def head(n_heads):  # H, G, T, scale, causal and the heads the kernel's grid runs over
         return np.int32(H), np.int32(G), np.int32(T), np.float32(scale), np.int32(bool(causal)), np.int32(B * n_heads)
 
+    if rope is not None and variant != "wide":
+        raise ValueError(f"RoPE's backward folds into the 'wide' backward kernels only, not variant={variant!r}")
+    tables = tuple(rope) if rope is not None else (np.uint64(0), np.uint64(0))  # null: the ROPE = 0 kernels ignore them
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
     rows = B * H * T
@@ -283,10 +292,10 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
         if name == "flash_bwd_dkdv":
             args = (q, k, v, do, lse, stats, dk, dv, *head(H_kv), *kv)
         elif name == "flash_bwd_dkdv_wide":  # lse · log2 e comes with D in stats
-            args = (q, k, v, do, stats, dk, dv, *head(H_kv), *kv)
+            args = (q, k, v, do, stats, dk, dv, *head(H_kv), *kv, *tables)
         elif name == "flash_bwd_dq":
             args = (q, k, v, do, lse, stats, dq, *head(H), *ins, *_strides(dq))
         else:  # flash_bwd_dq_wide: also reads O and writes the row stats
-            args = (q, k, v, do, o, lse, stats, dq, *head(H), *ins, *_strides(o), *_strides(dq))
-        run = plan(name, q, group, kv_heads=H_kv)
+            args = (q, k, v, do, o, lse, stats, dq, *head(H), *ins, *_strides(o), *_strides(dq), *tables)
+        run = plan(name, q, group, kv_heads=H_kv, rope=rope is not None)
         run.kernel(run.grid, run.block, args, shared_mem=run.smem)

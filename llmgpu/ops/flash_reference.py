@@ -115,4 +115,15 @@ def tiled_backward(do, q, k, v, o, lse, scale, causal, tile=TILE):
     return dq * ct(scale), dk * ct(scale), dv
 
 
-__all__ = ["TILE", "compute_dtype", "naive_backward", "naive_forward", "tiled_backward", "tiled_forward"]
+def grouped_backward(do, q, k, v, o, lse, scale, causal):
+    """``tiled_backward`` for K/V with H_kv heads dividing q's H: K/V repeated per group of H / H_kv query heads, then
+    dK and dV summed over each group (what grouped-query attention's gradient is)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    kr, vr = (np.repeat(a, G, axis=1) if G > 1 else a for a in (k, v))
+    dq, dk, dv = tiled_backward(do, q, kr, vr, o, lse, scale, causal)
+    return (dq, *(g.reshape(B, H // G, G, T, D).sum(axis=2) if G > 1 else g for g in (dk, dv)))
+
+
+__all__ = ["TILE", "compute_dtype", "grouped_backward", "naive_backward", "naive_forward", "tiled_backward",
+           "tiled_forward"]

@@ -200,4 +200,39 @@ def rope_backward(dy, cos, sin, *, out=None, seq_axis=-2, method=None):
     return _rotate(dy, cos, sin, out, True, "dy", seq_axis, method)
 
 
-__all__ = ["METHODS", "ROPE_METHOD", "rope_backward", "rope_forward", "rope_reference", "rope_tables"]
+def check_rope_tables(tables, T, D, xp):
+    """``tables`` as a checked ``(cos, sin)`` pair of C-contiguous ``[S >= T, D / 2]`` tables on ``xp`` (fp32; fp64
+    too on NumPy), for a caller that takes them as one argument (``flash_attention_backward(..., rope=)``)."""
+    if not isinstance(tables, (tuple, list)) or len(tables) != 2:
+        raise TypeError(f"rope must be the (cos, sin) pair of rope_tables, got {type(tables).__name__}")
+    cos, sin = tables
+    array_module(**{"rope cos": cos, "rope sin": sin})
+    if backend.get_array_module(cos) is not xp:
+        raise TypeError("rope's tables must live on the same device as q")
+    dtypes = TABLE_DTYPES if xp is np else (backend.float32,)
+    check_array("rope cos", cos, dtypes=dtypes)
+    check_array("rope sin", sin, shape=tuple(cos.shape), dtype=cos.dtype, dtypes=dtypes)
+    if cos.ndim != 2 or cos.shape[1] != D // 2 or cos.shape[0] < T:
+        raise ValueError(f"rope's tables must have shape [S, {D // 2}] with S >= T = {T} (rope_tables(S, {D})), "
+                         f"got {tuple(cos.shape)}")
+    return cos, sin
+
+
+def rope_backward_heads(g, cos, sin):
+    """RoPE's backward in place on a ``[B, n, T, D]`` gradient (positions along axis 2): as the token-major row view
+    where g is one (``split_qkv``'s and ``heads_view``'s views of ``[B, T, ...]`` rows), else through a copy."""
+    if g.flags.c_contiguous:
+        rope_backward(g, cos, sin, out=g, seq_axis=2)
+        return g
+    B, n, T, D = g.shape
+    it = g.itemsize
+    if g.strides[3] == it and g.strides[1] == D * it and g.strides[0] == T * g.strides[2]:
+        t = g.transpose(0, 2, 1, 3)  # [B, T, n, D]: the heads side by side in each token's row
+        rope_backward(t, cos, sin, out=t, seq_axis=1)
+        return g
+    g[...] = rope_backward(g.copy(), cos, sin, seq_axis=2)
+    return g
+
+
+__all__ = ["METHODS", "ROPE_METHOD", "check_rope_tables", "rope_backward", "rope_backward_heads", "rope_forward",
+           "rope_reference", "rope_tables"]
