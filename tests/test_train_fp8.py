@@ -9,6 +9,7 @@ keeping the options it was built with, so a real run on NumPy shows what reaches
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,26 @@ def test_fp8_resolves_to_the_fast_step_in_bf16_with_fp8_options(fp8_gpu):
     for dtype in ("bf16", "fp16"):  # every other dtype: FP8 off, as before
         b = resolve(TrainConfig(dtype=dtype), gpu)
         assert b.fp8_recipe is None and fast_options(b).fp8 == "off" and compute_dtype(dtype) == dtype
+    h = resolve(TrainConfig(dtype="fp8", fp8_recipe="delayed", fp8_history=64), gpu)
+    assert fast_options(h) == FastOptions(fp8="delayed", fp8_history=64)
+    assert fast_options(d).fp8_history == FastOptions().fp8_history  # not given: the default
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(dtype="fp8", fp8_history=32), "--fp8-history sets the amax history of --dtype fp8 --fp8-recipe delayed; "
+                                        "this run's is --fp8-recipe current"),
+    (dict(dtype="bf16", fp8_history=32), "this run's is --dtype bf16"),
+    (dict(dtype="fp8", fp8_recipe="delayed", fp8_history=0), "--fp8-history must be >= 1, got 0"),
+])
+def test_fp8_history_outside_the_delayed_recipe_is_refused(fp8_gpu, kw, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        resolve(TrainConfig(**kw), object())
+
+
+def test_cli_parses_fp8_history():
+    p = add_train_arguments(_Parser(prog="llmgpu train"))
+    cfg = TrainConfig(**vars(p.parse_args(["--dtype", "fp8", "--fp8-recipe", "delayed", "--fp8-history", "8"])))
+    assert cfg.fp8_history == 8 and "--fp8-history" in p.format_help()
 
 
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(fp8_gpu, monkeypatch):

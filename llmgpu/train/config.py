@@ -48,8 +48,8 @@ class TrainConfig:
     """Everything a run needs. ``None`` fields get device-dependent defaults (``resolve``)."""
 
     # model
-    arch: str = _opt("gpt2", "model family: gpt2, or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; the book "
-                     "step, no --fast yet)", "model", choices=list(ARCHS))
+    arch: str = _opt("gpt2", "model family: gpt2, or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; book "
+                     "and fast step, as gpt2)", "model", choices=list(ARCHS))
     preset: str | None = _opt(None, "model size of the --arch family (default: tiny on CPU, gpt2 on GPU; with --arch "
                               "llama: llama-tiny on CPU, smollm-135m on GPU)", "model", choices=list(ALL_PRESETS))
     dtype: str | None = _opt(None, "compute precision (default: bf16 on GPU, fp32 on CPU); master weights are "
@@ -58,6 +58,8 @@ class TrainConfig:
     fp8_recipe: str | None = _opt(None, "scaling of --dtype fp8's GEMMs: current (each tensor's own amax, this "
                                   "step) or delayed (the amax history of the last steps) (default current)", "model",
                                   choices=list(FP8_RECIPES))
+    fp8_history: int | None = _opt(None, "steps of amax the delayed recipe keeps per tensor (default "
+                                   f"{FastOptions.fp8_history})", "model", metavar="N")
     checkpoint_every: int = _opt(0, "activation checkpointing: keep every K-th block input, recompute the rest "
                                  "(0 = off)", "model", metavar="K")
     vocab_size: int | None = _opt(None, "model vocabulary (default: the data's: 256 for bytes, 50257 for GPT-2 "
@@ -201,7 +203,8 @@ def compute_dtype(dtype: str) -> str:
 
 def fast_options(cfg: TrainConfig) -> FastOptions:
     """The fast step's options of a resolved run: its attention kernel, and ``--dtype fp8``'s recipe."""
-    return FastOptions(cfg.attention_kernel, fp8=cfg.fp8_recipe if cfg.dtype == FP8 else "off")
+    history = {"fp8_history": cfg.fp8_history} if cfg.fp8_history is not None else {}
+    return FastOptions(cfg.attention_kernel, fp8=cfg.fp8_recipe if cfg.dtype == FP8 else "off", **history)
 
 
 def fp8_unavailable_reason(xp) -> str | None:
@@ -368,6 +371,10 @@ def validate(cfg: TrainConfig):
          f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.fp8_recipe!r}")
     need(cfg.fp8_recipe is None or cfg.dtype == FP8, f"--fp8-recipe {cfg.fp8_recipe} sets the scaling of --dtype "
          f"fp8's GEMMs; this run's --dtype is {cfg.dtype}")
+    if cfg.fp8_history is not None:
+        need(cfg.fp8_history >= 1, f"--fp8-history must be >= 1, got {cfg.fp8_history}")
+        need(cfg.fp8_recipe == "delayed", "--fp8-history sets the amax history of --dtype fp8 --fp8-recipe delayed; "
+             f"this run's is {'--fp8-recipe ' + cfg.fp8_recipe if cfg.fp8_recipe else '--dtype ' + str(cfg.dtype)}")
 
 
 __all__ = ["ARCH_DEFAULT_PRESETS", "CPU_DEFAULTS", "FP8", "FP8_RECIPES", "FP8_STORAGE", "GPU_DEFAULTS",
