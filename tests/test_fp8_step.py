@@ -94,6 +94,54 @@ def test_delayed_scaling_first_step_is_current_then_uses_the_history(rng):
     assert np.isclose(x_state.scale[0], want, rtol=1e-6)
 
 
+def test_delayed_scaling_state_round_trips_through_json_bit_for_bit(rng):
+    """A model that takes the delayed state of another after its first two steps (through JSON, as a checkpoint's
+    meta.json) computes the third step's gradients bit for bit as the one that ran all three; without the state
+    it does not (its first step scales like current scaling). Current scaling keeps no state."""
+    import json
+
+    batches = [_batch(rng) for _ in range(3)]
+    opts = FastOptions(fp8="delayed", fp8_history=4)
+    whole = FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts)
+    for idx, tgt in batches[:2]:
+        _step(whole, idx, tgt)
+    state = json.loads(json.dumps(whole.fp8.state_dict()))
+    assert state["primed"] and state["history"] == 4 and len(state["states"]) == 2 * len(FP8_LAYERS) * CFG.n_layer
+    assert all(s["pos"] == 2 and s["history"][1] > 0 for s in state["states"].values())
+    want = _step(whole, *batches[2])
+    resumed, fresh = (FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts) for _ in range(2))
+    resumed.fp8.load_state_dict(state)
+    assert resumed.fp8.state_dict() == state
+    got, other = _step(resumed, *batches[2]), _step(fresh, *batches[2])
+    assert got[0] == want[0] and all(np.array_equal(got[1][n], want[1][n]) for n in want[1])
+    assert not all(np.array_equal(other[1][n], want[1][n]) for n in want[1])
+    assert FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="current")).fp8.state_dict() == {}
+    resumed.fp8.load_state_dict({})  # a checkpoint made before the state was kept: nothing changes
+    for bad, needle in (({**state, "history": 8}, "history 8, but this model runs 'delayed' with history 4"),
+                        ({**state, "states": {"h.0.attn.c_attn|w": next(iter(state["states"].values()))}},
+                         "does not fit a history of 4 steps")):
+        with pytest.raises(ValueError, match=needle):
+            FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts).fp8.load_state_dict(bad)
+    with pytest.raises(ValueError, match="but this model runs 'current'"):
+        FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8="current")).fp8.load_state_dict(state)
+
+
+def test_checkpoint_keeps_and_restores_the_fp8_scaling_state(rng):
+    """The trainer's seam: ``model_state_of`` holds the FP8 state next to the attention kernels, and
+    ``restore_model_state`` puts it back; a state for a model without FP8 GEMMs is refused."""
+    from llmgpu.train import checkpoint as ck
+
+    m = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="delayed"))
+    _step(m, *_batch(rng))
+    meta = ck.model_state_of(m)
+    assert set(meta) == {ck.ATTENTION_KERNELS_KEY, ck.FP8_SCALING_KEY} and meta[ck.FP8_SCALING_KEY]["primed"]
+    back = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FastOptions(fp8="delayed"))
+    assert ck.restore_model_state(back, meta) == [] and back.fp8.state_dict() == meta[ck.FP8_SCALING_KEY]
+    with pytest.raises(ValueError, match="holds FP8 scaling state, but this model runs no FP8 GEMMs"):
+        ck.restore_model_state(FastGPT(CFG, dtype="fp32", xp=np), meta)
+    assert ck.model_state_of(FastGPT(CFG, dtype="fp32", xp=np))[ck.FP8_SCALING_KEY] == {}
+
+
 def test_fp8_inference_forward_leaves_the_delayed_state_alone(rng):
     idx, tgt = _batch(rng)
     ref = FastGPT(CFG, dtype="fp32", xp=np, seed=5)

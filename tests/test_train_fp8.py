@@ -237,3 +237,26 @@ def test_the_recipe_trains_both_precisions_alike_and_compares_them(tmp_path):
     assert f"{tmp_path / 'w'}/d24-bf16 {tmp_path / 'w'}/d24-fp8" in compares[1] and "ch5b_fp8_vs_bf16_d24.png" in \
         compares[1]
     assert "in all (presets gpt2,d24, 7 steps, B=16, T=1024)" in res.stdout
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_delayed_fp8_run_resumes_bit_for_bit(cp, tmp_path):
+    """A delayed-scaling FP8 run stopped after 4 steps and resumed gives the uninterrupted run's losses bit for bit:
+    the checkpoint keeps every amax history, its position and scale (meta.json's fp8_scaling)."""
+    from test_fast_model import _losses, _need_fast  # tests/ is not a package
+
+    _need_fast(cp)
+    if reason := fp8_unavailable_reason(cp):
+        pytest.skip(reason)
+    kw = dict(device="gpu", preset="tiny", dtype="fp8", fp8_recipe="delayed", fp8_history=3, batch=4, seq=64, lr=3e-3,
+              warmup=2, eval_every=0, log_every=1, progress=False, sample_tokens=0, plot=False, steps=8)
+    Trainer(TrainConfig(**kw, out=str(tmp_path / "whole"))).run()
+    Trainer(TrainConfig(**kw, out=str(tmp_path / "p"))).run(stop_at=4)
+    _, meta, _ = load_checkpoint(tmp_path / "p")
+    assert meta["fp8_scaling"]["primed"] and meta["fp8_scaling"]["history"] == 3
+    Trainer(TrainConfig(resume=str(tmp_path / "p"), progress=False)).run()
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 8 and _losses(tmp_path / "p") == whole

@@ -37,6 +37,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
+from .. import backend
 from ..gemm.fp8 import fp8_gemm
 from ..instrument import region
 from ..ops.fp8 import AmaxHistory, fp8_cast, quantize
@@ -104,6 +107,41 @@ class Fp8Linears:
                 st.update()
             st.amax.fill(0)  # the next step's casts raise it again (accumulate_amax)
         self.primed = True
+
+    def state_dict(self) -> dict:
+        """The delayed recipe's scaling state in JSON form ({} under current scaling, which keeps none between
+        steps): per activation and gradient its amax ring, the ring's position and the scale it gives, and whether
+        the first step has run. A checkpoint keeps it, so a resumed run casts with the scales an uninterrupted run
+        would (bit for bit), not like a first step. Read between steps (the recorded amaxes are then 0)."""
+        if self.recipe != "delayed":
+            return {}
+        host = lambda a: [float(v) for v in np.asarray(backend.to_numpy(a), dtype=np.float32)]  # noqa: E731
+        return {"history": self.history, "primed": self.primed,
+                "states": {f"{layer}|{role}": {"history": host(st.history), "pos": int(backend.to_numpy(st.pos)[0]),
+                                               "scale": host(st.scale)[0], "scale_inv": host(st.scale_inv)[0]}
+                           for (layer, role), st in sorted(self.states.items()) if role != "w"}}
+
+    def load_state_dict(self, state: dict):
+        """Put ``state_dict()``'s state back (into the device arrays, made here if the model has not run yet); an
+        empty one (current scaling, or a checkpoint made before it was kept) changes nothing. One that does not fit
+        this recipe or history length is a ValueError."""
+        if not state:
+            return
+        if self.recipe != "delayed" or state.get("history") != self.history:
+            raise ValueError(f"FP8 scaling state of the delayed recipe with history {state.get('history')!r}, but this "
+                             f"model runs {self.recipe!r}" + (f" with history {self.history}" if self.recipe ==
+                                                             "delayed" else ""))
+        for key, s in state["states"].items():
+            layer, _, role = key.rpartition("|")
+            if role not in ("x", "dy") or len(s["history"]) != self.history or not 0 <= s["pos"] < self.history:
+                raise ValueError(f"FP8 scaling state {key!r} does not fit a history of {self.history} steps")
+            st = self.state(layer, role)
+            for name, value in (("history", s["history"]), ("pos", [s["pos"]]), ("scale", [s["scale"]]),
+                                ("scale_inv", [s["scale_inv"]])):
+                arr = getattr(st, name)
+                arr[...] = backend.to_device(np.asarray(value, dtype=arr.dtype), self.xp)
+            st.amax.fill(0)
+        self.primed = bool(state["primed"])
 
     # ------------------------------------------------------------------ the three GEMMs
 

@@ -8,7 +8,8 @@ A checkpoint is a directory::
     meta.json            everything else: model config, step, optimizer step count and hyperparameters,
                          loss-scaler state, data-loader position, RNG state, the tokenizer, the training configuration,
                          the attention kernels flash attention's "auto" resolved to (``attention_kernels_of``;
-                         ``pin_attention_kernels`` puts them back, so a resumed run runs the same kernels)
+                         ``pin_attention_kernels`` puts them back, so a resumed run runs the same kernels) and
+                         the delayed FP8 recipe's amax histories and scales (``fp8_scaling_of``)
 
 Weights are safetensors, the format the models people share use (``interop/safetensors.py`` writes it with
 NumPy); the optimizer state is only ever read back by llmgpu, so it stays in NumPy's ``.npz``. Checkpoints of
@@ -149,7 +150,7 @@ META_TYPES = {
     "budget_fitted": ("true or false", lambda v: isinstance(v, bool)),
     "dtype": ("a string", lambda v: isinstance(v, str)), "tokenizer": ("a string", lambda v: isinstance(v, str)),
     "model_config": _OBJECT, "train_config": _OBJECT, "optimizer": _OBJECT, "scaler": _OBJECT, "data": _OBJECT,
-    "rng": _OBJECT,
+    "rng": _OBJECT, "attention_kernels": _OBJECT, "fp8_scaling": _OBJECT,
 }  # fmt: skip
 
 
@@ -252,3 +253,35 @@ def pin_attention_kernels(model, meta: dict, *, note=None) -> list[str]:
     for text in notes if note else ():
         note(text)
     return notes
+
+
+# --------------------------------------------------------------------------- the FP8 scaling state
+
+FP8_SCALING_KEY = "fp8_scaling"  # meta.json's entry: Fp8Linears.state_dict() ({} without the delayed recipe)
+
+
+def fp8_scaling_of(model) -> dict:
+    """The delayed FP8 recipe's scaling state of the model (``Fp8Linears.state_dict``; {} for any other model)."""
+    fp8 = getattr(model, "fp8", None)
+    return fp8.state_dict() if fp8 is not None else {}
+
+
+def model_state_of(model) -> dict:
+    """What a checkpoint keeps of a model besides its weights, by meta.json key: the attention kernels "auto"
+    resolved to and the FP8 scaling state."""
+    return {ATTENTION_KERNELS_KEY: attention_kernels_of(model), FP8_SCALING_KEY: fp8_scaling_of(model)}
+
+
+def restore_model_state(model, meta: dict, *, note=None) -> list[str]:
+    """``model_state_of``'s entries put back before the first resumed step (``pin_attention_kernels``'s notes
+    returned). An FP8 state that does not fit the model is a ValueError; a checkpoint without one (made before it
+    was kept) leaves a delayed run to scale its first resumed step like a first step."""
+    notes = pin_attention_kernels(model, meta, note=note)
+    state = meta.get(FP8_SCALING_KEY) or {}
+    fp8 = getattr(model, "fp8", None)
+    if state and fp8 is None:
+        raise ValueError("the checkpoint holds FP8 scaling state, but this model runs no FP8 GEMMs")
+    if fp8 is not None:
+        fp8.load_state_dict(state)
+    return notes
+

@@ -168,7 +168,7 @@ class Trainer:
             self.scaler.load_state_dict(meta["scaler"])
             self.stream.load_state_dict(meta["data"])
             self.rng.bit_generator.state = meta["rng"]
-            ckpt_files.pin_attention_kernels(self.model, meta, note=self._note)
+            ckpt_files.restore_model_state(self.model, meta, note=self._note)
         except (KeyError, TypeError, ValueError) as e:  # arrays or state that do not fit this run
             raise CheckpointError(f"checkpoint {d} does not match its own configuration ({type(e).__name__}: "
                                   f"{e})") from None
@@ -250,7 +250,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "rng": self.rng.bit_generator.state,
             "world_size": self.world,
-            ckpt_files.ATTENTION_KERNELS_KEY: ckpt_files.attention_kernels_of(self.model),
+            **ckpt_files.model_state_of(self.model),  # the attention kernels, the FP8 scaling state
             "llmgpu": __version__,
         }
         path = save_checkpoint(d, model=sd, optim=optim, meta=meta) if self.is_main else d
