@@ -54,6 +54,7 @@ import numpy as np
 
 from . import backend
 from .bench_fp8 import FP8_BENCH_MODES, fp8_ratios, fp8_skip_reason
+from .gemm import lt_splitk
 from .model import FastOptions
 from .model.family import ARCHS, FAMILIES, arch_of_preset, fast_model_class, model_class
 from .model.options import FLASH_KERNELS
@@ -251,7 +252,7 @@ def format_results(rows, *, ceiling_tflops=None) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``llmgpu bench`` (the CLI's sub-parser calls this)."""
     p.add_argument("--arch", choices=ARCHS, help="model family (default: the --preset's, else gpt2); llama: "
-                   "llmgpu's book step against the PyTorch Llama (no fast Llama step yet)")
+                   "llmgpu's Llama steps (book and fast) against the PyTorch Llama of the same shape")
     p.add_argument("--preset", help="model size (default: gpt2 on GPU, tiny on CPU; --arch llama: smollm-135m, "
                                     "llama-tiny); several, comma-separated (gpt2,d24,d36,d48): the scale table")
     p.add_argument("--scale-table", action="store_true", help="the scale table also for one preset: the largest "
@@ -481,7 +482,8 @@ def bench_main(args) -> int:
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,
                    "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa,
                    "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt, "fp8_recipe": recipe,
-                   "llmgpu_fp8_over": ratios8, "results": rows}
+                   "llmgpu_fp8_over": ratios8, "results": rows,
+                   "lt_split_k": [[list(k), list(v)] for k, v in lt_splitk.table().items()]}  # GEMM table in force
         if monitor is not None:  # every reading of the run, t in seconds from the first (timed_window: epoch s)
             payload["clocks"] = {"reason": monitor.reason, "interval_ms": monitor.interval_ms,
                                  "origin": monitor.samples[0].t if monitor.samples else None,

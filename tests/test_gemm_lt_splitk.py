@@ -42,7 +42,11 @@ def test_problem_key_normalizes_dtypes_and_flags():
 @pytest.mark.parametrize("table, match", [
     ([1, 2], "dict"),
     ({(1, 2, 3): (2, "inplace")}, "not a problem_key"),
-    ({lt_splitk.wgrad_key(8, 8, 64): 2}, r"\(splits, reduction\)"),
+    ({lt_splitk.wgrad_key(8, 8, 64): 2}, r"\(splits, reduction\[, base\]\)"),
+    ({lt_splitk.wgrad_key(8, 8, 64): (2, "inplace", 0, 1)}, r"\(splits, reduction\[, base\]\)"),
+    ({lt_splitk.wgrad_key(8, 8, 64): (2, "inplace", -1)}, "base must be an int"),
+    ({lt_splitk.wgrad_key(8, 8, 64): (2, "inplace", 1.0)}, "base must be an int"),
+    ({lt_splitk.wgrad_key(8, 8, 64): (2, "inplace", 64)}, "base must be an int"),
     ({lt_splitk.wgrad_key(8, 8, 64): (0, "inplace")}, "splits must be an int"),
     ({lt_splitk.wgrad_key(8, 8, 64): (True, "inplace")}, "splits must be an int"),
     ({lt_splitk.wgrad_key(8, 8, 64): (2, "atomics")}, "reduction must be one of"),
@@ -56,14 +60,14 @@ def test_check_table_refuses_bad_entries(table, match, restore_table):
 
 
 def test_replace_table_returns_the_previous_and_none_restores_the_default(restore_table):
-    assert lt_splitk.table() == lt_splitk.DEFAULT_TABLE
+    assert lt_splitk.table() == lt_splitk.check_table(lt_splitk.DEFAULT_TABLE)
     key = lt_splitk.wgrad_key(1600, 960, 32768)
     old = lt_splitk.replace_table({key: (3, "compute_type")})
-    assert old == lt_splitk.DEFAULT_TABLE
-    assert lt_splitk.lookup(key) == (3, "compute_type")
+    assert old == lt_splitk.check_table(lt_splitk.DEFAULT_TABLE)
+    assert lt_splitk.lookup(key) == (3, "compute_type", 0)  # no base: the heuristic's first choice
     assert lt_splitk.lookup(lt_splitk.wgrad_key(1600, 960, 65536)) is None  # another K: another problem
-    assert lt_splitk.replace_table(None) == {key: (3, "compute_type")}
-    assert lt_splitk.table() == lt_splitk.DEFAULT_TABLE
+    assert lt_splitk.replace_table(None) == {key: (3, "compute_type", 0)}
+    assert lt_splitk.table() == lt_splitk.check_table(lt_splitk.DEFAULT_TABLE)
 
 
 def _fake_plan():
@@ -91,18 +95,36 @@ def test_configure_split_k_uses_the_entry_or_warns_and_keeps_the_heuristic(resto
     key = lt_splitk.wgrad_key(1600, 960, 32768)
     problem = cublaslt._problem_of(_plan_key(1600, 960, 32768))
     assert problem == key
-    calls = []
-    plan = types.SimpleNamespace(use_split_k=lambda s, r: calls.append((s, r)))
+    calls, asked = [], []
+    plan = types.SimpleNamespace(n_algos=1, use_split_k=lambda s, r, b: calls.append((s, r, b)),
+                                 ask_heuristic=lambda n: asked.append(n) or setattr(plan, "n_algos", n))
+    lt_splitk.replace_table({})
     cublaslt._configure_split_k(plan, problem)
-    assert calls == []  # the default table: nothing
+    assert calls == []  # no entry: nothing
     lt_splitk.replace_table({key: (4, "inplace")})
     cublaslt._configure_split_k(plan, problem)
-    assert calls == [(4, "inplace")]
+    assert calls == [(4, "inplace", 0)] and asked == []  # base 0: the heuristic's first choice, already asked
+    lt_splitk.replace_table({key: (2, "compute_type", 1)})
+    cublaslt._configure_split_k(plan, problem)
+    assert asked == [2] and calls[-1] == (2, "compute_type", 1)  # a later candidate: the heuristic asked for it
 
-    def refuse(s, r):
+    def refuse(s, r, b):
         raise ValueError("cuBLASLt refuses split-K 4")
     with pytest.warns(RuntimeWarning, match="split-K table entry not used: cuBLASLt refuses"):
-        cublaslt._configure_split_k(types.SimpleNamespace(use_split_k=refuse), problem)
+        cublaslt._configure_split_k(types.SimpleNamespace(n_algos=4, use_split_k=refuse), problem)
+
+    def too_few(s, r, b):
+        raise IndexError("algorithm 1 of 1 is not usable")
+    short = types.SimpleNamespace(n_algos=1, use_split_k=too_few, ask_heuristic=lambda n: None)
+    with pytest.warns(RuntimeWarning, match="not used: algorithm 1 of 1"):
+        cublaslt._configure_split_k(short, problem)
+
+
+def test_default_table_entries_are_valid_wgrad_problems():
+    for key, entry in lt_splitk.check_table(lt_splitk.DEFAULT_TABLE).items():
+        m, n, k, a_dt, o_dt, ta, tb, ep = key
+        assert (a_dt, o_dt, ta, tb, ep) == ("bf16", "fp32", True, False, "none"), key  # weight gradients only
+        assert len(entry) == 3 and entry != (1, "inplace", 0), entry  # (1, "inplace", 0) is the heuristic's pick
 
 
 # --------------------------------------------------------------------------- LtPlan.use_split_k, stand-in bindings
@@ -201,11 +223,24 @@ def test_probe_shapes_runs_and_winner():
     def split(s, ms, base=0, **kw):
         return {"splits": s, "reduction": "inplace", "base": base, "ms": ms, "repeatable": True, "beta_ok": True,
                 "rel_vs_heuristic": 1e-7, **kw}
-    rec = {"heuristic_ms": 0.2, "configs": [{"splits": None, "base": 0, "ms": 0.2}, split(2, 0.17),
-                                             split(3, 0.15, repeatable=False), split(4, 0.12, base=1),
+
+    def candidate(i, ms, splitk_num, scheme, **kw):
+        return {"splits": None, "reduction": None, "base": i, "ms": ms, "splitk_num": splitk_num,
+                "reduction_scheme": scheme, "repeatable": True, "beta_ok": True, "rel_vs_heuristic": 1e-7, **kw}
+    first = candidate(0, 0.2, 1, 0)
+    rec = {"heuristic_ms": 0.2, "configs": [first, split(2, 0.17), split(3, 0.15, repeatable=False),
+                                             split(4, 0.18, base=1),
                                              {"splits": 8, "reduction": "inplace", "base": 0, "error": "refused"}]}
-    assert probe.winner(rec, 1.03) == (2, "inplace")  # not the unrepeatable 3, not base 1's 4
+    assert probe.winner(rec, 1.03) == (2, "inplace", 0)  # not the unrepeatable 3
     assert probe.winner(rec, 1.2) is None  # 0.2 / 0.17 < 1.2
+    rec["configs"].append(split(4, 0.12, base=1))
+    assert probe.winner(rec, 1.03) == (4, "inplace", 1)  # a split of a later candidate
+    rec["configs"] += [candidate(1, 0.11, 2, 2), candidate(2, 0.10, 3, 3), candidate(3, 0.09, 1, 0, beta_ok=False)]
+    assert probe.winner(rec, 1.03) == (2, "compute_type", 1)  # a candidate as configured; scheme 3 has no name
+    rec["configs"].append(candidate(4, 0.10, 1, 0))
+    assert probe.winner(rec, 1.03) == (1, "inplace", 4)  # no split: (1, any scheme) runs it as the heuristic did
+    assert probe.table_entry(first) == (1, "inplace", 0)
+    assert probe.winner({"heuristic_ms": 0.2, "configs": [first]}, 1.0) is None  # the pick itself is no entry
     assert probe.main(["--runs", "bad"]) == 2
 
 
@@ -235,3 +270,29 @@ def test_gpu_split_wgrad_is_the_same_product_repeatable_with_beta(cp, rng, reduc
     assert_close(got, ref, "bf16")
     cublaslt.set_split_k(None)
     assert key not in cublaslt._PLANS  # rebuilt (with the heuristic's pick) on its next call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", [(1, "inplace", 1), (2, "compute_type", 1)])
+def test_gpu_later_candidate_entry_asks_the_heuristic_and_runs_it(cp, rng, entry, restore_table):
+    """An entry naming the heuristic's second candidate (base 1): the plan asks for it and runs it, repeatably, with
+    ``beta = 1`` honoured, the same product as the first choice (float64 reference)."""
+    if cublaslt.unavailable_reason() is not None:
+        pytest.skip(f"cuBLASLt path not available: {cublaslt.unavailable_reason()}")
+    K, M, N = 6144, 320, 192  # several candidates exist for a bf16 -> fp32 weight gradient of this size
+    dy = cp.asarray(random_array(rng, (K, M), "bf16"))
+    x = cp.asarray(random_array(rng, (K, N), "bf16"))
+    acc = cp.asarray(random_array(rng, (M, N), "fp32"))
+    cublaslt.set_split_k({lt_splitk.wgrad_key(M, N, K): entry})
+    out = cp.full((M, N), cp.nan, dtype=cp.float32)  # poisoned: beta = 0 must overwrite every element
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the entry must be used, not fall back
+        cublaslt.lt_gemm(dy, x, trans_a=True, out=out, beta=0.0)
+    key = cublaslt.plan_key(cp.cuda.Device().id, dy, x, True, False, out, None, "none", None, M, N, K, ())
+    plan = cublaslt._PLANS[key]
+    assert plan.n_algos >= 2 and plan.split_k == entry[:2]
+    got = cublaslt.lt_gemm(dy, x, trans_a=True, out=acc.copy(), beta=1.0)
+    assert cp.array_equal(cublaslt.lt_gemm(dy, x, trans_a=True, out=acc.copy(), beta=1.0), got)
+    assert_close(got - acc, out, "fp32")
+    ref = dy.astype(cp.float64).T @ x.astype(cp.float64) + acc
+    assert_close(got, ref, "bf16")

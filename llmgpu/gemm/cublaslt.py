@@ -52,9 +52,9 @@ allocation happens when ``out`` (and ``aux`` / ``dbias``) are given, no host syn
 Make the first call of every shape outside stream capture (a warm-up): it builds the plan, and the
 very first call on a device allocates the workspace.
 
-**Split-K, per problem (opt-in).** A GEMM whose output has few tiles and whose K is long (a weight gradient) can
-run the heuristic's algorithm with K split in parts that are added in a fixed order: ``llmgpu.gemm.lt_splitk``
-holds the table of problems that do (empty by default), ``set_split_k`` installs another; a plan applies it
+**Split-K, per problem.** A GEMM whose output has few tiles and whose K is long (a weight gradient) can
+run one of the heuristic's algorithms with K split in parts that are added in a fixed order: ``llmgpu.gemm.lt_splitk``
+holds the table of problems that do (measured), ``set_split_k`` installs another; a plan applies it
 when it is built, so launches and captures are unchanged.
 
 NumPy arrays run a reference of the same math (float32; float64 stays float64), so everything here
@@ -236,20 +236,24 @@ def _problem_of(plan_key_: tuple) -> tuple:
 
 
 def _configure_split_k(plan, problem: tuple):
-    """Switch a new plan to the split-K table's configuration for its problem, if any. One cuBLASLt refuses (another
-    GPU, another library version) runs the heuristic's pick instead, with a warning: the same product, slower."""
+    """Switch a new plan to the split-K table's configuration for its problem, if any (asking the heuristic for more
+    candidates when the entry names a later one). One cuBLASLt refuses (another GPU, another library version) runs
+    the heuristic's pick instead, with a warning: the same product, slower."""
     choice = lt_splitk.lookup(problem)
     if choice is None:
         return
+    splits, reduction, base = choice
     try:
-        plan.use_split_k(*choice)
-    except ValueError as e:
+        if base >= plan.n_algos:
+            plan.ask_heuristic(base + 1)
+        plan.use_split_k(splits, reduction, base)
+    except (ValueError, IndexError, RuntimeError) as e:
         warnings.warn(f"split-K table entry not used: {e}", RuntimeWarning, stacklevel=3)
 
 
 def set_split_k(table: dict | None) -> dict:
-    """Install a split-K table (``lt_splitk``: ``problem_key(...) -> (splits, reduction)``; None: the default, empty
-    unless a measured one was committed) and return the previous one. Cached plans of the problems either table
+    """Install a split-K table (``lt_splitk``: ``problem_key(...) -> (splits, reduction[, base])``; None: the
+    default, the measured winners) and return the previous one. Cached plans of the problems either table
     names are rebuilt on their next call, so call this outside stream capture, before a step's warm-up (a graph
     captured earlier keeps the algorithm it captured)."""
     old = lt_splitk.replace_table(table)

@@ -9,12 +9,15 @@ tiles, then adds the ``s`` partial products (``LtPlan.use_split_k``: cuBLASLt's 
 result is the same bits run to run).
 
 Which problems gain, and with how many parts, is measured (``tools/probes/probe_wgrad_splitk.py``), not guessed
-from tile counts: the table maps a problem, :func:`problem_key`, to ``(splits, reduction)``. ``lt_gemm`` looks its
-problem up when it builds a plan (once per shape, outside any capture), so a launch costs nothing more and a
-CUDA graph captures the configured algorithm. ``DEFAULT_TABLE`` is empty: every GEMM runs the heuristic's first
-choice, as before. ``cublaslt.set_split_k(table)`` installs another table (and rebuilds the plans it touches).
-The probe prints its winners in this format, ready to become ``DEFAULT_TABLE`` (measured on one GPU model: a
-different SM count may want other splits).
+from tile counts: the table maps a problem, :func:`problem_key`, to ``(splits, reduction, base)``: run the heuristic's
+``base``-th algorithm (0, its first choice, unless the probe found a later candidate faster) with K split ``splits``
+ways (``(splits, reduction)`` alone means base 0). ``lt_gemm`` looks its problem up when it builds a plan (once
+per shape, outside any capture), so a launch costs nothing more and a CUDA graph captures the configured algorithm.
+``DEFAULT_TABLE`` holds the probe's winners on the GPU the book measures; every other GEMM runs the heuristic's
+first choice. ``cublaslt.set_split_k(table)`` installs another table (and rebuilds the plans it touches). The
+probe prints its winners in this format, ready to become ``DEFAULT_TABLE`` (measured on one GPU model and one
+cuBLASLt: another SM count may want other splits, another library may order its candidates differently; either
+way the product is the same, only its speed differs).
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ from __future__ import annotations
 from .. import backend
 from .lt_plan import REDUCTIONS
 
-# problem_key(...) -> (splits, reduction); filled from probe_wgrad_splitk.py's output on the GPU the book measures
-DEFAULT_TABLE: dict[tuple, tuple[int, str]] = {}
-
 MAX_SPLITS = 64  # a sanity bound for table entries (the probe tries up to 8)
+MAX_BASE = 63  # the same for the heuristic's candidate index (the probe asks for 8)
 
-_table: dict[tuple, tuple[int, str]] = dict(DEFAULT_TABLE)
+_table: dict[tuple, tuple[int, str, int]] = {}  # the table in force: check_table(DEFAULT_TABLE) until replaced
 
 
 def problem_key(m: int, n: int, k: int, in_dtype, out_dtype, *, trans_a: bool = False, trans_b: bool = False,
@@ -44,10 +45,18 @@ def wgrad_key(m: int, n: int, tokens: int, in_dtype="bf16", out_dtype="fp32") ->
     return problem_key(m, n, tokens, in_dtype, out_dtype, trans_a=True)
 
 
+# problem_key(...) -> (splits, reduction, base); filled from probe_wgrad_splitk.py's output on the GPU the book measures
+DEFAULT_TABLE: dict[tuple, tuple[int, str, int]] = {
+    # SmolLM-360M's q|k|v weight gradient at 32 x 1024 tokens: the heuristic's second candidate (a 192x128 tile,
+    # K split in two, summed in fp32 in the workspace) beats its first (96x128, one wave on a third of the SMs)
+    wgrad_key(1600, 960, 32768): (2, "compute_type", 1),
+}
+
+
 def check_table(table: dict) -> dict:
     """A validated copy of a split-K table; ValueError/TypeError naming the bad entry."""
     if not isinstance(table, dict):
-        raise TypeError("a split-K table is a dict problem_key(...) -> (splits, reduction), "
+        raise TypeError("a split-K table is a dict problem_key(...) -> (splits, reduction[, base]), "
                         f"got {type(table).__name__}")
     out = {}
     for key, val in table.items():
@@ -57,16 +66,18 @@ def check_table(table: dict) -> dict:
         key = problem_key(m, n, k, a_dt, o_dt, trans_a=ta, trans_b=tb, epilogue=ep)
         if min(key[:3]) < 1:
             raise ValueError(f"split-K table key {key!r}: sizes must be >= 1")
-        if not (isinstance(val, tuple) and len(val) == 2):
-            raise ValueError(f"split-K table entry for {key!r} must be (splits, reduction), got {val!r}")
-        splits, reduction = val
+        if not (isinstance(val, tuple) and len(val) in (2, 3)):
+            raise ValueError(f"split-K table entry for {key!r} must be (splits, reduction[, base]), got {val!r}")
+        splits, reduction, base = val if len(val) == 3 else (*val, 0)
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"split-K table entry for {key!r}: splits must be an int in 1..{MAX_SPLITS}, "
                              f"got {splits!r}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"split-K table entry for {key!r}: reduction must be one of {', '.join(REDUCTIONS)}, "
                              f"got {reduction!r}")
-        out[key] = (splits, reduction)
+        if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= MAX_BASE:
+            raise ValueError(f"split-K table entry for {key!r}: base must be an int in 0..{MAX_BASE}, got {base!r}")
+        out[key] = (splits, reduction, base)
     return out
 
 
@@ -85,9 +96,11 @@ def replace_table(new: dict | None) -> dict:
 
 
 def lookup(key: tuple):
-    """``(splits, reduction)`` for a ``problem_key``, or None (the heuristic's pick)."""
+    """``(splits, reduction, base)`` for a ``problem_key``, or None (the heuristic's pick)."""
     return _table.get(key)
 
 
-__all__ = ["DEFAULT_TABLE", "MAX_SPLITS", "check_table", "lookup", "problem_key", "replace_table", "table",
+_table = check_table(DEFAULT_TABLE)
+
+__all__ = ["DEFAULT_TABLE", "MAX_BASE", "MAX_SPLITS", "check_table", "lookup", "problem_key", "replace_table", "table",
            "wgrad_key"]

@@ -4,8 +4,8 @@
   for GPT-2, Hugging Face's for Llama), tokenizer and provenance of a local Hugging Face directory
   (``interop/hf.py``) or an llmgpu run/checkpoint (``checkpoint.py``); weights holding inf/nan are refused. What
   ``train --init``, ``eval``, ``sample`` and ``export`` read.
-* ``from_pretrained(path, dtype=, xp=)``: that, as a ``GPT`` (or ``FastGPT``) or a ``Llama`` ready to run
-  (``llmgpu.from_pretrained``). There is no fast Llama step yet: ``fast=True`` with a Llama is a ``ConfigError``.
+* ``from_pretrained(path, dtype=, xp=, fast=)``: that, as a ``GPT`` or a ``Llama`` ready to run (``FastGPT`` or
+  ``FastLlama`` with ``fast=True``; ``llmgpu.from_pretrained``).
 * ``export(src, dst)``: ``llmgpu export``: a directory ``transformers``' ``GPT2LMHeadModel`` or
   ``LlamaForCausalLM`` loads, never written over the model it reads, a run or a checkpoint
   (``check_export_target``).

@@ -6,15 +6,15 @@
 For each ``preset:batch`` of ``--runs`` and each weight gradient of a Llama block (``attn.qkv``: the stacked q|k|v
 rows, ``attn.proj``, ``mlp.gate,up``: the stacked 2·ffn rows, ``mlp.down``), the fast step's call
 ``wgrad_gemm(dy, x, out=dW, beta=1)`` (bf16 operands, fp32 ``dW``, K = batch·seq tokens) is timed (CUDA-event
-medians) with: the heuristic's first choice (what runs today), each of its first ``--candidates`` algorithms, and
-the first choice with its K split ``s`` ways (``LtPlan.use_split_k``) for every ``s`` of ``--splits`` and each
-reduction scheme ("inplace", "compute_type"). Every split configuration is also checked: the same bits on two
-runs (``repeatable``), ``beta = 1`` honoured, and its distance from the heuristic's result (``rel_vs_heuristic``,
-max-abs relative: a reordered fp32 sum, ~1e-6). The probe prints the winners (at least ``--min-speedup`` faster
-alone, on the heuristic's own algorithm) as a ``llmgpu.gemm.lt_splitk`` table, ready to become ``DEFAULT_TABLE``,
-and with ``--step`` times that fast training step (eager, bf16) without and with the table (and with the table
-plus the "fast" RMSNorm backward and RoPE kernels), alternating, since issue 19 found per-GEMM savings that the
-step did not keep. Question: issue 36's ``attn.qkv wgrad`` at 63 % of
+medians) with: the heuristic's first choice (what runs without a table entry), each of its first ``--candidates``
+algorithms as the heuristic configured them, and the first and the fastest candidate with K split ``s`` ways
+(``LtPlan.use_split_k``) for every ``s`` of ``--splits`` and each reduction scheme ("inplace", "compute_type").
+Every configuration is also checked: the same bits on two runs (``repeatable``), ``beta = 1`` honoured, and its
+distance from the heuristic's result (``rel_vs_heuristic``, max-abs relative: a reordered fp32 sum, ~1e-6). The
+probe prints the winners (at least ``--min-speedup`` faster alone) as a ``llmgpu.gemm.lt_splitk`` table
+``(splits, reduction, base)``, ready to become ``DEFAULT_TABLE``, and with ``--step`` times that fast training step
+(eager, bf16) without and with the table, alternating, since issue 19 found per-GEMM savings that the step did not
+keep. Question: issue 36's ``attn.qkv wgrad`` at 63 % of
 the GEMM rate (one wave of ~47 tiles for 132 SMs).
 """
 
@@ -101,15 +101,23 @@ def probe_shape(xp, name, m, n, k, cands, splits, reps):
     def timed():
         return timing.time_fn(call, xp=xp, warmup=2, reps=reps).median_ms
 
+    def checked(row):  # the same bits twice, beta = 1 honoured, and the distance from the heuristic's pick
+        r1, r2, half = result(0.0), result(0.0), result(0.5)
+        row.update({"repeatable": bool(xp.array_equal(r1, r2)),
+                    "rel_vs_heuristic": float(xp.abs(r1 - ref).max()) / scale,
+                    "beta_ok": bool(float(xp.abs(half - (r1 + 0.5)).max()) <= 1e-5 * scale)})
+        return row
+
     rows = []
     for i in range(plan.n_algos):
         try:
             plan.use(i)
         except IndexError:
             continue
+        row = checked({"config": f"heuristic #{i}", "base": i, "splits": None, "reduction": None})
         ms = timed()
-        rows.append({"config": f"heuristic #{i}", "base": i, "splits": None, "reduction": None, "ms": ms,
-                     "tflops": flops / 1e9 / ms, "workspace": plan.ws_need, **algo_config(lt, plan.algo_ptr)})
+        rows.append({**row, "ms": ms, "tflops": flops / 1e9 / ms, "workspace": plan.ws_need,
+                     **algo_config(lt, plan.algo_ptr)})
     heur_ms = rows[0]["ms"]
     best_cand = min(rows, key=lambda r: r["ms"])["base"]
     for base in sorted({0, best_cand}):
@@ -121,10 +129,7 @@ def probe_shape(xp, name, m, n, k, cands, splits, reps):
                 except ValueError as e:
                     rows.append({**row, "error": str(e)[:300]})
                     continue
-                r1, r2, half = result(0.0), result(0.0), result(0.5)
-                row.update({"repeatable": bool(xp.array_equal(r1, r2)),
-                            "rel_vs_heuristic": float(xp.abs(r1 - ref).max()) / scale,
-                            "beta_ok": bool(float(xp.abs(half - (r1 + 0.5)).max()) <= 1e-5 * scale)})
+                checked(row)
                 ms = timed()
                 row.update({"ms": ms, "tflops": flops / 1e9 / ms, "speedup": heur_ms / ms, "workspace": plan.ws_need,
                             **algo_config(lt, plan.algo_ptr)})
@@ -133,9 +138,8 @@ def probe_shape(xp, name, m, n, k, cands, splits, reps):
     for r in rows:
         if "ms" in r:
             print(f"  {name:<12} [{m}x{n}] K={k}  {r['config']:<26} {r['ms']:.4f} ms  {r['tflops']:5.0f} TFLOP/s "
-                  f"{heur_ms / r['ms']:.3f}x  tile {r.get('tile', '?')}"
-                  + ("" if r["splits"] is None else
-                     f"  repeatable={r['repeatable']} beta_ok={r['beta_ok']} rel={r['rel_vs_heuristic']:.1e}"),
+                  f"{heur_ms / r['ms']:.3f}x  tile {r.get('tile', '?')} split {r.get('splitk_num', '?')}"
+                  f"  repeatable={r['repeatable']} beta_ok={r['beta_ok']} rel={r['rel_vs_heuristic']:.1e}",
                   flush=True)
         else:
             print(f"  {name:<12} [{m}x{n}] K={k}  {r['config']:<26} refused: {r['error'][:120]}", flush=True)
@@ -143,41 +147,55 @@ def probe_shape(xp, name, m, n, k, cands, splits, reps):
             "configs": rows}
 
 
+# cublasLtReductionScheme_t values -> lt_plan.REDUCTIONS names (a heuristic candidate's own scheme)
+SCHEME_NAMES = {1: "inplace", 2: "compute_type", 4: "output_type"}
+
+
+def table_entry(row: dict):
+    """The ``lt_splitk`` entry ``(splits, reduction, base)`` that reproduces one probed configuration, or None: a
+    split configuration names itself; a heuristic candidate, its own split and scheme (no split: 1, "inplace", which
+    ``use_split_k`` runs as scheme NONE)."""
+    if row["splits"] is not None:
+        return (row["splits"], row["reduction"], row["base"])
+    splits = row.get("splitk_num")
+    if splits is None:
+        return None
+    if splits == 1:
+        return (1, "inplace", row["base"])
+    scheme = SCHEME_NAMES.get(row.get("reduction_scheme"))
+    return None if scheme is None else (splits, scheme, row["base"])
+
+
 def winner(rec: dict, min_speedup: float):
-    """The table entry for one probed problem: the fastest correct split of the heuristic's own algorithm (base 0)
-    that is at least ``min_speedup`` faster than it, or None."""
-    ok = [r for r in rec["configs"] if r.get("splits") and r["base"] == 0 and "ms" in r and r["repeatable"]
-          and r["beta_ok"] and r["rel_vs_heuristic"] < 1e-4]
+    """The table entry for one probed problem: the fastest correct configuration, a split of a heuristic candidate or
+    a later candidate as the heuristic configured it, that is at least ``min_speedup`` faster than the heuristic's
+    first choice, or None."""
+    ok = [r for r in rec["configs"] if "ms" in r and r["repeatable"] and r["beta_ok"] and r["rel_vs_heuristic"] < 1e-4
+          and table_entry(r) is not None and table_entry(r) != (1, "inplace", 0)]
     if not ok:
         return None
     best = min(ok, key=lambda r: r["ms"])
-    return (best["splits"], best["reduction"]) if rec["heuristic_ms"] >= min_speedup * best["ms"] else None
+    return table_entry(best) if rec["heuristic_ms"] >= min_speedup * best["ms"] else None
 
 
-def step_with_table(xp, preset, batch, seq, table, reps):
-    """Eager fast-step ms of three settings, alternating in two rounds (medians of ``reps`` steps each): the
-    heuristic's GEMMs, with the split-K ``table``, and with the table plus issue 36's "fast" RMSNorm backward and
-    RoPE kernels (``rmsnorm.BACKWARD_METHOD``, ``rope.ROPE_METHOD``; the step is GPU-bound, so eager shows them)."""
+def step_with_table(xp, preset, batch, seq, table, reps, rounds=3):
+    """Eager fast-step ms with the heuristic's GEMMs and with the split-K ``table``, alternating for ``rounds`` rounds
+    (medians of ``reps`` steps each; the step is GPU-bound, so eager shows what a graph replay would)."""
     from llmgpu.bench import make_train_step
-    from llmgpu.ops import rmsnorm, rope
 
-    settings = {"heuristic": ({}, "optimized", "optimized"), "split_k": (table, "optimized", "optimized"),
-                "split_k+fast_kernels": (table, "fast", "fast")}
-    defaults = (rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD)
+    settings = {"heuristic": {}, "split_k": table}
     cfg = LlamaConfig.preset(preset, pad_vocab_to=64)
     step, model = make_train_step(cfg, batch, seq, dtype="bf16", xp=xp, fast=True)
     got = {label: [] for label in settings}
     split_plans = {}  # label -> how many of the step's cached plans run split-K (0 would mean no key matched)
     try:
-        for _ in range(2):
-            for label, (tab, norm_method, rope_method) in settings.items():
+        for _ in range(rounds):
+            for label, tab in settings.items():
                 cublaslt.set_split_k(tab)
-                rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = norm_method, rope_method
                 got[label].append(timing.time_fn(step, xp=xp, warmup=2, reps=reps, host_ahead=False).median_ms)
                 split_plans[label] = sum(1 for p in cublaslt._PLANS.values() if getattr(p, "split_k", None))
     finally:
         cublaslt.set_split_k(None)
-        rmsnorm.BACKWARD_METHOD, rope.ROPE_METHOD = defaults
         del model
     base = min(got["heuristic"])
     return {"preset": preset, "batch": batch, "seq": seq, "ms": got, "split_k_plans": split_plans,
@@ -229,7 +247,8 @@ def main(argv=None) -> int:
             records.append(rec)
             xp.get_default_memory_pool().free_all_blocks()
     cublaslt.set_split_k(None)
-    print("\n# winners, as llmgpu.gemm.lt_splitk.DEFAULT_TABLE (problem_key -> (splits, reduction)):", flush=True)
+    print("\n# winners, as llmgpu.gemm.lt_splitk.DEFAULT_TABLE (problem_key -> (splits, reduction, base)):",
+          flush=True)
     print("DEFAULT_TABLE = {" + "".join(f"\n    {k!r}: {v!r}," for k, v in table.items()) + "\n}", flush=True)
     step = None
     if step_run:
