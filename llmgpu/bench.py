@@ -472,17 +472,15 @@ def bench_main(args) -> int:
     ratios8 = fp8_ratios(rows)
     out = getattr(args, "json", None) or ("bench.json" if gpu else None)
     if out:
-        payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note, "arch": arch,
-                   "model": cfg.as_dict(), "preset": o["preset"], "batch": o["batch"],
-                   "seq": o["seq"], "dtype": o["dtype"], "steps": o["steps"], "warmup": o["warmup"],
-                   "gemm_ceiling_tflops": ceiling, "gemm_ceiling": ceiling_src, "flops_per_token": fpt,
-                   "mfu_definition": MFU_DEFINITION,
+        payload = {"benchmark": "llmgpu bench", "gpu": gpu, "note": note, "arch": arch, "preset": o["preset"],
+                   "model": cfg.as_dict(), "batch": o["batch"], "seq": o["seq"], "dtype": o["dtype"],
+                   "steps": o["steps"], "warmup": o["warmup"], "gemm_ceiling_tflops": ceiling,
+                   "gemm_ceiling": ceiling_src, "flops_per_token": fpt, "mfu_definition": MFU_DEFINITION,
                    "torch": getattr(torch, "__version__", None) if torch else None,
                    "cupy": getattr(backend.cupy_module(), "__version__", None) if gpu else None,
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,
-                   "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa,
-                   "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt, "fp8_recipe": recipe,
-                   "llmgpu_fp8_over": ratios8, "results": rows,
+                   "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa, "results": rows,
+                   "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt, "fp8_recipe": recipe, "llmgpu_fp8_over": ratios8,
                    "lt_split_k": [[list(k), list(v)] for k, v in lt_splitk.table().items()]}  # GEMM table in force
         if monitor is not None:  # every reading of the run, t in seconds from the first (timed_window: epoch s)
             payload["clocks"] = {"reason": monitor.reason, "interval_ms": monitor.interval_ms,
