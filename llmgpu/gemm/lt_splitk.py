@@ -48,7 +48,8 @@ def wgrad_key(m: int, n: int, tokens: int, in_dtype="bf16", out_dtype="fp32") ->
 # problem_key(...) -> (splits, reduction, base); filled from probe_wgrad_splitk.py's output on the GPU the book measures
 DEFAULT_TABLE: dict[tuple, tuple[int, str, int]] = {
     # SmolLM-360M's q|k|v weight gradient at 32 x 1024 tokens: the heuristic's second candidate (a 192x128 tile,
-    # K split in two, summed in fp32 in the workspace) beats its first (96x128, one wave on a third of the SMs)
+    # K split in two, summed in fp32 in the workspace) beats its first (96x128, one wave on a third of the SMs);
+    # in the step it keeps a part of that, but in every round of the probe's A/B (the chapter 10 results)
     wgrad_key(1600, 960, 32768): (2, "compute_type", 1),
 }
 
