@@ -481,7 +481,7 @@ def bench_main(args) -> int:
                    "llmgpu_over_torch_compile": ratio, "llmgpu_best_mode": ours["mode"] if ours else None,
                    "llmgpu_over_torch": ratios, "compile_mode": compile_mode, "sdpa": sdpa, "results": rows,
                    "sdpa_pick": sdpa_pick, "checkpoint_every": ckpt, "fp8_recipe": recipe, "llmgpu_fp8_over": ratios8,
-                   "lt_split_k": [[list(k), list(v)] for k, v in lt_splitk.table().items()]}  # GEMM table in force
+                   "lt_split_k": lt_splitk.as_records()}  # the split-K GEMM table in force
         if monitor is not None:  # every reading of the run, t in seconds from the first (timed_window: epoch s)
             payload["clocks"] = {"reason": monitor.reason, "interval_ms": monitor.interval_ms,
                                  "origin": monitor.samples[0].t if monitor.samples else None,

@@ -9,6 +9,7 @@ and ``tools/probes/probe_wgrad_splitk.py``'s pure parts.
 from __future__ import annotations
 
 import ctypes
+import json
 import types
 import warnings
 
@@ -69,6 +70,14 @@ def test_replace_table_returns_the_previous_and_none_restores_the_default(restor
     assert lt_splitk.replace_table(None) == {key: (3, "compute_type", 0)}
     assert lt_splitk.table() == lt_splitk.check_table(lt_splitk.DEFAULT_TABLE)
 
+
+def test_as_records_is_the_table_in_force_as_json_rows(restore_table):
+    key = lt_splitk.wgrad_key(1600, 960, 32768)
+    lt_splitk.replace_table({key: (3, "compute_type")})
+    rows = lt_splitk.as_records()
+    assert rows == [[list(key), [3, "compute_type", 0]]]
+    assert json.loads(json.dumps(rows)) == rows  # what the bench and the probe write
+    assert lt_splitk.as_records({}) == []
 
 def _fake_plan():
     plan = cublaslt._Plan.__new__(cublaslt._Plan)  # destroy() of a plan with nothing to destroy

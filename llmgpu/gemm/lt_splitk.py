@@ -49,7 +49,7 @@ def wgrad_key(m: int, n: int, tokens: int, in_dtype="bf16", out_dtype="fp32") ->
 DEFAULT_TABLE: dict[tuple, tuple[int, str, int]] = {
     # SmolLM-360M's q|k|v weight gradient at 32 x 1024 tokens: the heuristic's second candidate (a 192x128 tile,
     # K split in two, summed in fp32 in the workspace) beats its first (96x128, one wave on a third of the SMs);
-    # in the step it keeps a part of that, but in every round of the probe's A/B (the chapter 10 results)
+    # in the step the saving shrinks, but it showed in every round of the probe's A/B (the chapter 10 results)
     wgrad_key(1600, 960, 32768): (2, "compute_type", 1),
 }
 
@@ -87,6 +87,12 @@ def table() -> dict:
     return dict(_table)
 
 
+def as_records(tab: dict | None = None) -> list:
+    """A table (None: the one in force) as JSON rows ``[[*problem_key], [splits, reduction, base]]``, as the bench
+    and the probe record it."""
+    return [[list(k), list(v)] for k, v in (_table if tab is None else tab).items()]
+
+
 def replace_table(new: dict | None) -> dict:
     """Install ``new`` (None: ``DEFAULT_TABLE``) and return the previous table. ``cublaslt.set_split_k`` calls this
     and rebuilds the cached plans of every problem either table names; call that, not this."""
@@ -103,5 +109,5 @@ def lookup(key: tuple):
 
 _table = check_table(DEFAULT_TABLE)
 
-__all__ = ["DEFAULT_TABLE", "MAX_BASE", "MAX_SPLITS", "check_table", "lookup", "problem_key", "replace_table", "table",
-           "wgrad_key"]
+__all__ = ["DEFAULT_TABLE", "MAX_BASE", "MAX_SPLITS", "as_records", "check_table", "lookup", "problem_key",
+           "replace_table", "table", "wgrad_key"]

@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     if a.json:
         timing.save_results(a.json, {"probe": "wgrad_splitk", "seq": a.seq, "splits": splits,
                                      "min_speedup": a.min_speedup, "gemms": records,
-                                     "table": [[list(k), list(v)] for k, v in table.items()], "step": step}, xp)
+                                     "table": lt_splitk.as_records(table), "step": step}, xp)
     return 0
 
 
