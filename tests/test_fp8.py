@@ -535,7 +535,8 @@ def _specials(rng, shape, dtype, fmt):
     return x.astype(backend.resolve_dtype(dtype))
 
 
-CAST_SHAPES = [(1,), (3, 5), (7, 13), (64, 64), (65, 129), (96, 100), (1000, 768), (256, 4100)]
+# the transposing cast runs groups of 8 elements (R and C multiples of 8), of 4, or of 1: each here, whole and cut tiles
+CAST_SHAPES = [(1,), (3, 5), (7, 13), (64, 64), (65, 129), (96, 100), (100, 96), (136, 200), (1000, 768), (256, 4100)]
 
 
 @pytest.mark.gpu
@@ -589,6 +590,26 @@ def test_gpu_amax_bitwise_and_deterministic(cp, rng, dtype, n):
     assert len({_f32_bits(g) for g in got}) == 1 and _f32_bits(got[0]) == _f32_bits(fp8.amax_reference(x))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_gpu_amax_large_where_every_loop_runs(cp, rng, dtype, offset):
+    """Large enough that the kernel's unrolled loop (AMAX_UNROLL 16-byte packs per thread and sweep), its one-pack
+    loop and its element tail all run (offset 1: misaligned, the scalar path alone): the maximum placed in each
+    part in turn, then a NaN, is found bit for bit."""
+    n = (1 << 24) + 13
+    host = random_array(rng, (n + offset,), dtype, scale=0.5)
+    base = cp.asarray(host)
+    x = base[offset:]
+    where = {"first sweeps": rng.integers(0, n // 4), "last packs": n - 300 - rng.integers(0, 4000), "tail": n - 3}
+    for part, i in where.items():
+        x[int(i)] = 1e4 if dtype == "fp32" else 9984.0  # exactly representable in bf16
+        got = cp.asnumpy(fp8_amax(x))[0]
+        assert _f32_bits(got) == _f32_bits(fp8.amax_reference(cp.asnumpy(x))), part
+        assert got == (1e4 if dtype == "fp32" else 9984.0), part
+        x[int(i)] = 0
+    x[int(rng.integers(0, n))] = float("nan")
+    assert _f32_bits(cp.asnumpy(fp8_amax(x))[0]) == 0x7FC00000
 @pytest.mark.gpu
 @pytest.mark.parametrize("length,margin,pow2", [(1, 0, False), (4, 1, True), (1000, 0, False)])
 def test_gpu_amax_history_matches_reference(cp, rng, length, margin, pow2):
