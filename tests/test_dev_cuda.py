@@ -60,6 +60,14 @@ def test_layernorm_forward_fast_script_runs():
         assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
 
 
+def test_fp8_cast_wide_script_runs():
+    """Without a GPU: one line saying so, exit 0. With one: small shapes (cut tiles too), bytes and amax checked."""
+    r = _run_dev_script("fp8_cast_wide.py", "--shapes", "64x64,136x200,1000x768", "--reps", "3", "--no-copy",
+                        "--dtype", "fp32", "--dtype", "bf16")
+    if r is not None:
+        assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
+
+
 def test_wgmma_probe_compiles_for_sm90a_with_wgmma():
     """The probe's wgmma exists on sm_90a only; for sm_80 / sm_90 (the test above) its body is a trap."""
     pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")

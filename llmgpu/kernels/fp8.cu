@@ -26,7 +26,7 @@
 #include <cuda_fp8.h>
 
 // llmgpu:kernel fp8_cast_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}>
-// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4,8}>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}>
 // llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel fp8_update_scale_kernel
 
@@ -105,36 +105,21 @@ fp8_cast_kernel(const T* __restrict__ x, unsigned char* __restrict__ y, long lon
     if (amax) block_amax_to(m, amax);
 }
 
-// amax only (current scaling measures the tensor before it picks the scale that casts it). vec: the host says x
-// is 16-byte aligned, so one access moves 16 bytes and each thread keeps AMAX_UNROLL of them in flight. Plain
-// (cached) loads, unlike the casts' streaming ones: the cast that follows reads the same tensor, and whatever of it
-// L2 still holds it reads from there.
-#define AMAX_UNROLL 4
+// amax only (current scaling measures the tensor before it picks the scale that casts it).
 template <typename T>
 __global__ void __launch_bounds__(FP8_THREADS)
 fp8_amax_kernel(const T* __restrict__ x, long long n, float* __restrict__ amax, int vec) {
-    constexpr int W = 16 / (int)sizeof(T);  // elements per 16-byte pack
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     unsigned m = 0;
-    const long long npacks = vec ? n / W : 0;
-    long long i = tid;
-    for (; i + (AMAX_UNROLL - 1) * nthreads < npacks; i += AMAX_UNROLL * nthreads) {
-        float v[AMAX_UNROLL][W];
+    const long long n4 = vec ? n / 4 : 0;
+    for (long long i = tid; i < n4; i += nthreads) {
+        float v[4];
+        load4_stream(x + 4 * i, v);
 #pragma unroll
-        for (int u = 0; u < AMAX_UNROLL; ++u) load_pack16<T, W>(x + (i + u * nthreads) * W, v[u]);
-#pragma unroll
-        for (int u = 0; u < AMAX_UNROLL; ++u)
-#pragma unroll
-            for (int k = 0; k < W; ++k) m = max(m, abs_bits(v[u][k]));
+        for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
     }
-    for (; i < npacks; i += nthreads) {
-        float v[W];
-        load_pack16<T, W>(x + i * W, v);
-#pragma unroll
-        for (int k = 0; k < W; ++k) m = max(m, abs_bits(v[k]));
-    }
-    for (long long j = npacks * W + tid; j < n; j += nthreads) m = max(m, abs_bits(to_float(x[j])));
+    for (long long i = 4 * n4 + tid; i < n; i += nthreads) m = max(m, abs_bits(to_float(x[i])));
     block_amax_to(m, amax);
 }
 
@@ -142,8 +127,8 @@ fp8_amax_kernel(const T* __restrict__ x, long long n, float* __restrict__ amax, 
 // One block per 64 x 64 tile (grid.x over row tiles, grid.y over column tiles), 256 threads. Each thread
 // reads VEC consecutive elements of a row (coalesced), writes their bytes to y and to a shared tile; after
 // the barrier it gathers VEC consecutive *rows* of one column from the tile and writes them as one access
-// of yt's row. VEC = 4 or 8 needs C and R multiples of VEC and x, y, yt aligned to VEC elements (the host checks;
-// VEC = 8 moves a 16-bit x in 16-byte loads, the host's first choice); VEC = 1 takes any shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into
+// of yt's row. VEC = 4 needs C % 4 == 0, R % 4 == 0 and x, y, yt aligned to 4 elements (the host checks);
+// VEC = 1 takes any shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into
 // different shared-memory banks.
 template <typename T, __nv_fp8_interpretation_t FMT, int VEC>
 __global__ void __launch_bounds__(FP8_THREADS)
@@ -163,26 +148,18 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y
         const int g = threadIdx.x + it * FP8_THREADS;
         const int r = g / GROUPS, c = (g % GROUPS) * VEC;
         const long long row = r0 + r, col = c0 + c;
-        if (row >= R || col >= C) continue;  // VEC > 1: C % VEC == 0, so a group is wholly in or out
+        if (row >= R || col >= C) continue;  // VEC = 4: C % 4 == 0, so a group is wholly in or out
         const long long i = row * C + col;
         unsigned char q[VEC];
-        if constexpr (VEC > 1) {
-            float v[VEC];
-            load_pack<T, VEC>(x + i, v);
+        if constexpr (VEC == 4) {
+            float v[4];
+            load_pack<T, 4>(x + i, v);
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) m = max(m, abs_bits(v[k]));
-            unsigned w[VEC / 4];
+            for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+            const unsigned w = to_fp8x4<FMT>(v, s);
+            if (y) *reinterpret_cast<unsigned*>(y + i) = w;
 #pragma unroll
-            for (int h = 0; h < VEC / 4; ++h) {
-                const float v4[4] = {v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]};
-                w[h] = to_fp8x4<FMT>(v4, s);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) q[4 * h + k] = (unsigned char)(w[h] >> (8 * k));
-            }
-            if (y) {
-                if constexpr (VEC == 8) *reinterpret_cast<uint2*>(y + i) = make_uint2(w[0], w[1]);
-                else *reinterpret_cast<unsigned*>(y + i) = w[0];
-            }
+            for (int k = 0; k < 4; ++k) q[k] = (unsigned char)(w >> (8 * k));
         } else {
             const float v = to_float(x[i]);
             m = max(m, abs_bits(v));
@@ -199,13 +176,12 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y
             const int g = threadIdx.x + it * FP8_THREADS;
             const int c = g / GROUPS, r = (g % GROUPS) * VEC;  // yt's row c (x's column), x's rows r .. r+VEC-1
             const long long col = c0 + c, row = r0 + r;
-            if (row >= R || col >= C) continue;  // VEC > 1: R % VEC == 0
-            if constexpr (VEC > 1) {
-                unsigned w[VEC / 4] = {};
+            if (row >= R || col >= C) continue;  // VEC = 4: R % 4 == 0
+            if constexpr (VEC == 4) {
+                unsigned w = 0;
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) w[k / 4] |= (unsigned)tile[(r + k) * PITCH + c] << (8 * (k % 4));
-                if constexpr (VEC == 8) *reinterpret_cast<uint2*>(yt + col * R + row) = make_uint2(w[0], w[1]);
-                else *reinterpret_cast<unsigned*>(yt + col * R + row) = w[0];
+                for (int k = 0; k < 4; ++k) w |= (unsigned)tile[(r + k) * PITCH + c] << (8 * k);
+                *reinterpret_cast<unsigned*>(yt + col * R + row) = w;
             } else {
                 yt[col * R + row] = tile[r * PITCH + c];
             }

@@ -42,7 +42,7 @@ import numpy as np
 from .. import backend
 from ..checks import GPU_DTYPES, array_module, check_array, check_choice, is_integer, overlaps
 from ..kernels import get_kernel
-from ..kernels.launch import VECTOR_BYTES, elements_aligned, resident_grid
+from ..kernels.launch import elements_aligned, resident_grid
 from ..kernels.loader import constant
 
 BYTES = np.dtype(np.uint8)
@@ -214,9 +214,8 @@ def fp8_amax(x, out=None, *, accumulate=False):
         out.fill(0)  # a memset: the kernel raises it with atomicMax
     n = x.size
     kern = get_kernel("fp8", "fp8_amax_kernel", x.dtype)
-    pack = VECTOR_BYTES // x.dtype.itemsize  # elements per 16-byte access
-    grid = resident_grid(kern, -(-n // pack), THREADS, xp)
-    kern((grid,), (THREADS,), (x, np.int64(n), out, np.int32(elements_aligned(pack, x))))
+    grid = resident_grid(kern, -(-n // 4), THREADS, xp)
+    kern((grid,), (THREADS,), (x, np.int64(n), out, np.int32(elements_aligned(4, x))))
     return out
 
 
@@ -278,7 +277,7 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         kern((resident_grid(kern, -(-n // 4), THREADS, xp),), (THREADS,),
              (x, y, np.int64(n), scale, scale_inv, amax_ptr, np.int32(vec)))
     else:
-        vec = next((v for v in (8, 4) if C % v == 0 and R % v == 0 and elements_aligned(v, x, y, yt)), 1)
+        vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, y, yt)) else 1
         kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec)
         grid = (-(-R // TILE), -(-C // TILE))
         if grid[1] > 65535:
