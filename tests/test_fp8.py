@@ -535,7 +535,7 @@ def _specials(rng, shape, dtype, fmt):
     return x.astype(backend.resolve_dtype(dtype))
 
 
-# the transposing cast runs groups of 8 elements (R and C multiples of 8), of 4, or of 1: each here, whole and cut tiles
+# the transposing cast's vector paths (R, C multiples of 4 or 8) and its scalar one, over whole and cut 64 x 64 tiles
 CAST_SHAPES = [(1,), (3, 5), (7, 13), (64, 64), (65, 129), (96, 100), (100, 96), (136, 200), (1000, 768), (256, 4100)]
 
 
@@ -594,9 +594,9 @@ def test_gpu_amax_bitwise_and_deterministic(cp, rng, dtype, n):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_gpu_amax_large_where_every_loop_runs(cp, rng, dtype, offset):
-    """Large enough that the kernel's unrolled loop (AMAX_UNROLL 16-byte packs per thread and sweep), its one-pack
-    loop and its element tail all run (offset 1: misaligned, the scalar path alone): the maximum placed in each
-    part in turn, then a NaN, is found bit for bit."""
+    """Large enough that a resident grid sweeps the tensor several times (an unrolled main loop, a remainder and an
+    element tail all run; offset 1: misaligned, the scalar path alone): the maximum placed near the start, near the
+    end and in the last elements in turn, then a NaN, is found bit for bit."""
     n = (1 << 24) + 13
     host = random_array(rng, (n + offset,), dtype, scale=0.5)
     base = cp.asarray(host)
