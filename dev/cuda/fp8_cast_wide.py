@@ -31,7 +31,8 @@ from llmgpu.ops import fp8  # noqa: E402
 from llmgpu.perf.timing import copy_bandwidth, time_fn  # noqa: E402
 
 SOURCE = HERE / "fp8_cast_wide.cu"
-THREADS, TILE, VEC = 256, 64, 8  # the .cu file's WIDE_THREADS, WIDE_TILE, WIDE_VEC
+THREADS, TILE = fp8.THREADS, fp8.TILE  # the .cu file uses fp8.cu's FP8_THREADS and FP8_TILE
+VEC = 8  # its WIDE_VEC
 # activations and gradients the FP8 step casts: d48 (B=8: M = 8192 tokens, C = 1600), d36 (B=16), GPT-2 (B=32)
 DEFAULT_SHAPES = "8192x1600,8192x4800,8192x6400,16384x1280,16384x5120,32768x768,32768x2304,32768x3072"
 
