@@ -290,6 +290,83 @@ def test_cast_bad_arguments(rng):
         fp8_cast(x, s, "e4m3fnuz")
 
 
+# =========================================================================== GELU inside the casts (NumPy)
+
+
+def _act_inputs(rng, shape, dtype="fp32"):
+    """x, pre, bias for the act= casts: GELU's input spread over its curved part, in ``dtype``."""
+    x = random_array(rng, shape, dtype, scale=3.0)
+    pre = random_array(rng, shape, dtype, scale=3.0)
+    bias = random_array(rng, (shape[-1],), dtype, scale=0.5)
+    return x, pre, bias
+
+
+def test_act_reference_is_gelu_and_its_gradient(rng):
+    """GELU(x + b) as chapter 3's reference gives it; x · GELU'(pre + b) against central differences of that
+    reference in float64; no act: x itself."""
+    x, pre, b = _act_inputs(rng, (5, 12))
+    x64, p64, b64 = (a.astype(np.float64) for a in (x, pre, b))
+    v = fp8.act_reference(x, "gelu", bias=b)
+    assert v.dtype == F32 and v.shape == x.shape
+    np.testing.assert_allclose(v, gelu_forward_reference(x64 + b64), rtol=1e-6, atol=1e-30)
+    h = 1e-6
+    fd = (gelu_forward_reference(p64 + b64 + h) - gelu_forward_reference(p64 + b64 - h)) / (2 * h)
+    np.testing.assert_allclose(fp8.act_reference(x, "dgelu", pre=pre, bias=b), x64 * fd, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(fp8.act_reference(x, "gelu"), gelu_forward_reference(x64).astype(F32))
+    assert fp8.act_reference(x) is x
+
+
+@pytest.mark.parametrize("act", ["gelu", "dgelu"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 64)])
+def test_cast_numpy_gelu_in_the_cast(rng, act, shape):
+    """The cast of act's values: the bytes, the transpose and amax of GELU(x + b) or x · GELU'(pre + b), and the
+    column sums added (not written) into the bias gradient."""
+    x, pre, b = _act_inputs(rng, shape, "bf16")
+    pre = pre if act == "dgelu" else None
+    v = fp8.act_reference(x, act, pre, b)
+    scale, amax = _one(40.0), _one(-1.0)
+    sums = np.full(shape[-1], 0.5, F32) if act == "dgelu" else None
+    t = fp8_cast(x, scale, "e5m2", transpose=True, amax=amax, act=act, pre=pre, bias=b, column_sums=sums)
+    np.testing.assert_array_equal(t.data, quantize_reference(v, scale[0], E5M2))
+    np.testing.assert_array_equal(t.data_t, t.data.T)
+    assert _f32_bits(amax[0]) == _f32_bits(fp8.amax_reference(v))
+    if sums is not None:
+        np.testing.assert_allclose(sums, 0.5 + v.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
+    st = AmaxHistory("e4m3", xp=np)
+    q = quantize(x, st, recipe="current", act=act, pre=pre, bias=b)
+    assert st.scale[0] == F32(448) / fp8.amax_reference(v)
+    np.testing.assert_array_equal(q.data, quantize_reference(v, st.scale[0], E4M3))
+    got = fp8_amax(x, act=act, pre=pre, bias=b)
+    assert _f32_bits(got[0]) == _f32_bits(fp8.amax_reference(v))
+
+
+def test_act_bad_arguments(rng):
+    x, pre, b = _act_inputs(rng, (4, 8))
+    s = _one(1.0)
+    cases = [
+        (dict(act="relu"), ValueError, "act must be one of"),
+        (dict(act="dgelu"), ValueError, "pre= .GELU's input. must be given"),
+        (dict(act="gelu", pre=pre), ValueError, "act='gelu' takes none"),
+        (dict(act="dgelu", pre=pre[:2]), ValueError, "pre must have shape"),
+        (dict(act="dgelu", pre=pre.astype(backend.bfloat16)), TypeError, "pre must be fp32, got bfloat16"),
+        (dict(bias=b), ValueError, "act=None takes none"),
+        (dict(act="gelu", bias=b[:4]), ValueError, "bias must have shape"),
+        (dict(act="gelu", column_sums=np.zeros(8, F32)), ValueError, "bias gradient of act='dgelu'"),
+        (dict(act="dgelu", pre=pre, column_sums=np.zeros(4, F32)), ValueError, "column_sums must have shape"),
+        (dict(act="dgelu", pre=pre, column_sums=np.zeros(8, np.float64)), TypeError, "column_sums must be fp32"),
+    ]
+    for kwargs, err, match in cases:
+        with pytest.raises(err, match=match):
+            fp8_cast(x, s, transpose=True, **kwargs)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        fp8_cast(x.astype(np.float16), s, act="gelu")
+    with pytest.raises(ValueError, match="overlaps"):
+        flat = np.zeros(40, F32)
+        fp8_cast(flat[:32].reshape(4, 8), s, act="dgelu", pre=pre, column_sums=flat[24:32])
+    with pytest.raises(ValueError, match="pre= .GELU's input. must be given"):
+        fp8_amax(x, act="dgelu")
+
+
 # =========================================================================== the GEMM (NumPy emulation)
 
 
@@ -623,6 +700,79 @@ def test_gpu_amax_history_matches_reference(cp, rng, length, margin, pow2):
         dev.update()
         for name in ("scale", "scale_inv", "history", "pos"):
             np.testing.assert_array_equal(cp.asnumpy(getattr(dev, name)), getattr(ref, name), err_msg=name)
+
+
+def _one_rounding_apart(got, v, tol, scale, fmt):
+    """Whether each byte ``got`` rounds a value within ``tol`` of ``v`` (the fp32 values the kernel computes are a
+    few ulp from the float64 reference's): between the bytes of v - tol and v + tol; NaN exactly where v is NaN."""
+    nan = np.isnan(v)
+    if not np.array_equal(got[nan], np.full(nan.sum(), fp8.NAN_BITS, np.uint8)):
+        return False
+    tol = np.where(np.isfinite(v), tol, 0).astype(F32)
+    vals = fmt.values()
+    lo, hi = vals[quantize_reference(v - tol, scale, fmt)], vals[quantize_reference(v + tol, scale, fmt)]
+    g = vals[got]
+    return bool(((lo <= g) & (g <= hi))[~nan].all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["gelu", "dgelu"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 64), (65, 129), (136, 200), (1000, 768)])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_gelu_in_the_cast(cp, rng, dtype, act, shape, transpose, with_bias):
+    """act= casts on odd shapes (vector and scalar paths, cut tiles) with NaN/±inf/huge inputs: every byte one
+    rounding of the float64 reference's value (and equal to it for nearly all), the transpose the same bytes, amax
+    NaN exactly when the reference's is and otherwise within the fp32 error, poisoned outputs all written."""
+    fmt = E4M3 if act == "gelu" else E5M2
+    x = _specials(rng, shape, dtype, fmt)
+    pre = random_array(rng, shape, dtype, scale=3.0) if act == "dgelu" else None
+    b = random_array(rng, (shape[-1],), dtype, scale=0.5) if with_bias else None
+    if pre is not None and pre.size > 3:
+        pre.reshape(-1)[rng.integers(0, pre.size)] = np.nan
+    v = fp8.act_reference(x, act, pre, b)
+    xa = np.abs(x.astype(np.float64))
+    tol = 3e-5 * np.abs(v.astype(np.float64)) + 1e-6 * xa * (1 + (0 if pre is None else np.abs(pre.astype(float))))
+    if b is not None:
+        tol = tol + 1e-6 * np.abs(b.astype(np.float64))
+    scale = _one(F32(fmt.max) / F32(30.0))
+    R, C = v.size // shape[-1], shape[-1]
+    ref = quantize_reference(v, scale[0], fmt)
+    dev = lambda a: None if a is None else _dev(cp, a)  # noqa: E731
+    for poison in (0xAB, 0x54):
+        y, yt = cp.full(shape, poison, np.uint8), cp.full((C, R), poison, np.uint8)
+        amax = cp.full(1, np.nan, F32)
+        t = fp8_cast(_dev(cp, x), _dev(cp, scale), fmt, transpose=transpose, out=y, out_t=yt if transpose else None,
+                     amax=amax, act=act, pre=dev(pre), bias=dev(b))
+        got = cp.asnumpy(t.data)
+        assert _one_rounding_apart(got, v, tol, scale[0], fmt)
+        assert (got != ref).mean() < 0.01
+        if transpose:
+            np.testing.assert_array_equal(cp.asnumpy(t.data_t), got.reshape(R, C).T)
+        a, a_ref = cp.asnumpy(amax)[0], fp8.amax_reference(v)
+        assert np.isnan(a) == np.isnan(a_ref) and (np.isnan(a) or np.isclose(a, a_ref, rtol=3e-5, atol=0))
+        a2 = fp8_amax(_dev(cp, x), act=act, pre=dev(pre), bias=dev(b))
+        assert _f32_bits(cp.asnumpy(a2)[0]) == _f32_bits(a)  # the amax pass finds the cast's amax, bit for bit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (200, 136), (1000, 768), (4100, 96)])
+def test_gpu_dgelu_cast_column_sums(cp, rng, shape):
+    """The bias gradient from the act='dgelu' cast: added into what column_sums holds, within the fp32 error of
+    the float64 column sums, the same bits on a second run (fixed-order sums), rowwise-only casts too."""
+    x, pre, b = _act_inputs(rng, shape, "bf16")
+    v = fp8.act_reference(x, "dgelu", pre, b).astype(np.float64)
+    want = 0.25 + v.sum(axis=0)
+    bound = 1e-5 * np.abs(v).sum(axis=0) + 1e-6
+    runs = []
+    for transpose in (True, False, True):
+        sums = cp.full(shape[-1], 0.25, F32)
+        fp8_cast(_dev(cp, x), cp.asarray(_one(10.0)), "e5m2", transpose=transpose, act="dgelu", pre=_dev(cp, pre),
+                 bias=_dev(cp, b), column_sums=sums)
+        runs.append(cp.asnumpy(sums))
+        assert (np.abs(runs[-1] - want) <= bound).all()
+    assert np.array_equal(runs[0], runs[2]) and np.array_equal(runs[0], runs[1])
 
 
 # =========================================================================== GPU: the GEMM

@@ -38,8 +38,8 @@ def _gelu64_sigmoid(x):
 
 
 def test_fast_kernel_constants():
-    """The constants of gelu.cu's fast form, and the form itself in float64, against the tanh formula."""
-    text = Path(loader.source_path("gelu")).read_text()
+    """The constants of the fast form (gelu.cuh), and the form itself in float64, against the tanh formula."""
+    text = (Path(loader.source_path("gelu")).parent / "gelu.cuh").read_text()
     k = {m[0]: float(m[1]) for m in re.findall(r"#define (GELU_FAST_\w+) (-?[0-9.e-]+)f", text)}
     c = math.sqrt(2.0 / math.pi)
     assert k["GELU_FAST_A"] == pytest.approx(-2.0 * c / math.log(2.0), rel=1e-15)

@@ -19,21 +19,35 @@
 // * Transposed copy: cuBLASLt's FP8 GEMMs take only the "TN" layout, in row-major words out = a @ b^T with
 //   both operands contiguous along K. The backward GEMMs need x^T, dy^T and W^T, so the tiled cast writes
 //   y [R, C] and y^T [C, R] from one read of x (either output may be skipped).
+// * The value cast (ACT, the amax pass and the transposing cast): x itself, GELU(x + b) (x holds the MLP's
+//   product x W^T, b its bias: the forward casts GELU's output without writing it, or the biased pre-activation,
+//   in bf16 first) or x * GELU'(pre + b) (x holds the gradient of GELU's output: the backward casts the
+//   pre-activation's gradient without writing it first), computed in fp32 with gelu.cuh's fast form; b (one
+//   per column, optional) is read from the bias vector. The transposing cast can also write the per-tile column sums of
+//   the values it casts (the bias gradient, when they are a layer's output gradient; fp8_column_sums_kernel adds
+//   them up in a fixed order, so the sum is deterministic).
 // NVIDIA-only (cuda_fp8.h; tools/checks/hip_compile_check.py says why). Ideas from NVIDIA Transformer Engine
 // (cast + transpose + amax in one pass; delayed scaling with an amax history) and Micikevicius et al. 2022,
 // "FP8 Formats for Deep Learning" (the two formats, per-tensor scales).
 #include "common.cuh"
+#include "gelu.cuh"
 #include <cuda_fp8.h>
 
 // llmgpu:kernel fp8_cast_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}>
-// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}>
-// llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, 0>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {1,2}>
+// llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}, 0>
+// llmgpu:kernel fp8_amax_kernel<{float,__nv_bfloat16}, {1,2}>
+// llmgpu:kernel fp8_column_sums_kernel
 // llmgpu:kernel fp8_update_scale_kernel
 
 #define FP8_NAN_BITS 127         // 0x7f: NaN in E4M3 (S.1111.111) and in E5M2 (S.11111.11)
 #define FP8_SCALE_EXP_LIMIT 126  // scales are clamped to [2^-126, 2^126], so 1/scale is a finite normal float
 #define FP8_TILE 64              // the transposing cast's tile: 64 x 64 elements per block
 #define FP8_THREADS 256          // block size of every kernel here (the host reads it)
+#define FP8_ACT_NONE 0           // ACT: the value cast is x
+#define FP8_ACT_GELU 1           //      GELU(x + b)
+#define FP8_ACT_DGELU 2          //      x * GELU'(pre + b)
 
 constexpr unsigned FP8_QNAN_BITS = 0x7fc00000u;  // the canonical quiet NaN, what NaN inputs make amax
 
@@ -46,6 +60,23 @@ template <__nv_fp8_interpretation_t FMT>
 __device__ __forceinline__ unsigned char to_fp8(float v, float scale) {
     const float s = v * scale;
     return s != s ? (unsigned char)FP8_NAN_BITS : (unsigned char)__nv_cvt_float_to_fp8(s, __NV_SATFINITE, FMT);
+}
+
+template <int ACT>
+__device__ __forceinline__ float act_value(float x, float pre, float b) {
+    if constexpr (ACT == FP8_ACT_GELU) return gelu_fast_value(x + b);
+    else if constexpr (ACT == FP8_ACT_DGELU) return x * gelu_fast_grad(pre + b);
+    else return x;
+}
+
+// ACT's second input and bias at element i of a row-major [*, C] tensor (0 where the kernel has none).
+template <int ACT, typename T>
+__device__ __forceinline__ float act_pre(const T* __restrict__ pre, long long i) {
+    return ACT == FP8_ACT_DGELU ? to_float(pre[i]) : 0.0f;
+}
+template <int ACT, typename T>
+__device__ __forceinline__ float act_bias(const T* __restrict__ bias, long long col) {
+    return ACT != FP8_ACT_NONE && bias ? to_float(bias[col]) : 0.0f;
 }
 
 // Four elements to four bytes (element 0 in the low byte, as they lie in memory), two per conversion.
@@ -105,44 +136,65 @@ fp8_cast_kernel(const T* __restrict__ x, unsigned char* __restrict__ y, long lon
     if (amax) block_amax_to(m, amax);
 }
 
-// amax only (current scaling measures the tensor before it picks the scale that casts it).
-template <typename T>
+// amax only (current scaling measures the tensor before it picks the scale that casts it), of ACT's value
+// (pre: GELU's input for FP8_ACT_DGELU, else unused; bias [C]: optional, with an ACT; C: x's last axis).
+// vec: x and pre aligned to 4 elements and, with a bias, C % 4 == 0 (a pack's 4 elements share a row).
+template <typename T, int ACT>
 __global__ void __launch_bounds__(FP8_THREADS)
-fp8_amax_kernel(const T* __restrict__ x, long long n, float* __restrict__ amax, int vec) {
+fp8_amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __restrict__ bias, long long n,
+                long long C, float* __restrict__ amax, int vec) {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     unsigned m = 0;
     const long long n4 = vec ? n / 4 : 0;
     for (long long i = tid; i < n4; i += nthreads) {
-        float v[4];
+        float v[4], p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         load4_stream(x + 4 * i, v);
+        if constexpr (ACT == FP8_ACT_DGELU) load4_stream(pre + 4 * i, p);
+        const long long col = ACT != FP8_ACT_NONE && bias ? (4 * i) % C : 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+        for (int k = 0; k < 4; ++k) m = max(m, abs_bits(act_value<ACT>(v[k], p[k], act_bias<ACT>(bias, col + k))));
     }
-    for (long long i = 4 * n4 + tid; i < n; i += nthreads) m = max(m, abs_bits(to_float(x[i])));
+    for (long long i = 4 * n4 + tid; i < n; i += nthreads) {
+        const long long col = ACT != FP8_ACT_NONE && bias ? i % C : 0;
+        m = max(m, abs_bits(act_value<ACT>(to_float(x[i]), act_pre<ACT>(pre, i), act_bias<ACT>(bias, col))));
+    }
     block_amax_to(m, amax);
 }
 
-// Cast + transpose: x [R, C] row-major -> y [R, C] and yt [C, R] (either may be nullptr), amax, scale_inv.
-// One block per 64 x 64 tile (grid.x over row tiles, grid.y over column tiles), 256 threads. Each thread
-// reads VEC consecutive elements of a row (coalesced), writes their bytes to y and to a shared tile; after
-// the barrier it gathers VEC consecutive *rows* of one column from the tile and writes them as one access
-// of yt's row. VEC = 4 needs C % 4 == 0, R % 4 == 0 and x, y, yt aligned to 4 elements (the host checks);
-// VEC = 1 takes any shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into
-// different shared-memory banks.
-template <typename T, __nv_fp8_interpretation_t FMT, int VEC>
+// Cast + transpose: x [R, C] row-major -> y [R, C] and yt [C, R] (either may be nullptr), amax, scale_inv, of
+// ACT's value (pre [R, C]: GELU's input for FP8_ACT_DGELU, else unused; bias [C]: optional, with an ACT). One block per 64 x 64 tile (grid.x
+// over row tiles, grid.y over column tiles), 256 threads. Each thread reads VEC consecutive elements of a row
+// (coalesced), writes their bytes to y and to a shared tile; after the barrier it gathers VEC consecutive
+// *rows* of one column from the tile and writes them as one access of yt's row. VEC = 4 needs C % 4 == 0,
+// R % 4 == 0 and x, pre, y, yt aligned to 4 elements (the host checks); VEC = 1 takes any shape. The tile's
+// row pitch is 65 bytes so that the column gathers of a warp fall into different shared-memory banks.
+// colsum (FP8_ACT_DGELU only, optional): colsum[blockIdx.x * C + col] = the fp32 sum of the values cast in the
+// tile's column col (its rows in a fixed order; the bias gradient's share of the tile): a thread's groups all
+// sit in the same VEC columns, so each thread sums its rows, then one thread per column adds the SHARE threads'
+// sums of its column in thread order. (Only there: the sums cost the other casts 8 registers, a quarter of
+// their occupancy.)
+template <typename T, __nv_fp8_interpretation_t FMT, int VEC, int ACT>
 __global__ void __launch_bounds__(FP8_THREADS)
-fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y, unsigned char* __restrict__ yt,
-                          long long R, long long C, const float* __restrict__ scale, float* __restrict__ scale_inv,
-                          float* __restrict__ amax) {
+fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __restrict__ bias,
+                          unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
+                          const float* __restrict__ scale, float* __restrict__ scale_inv, float* __restrict__ amax,
+                          float* __restrict__ colsum) {
     constexpr int PITCH = FP8_TILE + 1;
     constexpr int GROUPS = FP8_TILE / VEC;                      // VEC-wide groups per tile row
     constexpr int ITERS = FP8_TILE * GROUPS / FP8_THREADS;      // groups per thread
+    constexpr int SHARE = FP8_THREADS / GROUPS;                 // threads whose groups sit in the same columns
+    constexpr bool SUMS = ACT == FP8_ACT_DGELU;
+    static_assert(FP8_THREADS % GROUPS == 0, "a thread's groups must keep to the same columns");
     __shared__ unsigned char tile[FP8_TILE * PITCH];
+    __shared__ float col_part[SUMS ? SHARE : 1][FP8_TILE];
     const float s = *scale;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && scale_inv) *scale_inv = 1.0f / s;
     const long long r0 = (long long)blockIdx.x * FP8_TILE, c0 = (long long)blockIdx.y * FP8_TILE;
     unsigned m = 0;
+    float csum[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) csum[k] = 0.0f;
 #pragma unroll 4  // VEC = 1 has 16 iterations: unrolling them all costs ~110 registers
     for (int it = 0; it < ITERS; ++it) {
         const int g = threadIdx.x + it * FP8_THREADS;
@@ -152,25 +204,46 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y
         const long long i = row * C + col;
         unsigned char q[VEC];
         if constexpr (VEC == 4) {
-            float v[4];
+            float v[4], p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             load_pack<T, 4>(x + i, v);
+            if constexpr (ACT == FP8_ACT_DGELU) load_pack<T, 4>(pre + i, p);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) m = max(m, abs_bits(v[k]));
+            for (int k = 0; k < 4; ++k) {
+                v[k] = act_value<ACT>(v[k], p[k], act_bias<ACT>(bias, col + k));
+                m = max(m, abs_bits(v[k]));
+                if constexpr (SUMS) csum[k] += v[k];
+            }
             const unsigned w = to_fp8x4<FMT>(v, s);
             if (y) *reinterpret_cast<unsigned*>(y + i) = w;
 #pragma unroll
             for (int k = 0; k < 4; ++k) q[k] = (unsigned char)(w >> (8 * k));
         } else {
-            const float v = to_float(x[i]);
+            const float v = act_value<ACT>(to_float(x[i]), act_pre<ACT>(pre, i), act_bias<ACT>(bias, col));
             m = max(m, abs_bits(v));
+            if constexpr (SUMS) csum[0] += v;
             q[0] = to_fp8<FMT>(v, s);
             if (y) y[i] = q[0];
         }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) tile[r * PITCH + c + k] = q[k];
     }
+    if constexpr (SUMS) {
+        if (colsum) {
+            const int c = (threadIdx.x % GROUPS) * VEC;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) col_part[threadIdx.x / GROUPS][c + k] = csum[k];
+        }
+    }
+    if (yt || (SUMS && colsum)) __syncthreads();
+    if constexpr (SUMS) {
+        if (colsum && threadIdx.x < FP8_TILE && c0 + threadIdx.x < C) {
+            float t = 0.0f;
+#pragma unroll
+            for (int j = 0; j < SHARE; ++j) t += col_part[j][threadIdx.x];
+            colsum[(long long)blockIdx.x * C + c0 + threadIdx.x] = t;
+        }
+    }
     if (yt) {
-        __syncthreads();
 #pragma unroll 4
         for (int it = 0; it < ITERS; ++it) {
             const int g = threadIdx.x + it * FP8_THREADS;
@@ -188,6 +261,19 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, unsigned char* __restrict__ y
         }
     }
     if (amax) block_amax_to(m, amax);  // its own shared scratch: no race with the tile
+}
+
+// out[c] (+)= sum over the row tiles t of colsum[t * C + c], in the order t = 0, 1, ...: the column sums of a
+// transposing cast's tiles added up deterministically (one thread per column; consecutive threads read
+// consecutive columns). accumulate: add to out (a gradient buffer) instead of overwriting it.
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_column_sums_kernel(const float* __restrict__ colsum, int tiles, long long C, float* __restrict__ out,
+                       int accumulate) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float t = 0.0f;
+    for (int j = 0; j < tiles; ++j) t += colsum[(long long)j * C + c];
+    out[c] = accumulate ? out[c] + t : t;
 }
 
 // Delayed scaling's bookkeeping, one block: history[pos] = *amax, pos = (pos + 1) % n, then the scale from

@@ -120,6 +120,7 @@ class FastGPT(GPTBase):
         # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
         self.fp8 = (Fp8Linears(opts.fp8, opts.fp8_history, self.xp, fused_epilogues=opts.fp8_fused_epilogues)
                     if opts.fp8 != "off" else None)
+        self.gelu_in_casts = self.fp8 is not None and opts.fp8_gelu_in_casts  # GELU applied by the FP8 casts
 
     def capture_blocker(self) -> str | None:
         """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32, or with
@@ -189,25 +190,35 @@ class FastGPT(GPTBase):
         with region(name + " dgrad", flops=2.0 * n * m * k, bytes=nbytes):
             return lt_gemm(dy, w, epilogue=epilogue, aux=aux, out=out, beta=beta)
 
-    def _layer_forward(self, x, i: int, layer: str, *, name, epilogue=None, aux=None, train: bool = True):
+    def _layer_forward(self, x, i: int, layer: str, *, name, epilogue=None, aux=None, train: bool = True, act=None):
         """Block i's linear layer ``layer`` (one of ``fp8_linear.FP8_LAYERS``) on x: ``(y, what its backward
         needs)``: x itself, or with ``FastOptions.fp8`` the FP8 GEMM's output and x's and W's FP8 casts
-        (``Fp8Saved``; None with ``train=False``)."""
+        (``Fp8Saved``; None with ``train=False``). ``act="gelu"`` (FP8 only): the input is GELU(x + MLP-in's bias)
+        (``FastOptions.fp8_gelu_in_casts``)."""
         w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
         if self.fp8 is None:
             return self._linear(x, w_name, b_name, name=name, epilogue=epilogue, aux=aux), x
         return self.fp8.forward(x, self.weight(w_name), self.weight(b_name), f"h.{i}.{layer}", name=name,
-                                epilogue=epilogue or "bias", aux=aux, train=train)
+                                epilogue=epilogue or "bias", aux=aux, train=train, act=act,
+                                act_bias=self._fc_bias(i) if act else None)
 
-    def _layer_backward(self, dy, saved, i: int, layer: str, *, name, dgrad_name=None, epilogue="none", aux=None):
-        """The backward of ``_layer_forward``: dW and db accumulated (fp32), the input gradient returned."""
+    def _layer_backward(self, dy, saved, i: int, layer: str, *, name, dgrad_name=None, epilogue="none", aux=None,
+                        act=None):
+        """The backward of ``_layer_forward``: dW and db accumulated (fp32), the input gradient returned.
+        ``act="dgelu"`` (FP8 only): the output gradient is dy · GELU'(aux + MLP-in's bias)."""
         w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
         if isinstance(saved, Fp8Saved):
             G = self.params.grad_of
+            if act:
+                return self.fp8.backward(dy, saved, f"h.{i}.{layer}", G(w_name), G(b_name), name=name,
+                                         dgrad_name=dgrad_name or name, act=act, pre=aux, act_bias=self._fc_bias(i))
             return self.fp8.backward(dy, saved, f"h.{i}.{layer}", G(w_name), G(b_name), name=name,
                                      dgrad_name=dgrad_name or name, epilogue=epilogue, aux=aux)
         self._linear_grads(dy, saved, w_name, b_name, name=name)
         return self._dgrad(dy, w_name, name=dgrad_name or name, epilogue=epilogue, aux=aux)
+
+    def _fc_bias(self, i: int):
+        return self.weight(f"transformer.h.{i}.mlp.c_fc.bias")
 
     def _add_ln(self, x, a, ln, *, name):
         """(x + a written over a, LN(x + a), mean, rstd)."""
@@ -301,16 +312,22 @@ class FastGPT(GPTBase):
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-        f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre else None  # the pre-activation, by the epilogue
-        g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc+gelu fwd", epilogue="gelu_bias", aux=f,
-                                    train=keep_pre)
+        if self.gelu_in_casts:  # f = h2 W₁ᵀ alone; mlp.c_proj's cast applies GELU(f + b₁) (model/fp8_linear.py)
+            f, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc fwd", epilogue="none", train=keep_pre)
+            g, act = f, "gelu"
+        else:
+            f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre else None  # the pre-activation, by the epilogue
+            g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc+gelu fwd", epilogue="gelu_bias", aux=f,
+                                        train=keep_pre)
+            act = None
         cache = {"x": x, "h1": h1, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
-                 "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
+                 "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f if keep_pre else None, "g": g}
         if not need_output:  # a recomputed span's last block: mlp.c_proj's backward still needs its FP8 casts
             if self.fp8 is not None and keep_pre:
-                cache["g"] = self.fp8.keep(g, self.weight(n["mlp.c_proj.weight"]), f"h.{i}.mlp.c_proj")
+                cache["g"] = self.fp8.keep(g, self.weight(n["mlp.c_proj.weight"]), f"h.{i}.mlp.c_proj", act=act,
+                                           act_bias=self._fc_bias(i) if act else None)
             return cache, None
-        m, cache["g"] = self._layer_forward(g, i, "mlp.c_proj", name="mlp.proj fwd", train=keep_pre)
+        m, cache["g"] = self._layer_forward(g, i, "mlp.c_proj", name="mlp.proj fwd", train=keep_pre, act=act)
         nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
         return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
 
@@ -356,10 +373,15 @@ class FastGPT(GPTBase):
         gradients accumulate in fp32 in line (on a second stream they gained nothing: the GEMMs fill the GPU)."""
         n = block_param_names(i)
         # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-        df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", dgrad_name="mlp.proj+dgelu",
-                                  epilogue="dgelu", aux=c["f"])
-        dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc")
-        del df
+        if self.gelu_in_casts:  # dg alone; mlp.c_fc's gradient cast applies GELU'(f + b₁) (model/fp8_linear.py)
+            dg = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj")
+            dh2 = self._layer_backward(dg, c["h2"], i, "mlp.c_fc", name="mlp.fc", act="dgelu", aux=c["f"])
+            del dg
+        else:
+            df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", dgrad_name="mlp.proj+dgelu",
+                                      epilogue="dgelu", aux=c["f"])
+            dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc")
+            del df
         dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
                                name="ln_2+residual bwd")
         del dh2

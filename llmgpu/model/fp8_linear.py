@@ -31,6 +31,20 @@ chapter 5b's profiles). ``FastOptions.fp8_fused_epilogues`` names the ones fused
 the others run as the plain product followed by ``add_bias`` / ``gelu_forward`` / ``gelu_backward``. A machine whose
 cuBLASLt has no FP8 kernel for a fused one fails the plan on the first call (always outside a CUDA graph
 capture), and the layer runs it unfused from then on; ``unfused`` lists the epilogues for which that happened.
+
+**GELU inside the casts** (``FastOptions.fp8_gelu_in_casts``). The MLP's GELU output is read only by the cast
+that feeds MLP-out's FP8 GEMM, and the pre-activation's gradient only by MLP-in's gradient cast and its bias
+gradient. So MLP-in's GEMM writes just x·Wᵀ (no epilogue), MLP-out's forward casts GELU(x·Wᵀ + b) from it
+(``act="gelu"``), and MLP-in's backward casts dg · GELU'(x·Wᵀ + b) from MLP-out's input gradient dg
+(``act="dgelu"``), adding the bias gradient from the same pass: neither GELU's output, the biased pre-activation
+nor its gradient is ever written in bf16 (``ops/fp8.py``). Per element of the [N, 4C] tensors, the passes between
+MLP-in's GEMM and MLP-out's, and between MLP-out's dgrad and MLP-in's backward GEMMs, move 18 bytes instead of 24
+under current scaling and 12 instead of 20 under delayed scaling::
+
+    forward    f = x8 · W8ᵀ                         (MLP-in, no epilogue; kept for the backward)
+               g8, g8ᵀ = cast(GELU(f + b))          (MLP-out's input cast)
+    backward   dg = dy8 · (W8ᵀ)ᵀ                    (MLP-out's dgrad, no epilogue)
+               d8, d8ᵀ = cast(dg · GELU'(f + b)),  db += Σ dg · GELU'(f + b)     (MLP-in's output gradient)
 """
 
 from __future__ import annotations
@@ -84,16 +98,20 @@ class Fp8Linears:
     def _delayed(self, role: str) -> bool:
         return self.recipe == "delayed" and role != "w" and self.primed
 
-    def cast(self, x, layer: str, role: str, *, rowwise: bool = True, transpose: bool = True, record: bool = True):
+    def cast(self, x, layer: str, role: str, *, rowwise: bool = True, transpose: bool = True, record: bool = True,
+             act=None, pre=None, bias=None, column_sums=None):
         """``x`` as FP8 bytes (``Fp8Tensor``) with the (layer, role) state's scaling; ``record=False`` (inference)
-        leaves a delayed state's amax alone."""
+        leaves a delayed state's amax alone. ``act``, ``pre``, ``bias``, ``column_sums``: ``fp8_cast``'s GELU on the
+        fly (the module docstring)."""
         st = self.state(layer, role)
-        with region(f"fp8 cast {role}", bytes=x.size * (x.dtype.itemsize * (1 if self._delayed(role) else 2)
-                                                          + rowwise + transpose), flops=2.0 * x.size):
+        reads = (1 if self._delayed(role) else 2) * (2 if pre is not None else 1)
+        kw = dict(rowwise=rowwise, transpose=transpose, scale_inv=st.scale_inv, act=act, pre=pre, bias=bias,
+                  column_sums=column_sums)
+        with region(f"fp8 cast {role}" + (f" ({act})" if act else ""),
+                    bytes=x.size * (x.dtype.itemsize * reads + rowwise + transpose), flops=2.0 * x.size):
             if self._delayed(role):
-                return fp8_cast(x, st.scale, st.fmt, rowwise=rowwise, transpose=transpose,
-                                amax=st.amax if record else None, accumulate_amax=record, scale_inv=st.scale_inv)
-            return quantize(x, st, recipe="current", rowwise=rowwise, transpose=transpose, scale_inv=st.scale_inv)
+                return fp8_cast(x, st.scale, st.fmt, amax=st.amax if record else None, accumulate_amax=record, **kw)
+            return quantize(x, st, recipe="current", **kw)
 
     def end_step(self):
         """After a step's backward: a delayed recipe's recorded amaxes become its next scales (one launch per
@@ -145,11 +163,13 @@ class Fp8Linears:
 
     # ------------------------------------------------------------------ the three GEMMs
 
-    def forward(self, x, w, bias, layer: str, *, name: str, epilogue: str = "none", aux=None, train: bool = True):
+    def forward(self, x, w, bias, layer: str, *, name: str, epilogue: str = "none", aux=None, train: bool = True,
+                act=None, act_bias=None):
         """``y = x Wᵀ`` (+ bias; ``epilogue`` "bias" or "gelu_bias", the latter writing the pre-activation into
         ``aux``, a temporary when None) in x's dtype: ``(y, Fp8Saved or None)`` (None with ``train=False``).
-        ``name``: the profiler region's, as the bf16 step's."""
-        x8 = self.cast(x, layer, "x", transpose=train, record=train)
+        ``act="gelu"``: the layer's input is GELU(x + act_bias), applied by its cast. ``name``: the profiler
+        region's, as the bf16 step's."""
+        x8 = self.cast(x, layer, "x", transpose=train, record=train, act=act, bias=act_bias)
         w8 = self.cast(w, layer, "w", transpose=train)
         (n, k), m = x.shape, w.shape[0]
         y = self.xp.empty((n, m), dtype=x.dtype)
@@ -159,28 +179,30 @@ class Fp8Linears:
             self._gemm(x8.data, w8.data, x8.scale_inv, w8.scale_inv, "e4m3", y, epilogue, bias, aux)
         return y, (Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv) if train else None)
 
-    def keep(self, x, w, layer: str) -> Fp8Saved:
+    def keep(self, x, w, layer: str, *, act=None, act_bias=None) -> Fp8Saved:
         """The casts ``forward`` would keep, without its GEMM (a recomputed span's last layer: its output is not
         needed, its backward is)."""
-        x8 = self.cast(x, layer, "x", rowwise=False)
+        x8 = self.cast(x, layer, "x", rowwise=False, act=act, bias=act_bias)
         w8 = self.cast(w, layer, "w", rowwise=False)
         return Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv)
 
     def backward(self, dy, saved: Fp8Saved, layer: str, dw, db, *, name: str, dgrad_name: str, epilogue: str = "none",
-                 aux=None):
+                 aux=None, act=None, pre=None, act_bias=None):
         """``dW += dyᵀ x`` (fp32 ``dw``), ``db += Σ dy`` (``db`` None: no bias) and the input gradient ``dy W``
-        (``epilogue="dgelu"``: times GELU'(``aux``)), returned in dy's dtype. ``name``, ``dgrad_name``: the
-        profiler regions' names, as the bf16 step's."""
+        (``epilogue="dgelu"``: times GELU'(``aux``)), returned in dy's dtype. ``act="dgelu"``: the layer's output
+        gradient is dy · GELU'(pre + act_bias), applied by its cast (which also adds db). ``name``,
+        ``dgrad_name``: the profiler regions' names, as the bf16 step's."""
         n, cout = dy.shape
         cin = saved.x_t.shape[0]
         if n % 16:
             raise ValueError(f"the FP8 weight gradient reduces over the batch's B·T = {n} tokens, which cuBLASLt's FP8 "
                              "GEMMs need to be a multiple of 16")
-        g8 = self.cast(dy, layer, "dy")
+        fused_db = act == "dgelu" and db is not None
+        g8 = self.cast(dy, layer, "dy", act=act, pre=pre, bias=act_bias, column_sums=db if fused_db else None)
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=n * (cout + cin) + 8 * cout * cin):
             fp8_gemm(g8.data_t, saved.x_t, g8.scale_inv, saved.x_scale_inv, a_format="e5m2", out=dw, beta=1.0,
                      out_dtype=dw.dtype)
-        if db is not None:
+        if db is not None and not fused_db:
             with region(name + " bgrad", bytes=dy.nbytes + 8 * cout, flops=float(dy.size)):
                 bias_grad(dy, out=db, accumulate=True)
         dx = self.xp.empty((n, cin), dtype=dy.dtype)

@@ -27,8 +27,17 @@ optionally the transposed bytes ``[C, R]`` that cuBLASLt's FP8 GEMMs need for th
 scaling; a NaN anywhere makes amax NaN (not ignored: the trainer must see it). The CUDA kernels
 (``kernels/fp8.cu``) give the NumPy reference's bytes exactly, and their amax is deterministic.
 
+**GELU on the fly** (``act=``, the amax pass and the cast): ``"gelu"`` casts GELU(x + bias), x being the MLP's
+product x·Wᵀ and ``bias`` its bias (optional), so the forward never writes GELU's bf16 output (nor the biased
+pre-activation) only to read it back for the cast; ``"dgelu"`` casts x · GELU'(pre + bias), x being the gradient
+of GELU's output, and can add the values' column sums into a bias gradient (``column_sums=``) in the same pass.
+The values are computed in fp32 with ``kernels/gelu.cuh``'s fast form (a few fp32 ulp from the float64 formula
+the reference uses, far below FP8's 2^-4), so a byte can differ from the reference's by one code where a value
+sits on a rounding boundary.
+
 Capturable: pass every output (``out``, ``out_t``, ``amax``, ``scale_inv``) preallocated; nothing is then
-allocated and nothing read back.
+allocated and nothing read back (``column_sums`` takes a scratch buffer from CuPy's pool, which a CUDA graph
+capture allows).
 """
 
 from __future__ import annotations
@@ -44,12 +53,16 @@ from ..checks import GPU_DTYPES, array_module, check_array, check_choice, is_int
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned, resident_grid
 from ..kernels.loader import constant
+from .gelu import gelu_backward_reference, gelu_forward_reference
 
 BYTES = np.dtype(np.uint8)
 THREADS = constant("fp8", "FP8_THREADS")
 TILE = constant("fp8", "FP8_TILE")
 NAN_BITS = constant("fp8", "FP8_NAN_BITS")  # what NaN becomes, in both formats
 SCALE_EXP_LIMIT = constant("fp8", "FP8_SCALE_EXP_LIMIT")  # scales live in [2^-limit, 2^limit]
+ACTS = {None: constant("fp8", "FP8_ACT_NONE"), "gelu": constant("fp8", "FP8_ACT_GELU"),
+        "dgelu": constant("fp8", "FP8_ACT_DGELU")}  # act= of the amax pass and the cast: the kernels' ACT
+ACT_DTYPES = (np.dtype(np.float32), np.dtype(backend.bfloat16))  # the inputs the act= kernels are built for
 _QNAN_BITS = 0x7FC00000  # the canonical quiet NaN: the amax of an input holding NaN
 _EXP_MASK = 0x7F800000
 
@@ -140,6 +153,19 @@ def amax_reference(x) -> np.float32:
     return _bits_to_float(amax_bits(x).max())
 
 
+@np.errstate(invalid="ignore", over="ignore")
+def act_reference(x, act=None, pre=None, bias=None) -> np.ndarray:
+    """The values a cast with ``act`` quantizes, as fp32: x, GELU(x + bias) or x · GELU'(pre + bias) (float64
+    formula, one rounding; ``bias`` along the last axis, optional); x itself (its dtype) when ``act`` is None."""
+    if act is None:
+        return np.asarray(x)
+    xf = np.asarray(x).astype(np.float64)
+    b = 0.0 if bias is None else np.asarray(bias).astype(np.float64)
+    if act == "gelu":
+        return gelu_forward_reference(xf + b).astype(np.float32)
+    return gelu_backward_reference(xf, np.asarray(pre).astype(np.float64) + b).astype(np.float32)
+
+
 def quantize_reference(x, scale, fmt="e4m3") -> np.ndarray:
     """The bytes of ``fp8(saturate(x · scale))``: fp32 multiply, clip to ±max (NaN kept), round to nearest even."""
     fmt = fp8_format(fmt)
@@ -187,6 +213,33 @@ def _null():
     return np.uint64(0)  # a null pointer for the kernels' optional outputs
 
 
+def _opt(a):
+    return a if a is not None else _null()  # an optional array argument of a kernel
+
+
+def _check_act(act, pre, bias, x, xp):
+    """act=, pre= and bias= checked against x: ``pre`` is the pre-activation ``"dgelu"`` needs (x's shape, dtype
+    and device), given with it alone; ``bias`` (x's last axis, dtype and device) goes with an ``act``."""
+    check_choice("act", act, tuple(ACTS))
+    if act is not None and np.dtype(x.dtype) not in ACT_DTYPES:
+        raise TypeError(f"act={act!r} casts take x as float32 or bfloat16, got {np.dtype(x.dtype).name}")
+    if bias is not None:
+        if act is None:
+            raise ValueError("bias= is added before GELU (act='gelu' or 'dgelu'); act=None takes none")
+        if backend.get_array_module(bias) is not xp:
+            raise TypeError("bias must live on the same device as x")
+        check_array("bias", bias, shape=(x.shape[-1],), dtype=x.dtype, dtypes=None)
+    if act != "dgelu":
+        if pre is not None:
+            raise ValueError(f"pre= is GELU's input for act='dgelu'; act={act!r} takes none")
+        return
+    if pre is None:
+        raise ValueError("act='dgelu' casts x * GELU'(pre): pre= (GELU's input) must be given")
+    if backend.get_array_module(pre) is not xp:
+        raise TypeError("pre must live on the same device as x")
+    check_array("pre", pre, shape=x.shape, dtype=x.dtype, dtypes=None)
+
+
 def _check_margin(margin):
     if not is_integer(margin) or not 0 <= margin <= 64:
         raise ValueError(f"margin must be an integer in [0, 64] (bits of headroom), got {margin!r}")
@@ -196,26 +249,30 @@ def _check_margin(margin):
 # --------------------------------------------------------------------------- amax
 
 
-def fp8_amax(x, out=None, *, accumulate=False):
+def fp8_amax(x, out=None, *, accumulate=False, act=None, pre=None, bias=None):
     """max |x| into ``out`` (fp32 [1], new when None) and return it; ``accumulate``: max with what ``out`` holds
-    (amax over several tensors or micro-batches). NaN propagates (see the module docstring)."""
-    xp = array_module(x=x, out=out)
+    (amax over several tensors or micro-batches); ``act``, ``pre``, ``bias``: of GELU(x + bias) or
+    x · GELU'(pre + bias) instead (the module docstring). NaN propagates (see the module docstring)."""
+    xp = array_module(x=x, out=out, pre=pre, bias=bias)
     check_array("x", x, dtypes=GPU_DTYPES)
+    _check_act(act, pre, bias, x, xp)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True takes the max with out's value, so out must be given")
         out = xp.zeros(1, dtype=np.float32)
     _check_scalar("out", out, xp)
     if xp is np:
-        new = amax_bits(x).max()
+        new = amax_bits(act_reference(x, act, pre, bias)).max()
         out[0] = _bits_to_float(max(int(new), int(amax_bits(out)[0])) if accumulate else new)
         return out
     if not accumulate:
         out.fill(0)  # a memset: the kernel raises it with atomicMax
     n = x.size
-    kern = get_kernel("fp8", "fp8_amax_kernel", x.dtype)
+    kern = get_kernel("fp8", "fp8_amax_kernel", x.dtype, ACTS[act])
     grid = resident_grid(kern, -(-n // 4), THREADS, xp)
-    kern((grid,), (THREADS,), (x, np.int64(n), out, np.int32(elements_aligned(4, x))))
+    C = x.shape[-1] if x.ndim else 1
+    vec = elements_aligned(4, x, pre) and (bias is None or C % 4 == 0)  # a pack in one row: one bias offset
+    kern((grid,), (THREADS,), (x, _opt(pre), _opt(bias), np.int64(n), np.int64(C), out, np.int32(vec)))
     return out
 
 
@@ -223,18 +280,23 @@ def fp8_amax(x, out=None, *, accumulate=False):
 
 
 def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, out_t=None, amax=None,
-             accumulate_amax=False, scale_inv=None) -> Fp8Tensor:
+             accumulate_amax=False, scale_inv=None, act=None, pre=None, bias=None, column_sums=None) -> Fp8Tensor:
     """Scaled cast of ``x`` (fp32 / bf16 / fp16, any shape) to FP8 bytes; one pass over x.
 
     ``scale``: fp32 [1] array on x's device (read there, never on the host). ``rowwise``: write the bytes in
     x's shape (``out``, uint8, new when None). ``transpose``: also write ``x.reshape(R, C).T``'s bytes
     (``out_t`` [C, R], C = x's last axis). ``amax``: fp32 [1] that receives max |x| (overwritten, or raised
     with ``accumulate_amax``); None skips the measurement. ``scale_inv``: fp32 [1] that receives 1/scale (new
-    when None; keep it with the bytes: a later scale update must not change how they are read).
+    when None; keep it with the bytes: a later scale update must not change how they are read). ``act``, ``pre``,
+    ``bias``: cast GELU(x + bias) or x · GELU'(pre + bias) instead of x (amax too; the module docstring).
+    ``column_sums``: with ``act="dgelu"``, fp32 [C] into which the values' sums over the rows are added (a bias
+    gradient; deterministic).
     """
     fmt = fp8_format(fmt)
-    xp = array_module(x=x, scale=scale, out=out, out_t=out_t, amax=amax, scale_inv=scale_inv)
+    xp = array_module(x=x, scale=scale, out=out, out_t=out_t, amax=amax, scale_inv=scale_inv, pre=pre, bias=bias,
+                      column_sums=column_sums)
     check_array("x", x, dtypes=GPU_DTYPES)
+    _check_act(act, pre, bias, x, xp)
     _check_scalar("scale", scale, xp)
     if not (rowwise or transpose):
         raise ValueError("fp8_cast writes nothing with rowwise=False and transpose=False")
@@ -243,6 +305,12 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
             raise ValueError(f"{name}= was given but {'rowwise' if name == 'out' else 'transpose'} is False")
     C = x.shape[-1]
     R = x.size // C
+    if column_sums is not None:
+        if act != "dgelu":
+            raise ValueError(f"column_sums= adds a bias gradient of act='dgelu' casts, not act={act!r}")
+        if backend.get_array_module(column_sums) is not xp:
+            raise TypeError("column_sums must live on the same device as x")
+        check_array("column_sums", column_sums, shape=(C,), dtype=np.float32, dtypes=None)
     y = _bytes_out("out", out, x.shape, xp) if rowwise else None
     yt = _bytes_out("out_t", out_t, (C, R), xp) if transpose else None
     if amax is not None:
@@ -251,39 +319,50 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         raise ValueError("accumulate_amax=True needs amax=")
     scale_inv = xp.empty(1, dtype=np.float32) if scale_inv is None else scale_inv
     _check_scalar("scale_inv", scale_inv, xp)
-    outs = {"out": y, "out_t": yt, "amax": amax, "scale_inv": scale_inv}
+    outs = {"out": y, "out_t": yt, "amax": amax, "scale_inv": scale_inv, "column_sums": column_sums}
     for name, arr in outs.items():
-        if overlaps(arr, scale) or overlaps(arr, x):
-            raise ValueError(f"{name} overlaps scale or x: the kernel reads those while it writes {name}")
+        if any(overlaps(arr, a) for a in (scale, x, pre, bias)):
+            raise ValueError(f"{name} overlaps an input (scale, x, pre or bias): the kernel reads those while it "
+                             f"writes {name}")
 
     if xp is np:
-        q = quantize_reference(x, scale[0], fmt)
+        v = act_reference(x, act, pre, bias)
+        q = quantize_reference(v, scale[0], fmt)
         if y is not None:
             y[...] = q
         if yt is not None:
             yt[...] = q.reshape(R, C).T
         if amax is not None:
-            fp8_amax(x, amax, accumulate=accumulate_amax)
+            fp8_amax(x, amax, accumulate=accumulate_amax, act=act, pre=pre, bias=bias)
+        if column_sums is not None:
+            with np.errstate(invalid="ignore", over="ignore"):
+                column_sums += v.reshape(R, C).sum(axis=0, dtype=np.float64).astype(np.float32)
         scale_inv[0] = np.float32(1.0) / scale[0]
         return Fp8Tensor(y, yt, scale_inv, fmt)
 
     if amax is not None and not accumulate_amax:
         amax.fill(0)
     amax_ptr = amax if amax is not None else _null()
-    if yt is None:
+    if yt is None and act is None:
         n = x.size
         kern = get_kernel("fp8", "fp8_cast_kernel", x.dtype, fmt.c_name)
         vec = elements_aligned(4, x, y)
         kern((resident_grid(kern, -(-n // 4), THREADS, xp),), (THREADS,),
              (x, y, np.int64(n), scale, scale_inv, amax_ptr, np.int32(vec)))
     else:
-        vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, y, yt)) else 1
-        kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec)
+        # the tiled kernel (also without a transpose when act= is given: only it applies GELU)
+        vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, pre, y, yt)) else 1
+        kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec, ACTS[act])
         grid = (-(-R // TILE), -(-C // TILE))
         if grid[1] > 65535:
-            raise ValueError(f"fp8_cast(transpose=True) takes at most {65535 * TILE} columns, got {C}")
-        kern(grid, (THREADS,), (x, y if y is not None else _null(), yt, np.int64(R), np.int64(C), scale, scale_inv,
-                                amax_ptr))
+            raise ValueError(f"fp8_cast(transpose=True or act=) takes at most {65535 * TILE} columns, got {C}")
+        part = xp.empty((grid[0], C), dtype=np.float32) if column_sums is not None else None
+        kern(grid, (THREADS,), (x, _opt(pre), _opt(bias), _opt(y), _opt(yt), np.int64(R), np.int64(C), scale,
+                                scale_inv, amax_ptr, _opt(part)))
+        if part is not None:
+            get_kernel("fp8", "fp8_column_sums_kernel")((-(-C // THREADS),), (THREADS,),
+                                                         (part, np.int32(grid[0]), np.int64(C), column_sums,
+                                                          np.int32(1)))
     return Fp8Tensor(y, yt, scale_inv, fmt)
 
 
@@ -335,21 +414,22 @@ RECIPES = ("current", "delayed")
 
 
 def quantize(x, state: AmaxHistory, *, recipe="current", rowwise=True, transpose=False, out=None, out_t=None,
-             scale_inv=None) -> Fp8Tensor:
+             scale_inv=None, act=None, pre=None, bias=None, column_sums=None) -> Fp8Tensor:
     """``x`` cast with ``state``'s scaling: ``"current"`` measures x, updates the state, then casts (the scale
     fits x); ``"delayed"`` casts with the scale the state holds and records x's amax in ``state.amax`` in the
-    same pass (call ``state.update()`` when the step's amaxes are in, e.g. after the backward pass)."""
+    same pass (call ``state.update()`` when the step's amaxes are in, e.g. after the backward pass). ``act``,
+    ``pre``, ``bias``, ``column_sums``: as ``fp8_cast``'s (the amax is then of the values cast)."""
     check_choice("recipe", recipe, RECIPES)
     if recipe == "current":
-        fp8_amax(x, state.amax)
+        fp8_amax(x, state.amax, act=act, pre=pre, bias=bias)
         state.update()
         amax = None
     else:
         amax = state.amax
     return fp8_cast(x, state.scale, state.fmt, rowwise=rowwise, transpose=transpose, out=out, out_t=out_t,
-                    amax=amax, scale_inv=scale_inv)
+                    amax=amax, scale_inv=scale_inv, act=act, pre=pre, bias=bias, column_sums=column_sums)
 
 
-__all__ = ["BYTES", "E4M3", "E5M2", "FP8_FORMATS", "NAN_BITS", "RECIPES", "SCALE_EXP_LIMIT", "AmaxHistory",
-           "Fp8Format", "Fp8Tensor", "amax_bits", "amax_reference", "dequantize", "fp8_amax", "fp8_cast",
-           "fp8_format", "quantize", "quantize_reference", "scale_reference"]
+__all__ = ["ACTS", "BYTES", "E4M3", "E5M2", "FP8_FORMATS", "NAN_BITS", "RECIPES", "SCALE_EXP_LIMIT", "AmaxHistory",
+           "Fp8Format", "Fp8Tensor", "act_reference", "amax_bits", "amax_reference", "dequantize", "fp8_amax",
+           "fp8_cast", "fp8_format", "quantize", "quantize_reference", "scale_reference"]
