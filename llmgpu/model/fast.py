@@ -209,11 +209,9 @@ class FastGPT(GPTBase):
         w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
         if isinstance(saved, Fp8Saved):
             G = self.params.grad_of
-            if act:
-                return self.fp8.backward(dy, saved, f"h.{i}.{layer}", G(w_name), G(b_name), name=name,
-                                         dgrad_name=dgrad_name or name, act=act, pre=aux, act_bias=self._fc_bias(i))
             return self.fp8.backward(dy, saved, f"h.{i}.{layer}", G(w_name), G(b_name), name=name,
-                                     dgrad_name=dgrad_name or name, epilogue=epilogue, aux=aux)
+                                     dgrad_name=dgrad_name or name, epilogue=epilogue, aux=aux, act=act,
+                                     act_bias=self._fc_bias(i) if act else None)
         self._linear_grads(dy, saved, w_name, b_name, name=name)
         return self._dgrad(dy, w_name, name=dgrad_name or name, epilogue=epilogue, aux=aux)
 
@@ -312,16 +310,13 @@ class FastGPT(GPTBase):
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-        if self.gelu_in_casts:  # f = h2 W₁ᵀ alone; mlp.c_proj's cast applies GELU(f + b₁) (model/fp8_linear.py)
-            f, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc fwd", epilogue="none", train=keep_pre)
-            g, act = f, "gelu"
-        else:
-            f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre else None  # the pre-activation, by the epilogue
-            g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc+gelu fwd", epilogue="gelu_bias", aux=f,
-                                        train=keep_pre)
-            act = None
+        act = "gelu" if self.gelu_in_casts else None  # then g = f = h2 W₁ᵀ, GELU(f + b₁) by mlp.c_proj's FP8 cast
+        f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre and not act else None  # the pre-activation
+        g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc fwd" if act else "mlp.fc+gelu fwd",
+                                    epilogue="none" if act else "gelu_bias", aux=f, train=keep_pre)
+        f = g if act and keep_pre else f
         cache = {"x": x, "h1": h1, "mean1": mean, "rstd1": rstd, "qkv": qkv, "y": y, "att": att,
-                 "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f if keep_pre else None, "g": g}
+                 "x2": x2, "h2": h2, "mean2": mean2, "rstd2": rstd2, "f": f, "g": g}
         if not need_output:  # a recomputed span's last block: mlp.c_proj's backward still needs its FP8 casts
             if self.fp8 is not None and keep_pre:
                 cache["g"] = self.fp8.keep(g, self.weight(n["mlp.c_proj.weight"]), f"h.{i}.mlp.c_proj", act=act,
@@ -373,15 +368,11 @@ class FastGPT(GPTBase):
         gradients accumulate in fp32 in line (on a second stream they gained nothing: the GEMMs fill the GPU)."""
         n = block_param_names(i)
         # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-        if self.gelu_in_casts:  # dg alone; mlp.c_fc's gradient cast applies GELU'(f + b₁) (model/fp8_linear.py)
-            dg = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj")
-            dh2 = self._layer_backward(dg, c["h2"], i, "mlp.c_fc", name="mlp.fc", act="dgelu", aux=c["f"])
-            del dg
-        else:
-            df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", dgrad_name="mlp.proj+dgelu",
-                                      epilogue="dgelu", aux=c["f"])
-            dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc")
-            del df
+        act = "dgelu" if self.gelu_in_casts else None  # then GELU'(f + b₁) by mlp.c_fc's FP8 gradient cast
+        df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", aux=c["f"],
+                                  dgrad_name=None if act else "mlp.proj+dgelu", epilogue="none" if act else "dgelu")
+        dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc", act=act, aux=c["f"] if act else None)
+        del df
         dx = self._ln_backward(dh2, c["x2"], f"transformer.h.{i}.ln_2", c["mean2"], c["rstd2"], dx,
                                name="ln_2+residual bwd")
         del dh2

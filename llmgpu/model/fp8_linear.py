@@ -187,10 +187,10 @@ class Fp8Linears:
         return Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv)
 
     def backward(self, dy, saved: Fp8Saved, layer: str, dw, db, *, name: str, dgrad_name: str, epilogue: str = "none",
-                 aux=None, act=None, pre=None, act_bias=None):
+                 aux=None, act=None, act_bias=None):
         """``dW += dyᵀ x`` (fp32 ``dw``), ``db += Σ dy`` (``db`` None: no bias) and the input gradient ``dy W``
         (``epilogue="dgelu"``: times GELU'(``aux``)), returned in dy's dtype. ``act="dgelu"``: the layer's output
-        gradient is dy · GELU'(pre + act_bias), applied by its cast (which also adds db). ``name``,
+        gradient is dy · GELU'(aux + act_bias), applied by its cast (which also adds db). ``name``,
         ``dgrad_name``: the profiler regions' names, as the bf16 step's."""
         n, cout = dy.shape
         cin = saved.x_t.shape[0]
@@ -198,7 +198,8 @@ class Fp8Linears:
             raise ValueError(f"the FP8 weight gradient reduces over the batch's B·T = {n} tokens, which cuBLASLt's FP8 "
                              "GEMMs need to be a multiple of 16")
         fused_db = act == "dgelu" and db is not None
-        g8 = self.cast(dy, layer, "dy", act=act, pre=pre, bias=act_bias, column_sums=db if fused_db else None)
+        g8 = self.cast(dy, layer, "dy", act=act, pre=aux if act else None, bias=act_bias,
+                       column_sums=db if fused_db else None)
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=n * (cout + cin) + 8 * cout * cin):
             fp8_gemm(g8.data_t, saved.x_t, g8.scale_inv, saved.x_scale_inv, a_format="e5m2", out=dw, beta=1.0,
                      out_dtype=dw.dtype)
