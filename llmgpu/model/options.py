@@ -81,7 +81,7 @@ class FastOptions:
     fp8_fused_epilogues: tuple = ("gelu_bias",)
     # GELU, its derivative and the MLP-in bias (gradient) applied inside the FP8 casts around them, so GELU's output
     # and the pre-activation's gradient are never written in bf16 (model/fp8_linear.py); off: cuBLASLt's epilogues
-    # and separate passes, as above
+    # and separate passes, as above. Like the other fp8_* fields, it means nothing with fp8="off"
     fp8_gelu_in_casts: bool = False
 
     def __post_init__(self):
@@ -102,9 +102,6 @@ class FastOptions:
             v = getattr(self, name)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"FastOptions.{name} must be an int >= 1, got {v!r}")
-        if self.fp8_gelu_in_casts and self.fp8 == "off":
-            raise ValueError("FastOptions.fp8_gelu_in_casts applies GELU inside the FP8 casts, so it needs fp8= "
-                             "'current' or 'delayed', not 'off'")
         if self.embedding_grad_into_fp32 and self.embedding_backward_method != "counting":
             raise ValueError("FastOptions.embedding_grad_into_fp32 adds into the fp32 gradients with the 'counting' "
                              f"embedding backward; got embedding_backward_method={self.embedding_backward_method!r}")
