@@ -21,6 +21,8 @@ What changes, and why (chapter 8 measures each item):
   working precision on the GPU (both take fp16/bf16) the chapter 2 kernels run instead.
 
 Every choice of this step is a field of one frozen ``FastOptions`` (``options=``), fixed for the model's life.
+This module is long because it is the whole step in reading order, as nanoGPT's ``model.py`` is (the block's
+forward and backward, checkpointing, the chunked head, the FP8 layers' wiring); splitting it would scatter the step.
 
 **The LM head in chunks of rows** (``lm_head_rows``): in ``forward_backward`` the logits are made, turned
 into their gradient (cross-entropy backward, in place) and consumed by the head's dgrad and weight gradient
@@ -48,7 +50,8 @@ checkpointing, and the step still captures as one CUDA graph.
 
 **FP8** (``FastOptions(fp8="current" | "delayed")``, chapter 5b): each block's QKV, MLP-in and MLP-out layers run
 their three GEMMs in FP8 through ``model/fp8_linear.py`` (``_layer_forward`` / ``_layer_backward``); their
-caches then hold the inputs' one-byte transposed casts instead of the inputs.
+caches then hold the inputs' one-byte transposed casts instead of the inputs. With ``fp8_gelu_in_casts`` the MLP's
+GELU and its derivative run inside the FP8 casts around them instead of cuBLASLt's epilogues.
 
 Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
