@@ -325,13 +325,12 @@ def test_cast_numpy_gelu_in_the_cast(rng, act, shape):
     pre = pre if act == "dgelu" else None
     v = fp8.act_reference(x, act, pre, b)
     scale, amax = _one(40.0), _one(-1.0)
-    sums = np.full(shape[-1], 0.5, F32) if act == "dgelu" else None
+    sums = np.full(shape[-1], 0.5, F32)
     t = fp8_cast(x, scale, "e5m2", transpose=True, amax=amax, act=act, pre=pre, bias=b, column_sums=sums)
     np.testing.assert_array_equal(t.data, quantize_reference(v, scale[0], E5M2))
     np.testing.assert_array_equal(t.data_t, t.data.T)
     assert _f32_bits(amax[0]) == _f32_bits(fp8.amax_reference(v))
-    if sums is not None:
-        np.testing.assert_allclose(sums, 0.5 + v.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sums, 0.5 + v.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
     st = AmaxHistory("e4m3", xp=np)
     q = quantize(x, st, recipe="current", act=act, pre=pre, bias=b)
     assert st.scale[0] == F32(448) / fp8.amax_reference(v)
@@ -351,7 +350,6 @@ def test_act_bad_arguments(rng):
         (dict(act="dgelu", pre=pre.astype(backend.bfloat16)), TypeError, "pre must be fp32, got bfloat16"),
         (dict(bias=b), ValueError, "act=None takes none"),
         (dict(act="gelu", bias=b[:4]), ValueError, "bias must have shape"),
-        (dict(act="gelu", column_sums=np.zeros(8, F32)), ValueError, "bias gradient of act='dgelu'"),
         (dict(act="dgelu", pre=pre, column_sums=np.zeros(4, F32)), ValueError, "column_sums must have shape"),
         (dict(act="dgelu", pre=pre, column_sums=np.zeros(8, np.float64)), TypeError, "column_sums must be fp32"),
     ]
@@ -360,6 +358,8 @@ def test_act_bad_arguments(rng):
             fp8_cast(x, s, transpose=True, **kwargs)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         fp8_cast(x.astype(np.float16), s, act="gelu")
+    with pytest.raises(TypeError, match="column_sums= takes x as float32 or bfloat16"):
+        fp8_cast(x.astype(np.float16), s, column_sums=np.zeros(8, F32))
     with pytest.raises(ValueError, match="overlaps"):
         flat = np.zeros(40, F32)
         fp8_cast(flat[:32].reshape(4, 8), s, act="dgelu", pre=pre, column_sums=flat[24:32])
@@ -757,21 +757,27 @@ def test_gpu_gelu_in_the_cast(cp, rng, dtype, act, shape, transpose, with_bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, "dgelu"])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 64), (200, 136), (1000, 768), (4100, 96)])
-def test_gpu_dgelu_cast_column_sums(cp, rng, shape):
-    """The bias gradient from the act='dgelu' cast: added into what column_sums holds, within the fp32 error of
-    the float64 column sums, the same bits on a second run (fixed-order sums), rowwise-only casts too."""
+def test_gpu_cast_column_sums(cp, rng, act, shape):
+    """The bias gradient from the cast (of dy itself, or of dy · GELU'(pre + b)): added into what column_sums
+    holds, within the fp32 error of the float64 column sums, the same bits on a second run (fixed-order sums),
+    rowwise-only casts too, and the bytes those of the cast without sums."""
     x, pre, b = _act_inputs(rng, shape, "bf16")
-    v = fp8.act_reference(x, "dgelu", pre, b).astype(np.float64)
+    pre, b = (pre, b) if act else (None, None)
+    v = fp8.act_reference(x, act, pre, b).astype(np.float64)
     want = 0.25 + v.sum(axis=0)
     bound = 1e-5 * np.abs(v).sum(axis=0) + 1e-6
     runs = []
     for transpose in (True, False, True):
         sums = cp.full(shape[-1], 0.25, F32)
-        fp8_cast(_dev(cp, x), cp.asarray(_one(10.0)), "e5m2", transpose=transpose, act="dgelu", pre=_dev(cp, pre),
-                 bias=_dev(cp, b), column_sums=sums)
+        dev = lambda a: None if a is None else _dev(cp, a)  # noqa: E731
+        kw = dict(transpose=transpose, act=act, pre=dev(pre), bias=dev(b))
+        t = fp8_cast(_dev(cp, x), cp.asarray(_one(10.0)), "e5m2", column_sums=sums, **kw)
         runs.append(cp.asnumpy(sums))
         assert (np.abs(runs[-1] - want) <= bound).all()
+        plain = fp8_cast(_dev(cp, x), cp.asarray(_one(10.0)), "e5m2", **kw)
+        np.testing.assert_array_equal(cp.asnumpy(t.data), cp.asnumpy(plain.data))
     assert np.array_equal(runs[0], runs[2]) and np.array_equal(runs[0], runs[1])
 
 

@@ -168,14 +168,14 @@ def test_fp8_forward_keeps_one_byte_casts_instead_of_the_inputs(rng):
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_gelu_in_casts_computes_the_step_it_replaces(rng, recipe):
-    """FastOptions.fp8_gelu_in_casts (GELU, GELU' and MLP-in's bias applied by the FP8 casts): the same function
+def test_fused_casts_computes_the_step_it_replaces(rng, recipe):
+    """FastOptions.fp8_fused_casts (GELU, GELU' and the bias gradients in the FP8 casts): the same function
     as the step with cuBLASLt's epilogues and separate passes (in fp32 on the CPU only the fp32 roundings between
     the passes differ), the same bits with checkpointing, and no bf16 GELU output kept: the cache holds the
     product f = h2 W₁ᵀ, MLP-out keeps its FP8 cast."""
     idx, tgt = _batch(rng)
     l_ref, g_ref = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=FastOptions(fp8=recipe)), idx, tgt, 3)
-    opts = FastOptions(fp8=recipe, fp8_gelu_in_casts=True)
+    opts = FastOptions(fp8=recipe, fp8_fused_casts=True)
     runs = [_step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=opts, checkpoint_every=k), idx, tgt, 3)
             for k in (0, 1)]
     assert abs(runs[0][0] - l_ref) < 1e-6 * abs(l_ref)
@@ -186,8 +186,8 @@ def test_gelu_in_casts_computes_the_step_it_replaces(rng, recipe):
     m = FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=opts)
     (_, _, *_), caches, _ = m._forward_trunk(idx, store=True)
     c = caches[0]
-    assert m.gelu_in_casts and isinstance(c["g"], Fp8Saved) and c["f"].shape == (idx.size, 4 * CFG.n_embd)
-    assert not FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8_gelu_in_casts=True)).gelu_in_casts
+    assert m.fused_casts and isinstance(c["g"], Fp8Saved) and c["f"].shape == (idx.size, 4 * CFG.n_embd)
+    assert not FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8_fused_casts=True)).fused_casts
 
 
 FUSED = FastOptions(fp8="current", fp8_fused_epilogues=("bias", "gelu_bias", "dgelu"))
@@ -254,10 +254,10 @@ def _gpu_cfg():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe,fused,gelu_in_casts", [("current", ("gelu_bias",), False), ("delayed", (), False),
+@pytest.mark.parametrize("recipe,fused,fused_casts", [("current", ("gelu_bias",), False), ("delayed", (), False),
                                                         ("current", ("bias", "gelu_bias", "dgelu"), False),
                                                         ("current", ("gelu_bias",), True), ("delayed", (), True)])
-def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, gelu_in_casts):
+def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, fused_casts):
     """bf16 model, FP8 GEMMs through cuBLASLt: gradients within FP8's error of the bf16 step's, losses close,
     and the fused epilogues found on Hopper (no unfused fallback); also with GELU inside the casts."""
     cfg = _gpu_cfg()
@@ -265,7 +265,7 @@ def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, gelu_in_cas
     tgt = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
     bf = FastGPT(cfg, dtype="bf16", seed=1)
     m = FastGPT(cfg, dtype="bf16", seed=1, options=FastOptions(fp8=recipe, fp8_fused_epilogues=fused,
-                                                               fp8_gelu_in_casts=gelu_in_casts))
+                                                               fp8_fused_casts=fused_casts))
     l_bf, g_bf = _step(bf, idx, tgt)
     l8, g8 = _step(m, idx, tgt, steps=3)
     assert abs(l8 - l_bf) < 2e-2 * abs(l_bf)
@@ -279,8 +279,8 @@ def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, gelu_in_cas
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gelu_in_casts", [False, True])
-def test_gpu_fp8_graph_step_replays_the_eager_step(cp, rng, gelu_in_casts):
+@pytest.mark.parametrize("fused_casts", [False, True])
+def test_gpu_fp8_graph_step_replays_the_eager_step(cp, rng, fused_casts):
     """The FP8 step captured as one CUDA graph gives the eager step's bits (scales live on the device)."""
     from llmgpu.train import TrainConfig, TrainStep
 
@@ -289,7 +289,7 @@ def test_gpu_fp8_graph_step_replays_the_eager_step(cp, rng, gelu_in_casts):
                  cp.asarray(rng.integers(0, cfg.vocab_size, (2, 256)).astype(np.int32)))] for _ in range(4)]
     losses = []
     for graph in (False, True):
-        m = FastGPT(cfg, dtype="bf16", seed=2, options=FastOptions(fp8="delayed", fp8_gelu_in_casts=gelu_in_casts))
+        m = FastGPT(cfg, dtype="bf16", seed=2, options=FastOptions(fp8="delayed", fp8_fused_casts=fused_casts))
         step = TrainStep(m, TrainConfig(lr=1e-3), graph=graph)
         losses.append([float(step(b, 1e-3)[0]) for b in batches])
         if graph:

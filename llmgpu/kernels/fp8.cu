@@ -23,9 +23,10 @@
 //   product x W^T, b its bias: the forward casts GELU's output without writing it, or the biased pre-activation,
 //   in bf16 first) or x * GELU'(pre + b) (x holds the gradient of GELU's output: the backward casts the
 //   pre-activation's gradient without writing it first), computed in fp32 with gelu.cuh's fast form; b (one
-//   per column, optional) is read from the bias vector. The transposing cast can also write the per-tile column sums of
-//   the values it casts (the bias gradient, when they are a layer's output gradient; fp8_column_sums_kernel adds
-//   them up in a fixed order, so the sum is deterministic).
+//   per column, optional) is read from the bias vector.
+// * Column sums (SUMS, the transposing cast): the per-tile column sums of the values cast, the bias gradient when
+//   they are a layer's output gradient; fp8_column_sums_kernel adds the tiles' sums up in a fixed order, so the
+//   bias gradient is deterministic and no separate pass reads the gradient for it.
 // NVIDIA-only (cuda_fp8.h; tools/checks/hip_compile_check.py says why). Ideas from NVIDIA Transformer Engine
 // (cast + transpose + amax in one pass; delayed scaling with an amax history) and Micikevicius et al. 2022,
 // "FP8 Formats for Deep Learning" (the two formats, per-tensor scales).
@@ -34,8 +35,9 @@
 #include <cuda_fp8.h>
 
 // llmgpu:kernel fp8_cast_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}>
-// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, 0>
-// llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {1,2}>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, 0, 0>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {1,2}, 0>
+// llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {0,1,2}, 1>
 // llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}, 0>
 // llmgpu:kernel fp8_amax_kernel<{float,__nv_bfloat16}, {1,2}>
 // llmgpu:kernel fp8_column_sums_kernel
@@ -169,12 +171,11 @@ fp8_amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __r
 // *rows* of one column from the tile and writes them as one access of yt's row. VEC = 4 needs C % 4 == 0,
 // R % 4 == 0 and x, pre, y, yt aligned to 4 elements (the host checks); VEC = 1 takes any shape. The tile's
 // row pitch is 65 bytes so that the column gathers of a warp fall into different shared-memory banks.
-// colsum (FP8_ACT_DGELU only, optional): colsum[blockIdx.x * C + col] = the fp32 sum of the values cast in the
-// tile's column col (its rows in a fixed order; the bias gradient's share of the tile): a thread's groups all
-// sit in the same VEC columns, so each thread sums its rows, then one thread per column adds the SHARE threads'
-// sums of its column in thread order. (Only there: the sums cost the other casts 8 registers, a quarter of
-// their occupancy.)
-template <typename T, __nv_fp8_interpretation_t FMT, int VEC, int ACT>
+// SUMS = 1, colsum (optional): colsum[blockIdx.x * C + col] = the fp32 sum of the values cast in the tile's column
+// col (its rows in a fixed order; the tile's share of a bias gradient): a thread's groups all sit in the same VEC
+// columns, so each thread sums its rows, then one thread per column adds the SHARE threads' sums of its column in
+// thread order. (A template argument: the sums cost a plain cast 8 registers, a quarter of its occupancy.)
+template <typename T, __nv_fp8_interpretation_t FMT, int VEC, int ACT, int SUMS>
 __global__ void __launch_bounds__(FP8_THREADS)
 fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __restrict__ bias,
                           unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
@@ -184,7 +185,6 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
     constexpr int GROUPS = FP8_TILE / VEC;                      // VEC-wide groups per tile row
     constexpr int ITERS = FP8_TILE * GROUPS / FP8_THREADS;      // groups per thread
     constexpr int SHARE = FP8_THREADS / GROUPS;                 // threads whose groups sit in the same columns
-    constexpr bool SUMS = ACT == FP8_ACT_DGELU;
     static_assert(FP8_THREADS % GROUPS == 0, "a thread's groups must keep to the same columns");
     __shared__ unsigned char tile[FP8_TILE * PITCH];
     __shared__ float col_part[SUMS ? SHARE : 1][FP8_TILE];

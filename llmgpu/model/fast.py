@@ -50,8 +50,9 @@ checkpointing, and the step still captures as one CUDA graph.
 
 **FP8** (``FastOptions(fp8="current" | "delayed")``, chapter 5b): each block's QKV, MLP-in and MLP-out layers run
 their three GEMMs in FP8 through ``model/fp8_linear.py`` (``_layer_forward`` / ``_layer_backward``); their
-caches then hold the inputs' one-byte transposed casts instead of the inputs. With ``fp8_gelu_in_casts`` the MLP's
-GELU and its derivative run inside the FP8 casts around them instead of cuBLASLt's epilogues.
+caches then hold the inputs' one-byte transposed casts instead of the inputs. With ``fp8_fused_casts`` the MLP's
+GELU and its derivative run inside the FP8 casts around them instead of cuBLASLt's epilogues, and the casts of
+the layers' output gradients also sum their bias gradients.
 
 Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
@@ -121,9 +122,9 @@ class FastGPT(GPTBase):
         if opts.fp8 != "off" and not self.runs_fp8:
             raise ValueError(f"FastOptions.fp8={opts.fp8!r}: {FP8_ONLY_GPT2}, not {type(self).__name__}")
         # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
-        self.fp8 = (Fp8Linears(opts.fp8, opts.fp8_history, self.xp, fused_epilogues=opts.fp8_fused_epilogues)
-                    if opts.fp8 != "off" else None)
-        self.gelu_in_casts = self.fp8 is not None and opts.fp8_gelu_in_casts  # GELU applied by the FP8 casts
+        self.fp8 = (Fp8Linears(opts.fp8, opts.fp8_history, self.xp, fused_epilogues=opts.fp8_fused_epilogues,
+                               fused_casts=opts.fp8_fused_casts) if opts.fp8 != "off" else None)
+        self.fused_casts = self.fp8 is not None and opts.fp8_fused_casts  # GELU and bias gradients in the FP8 casts
 
     def capture_blocker(self) -> str | None:
         """None in bf16/fp16 on the GPU (cuBLASLt and cuDNN calls, all capturable). In fp32, or with
@@ -197,7 +198,7 @@ class FastGPT(GPTBase):
         """Block i's linear layer ``layer`` (one of ``fp8_linear.FP8_LAYERS``) on x: ``(y, what its backward
         needs)``: x itself, or with ``FastOptions.fp8`` the FP8 GEMM's output and x's and W's FP8 casts
         (``Fp8Saved``; None with ``train=False``). ``act="gelu"`` (FP8 only): the input is GELU(x + MLP-in's bias)
-        (``FastOptions.fp8_gelu_in_casts``)."""
+        (``FastOptions.fp8_fused_casts``)."""
         w_name, b_name = f"transformer.h.{i}.{layer}.weight", f"transformer.h.{i}.{layer}.bias"
         if self.fp8 is None:
             return self._linear(x, w_name, b_name, name=name, epilogue=epilogue, aux=aux), x
@@ -313,7 +314,7 @@ class FastGPT(GPTBase):
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
         x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
-        act = "gelu" if self.gelu_in_casts else None  # then g = f = h2 W₁ᵀ, GELU(f + b₁) by mlp.c_proj's FP8 cast
+        act = "gelu" if self.fused_casts else None  # then g = f = h2 W₁ᵀ, GELU(f + b₁) by mlp.c_proj's FP8 cast
         f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre and not act else None  # the pre-activation
         g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc fwd" if act else "mlp.fc+gelu fwd",
                                     epilogue="none" if act else "gelu_bias", aux=f, train=keep_pre)
@@ -371,7 +372,7 @@ class FastGPT(GPTBase):
         gradients accumulate in fp32 in line (on a second stream they gained nothing: the GEMMs fill the GPU)."""
         n = block_param_names(i)
         # MLP: m = g W₂ᵀ + b₂ with g = GELU(f); dm = dx
-        act = "dgelu" if self.gelu_in_casts else None  # then GELU'(f + b₁) by mlp.c_fc's FP8 gradient cast
+        act = "dgelu" if self.fused_casts else None  # then GELU'(f + b₁) by mlp.c_fc's FP8 gradient cast
         df = self._layer_backward(dx, c["g"], i, "mlp.c_proj", name="mlp.proj", aux=c["f"],
                                   dgrad_name=None if act else "mlp.proj+dgelu", epilogue="none" if act else "dgelu")
         dh2 = self._layer_backward(df, c["h2"], i, "mlp.c_fc", name="mlp.fc", act=act, aux=c["f"] if act else None)

@@ -32,14 +32,15 @@ the others run as the plain product followed by ``add_bias`` / ``gelu_forward`` 
 cuBLASLt has no FP8 kernel for a fused one fails the plan on the first call (always outside a CUDA graph
 capture), and the layer runs it unfused from then on; ``unfused`` lists the epilogues for which that happened.
 
-**GELU inside the casts** (``FastOptions.fp8_gelu_in_casts``). The MLP's GELU output is read only by the cast
-that feeds MLP-out's FP8 GEMM, and the pre-activation's gradient only by MLP-in's gradient cast and its bias
-gradient. So MLP-in's GEMM writes just x·Wᵀ (no epilogue), MLP-out's forward casts GELU(x·Wᵀ + b) from it
-(``act="gelu"``), and MLP-in's backward casts dg · GELU'(x·Wᵀ + b) from MLP-out's input gradient dg
-(``act="dgelu"``), adding the bias gradient from the same pass: neither GELU's output, the biased pre-activation
-nor its gradient is ever written in bf16 (``ops/fp8.py``). Per element of the [N, 4C] tensors, the passes between
-MLP-in's GEMM and MLP-out's, and between MLP-out's dgrad and MLP-in's backward GEMMs, move 18 bytes instead of 24
-under current scaling and 12 instead of 20 under delayed scaling::
+**Fused casts** (``FastOptions.fp8_fused_casts``). A layer's output gradient is read by its cast and by a bias
+gradient pass; the cast now sums the columns itself (``column_sums=``, deterministic). And the MLP's GELU output
+is read only by the cast that feeds MLP-out's FP8 GEMM, the pre-activation's gradient only by MLP-in's gradient
+cast and its bias gradient. So MLP-in's GEMM writes just x·Wᵀ (no epilogue), MLP-out's forward casts
+GELU(x·Wᵀ + b) from it (``act="gelu"``), and MLP-in's backward casts dg · GELU'(x·Wᵀ + b) from MLP-out's input
+gradient dg (``act="dgelu"``): neither GELU's output, the biased pre-activation nor its gradient is ever written in
+bf16 (``ops/fp8.py``). Per element of the [N, 4C] tensors, the passes between MLP-in's GEMM and MLP-out's, and
+between MLP-out's dgrad and MLP-in's backward GEMMs, move 18 bytes instead of 24 under current scaling and 12
+instead of 20 under delayed scaling::
 
     forward    f = x8 · W8ᵀ                         (MLP-in, no epilogue; kept for the backward)
                g8, g8ᵀ = cast(GELU(f + b))          (MLP-out's input cast)
@@ -78,9 +79,10 @@ class Fp8Linears:
     layer. ``recipe``: "current" or "delayed" (module docstring); ``history``: steps of amax the delayed recipe
     keeps per activation or gradient."""
 
-    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: tuple = ()):
+    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: tuple = (), fused_casts: bool = False):
         self.recipe, self.history, self.xp = recipe, int(history), xp
         self.fused_epilogues = frozenset(fused_epilogues)
+        self.fused_casts = bool(fused_casts)  # the output gradients' casts also sum the bias gradients
         self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
         self.primed = False  # delayed: False until the first step has filled the histories
         self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
@@ -190,14 +192,14 @@ class Fp8Linears:
                  aux=None, act=None, act_bias=None):
         """``dW += dyᵀ x`` (fp32 ``dw``), ``db += Σ dy`` (``db`` None: no bias) and the input gradient ``dy W``
         (``epilogue="dgelu"``: times GELU'(``aux``)), returned in dy's dtype. ``act="dgelu"``: the layer's output
-        gradient is dy · GELU'(aux + act_bias), applied by its cast (which also adds db). ``name``,
+        gradient is dy · GELU'(aux + act_bias), applied by its cast. With ``fused_casts`` the cast adds db. ``name``,
         ``dgrad_name``: the profiler regions' names, as the bf16 step's."""
         n, cout = dy.shape
         cin = saved.x_t.shape[0]
         if n % 16:
             raise ValueError(f"the FP8 weight gradient reduces over the batch's B·T = {n} tokens, which cuBLASLt's FP8 "
                              "GEMMs need to be a multiple of 16")
-        fused_db = act == "dgelu" and db is not None
+        fused_db = self.fused_casts and db is not None
         g8 = self.cast(dy, layer, "dy", act=act, pre=aux if act else None, bias=act_bias,
                        column_sums=db if fused_db else None)
         with region(name + " wgrad", flops=2.0 * n * cout * cin, bytes=n * (cout + cin) + 8 * cout * cin):

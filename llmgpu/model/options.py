@@ -79,10 +79,11 @@ class FastOptions:
     # chapter 5b's profiles) the fused DGELU was 2.4x slower than GEMM + pass, the fused GELU_AUX_BIAS 1.26x faster,
     # the fused BIAS faster for QKV and slower for MLP-out: "gelu_bias" alone is fused by default
     fp8_fused_epilogues: tuple = ("gelu_bias",)
-    # GELU, its derivative and the MLP-in bias (gradient) applied inside the FP8 casts around them, so GELU's output
-    # and the pre-activation's gradient are never written in bf16 (model/fp8_linear.py); off: cuBLASLt's epilogues
-    # and separate passes, as above. Like the other fp8_* fields, it means nothing with fp8="off"
-    fp8_gelu_in_casts: bool = False
+    # the FP8 casts also apply the MLP's GELU (+ MLP-in's bias) and its derivative, and sum the FP8 layers' bias
+    # gradients, so GELU's output and the pre-activation's gradient are never written in bf16 and no pass reads a
+    # gradient for its bias (model/fp8_linear.py); off: cuBLASLt's epilogues and separate passes, as above. Like the
+    # other fp8_* fields, it means nothing with fp8="off"
+    fp8_fused_casts: bool = False
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,

@@ -30,7 +30,8 @@ scaling; a NaN anywhere makes amax NaN (not ignored: the trainer must see it). T
 **GELU on the fly** (``act=``, the amax pass and the cast): ``"gelu"`` casts GELU(x + bias), x being the MLP's
 product x·Wᵀ and ``bias`` its bias (optional), so the forward never writes GELU's bf16 output (nor the biased
 pre-activation) only to read it back for the cast; ``"dgelu"`` casts x · GELU'(pre + bias), x being the gradient
-of GELU's output, and can add the values' column sums into a bias gradient (``column_sums=``) in the same pass.
+of GELU's output. Any transposing cast can also add the values' column sums into a bias gradient
+(``column_sums=``, deterministic) in the same pass.
 The values are computed in fp32 with ``kernels/gelu.cuh``'s fast form (a few fp32 ulp from the float64 formula
 the reference uses, far below FP8's 2^-4), so a byte can differ from the reference's by one code where a value
 sits on a rounding boundary.
@@ -289,8 +290,8 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
     with ``accumulate_amax``); None skips the measurement. ``scale_inv``: fp32 [1] that receives 1/scale (new
     when None; keep it with the bytes: a later scale update must not change how they are read). ``act``, ``pre``,
     ``bias``: cast GELU(x + bias) or x · GELU'(pre + bias) instead of x (amax too; the module docstring).
-    ``column_sums``: with ``act="dgelu"``, fp32 [C] into which the values' sums over the rows are added (a bias
-    gradient; deterministic).
+    ``column_sums``: fp32 [C] into which the values' sums over the rows are added (a bias gradient; deterministic;
+    float32 or bfloat16 x).
     """
     fmt = fp8_format(fmt)
     xp = array_module(x=x, scale=scale, out=out, out_t=out_t, amax=amax, scale_inv=scale_inv, pre=pre, bias=bias,
@@ -306,8 +307,8 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
     C = x.shape[-1]
     R = x.size // C
     if column_sums is not None:
-        if act != "dgelu":
-            raise ValueError(f"column_sums= adds a bias gradient of act='dgelu' casts, not act={act!r}")
+        if np.dtype(x.dtype) not in ACT_DTYPES:
+            raise TypeError(f"column_sums= takes x as float32 or bfloat16, got {np.dtype(x.dtype).name}")
         if backend.get_array_module(column_sums) is not xp:
             raise TypeError("column_sums must live on the same device as x")
         check_array("column_sums", column_sums, shape=(C,), dtype=np.float32, dtypes=None)
@@ -343,16 +344,17 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
     if amax is not None and not accumulate_amax:
         amax.fill(0)
     amax_ptr = amax if amax is not None else _null()
-    if yt is None and act is None:
+    if yt is None and act is None and column_sums is None:
         n = x.size
         kern = get_kernel("fp8", "fp8_cast_kernel", x.dtype, fmt.c_name)
         vec = elements_aligned(4, x, y)
         kern((resident_grid(kern, -(-n // 4), THREADS, xp),), (THREADS,),
              (x, y, np.int64(n), scale, scale_inv, amax_ptr, np.int32(vec)))
     else:
-        # the tiled kernel (also without a transpose when act= is given: only it applies GELU)
+        # the tiled kernel (also without a transpose for act= or column_sums=: only it applies GELU and sums)
         vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, pre, y, yt)) else 1
-        kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec, ACTS[act])
+        sums = int(column_sums is not None)
+        kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec, ACTS[act], sums)
         grid = (-(-R // TILE), -(-C // TILE))
         if grid[1] > 65535:
             raise ValueError(f"fp8_cast(transpose=True or act=) takes at most {65535 * TILE} columns, got {C}")
