@@ -168,9 +168,9 @@ fp8_amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __r
 // ACT's value (pre [R, C]: GELU's input for FP8_ACT_DGELU, else unused; bias [C]: optional, with an ACT). One
 // block per 64 x 64 tile (grid.x over row tiles, grid.y over column tiles), 256 threads. Each thread reads VEC
 // consecutive elements of a row (coalesced), writes their bytes to y and to a shared tile; after the barrier it
-// gathers VEC consecutive *rows* of one column from the tile and writes them as one access of yt's row. VEC = 4 needs C % 4 == 0,
-// R % 4 == 0 and x, pre, y, yt aligned to 4 elements (the host checks); VEC = 1 takes any shape. The tile's
-// row pitch is 65 bytes so that the column gathers of a warp fall into different shared-memory banks.
+// gathers VEC consecutive *rows* of one column from the tile and writes them as one access of yt's row. VEC = 4
+// needs C % 4 == 0, R % 4 == 0 and x, pre, y, yt aligned to 4 elements (the host checks); VEC = 1 takes any
+// shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into different banks.
 // SUMS = 1, colsum (optional): colsum[blockIdx.x * C + col] = the fp32 sum of the values cast in the tile's column
 // col (its rows in a fixed order; the tile's share of a bias gradient): a thread's groups all sit in the same VEC
 // columns, so each thread sums its rows, then one thread per column adds the SHARE threads' sums of its column in
