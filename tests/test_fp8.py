@@ -747,7 +747,9 @@ def test_gpu_gelu_in_the_cast(cp, rng, dtype, act, shape, transpose, with_bias):
                      amax=amax, act=act, pre=dev(pre), bias=dev(b))
         got = cp.asnumpy(t.data)
         assert _one_rounding_apart(got, v, tol, scale[0], fmt)
-        assert (got != ref).mean() < 0.01
+        with np.errstate(invalid="ignore"):  # by value: -0 and +0 (where the references round GELU' to 0) agree
+            differ = ~((fmt.values()[got] == fmt.values()[ref]) | (got == ref))
+        assert differ.mean() < 0.01
         if transpose:
             np.testing.assert_array_equal(cp.asnumpy(t.data_t), got.reshape(R, C).T)
         a, a_ref = cp.asnumpy(amax)[0], fp8.amax_reference(v)
