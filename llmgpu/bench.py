@@ -197,7 +197,7 @@ def run_llmgpu(config, batch: int, seq: int, steps: int = 20, *, warmup: int = 3
         res["attention_kernel"] = model.options.attention_kernel
         res["deterministic_attention"] = model.options.deterministic_attention
         res["attention_kernels"] = model.kernel_choices.as_dict()
-        res.update({"fp8_recipe": fp8} if fp8 != "off" else {})
+        res.update({"fp8_recipe": fp8, "fp8_fused_casts": model.options.fp8_fused_casts} if fp8 != "off" else {})
     if captured is not None and captured.pool is not None:
         # the graph's private pool keeps its freed blocks cached for as long as anything allocated from it lives;
         # drop the step, then hand those blocks back so that the next mode (PyTorch) gets the memory

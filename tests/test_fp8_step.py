@@ -168,13 +168,14 @@ def test_fp8_forward_keeps_one_byte_casts_instead_of_the_inputs(rng):
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fused_casts_computes_the_step_it_replaces(rng, recipe):
+def test_fused_casts_compute_the_step_they_replace(rng, recipe):
     """FastOptions.fp8_fused_casts (GELU, GELU' and the bias gradients in the FP8 casts): the same function
     as the step with cuBLASLt's epilogues and separate passes (in fp32 on the CPU only the fp32 roundings between
     the passes differ), the same bits with checkpointing, and no bf16 GELU output kept: the cache holds the
     product f = h2 W₁ᵀ, MLP-out keeps its FP8 cast."""
     idx, tgt = _batch(rng)
-    l_ref, g_ref = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=FastOptions(fp8=recipe)), idx, tgt, 3)
+    unfused = FastOptions(fp8=recipe, fp8_fused_casts=False)
+    l_ref, g_ref = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=unfused), idx, tgt, 3)
     opts = FastOptions(fp8=recipe, fp8_fused_casts=True)
     runs = [_step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=opts, checkpoint_every=k), idx, tgt, 3)
             for k in (0, 1)]
@@ -190,8 +191,9 @@ def test_fused_casts_computes_the_step_it_replaces(rng, recipe):
     assert not FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8_fused_casts=True)).fused_casts
 
 
-FUSED = FastOptions(fp8="current", fp8_fused_epilogues=("bias", "gelu_bias", "dgelu"))
-UNFUSED = FastOptions(fp8="current", fp8_fused_epilogues=())
+# the epilogues matter where the casts do not apply GELU (fp8_fused_casts=False)
+FUSED = FastOptions(fp8="current", fp8_fused_epilogues=("bias", "gelu_bias", "dgelu"), fp8_fused_casts=False)
+UNFUSED = FastOptions(fp8="current", fp8_fused_epilogues=(), fp8_fused_casts=False)
 
 
 def test_unfused_epilogues_by_default_and_when_cublaslt_has_no_fp8_kernel(rng, monkeypatch):
@@ -199,7 +201,7 @@ def test_unfused_epilogues_by_default_and_when_cublaslt_has_no_fp8_kernel(rng, m
     separate after a fallback: all compute the same function."""
     idx, tgt = _batch(rng)
     _, g_fused = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=FUSED), idx, tgt)
-    for opts in (UNFUSED, FastOptions(fp8="current")):
+    for opts in (UNFUSED, FastOptions(fp8="current", fp8_fused_casts=False)):
         default = FastGPT(CFG, dtype="fp32", xp=np, seed=7, options=opts)
         _, g_default = _step(default, idx, tgt)
         assert default.fp8.fused_epilogues == set(opts.fp8_fused_epilogues) and not default.fp8.unfused
