@@ -30,11 +30,13 @@ scaling; a NaN anywhere makes amax NaN (not ignored: the trainer must see it). T
 **GELU on the fly** (``act=``, the amax pass and the cast): ``"gelu"`` casts GELU(x + bias), x being the MLP's
 product x·Wᵀ and ``bias`` its bias (optional), so the forward never writes GELU's bf16 output (nor the biased
 pre-activation) only to read it back for the cast; ``"dgelu"`` casts x · GELU'(pre + bias), x being the gradient
-of GELU's output. Any transposing cast can also add the values' column sums into a bias gradient
-(``column_sums=``, deterministic) in the same pass.
-The values are computed in fp32 with ``kernels/gelu.cuh``'s fast form (a few fp32 ulp from the float64 formula
-the reference uses, far below FP8's 2^-4), so a byte can differ from the reference's by one code where a value
-sits on a rounding boundary.
+of GELU's output. The values are computed in fp32 with ``kernels/gelu.cuh``'s fast form (a few fp32 ulp from the
+float64 formula the reference uses, far below FP8's 2^-4), so a byte can differ from the reference's by one code
+where a value sits on a rounding boundary.
+
+**Bias gradients on the fly** (``column_sums=``): the cast adds the column sums of the values it casts (fp32,
+per 64-row tile, then the tiles in a fixed order: the same bits on every run) into a bias gradient, so no other
+pass reads the gradient for it.
 
 Capturable: pass every output (``out``, ``out_t``, ``amax``, ``scale_inv``) preallocated; nothing is then
 allocated and nothing read back (``column_sums`` takes a scratch buffer from CuPy's pool, which a CUDA graph
