@@ -284,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "not bitwise repeatable; what PyTorch's SDPA runs); default: deterministic")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=FP8_RECIPES[0],
                    help="scaling of llmgpu-fp8-graph's GEMMs: current (each tensor's amax this step, as torchao's "
-                        "tensorwise) or delayed (an amax history); default current")
+                        "tensorwise) or delayed (an amax history, one read per cast: faster); default current")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}; "
                         "llmgpu-fast instead of llmgpu-fast-graph on the CPU; scale table: llmgpu* and/or torch* pick "
