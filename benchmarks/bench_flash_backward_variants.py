@@ -69,7 +69,9 @@ def check_float64(xp, rng, failures):
 
 def _regs(name, dtype, D):
     try:
-        targs = (dtype,) if name == "flash_bwd_dot" else (dtype, D)
+        if name == "flash_bwd_dkdv_wgmma":
+            return int(get_kernel(fl.WGMMA_FILE, name, dtype, D, 0, fl.WGMMA_BWD_WG).num_regs)
+        targs = (dtype,) if name == "flash_bwd_dot" else (dtype, D) + ((0,) if name.endswith("_wide") else ())
         return int(get_kernel("flash_attention", name, *targs).num_regs)
     except Exception:
         return None

@@ -17,6 +17,7 @@ import pytest
 
 from llmgpu import backend
 from llmgpu.ops import flash_attention as fa
+from llmgpu.ops import flash_launch as fl
 from llmgpu.ops.attention import attention_backward, attention_forward
 from llmgpu.ops.rope import rope_backward, rope_backward_heads, rope_forward, rope_reference, rope_tables
 from llmgpu.testing import assert_close, check_gradient, poisoned, random_array
@@ -146,14 +147,16 @@ def _run(cp, rng, B, H, H_kv, T, D, dtype, rope=True, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["ours wide (folded)", "ours base", "cudnn"])
+@pytest.mark.parametrize("how", ["ours wide (folded)", "ours wgmma (folded)", "ours base", "cudnn"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("B,H,H_kv,T,D", CASES, ids=lambda s: str(s))
 def test_gpu_backward_with_rope_against_float64(cp, rng, how, dtype, B, H, H_kv, T, D):
     """dq, dk through RoPE's backward and dv, written into views of a poisoned q|k|v-shaped buffer (every element
     written), against float64 attention's backward followed by RoPE's."""
     kw = {"ours wide (folded)": dict(kernel="ours", variant="wide"), "ours base": dict(kernel="ours", variant="base"),
-          "cudnn": dict(kernel="cudnn")}[how]
+          "ours wgmma (folded)": dict(kernel="ours", variant="wgmma"), "cudnn": dict(kernel="cudnn")}[how]
+    if how.startswith("ours wgmma") and (why := fl.wgmma_unsupported(cp.empty(1, np.float16))):
+        pytest.skip(f"the Hopper flash backward cannot run here: {why}")
     if how == "cudnn" and (why := fa.cudnn_attention.unavailable_reason()):
         pytest.skip(f"cuDNN flash attention not available: {why}")
     ins, got, dbuf = _run(cp, rng, B, H, H_kv, T, D, dtype, **kw)
@@ -167,15 +170,16 @@ def test_gpu_backward_with_rope_against_float64(cp, rng, how, dtype, B, H, H_kv,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", fl.ROPE_VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("B,H,H_kv,T,D", CASES[:2] + CASES[4:5], ids=lambda s: str(s))
-def test_gpu_fold_equals_separate_pass_to_rounding(cp, rng, dtype, B, H, H_kv, T, D):
-    """The folded rotation against the wide kernels without it and rope_backward after: dv bit for bit, dq and dk
+def test_gpu_fold_equals_separate_pass_to_rounding(cp, rng, variant, dtype, B, H, H_kv, T, D):
+    """The folded rotation against the same kernels without it and rope_backward after: dv bit for bit, dq and dk
     within a 16-bit rounding of each other (the fold rotates fp32 accumulators, the pass the rounded dq, dk)."""
     seed = int(rng.integers(1 << 30))
-    ins, folded, _ = _run(cp, np.random.default_rng(seed), B, H, H_kv, T, D, dtype, kernel="ours", variant="wide")
+    ins, folded, _ = _run(cp, np.random.default_rng(seed), B, H, H_kv, T, D, dtype, kernel="ours", variant=variant)
     _, plain, _ = _run(cp, np.random.default_rng(seed), B, H, H_kv, T, D, dtype, rope=False, kernel="ours",
-                       variant="wide")
+                       variant=variant)
     cos, sin = ins[4:]
     assert cp.array_equal(folded[2], plain[2])
     eps = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}[dtype]

@@ -728,11 +728,6 @@ flash_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // as one float2 per row, written by flash_bwd_dq_wide (which computes both anyway) and read here with one 8-byte
 // cp.async per row.
 
-// One row's statistics for the backward: lse · log2 e (the exponent's offset in base 2) and D = rowsum(dO ⊙ O).
-struct fa_row_stats {
-    float l2, d;
-};
-
 // flash_bwd_dkdv with WIDE_MT 16-key tiles per warp: 16 · WIDE_MT · DKDV_WARPS keys per block (128 for HD = 64),
 // query tiles of WIDE_KV_BM rows, double-buffered by cp.async as there. Registers (ptxas, sm_80/sm_90): with Pᵀ
 // kept in fp32 until dSᵀ it spills, because the scheduler hoists every ldmatrix of a GEMM; so Pᵀ is kept only as

@@ -1,7 +1,8 @@
-// flash_attention_wgmma.cu: the flash-attention forward on Hopper's asynchronous warpgroup MMA (wgmma), chapter
-// 2b. Same arguments (grouped K/V heads included), math and row statistics as flash_fwd in flash_attention.cu
-// (mma.sync, any sm_80+ GPU); this one exists on sm_90a only (llmgpu:arch below: the loader compiles it for that
-// target, and only on such a GPU).
+// flash_attention_wgmma.cu: flash attention on Hopper's asynchronous warpgroup MMA (wgmma), chapter 2b: the
+// forward (flash_fwd_wgmma) and the backward's dK/dV kernel (flash_bwd_dkdv_wgmma, at the end of the file). Same
+// arguments (grouped K/V heads included), math and row statistics as flash_fwd and flash_bwd_dkdv_wide in
+// flash_attention.cu (mma.sync, any sm_80+ GPU); these exist on sm_90a only (llmgpu:arch below: the loader compiles
+// the file for that target, and only on such a GPU).
 // The layouts it relies on were pinned on the GPU by dev/cuda/wgmma_probe.py ("RS, B sw128" for S = Q Kᵀ, "RS, B
 // MN-major sw128 (imm-trans-b)" for O += P V); dev/cuda/flash_fwd_wgmma.py checks and times other tile shapes.
 //
@@ -32,6 +33,7 @@
 
 // llmgpu:arch sm_90a
 // llmgpu:kernel flash_fwd_wgmma<{__half,__nv_bfloat16}, {64,128}, 1, 64, 2>
+// llmgpu:kernel flash_bwd_dkdv_wgmma<{__half,__nv_bfloat16}, {64,128}, {0,1}, 2>
 
 #define FW_LOG2E 1.4426950408889634f
 #define FW_LN2 0.6931471805599453f
@@ -299,6 +301,193 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             *reinterpret_cast<unsigned*>(orow + n * 8 + c) =
                 pack2<T>(acc[n >> 3][4 * (n & 7) + 2 * r] * inv, acc[n >> 3][4 * (n & 7) + 2 * r + 1] * inv);
         if ((lane & 3) == 0) lse[(long long)bh * T_len + row] = ((m[r] == -FW_INF ? 0.0f : m[r]) + log2f(l[r])) * FW_LN2;
+    }
+#else
+    __trap();  // not sm_90a: wgmma does not exist here
+#endif
+}
+
+// --------------------------------------------------------------------------- dK, dV on wgmma
+
+// flash_bwd_dkdv_wide's job (same arguments, the same row statistics from flash_bwd_dq_wide, the same GQA sum and
+// RoPE fold) on warpgroup MMAs. A block owns 64·WG keys, WG warpgroups of 64; it walks the query tiles of its G
+// query heads (BQ = 64 rows each, double-buffered by cp.async). Every operand sits in shared memory in the forward's
+// swizzled layout (fw_load_tile): K, V of the block once, Q and dO per tile. Per tile a warpgroup issues
+//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ   (both operands by descriptor, K-major: the forward's S = Q Kᵀ layout for B)
+//   dV += Pᵀ dO and dK += dSᵀ Q  (Pᵀ, dSᵀ from registers, dO and Q MN-major: the forward's O += P V layout)
+// and between them computes Pᵀ = 2^(c·log2e·Sᵀ − lse·log2e) and dSᵀ = Pᵀ ⊙ (dPᵀ − D) on the accumulators (the
+// column's statistics from shared memory). dSᵀ takes the 16-bit Pᵀ that dV reads, as flash_bwd_dkdv_wide does.
+// Sᵀ and dPᵀ are two commit groups, so the exponentials of Pᵀ run while the tensor cores still compute dPᵀ.
+// Registers: Sᵀ, dPᵀ 32 each, dK, dV 32 per 64 columns of d each, the 16-bit Pᵀ and dSᵀ 16 each (no K, V
+// fragments: A comes from shared memory), so one block of WG = 2 per SM.
+constexpr int BW_BQ = 64;  // query rows per tile of the dK/dV kernel
+template <int HD, int WG> struct bw_cfg {
+    static constexpr int BN = 64 * WG, NT = 128 * WG;  // keys and threads per block
+    static constexpr int KV_TILE = BN * HD * 2;        // the block's K or V: HD / 64 swizzled halves of BN x 128 bytes
+    static constexpr int Q_TILE = BW_BQ * HD * 2;      // one Q or dO tile
+    static constexpr int SMEM = 1024 + 2 * KV_TILE + 2 * 2 * Q_TILE + 2 * BW_BQ * 8;  // with the alignment slack
+    static_assert(SMEM <= 227 * 1024, "a tile configuration that does not fit");
+};
+
+template <typename T, int HD, int ROPE, int WG>
+__global__ void __launch_bounds__(128 * WG, 1)
+flash_bwd_dkdv_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const fa_row_stats* __restrict__ stats, T* __restrict__ dk,
+                     T* __restrict__ dv, int H, int G, int T_len, float scale, int causal, int n_bh, long long q_sb,
+                     long long q_sh, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,
+                     long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_st,
+                     long long dk_sb, long long dk_sh, long long dk_st, long long dv_sb, long long dv_sh,
+                     long long dv_st, const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {
+#ifdef LLMGPU_WGMMA
+    using cfg = bw_cfg<HD, WG>;
+    constexpr int BN = cfg::BN, NT = cfg::NT, BQ = BW_BQ, NH = HD / 64;
+    constexpr int KV_HALF = BN * 128, Q_HALF = BQ * 128;  // bytes between the 64-column halves of d
+    extern __shared__ __align__(1024) unsigned char bw_smem[];
+    const unsigned raw = wg_saddr(bw_smem);
+    unsigned char* base = bw_smem + ((1024u - (raw & 1023u)) & 1023u);
+    const unsigned sK = wg_saddr(base), sV = sK + cfg::KV_TILE;
+    const unsigned sQ = sV + cfg::KV_TILE;  // buffer b: Q at sQ + 2·b·Q_TILE, dO one Q_TILE on
+    fa_row_stats* sS = reinterpret_cast<fa_row_stats*>(base + 2 * cfg::KV_TILE + 4 * cfg::Q_TILE);  // two buffers
+    const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, c = (lane & 3) * 2;
+    const int bh = fa_block_head(), b = fa_udiv(bh, H / G), h = bh - b * (H / G);  // K/V head h of batch b
+    if (bh >= n_bh) return;  // the last group's blocks beyond the heads
+    const int k0 = fa_block_tile(false) * BN;  // causal: the first key tiles see the most queries, and start first
+    const int wk0 = k0 + 64 * wg;              // this warpgroup's first key
+    const T* qb = q + b * q_sb + h * G * q_sh;  // the group's first query head h·G (its j-th: j · q_sh on)
+    const T* dob = dout + b * do_sb + h * G * do_sh;
+    const fa_row_stats* statsb = stats + (long long)bh * G * T_len;  // rows of query head b·H + h·G = bh·G
+    const float c2 = scale * FW_LOG2E;
+
+    const int q_first = causal ? (k0 / BQ) * BQ : 0;  // the steps: G heads' query tiles, as flash_bwd_dkdv_wide
+    const int n_steps = G * ((T_len - q_first + BQ - 1) / BQ);
+    int lj = 0, lq0 = q_first;  // the group's query head and first row of the next tile to load
+    auto q_buf = [&](int i) { return sQ + (i & 1) * 2 * cfg::Q_TILE; };
+    auto load_q_tile = [&](int i) {  // Q, dO and the row stats of step i into buffer i % 2
+        fw_load_tile<T, HD, BQ, NT>(q_buf(i), qb + lj * q_sh, q_st, lq0, T_len);
+        fw_load_tile<T, HD, BQ, NT>(q_buf(i) + cfg::Q_TILE, dob + lj * do_sh, do_st, lq0, T_len);
+        if (tid < BQ) {
+            const int row = lq0 + tid;
+            const bool in = row < T_len;
+            fa_cp8(sS + (i & 1) * BQ + tid, statsb + (long long)lj * T_len + (in ? row : 0), in);
+        }
+        lq0 += BQ;
+        if (lq0 >= T_len) lq0 = q_first, ++lj;
+    };
+    fw_load_tile<T, HD, BN, NT>(sK, k + b * k_sb + h * k_sh, k_st, k0, T_len);
+    fw_load_tile<T, HD, BN, NT>(sV, v + b * v_sb + h * v_sh, v_st, k0, T_len);
+    load_q_tile(0);
+    fa_cp_commit();
+
+    // Descriptors' low words. K-major (A: this warpgroup's 64 keys, 8 atoms = 8192 bytes per warpgroup into each
+    // half; B: a Q or dO tile): d 16 kk.. lie in half kk / 4, 32 (kk % 4) bytes into the rows. MN-major (B of dV, dK:
+    // a dO or Q tile): queries 16 kk.. start 2048 kk bytes in, half n of d n · Q_HALF bytes in.
+    const unsigned k_lo = fw_desc_lo(sK + 8192 * wg, 16), v_lo = fw_desc_lo(sV + 8192 * wg, 16);
+    auto mma_t = [&](float (&d)[32], unsigned a_lo, unsigned b_lo) {  // d = A Bᵀ over the HD columns
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned off = 32 * (kk & 3);
+            wg_mma_ss<T, 0>(d, fw_desc(a_lo + (((kk >> 2) * KV_HALF + off) >> 4)),
+                            fw_desc(b_lo + (((kk >> 2) * Q_HALF + off) >> 4)), kk > 0);
+        }
+    };
+    float adk[NH][32], adv[NH][32];  // [n]: d 64 n .. 64 n + 63 of this thread's rows
+#pragma unroll
+    for (int n = 0; n < NH; ++n)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) adk[n][i] = adv[n][i] = 0.0f;
+
+    for (int i = 0, q0 = q_first; i < n_steps; ++i, q0 = q0 + BQ < T_len ? q0 + BQ : q_first) {
+        if (i + 1 < n_steps) {
+            load_q_tile(i + 1);
+            fa_cp_commit();
+            fa_cp_wait<1>();
+        } else {
+            fa_cp_wait<0>();
+        }
+        wg_fence_proxy();
+        __syncthreads();
+        if (wk0 < T_len && (!causal || q0 + BQ - 1 >= wk0)) {  // per warpgroup: wgmma is warpgroup-collective
+            const fa_row_stats* cS = sS + (i & 1) * BQ;
+            const unsigned qk_lo = fw_desc_lo(q_buf(i), 16), dok_lo = fw_desc_lo(q_buf(i) + cfg::Q_TILE, 16);
+            float s[32], dp[32];  // Sᵀ (then Pᵀ) and dPᵀ: this warpgroup's 64 keys x the tile's 64 queries
+            wg_fence();
+            mma_t(s, k_lo, qk_lo);
+            wg_commit();
+            mma_t(dp, v_lo, dok_lo);
+            wg_commit();
+            wg_wait<1>();  // Sᵀ done; dPᵀ may still run
+            wg_pin(s);
+            // element e: key wk0 + 16 w4 + g + 8 ((e >> 1) & 1), query q0 + col, col = 8 (e >> 2) + c + (e & 1)
+            const bool edge = (causal && q0 < wk0 + 63) || q0 + BQ > T_len || wk0 + 64 > T_len;
+            if (!edge) {
+#pragma unroll
+                for (int e = 0; e < 32; ++e) s[e] = fast_exp2(s[e] * c2 - cS[8 * (e >> 2) + c + (e & 1)].l2);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 32; ++e) {
+                    const int col = 8 * (e >> 2) + c + (e & 1), key = wk0 + 16 * w4 + g + 8 * ((e >> 1) & 1);
+                    const float pe = fast_exp2(s[e] * c2 - cS[col].l2);
+                    s[e] = key < T_len && q0 + col < T_len && (!causal || key <= q0 + col) ? pe : 0.0f;
+                }
+            }
+            unsigned pa[BQ / 16][4], ds[BQ / 16][4];  // Pᵀ and dSᵀ in 16 bits, A fragments of 16 queries each
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+            wg_wait<0>();  // dPᵀ done
+            wg_pin(dp);
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {  // register r holds elements 8 kk + 2 r, +1: query column 16 kk + 8 (r / 2) + c
+                    const int e = 8 * kk + 2 * r, col = 8 * (e >> 2) + c;
+                    float p0, p1;  // dSᵀ / c = Pᵀ ⊙ (dPᵀ − D), with Pᵀ as rounded for dV
+                    unpack2<T>(pa[kk][r], p0, p1);
+                    ds[kk][r] = pack2<T>(p0 * (dp[e] - cS[col].d), p1 * (dp[e + 1] - cS[col + 1].d));
+                }
+            const unsigned q_lo = fw_desc_lo(q_buf(i), 8192), do_lo = fw_desc_lo(q_buf(i) + cfg::Q_TILE, 8192);
+            wg_fence();
+#pragma unroll
+            for (int n = 0; n < NH; ++n)
+#pragma unroll
+                for (int kk = 0; kk < BQ / 16; ++kk) {
+                    wg_mma_rs<T, 1>(adv[n], pa[kk], fw_desc(do_lo + ((n * Q_HALF + 2048 * kk) >> 4)), 1);
+                    wg_mma_rs<T, 1>(adk[n], ds[kk], fw_desc(q_lo + ((n * Q_HALF + 2048 * kk) >> 4)), 1);
+                }
+            wg_commit();
+            wg_wait<0>();  // nothing pending across the loop's back edge (the forward's lesson), the buffer free
+#pragma unroll
+            for (int n = 0; n < NH; ++n) {
+                wg_pin(adv[n]);
+                wg_pin(adk[n]);
+            }
+        }
+        __syncthreads();  // every warpgroup is done with buffer i % 2 before tile i + 2 is copied into it
+    }
+    T* dkb = dk + b * dk_sb + h * dk_sh;
+    T* dvb = dv + b * dv_sb + h * dv_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = wk0 + 16 * w4 + g + 8 * r;
+        if (key >= T_len) continue;
+        float xk[HD / 8][4];  // dK's row in flash_attention.cu's fragment order: column n·8 + c + e at [n][2r + e]
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xk[n][e] = adk[n >> 3][4 * (n & 7) + e];
+        if constexpr (ROPE)
+            fa_rope_backward_row<HD>(xk, r, rope_cos + (long long)key * (HD / 2), rope_sin + (long long)key * (HD / 2),
+                                     c);
+        T* krow = dkb + (long long)key * dk_st;
+        T* vrow = dvb + (long long)key * dv_st;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            *reinterpret_cast<unsigned*>(krow + n * 8 + c) = pack2<T>(xk[n][2 * r] * scale, xk[n][2 * r + 1] * scale);
+            *reinterpret_cast<unsigned*>(vrow + n * 8 + c) =
+                pack2<T>(adv[n >> 3][4 * (n & 7) + 2 * r], adv[n >> 3][4 * (n & 7) + 2 * r + 1]);
+        }
     }
 #else
     __trap();  // not sm_90a: wgmma does not exist here

@@ -1,6 +1,7 @@
 // flash_common.cuh: what the flash-attention kernels share (flash_attention.cu, flash_attention_wgmma.cu): the
 // asynchronous global -> shared copies their tiles arrive by (NVIDIA only: inline PTX, sm_80+), the order in
-// which their blocks take (head, tile) pairs, and RoPE's backward on a row of a gradient before its store.
+// which their blocks take (head, tile) pairs, the backward's per-row statistics, and RoPE's backward on a row of a
+// gradient before its store.
 #pragma once
 
 __device__ __forceinline__ unsigned fa_saddr(const void* p) {
@@ -49,6 +50,12 @@ __device__ __forceinline__ int fa_block_tile(bool longest_last) {
 __device__ __forceinline__ int fa_udiv(int a, int b) {
     return static_cast<int>(static_cast<unsigned>(a) / static_cast<unsigned>(b));
 }
+
+// One row's statistics for the backward: lse · log2 e (the exponent's offset in base 2) and D = rowsum(dO ⊙ O),
+// written by flash_bwd_dq_wide, read by the dK/dV kernels (one 8-byte copy per row).
+struct fa_row_stats {
+    float l2, d;
+};
 
 // RoPE's backward on one row of a gradient about to be stored (flash_attention.cu's header gives the formula), in
 // place on the fp32 accumulators: x[n][2r + e] holds column n·8 + c + e of the row (r = 0: lane row g, r = 1: g + 8).

@@ -85,6 +85,8 @@ from .flash_launch import (
     DEFAULT_BWD_VARIANT,
     FLASH_DTYPES,
     FWD_IMPLS,
+    ROPE_VARIANTS,
+    bwd_variant,
     forward_impl,
     ours_backward,
     ours_forward,
@@ -243,9 +245,9 @@ def _machine_key(cp, direction, shape, dtype_name, causal, fwd_impl="mma", kv_he
     except Exception:
         cudnn = None
     kdir = Path(__file__).resolve().parent.parent / "kernels"
-    impl = fwd_impl if direction == "fwd" else DEFAULT_BWD_VARIANT  # which of ours was timed
+    impl = fwd_impl  # which of ours was timed: the forward's impl, the backward's variant
     files = ["flash_attention.cu", "common.cuh", "flash_common.cuh"] + ["flash_attention_wgmma.cu", "wgmma.cuh"] * (
-        impl == "wgmma")
+        impl in ("wgmma", "dkdv-wgmma"))
     try:
         ours = hashlib.sha1(b"".join((kdir / f).read_bytes() for f in files)).hexdigest()[:12]
     except OSError:
@@ -273,6 +275,12 @@ def _time_ms(cp, fn) -> float:
     end.record(stream)
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end) / AUTO_REPS
+
+
+def _timed_bwd_variant(q) -> str:
+    """The name the disk cache keys our default backward by ("dkdv-wgmma" for the Hopper one, so that a choice timed
+    with it is not confused with one timed with the portable kernels)."""
+    return "dkdv-wgmma" if bwd_variant(q) == "wgmma" else "mma"
 
 
 def _resolve(kernel, direction, q, arrays, causal, run, choices, deterministic=True):
@@ -308,7 +316,8 @@ def _resolve(kernel, direction, q, arrays, causal, run, choices, deterministic=T
     if len(cands) == 1:  # nothing to compare: the same choice in every process
         return decided(cands[0])
     disk_key = _machine_key(cp, contest, q.shape, backend.dtype_name(q.dtype), causal,
-                            forward_impl(q) if direction == "fwd" else "mma", kv_heads=arrays[0].shape[1])
+                            forward_impl(q) if direction == "fwd" else _timed_bwd_variant(q),
+                            kv_heads=arrays[0].shape[1])
     cached = read_auto_cache().get(disk_key)
     if cached in cands:  # decided before on this machine, maybe by another process: the same choice again
         return decided(cached)
@@ -430,8 +439,8 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
             rope_backward_heads(g, *rope)
         return dq, dk, dv
     _check_gpu_layout(q=q, k=k, v=v, do=do, o=o, dq=dq, dk=dk, dv=dv)
-    bwd_variant = variant or DEFAULT_BWD_VARIANT
-    fold = rope is not None and bwd_variant == "wide" and all(t.data.ptr % 8 == 0 for t in rope)
+    variant = bwd_variant(q, variant)
+    fold = rope is not None and variant in ROPE_VARIANTS and all(t.data.ptr % 8 == 0 for t in rope)
 
     def run(name):
         if name == "cudnn":
@@ -439,7 +448,7 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
             cudnn_attention.backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, deterministic=deterministic)
         else:
             _require_ours(q, k, v, do, o, dq, dk, dv)
-            ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, bwd_variant,
+            ours_backward(do, q, k, v, o, lse, stats.scale, causal, dq, dk, dv, variant,
                           rope=rope if fold else None)
         if rope is not None and not (name == "ours" and fold):
             for g in (dq, dk):

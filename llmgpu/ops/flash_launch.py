@@ -8,6 +8,9 @@ before one becomes the default:
   of 32, three blocks per SM; it also computes D = rowsum(dO ⊙ O) and writes each row's (lse · log2 e, D) as one
   float2, so no separate kernel for it), then ``flash_bwd_dkdv_wide`` (32 keys per warp, 128 per block, query
   tiles of 32; head dim 128: 16 keys per warp, query tiles of 32).
+* ``"wgmma"``   ``flash_bwd_dq_wide``, then ``flash_bwd_dkdv_wgmma`` (``kernels/flash_attention_wgmma.cu``: warpgroup
+  MMAs, 64 keys per warpgroup, two warpgroups per block, query tiles of 64; sm_90a only), the default where it runs
+  (``bwd_variant``).
 * ``"base"``    the first version, kept as the chapter's simpler kernels: ``flash_bwd_dot`` (D), ``flash_bwd_dkdv``
   (16 keys per warp, 64 per block) and ``flash_bwd_dq`` (16 query rows per warp, 64 per block).
 
@@ -27,9 +30,9 @@ Grouped-query attention (k, v with H_kv = H / G heads): every kernel takes G; th
 the B·H query heads and read K/V head h // G, the dK/dV kernels over the B·H_kv K/V heads, each block summing over
 its G query heads in registers (kernels/flash_attention.cu says why), so G = 1 is the multi-head launch unchanged.
 
-RoPE (Llama): the wide kernels come in two instantiations, ``ROPE = 0`` and ``ROPE = 1``; the second takes RoPE's
-fp32 cos/sin tables and applies RoPE's backward (the inverse rotation) to dQ and dK in registers before storing them
-(``ours_backward(rope=...)``), so the fast Llama step needs no separate pass over them.
+RoPE (Llama): the wide and wgmma kernels come in two instantiations, ``ROPE = 0`` and ``ROPE = 1``; the second
+takes RoPE's fp32 cos/sin tables and applies RoPE's backward (the inverse rotation) to dQ and dK in registers before
+storing them (``ours_backward(rope=...)``), so the fast Llama step needs no separate pass over them.
 
 Every tensor-core kernel takes its (head, tile) from a grid of heads in groups (``plan``, ``tile_group``; the order
 is ``fa_block_head`` in kernels/flash_common.cuh): the same results bit for bit in any order, faster in a good one
@@ -77,14 +80,19 @@ def _wgmma_shipped() -> tuple[int, int, int]:
 
 
 WGMMA_PIPE, WGMMA_BN, WGMMA_WG = _wgmma_shipped()
+BW_BQ = loader.constant(WGMMA_FILE, "BW_BQ")  # flash_bwd_dkdv_wgmma's query rows per tile
+WGMMA_BWD_WG = 2  # its warpgroups (of 64 keys) per block: the template argument its .cu ships
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
 
 # the launch order's groups of heads (tile_group): the blocks of a group fill the GPU at least this many times
 GROUP_WAVES = 2
 
-BWD_VARIANTS = ("wide", "base")
-DEFAULT_BWD_VARIANT = "wide"
+BWD_VARIANTS = ("wide", "wgmma", "base")
+DEFAULT_BWD_VARIANT = "wide"  # on any sm_80+ GPU; where the Hopper kernels run, "wgmma" (bwd_variant)
+
+
+ROPE_VARIANTS = ("wide", "wgmma")  # the backward variants that fold RoPE's backward into their dQ, dK stores
 
 
 def fwd_rows(D) -> int:
@@ -126,6 +134,12 @@ def wgmma_smem_bytes(D: int, bn: int = WGMMA_BN, wg: int = WGMMA_WG) -> int:
     """fw_cfg::SMEM of flash_fwd_wgmma: 1 KiB of alignment slack (its tiles start on 1024-byte boundaries), the
     padded Q rows of 64·wg queries, a ring of three K/V tiles of bn keys (unpadded, swizzled)."""
     return 1024 + 64 * wg * (D + PAD) * 2 + FW_BUFS * 2 * bn * D * 2
+
+
+def bwd_smem_bytes(D: int, wg: int = WGMMA_BWD_WG) -> int:
+    """bw_cfg::SMEM of flash_bwd_dkdv_wgmma: 1 KiB of alignment slack, the block's K and V (64·wg keys), two buffers
+    of a Q and a dO tile of BW_BQ rows (all unpadded, swizzled) and of their rows' statistics (8 bytes a row)."""
+    return 1024 + 2 * 64 * wg * D * 2 + 2 * 2 * BW_BQ * D * 2 + 2 * BW_BQ * 8
 
 
 def wgmma_unsupported(q) -> str | None:
@@ -175,6 +189,9 @@ def plan(name: str, q, group: int | None = None, kv_heads: int | None = None, ro
     if name == "flash_fwd_wgmma":
         smem, rows, threads = wgmma_smem_bytes(D), 64 * WGMMA_WG, 128 * WGMMA_WG
         kern = _kernel(name, smem, q.dtype, D, WGMMA_PIPE, WGMMA_BN, WGMMA_WG, file=WGMMA_FILE)
+    elif name == "flash_bwd_dkdv_wgmma":
+        smem, rows, threads = bwd_smem_bytes(D), 64 * WGMMA_BWD_WG, 128 * WGMMA_BWD_WG
+        kern = _kernel(name, smem, q.dtype, D, int(rope), WGMMA_BWD_WG, file=WGMMA_FILE)
     else:
         smem = smem_bytes(name, D)
         kern = _kernel(name, smem, q.dtype, D, *((int(rope),) if name.endswith("_wide") else ()))
@@ -210,7 +227,19 @@ def ordered_grid(n_bh: int, n_tiles: int, group: int) -> tuple[int, int, int]:
 def backward_kernels(variant: str) -> tuple[str, ...]:
     """The kernels one backward of ``variant`` launches, in order."""
     return {"base": ("flash_bwd_dot", "flash_bwd_dkdv", "flash_bwd_dq"),
-            "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide")}[variant]
+            "wide": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wide"),
+            "wgmma": ("flash_bwd_dq_wide", "flash_bwd_dkdv_wgmma")}[variant]
+
+
+def bwd_variant(q, variant: str | None = None) -> str:
+    """The backward variant that runs for q: ``variant``, or by default "wgmma" where the Hopper kernels run, else
+    ``DEFAULT_BWD_VARIANT``. "wgmma" where they cannot run is a RuntimeError naming why."""
+    if variant is None:
+        return "wgmma" if wgmma_unsupported(q) is None else DEFAULT_BWD_VARIANT
+    check_choice("variant", variant, BWD_VARIANTS)
+    if variant == "wgmma" and (why := wgmma_unsupported(q)):
+        raise RuntimeError(f"the Hopper flash backward cannot run here: {why} (variant='wide' runs on any sm_80+ GPU)")
+    return variant
 
 
 def forward_impl(q, impl: str = "ours") -> str:
@@ -266,7 +295,7 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     query heads). ``only`` (benchmarks: one kernel's time) launches just the kernel of that name from the variant's
     list; the others' outputs are then left as they were. ``group``: heads per group of the launch order (default:
     ``plan``). ``rope``: ``(cos, sin)``, C-contiguous fp32 ``[S >= T, D / 2]`` tables on 8-byte boundaries (the
-    caller checks): dq and dk come out through RoPE's backward, folded into the stores ("wide" only)."""
+    caller checks): dq and dk come out through RoPE's backward, folded into the stores (``ROPE_VARIANTS`` only)."""
     cp = backend.cupy_module()
     B, H, T, D = q.shape
     H_kv, G = k.shape[1], kv_group_size(q, k)
@@ -275,8 +304,9 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
     def head(n_heads):  # H, G, T, scale, causal and the heads the kernel's grid runs over
         return np.int32(H), np.int32(G), np.int32(T), np.float32(scale), np.int32(bool(causal)), np.int32(B * n_heads)
 
-    if rope is not None and variant != "wide":
-        raise ValueError(f"RoPE's backward folds into the 'wide' backward kernels only, not variant={variant!r}")
+    if rope is not None and variant not in ROPE_VARIANTS:
+        raise ValueError(f"RoPE's backward folds into the {' and '.join(ROPE_VARIANTS)} backward kernels only, not "
+                         f"variant={variant!r}")
     tables = tuple(rope) if rope is not None else (np.uint64(0), np.uint64(0))  # null: the ROPE = 0 kernels ignore them
     ins = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     kv = (*ins, *_strides(dk), *_strides(dv))
@@ -291,7 +321,7 @@ def ours_backward(do, q, k, v, o, lse, scale, causal, dq, dk, dv, variant=DEFAUL
             continue
         if name == "flash_bwd_dkdv":
             args = (q, k, v, do, lse, stats, dk, dv, *head(H_kv), *kv)
-        elif name == "flash_bwd_dkdv_wide":  # lse · log2 e comes with D in stats
+        elif name in ("flash_bwd_dkdv_wide", "flash_bwd_dkdv_wgmma"):  # lse · log2 e comes with D in stats
             args = (q, k, v, do, stats, dk, dv, *head(H_kv), *kv, *tables)
         elif name == "flash_bwd_dq":
             args = (q, k, v, do, lse, stats, dq, *head(H), *ins, *_strides(dq))
