@@ -18,11 +18,7 @@ keeps the previous scale; scales are clamped to [2^-126, 2^126] so that ``1/scal
 * **delayed scaling** (``recipe="delayed"``, NVIDIA Transformer Engine's default): cast with the scale
   from the last n steps' amaxes while measuring this step's amax in the same pass; ``update()`` later.
   One read of x; a tensor that grows faster than the history saturates (the cast clips, it never overflows).
-
-A model's delayed states are updated together: ``AmaxHistories`` moves several states into flat device buffers
-(each state's arrays become views of its row, so the casts use them as before) and ``update_and_clear()``
-updates all of them and zeroes their amaxes in one launch, where a loop would launch an update and a memset per
-tensor.
+  ``AmaxHistories`` updates many states (a model's) in one launch: their arrays become views of flat buffers.
 
 **The cast** (``fp8_cast``): ``x`` (fp32 / bf16 / fp16) → the FP8 bytes as a ``uint8`` array (CuPy has no
 float8 dtype; ``FP8_FORMATS[...].dtype`` views them on NumPy), and ``amax(|x|)`` in the same pass, and
@@ -422,47 +418,30 @@ def _margin_factor(margin) -> np.float32:
     return np.float32(2.0 ** -margin)  # what the update kernels multiply the scale by
 
 
-def _capturing(xp) -> bool:
-    if xp is np:
-        return False
-    try:
-        return bool(xp.cuda.get_current_stream().is_capturing())
-    except Exception:  # the legacy default stream may refuse the query while another stream captures
-        return False
-
-
 class AmaxHistories:
-    """Several ``AmaxHistory`` states whose arrays live in flat device buffers, so that one launch updates them
-    all: ``history`` [S, length], ``pos``, ``amax``, ``scale``, ``scale_inv`` [S] and ``fp8_max`` [S] (each state's
-    format's largest value: E4M3 and E5M2 states can share a group; length, margin and pow2 are the group's).
+    """``AmaxHistory`` states (E4M3 and E5M2 mixed; one length, margin and pow2) in flat device buffers, updated by
+    one launch: ``history`` [S, length], ``pos``, ``amax``, ``scale``, ``scale_inv`` [S], ``fp8_max`` [S] (each
+    state's format's largest value). Made from existing states: their values are copied in and their arrays become
+    views of their rows, so the casts, ``update()`` and checkpoints use them as before. A state joins one group at
+    most; grouping while the stream captures a CUDA graph is refused (the captured kernels keep the old arrays).
 
-    Made from existing states: their values are copied into the buffers and each state's arrays become views of
-    its row, so whatever reads or writes a state (the casts, ``update()``, checkpoints) works on as before. A
-    state joins one group at most. Kernels captured into a CUDA graph before the grouping would keep the old
-    arrays, so grouping while the stream captures is refused: group the states in an eager step.
-
-    ``update_and_clear()``: every state's ``update()`` and then its amax zeroed (the end of a delayed-scaling
-    step: the next step's casts raise the amaxes again), one launch. ``clear_amax()``: the zeroing alone.
+    ``update_and_clear()``: each state's ``update()``, then its amax zeroed (the end of a delayed-scaling step: the
+    next step's casts raise the amaxes again). ``clear_amax()``: the zeroing alone (one memset).
     """
 
     def __init__(self, states):
         self.states = tuple(states)
-        if not self.states:
-            raise ValueError("AmaxHistories needs at least one AmaxHistory")
+        if not self.states or len(set(map(id, self.states))) != len(self.states):
+            raise ValueError("AmaxHistories takes at least one state, each once")
         first = self.states[0]
         for st in self.states:
-            if not isinstance(st, AmaxHistory):
-                raise TypeError(f"AmaxHistories groups AmaxHistory states, got {type(st).__name__}")
             for what in ("xp", "length", "margin", "pow2"):
                 if getattr(st, what) != getattr(first, what):
-                    raise ValueError(f"the states of one AmaxHistories share their {what}: {st!r} differs from "
-                                     f"{first!r}")
+                    raise ValueError(f"the states of one AmaxHistories share their {what}: {st!r}, {first!r}")
             if st.group is not None:
                 raise ValueError(f"{st!r} is already in a group (its arrays are views of that group's buffers)")
-        if len({id(st) for st in self.states}) != len(self.states):
-            raise ValueError("a state appears twice in one AmaxHistories")
         xp = self.xp = first.xp
-        if _capturing(xp):
+        if backend.is_capturing(xp):
             raise RuntimeError("AmaxHistories was made while the stream captures a CUDA graph: the captured kernels "
                                "would keep the states' old arrays; group the states in an eager step first")
         self.length, self.margin, self.pow2 = first.length, first.margin, first.pow2
@@ -471,17 +450,11 @@ class AmaxHistories:
             setattr(self, name, xp.concatenate([getattr(st, name) for st in self.states]))
         self.fp8_max = xp.asarray(np.array([st.fmt.max for st in self.states], dtype=np.float32))
         for i, st in enumerate(self.states):  # the states now read and write the buffers
-            st.history = self.history[i]
+            st.history, st.group = self.history[i], self
             for name in _STATE_ARRAYS:
                 setattr(st, name, getattr(self, name)[i:i + 1])
-            st.group = self
-
-    def __len__(self):
-        return len(self.states)
 
     def update_and_clear(self):
-        """Each state: history[pos] = amax, pos = (pos + 1) % length, scale and scale_inv from max(history) (as
-        ``AmaxHistory.update()``), then amax = 0; one launch."""
         if self.xp is np:
             for st in self.states:
                 st.update()
@@ -494,13 +467,11 @@ class AmaxHistories:
         return self
 
     def clear_amax(self):
-        """Every state's amax = 0 (one memset)."""
         self.amax.fill(0)
         return self
 
     def __repr__(self):
-        return (f"AmaxHistories({len(self.states)} states, length={self.length}, margin={self.margin}, "
-                f"pow2={self.pow2}, on {'numpy' if self.xp is np else 'cupy'})")
+        return f"AmaxHistories({len(self.states)} states, length={self.length}, margin={self.margin}, pow2={self.pow2})"
 
 
 RECIPES = ("current", "delayed")
