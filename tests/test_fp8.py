@@ -297,12 +297,13 @@ def test_amax_histories_match_per_state_updates(rng, length, margin, pow2):
         assert st.group is group and np.shares_memory(st.history, group.history[i])
         for name in STATE_ARRAYS[1:]:
             view = getattr(st, name)
-            assert view.shape == (1,) and np.shares_memory(view, getattr(group, name)[i:i + 1])
+            assert view.shape == (1,) and np.shares_memory(view, getattr(group, name)[i, :1])
+            assert view.ctypes.data % 16 == 0, name  # cuBLASLt refuses scale pointers off 16-byte boundaries
     for _ in range(length + 3):
         amaxes = _random_amaxes(rng, n)
         _set_amaxes(grouped, amaxes)
         _set_amaxes(own, amaxes)
-        np.testing.assert_array_equal(group.amax.view(np.uint32), amaxes.view(np.uint32))  # the casts' writes land
+        np.testing.assert_array_equal(group.amax[:, 0].view(np.uint32), amaxes.view(np.uint32))  # the casts' writes
         group.update_and_clear()
         for st in own:
             st.update()
@@ -311,7 +312,7 @@ def test_amax_histories_match_per_state_updates(rng, length, margin, pow2):
     assert not group.amax.any()
     grouped[0].amax[0] = 5.0
     grouped[0].update()  # a grouped state still updates alone, in the group's buffers
-    assert group.pos[0] == grouped[0].pos[0] and group.history[0].max() >= 5.0
+    assert group.pos[0, 0] == grouped[0].pos[0] and group.history[0].max() >= 5.0
     group.clear_amax()
     assert not group.amax.any()
 
@@ -813,9 +814,10 @@ def test_gpu_amax_histories_match_per_state_kernel(cp, rng, n, length, margin, p
     grouped, single, ref = (_make_states(xp, start, length, margin, pow2) for xp in (cp, cp, np))
     group, ref_group = fp8.AmaxHistories(grouped), fp8.AmaxHistories(ref)
     _assert_states_bitwise(grouped, ref)
+    assert all(st.scale_inv.data.ptr % 16 == 0 and st.scale.data.ptr % 16 == 0 for st in grouped)  # cuBLASLt's rule
     for _ in range(6):
         amaxes = _random_amaxes(rng, n)
-        group.amax[...] = cp.asarray(amaxes)  # where the casts write: the states' views
+        group.amax[:, 0] = cp.asarray(amaxes)  # where the casts write: the states' views
         _set_amaxes(single, amaxes)
         _set_amaxes(ref, amaxes)
         group.update_and_clear()

@@ -51,6 +51,8 @@
 #define FP8_ACT_NONE 0           // ACT: the value cast is x
 #define FP8_ACT_GELU 1           //      GELU(x + b)
 #define FP8_ACT_DGELU 2          //      x * GELU'(pre + b)
+#define FP8_STATE_WORDS 4        // fp8_update_scales_kernel: a state's scalars 16 bytes apart (cuBLASLt refuses
+                                 // scale pointers off 16-byte boundaries: CUBLAS_STATUS_NOT_SUPPORTED)
 
 constexpr unsigned FP8_QNAN_BITS = 0x7fc00000u;  // the canonical quiet NaN, what NaN inputs make amax
 
@@ -322,14 +324,15 @@ fp8_update_scale_kernel(float* __restrict__ history, int n, int* __restrict__ po
 
 // The end of a delayed-scaling step for S tensors in one launch (AmaxHistories.update_and_clear), instead of an
 // update and a memset per tensor: block s runs update_scale on state s, whose arrays are row s of the flat
-// buffers (history [S, n], pos, amax, scale, scale_inv [S]) and whose format's largest value is fp8_max[s] (E4M3
-// and E5M2 tensors share the launch), then zeroes amax[s], which the next step's casts raise again.
+// buffers (history [S, n]; pos, amax, scale, scale_inv [S, FP8_STATE_WORDS], element 0 of each row) and whose
+// format's largest value is fp8_max[s] (E4M3 and E5M2 tensors share the launch), then zeroes its amax, which the
+// next step's casts raise again.
 __global__ void __launch_bounds__(FP8_THREADS)
 fp8_update_scales_kernel(float* __restrict__ history, int n, int* __restrict__ pos, float* __restrict__ amax,
                          float* __restrict__ scale, float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
                          float margin_factor, int pow2) {
-    const int s = blockIdx.x;
-    update_scale(history + (long long)s * n, n, pos + s, amax + s, scale + s, scale_inv + s, fp8_max[s],
+    const int s = blockIdx.x, w = s * FP8_STATE_WORDS;
+    update_scale(history + (long long)s * n, n, pos + w, amax + w, scale + w, scale_inv + w, fp8_max[s],
                  margin_factor, pow2);
-    if (threadIdx.x == 0) amax[s] = 0.0f;  // after update_scale's read of it, in the same thread
+    if (threadIdx.x == 0) amax[w] = 0.0f;  // after update_scale's read of it, in the same thread
 }

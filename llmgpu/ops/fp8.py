@@ -63,6 +63,7 @@ BYTES = np.dtype(np.uint8)
 THREADS = constant("fp8", "FP8_THREADS")
 TILE = constant("fp8", "FP8_TILE")
 NAN_BITS = constant("fp8", "FP8_NAN_BITS")  # what NaN becomes, in both formats
+WORDS = constant("fp8", "FP8_STATE_WORDS")  # AmaxHistories: a state's scalars this many words apart
 SCALE_EXP_LIMIT = constant("fp8", "FP8_SCALE_EXP_LIMIT")  # scales live in [2^-limit, 2^limit]
 ACTS = {None: constant("fp8", "FP8_ACT_NONE"), "gelu": constant("fp8", "FP8_ACT_GELU"),
         "dgelu": constant("fp8", "FP8_ACT_DGELU")}  # act= of the amax pass and the cast: the kernels' ACT
@@ -420,10 +421,11 @@ def _margin_factor(margin) -> np.float32:
 
 class AmaxHistories:
     """``AmaxHistory`` states (E4M3 and E5M2 mixed; one length, margin and pow2) in flat device buffers, updated by
-    one launch: ``history`` [S, length], ``pos``, ``amax``, ``scale``, ``scale_inv`` [S], ``fp8_max`` [S] (each
-    state's format's largest value). Made from existing states: their values are copied in and their arrays become
-    views of their rows, so the casts, ``update()`` and checkpoints use them as before. A state joins one group at
-    most; grouping while the stream captures a CUDA graph is refused (the captured kernels keep the old arrays).
+    one launch: ``history`` [S, length], ``pos``, ``amax``, ``scale``, ``scale_inv`` [S, WORDS] (element 0 of
+    a row: cuBLASLt takes 16-byte aligned scale pointers only), ``fp8_max`` [S] (each format's largest value). Made
+    from existing states: their values are copied in and their arrays become views of their rows, so the casts,
+    ``update()`` and checkpoints use them as before. A state joins one group at most; grouping while the stream
+    captures a CUDA graph is refused (the captured kernels keep the old arrays).
 
     ``update_and_clear()``: each state's ``update()``, then its amax zeroed (the end of a delayed-scaling step: the
     next step's casts raise the amaxes again). ``clear_amax()``: the zeroing alone (one memset).
@@ -446,13 +448,12 @@ class AmaxHistories:
                                "would keep the states' old arrays; group the states in an eager step first")
         self.length, self.margin, self.pow2 = first.length, first.margin, first.pow2
         self.history = xp.stack([st.history for st in self.states])
-        for name in _STATE_ARRAYS:
-            setattr(self, name, xp.concatenate([getattr(st, name) for st in self.states]))
+        for name in _STATE_ARRAYS:  # [S, WORDS], element 0 of a row used: every scale pointer 16-byte aligned
+            setattr(self, name, xp.pad(xp.stack([getattr(st, name) for st in self.states]), ((0, 0), (0, WORDS - 1))))
         self.fp8_max = xp.asarray(np.array([st.fmt.max for st in self.states], dtype=np.float32))
         for i, st in enumerate(self.states):  # the states now read and write the buffers
             st.history, st.group = self.history[i], self
-            for name in _STATE_ARRAYS:
-                setattr(st, name, getattr(self, name)[i:i + 1])
+            st.pos, st.amax, st.scale, st.scale_inv = (getattr(self, name)[i, :1] for name in _STATE_ARRAYS)
 
     def update_and_clear(self):
         if self.xp is np:
