@@ -68,20 +68,21 @@ WGMMA_FILE = "flash_attention_wgmma"
 FW_BUFS = loader.constant(WGMMA_FILE, "FW_BUFS")  # flash_fwd_wgmma's ring of K/V tiles
 
 
-def _wgmma_shipped() -> tuple[int, int, int]:
-    """(PIPE, BN, WG) of the flash_fwd_wgmma instantiations its .cu declares (the last three template arguments of
-    its ``// llmgpu:kernel`` line): K/V tiles of BN keys, WG warpgroups of 64 query rows (128 threads each) per
-    block, PIPE (the MMA/softmax overlap) on or off."""
-    shipped = {tuple(int(a) for a in e[e.index("<") + 1:-1].split(",")[-3:])
-               for e in loader.name_expressions(WGMMA_FILE) if e.startswith("flash_fwd_wgmma<")}
+def _wgmma_shipped(function: str, n: int) -> tuple[int, ...]:
+    """The last ``n`` template arguments of ``function``'s instantiations in the .cu (its ``// llmgpu:kernel``
+    line), which must be one tile configuration."""
+    shipped = {tuple(int(a) for a in e[e.index("<") + 1:-1].split(",")[-n:])
+               for e in loader.name_expressions(WGMMA_FILE) if e.startswith(function + "<")}
     if len(shipped) != 1:
-        raise RuntimeError(f"{WGMMA_FILE}.cu should ship one (PIPE, BN, WG) of flash_fwd_wgmma, found {shipped}")
+        raise RuntimeError(f"{WGMMA_FILE}.cu should ship one configuration of {function}, found {shipped}")
     return shipped.pop()
 
 
-WGMMA_PIPE, WGMMA_BN, WGMMA_WG = _wgmma_shipped()
+# flash_fwd_wgmma: K/V tiles of BN keys, WG warpgroups of 64 query rows (128 threads each) per block, PIPE (the
+# MMA/softmax overlap) on or off
+WGMMA_PIPE, WGMMA_BN, WGMMA_WG = _wgmma_shipped("flash_fwd_wgmma", 3)
 BW_BQ = loader.constant(WGMMA_FILE, "BW_BQ")  # flash_bwd_dkdv_wgmma's query rows per tile
-WGMMA_BWD_WG = 2  # its warpgroups (of 64 keys) per block: the template argument its .cu ships
+(WGMMA_BWD_WG,) = _wgmma_shipped("flash_bwd_dkdv_wgmma", 1)  # and its warpgroups (of 64 keys) per block
 FLASH_DTYPES = (backend.float16, backend.bfloat16)  # what the fused kernels take on the GPU
 FWD_IMPLS = ("ours", "mma", "wgmma", "scalar")  # ours: wgmma where it runs, else mma
 
