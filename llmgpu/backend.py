@@ -229,6 +229,16 @@ def synchronize():
         cupy_module().cuda.get_current_stream().synchronize()
 
 
+def is_capturing(xp) -> bool:
+    """Whether ``xp``'s current stream is recording a CUDA graph (never on NumPy)."""
+    if xp is np:
+        return False
+    try:
+        return bool(xp.cuda.get_current_stream().is_capturing())
+    except Exception:  # the legacy default stream may refuse the query while another stream captures
+        return False
+
+
 # --------------------------------------------------------------------------- dtypes
 
 

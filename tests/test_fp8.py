@@ -230,6 +230,107 @@ def test_amax_history_ring_and_scale():
         AmaxHistory(margin=-1, xp=np)
 
 
+STATE_ARRAYS = ("history", "pos", "amax", "scale", "scale_inv")
+
+
+def _random_states(rng, n, length):
+    """Values for n scaling states: rings of amaxes over many magnitudes with, here and there, an all-zero ring or
+    an inf, a NaN or a subnormal entry (a ring max of 0, inf or NaN keeps the previous scale; a subnormal one clamps
+    the scale), write positions (every other one near the ring's end, so that a few updates wrap it) and scales."""
+    states = []
+    for i in range(n):
+        hist = (np.abs(rng.standard_normal(length)) * 10.0 ** rng.integers(-4, 5, length)).astype(F32)
+        kind = i % 5
+        if kind == 1:
+            hist[:] = 0
+        elif kind in (2, 3, 4):
+            hist[rng.integers(0, length)] = (np.inf, np.nan, 1e-44)[kind - 2]
+        pos = rng.integers(max(0, length - 3), length) if i % 2 else rng.integers(0, length)
+        scale = F32(2.0 ** rng.integers(-20, 20) * rng.uniform(0.5, 1.0))
+        states.append({"history": hist, "pos": np.array([pos], np.int32), "amax": _one(0.0), "scale": _one(scale),
+                       "scale_inv": _one(F32(1) / scale)})
+    return states
+
+
+def _random_amaxes(rng, n):
+    """One step's amaxes of n tensors: mostly random magnitudes, some 0, inf, NaN and subnormal."""
+    a = (np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-4, 5, n)).astype(F32)
+    special = rng.random(n) < 0.3
+    a[special] = rng.choice(np.array([0.0, np.inf, np.nan, 1e-44], F32), size=int(special.sum()))
+    return a
+
+
+def _make_states(xp, values, length, margin, pow2):
+    """AmaxHistory states (E4M3 and E5M2 in turn) holding ``values`` (``_random_states``)."""
+    states = [AmaxHistory(FORMATS[i % 2], length, margin=margin, pow2=pow2, xp=xp) for i in range(len(values))]
+    for st, v in zip(states, values):
+        for name in STATE_ARRAYS:
+            getattr(st, name)[...] = backend.to_device(v[name], xp)
+    return states
+
+
+def _set_amaxes(states, amaxes):
+    for st, a in zip(states, amaxes):
+        st.amax[...] = backend.to_device(_one(a), st.xp)
+
+
+def _assert_states_bitwise(got, want):
+    """Every array of two lists of states equal bit for bit (NaN payloads included)."""
+    for name in STATE_ARRAYS:
+        g, w = (np.stack([backend.to_numpy(getattr(st, name)) for st in sts]) for sts in (got, want))
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32), err_msg=name)
+
+
+@pytest.mark.parametrize("length,margin,pow2", [(1, 0, False), (3, 1, True), (5, 0, True), (4, 3, False)])
+def test_amax_histories_match_per_state_updates(rng, length, margin, pow2):
+    """A group of states (E4M3 and E5M2 mixed) keeps their values when it is made, its buffers are the states' arrays,
+    and its update_and_clear gives bit for bit what each state's update() and a zeroed amax give, through rounds
+    that wrap every ring, with 0, inf, NaN and subnormal amaxes."""
+    n = 11
+    start = _random_states(rng, n, length)
+    grouped, own = (_make_states(np, start, length, margin, pow2) for _ in range(2))
+    group = fp8.AmaxHistories(grouped)
+    assert len(group.states) == n and group.history.shape == (n, length) and group.fp8_max.dtype == F32
+    np.testing.assert_array_equal(group.fp8_max, [FORMATS[i % 2].max for i in range(n)])
+    _assert_states_bitwise(grouped, own)  # grouping copies the values
+    for i, st in enumerate(grouped):
+        assert st.group is group and np.shares_memory(st.history, group.history[i])
+        for name in STATE_ARRAYS[1:]:
+            view = getattr(st, name)
+            assert view.shape == (1,) and np.shares_memory(view, getattr(group, name)[i, :1])
+            assert view.ctypes.data % 16 == 0, name  # cuBLASLt refuses scale pointers off 16-byte boundaries
+    for _ in range(length + 3):
+        amaxes = _random_amaxes(rng, n)
+        _set_amaxes(grouped, amaxes)
+        _set_amaxes(own, amaxes)
+        np.testing.assert_array_equal(group.amax[:, 0].view(np.uint32), amaxes.view(np.uint32))  # the casts' writes
+        group.update_and_clear()
+        for st in own:
+            st.update()
+            st.amax[0] = 0
+        _assert_states_bitwise(grouped, own)
+    assert not group.amax.any()
+    grouped[0].amax[0] = 5.0
+    grouped[0].update()  # a grouped state still updates alone, in the group's buffers
+    assert group.pos[0, 0] == grouped[0].pos[0] and group.history[0].max() >= 5.0
+    group.clear_amax()
+    assert not group.amax.any()
+
+
+def test_amax_histories_checks():
+    a, b = AmaxHistory("e4m3", 4, xp=np), AmaxHistory("e5m2", 4, xp=np)
+    for bad, needle in (([a, AmaxHistory("e4m3", 3, xp=np)], "share their length"),
+                        ([a, AmaxHistory("e4m3", 4, margin=1, xp=np)], "share their margin"),
+                        ([a, AmaxHistory("e4m3", 4, pow2=True, xp=np)], "share their pow2"),
+                        ([a, b, a], "each once"), ([], "at least one")):
+        with pytest.raises(ValueError, match=needle):
+            fp8.AmaxHistories(bad)
+    fp8.AmaxHistories([a, b])
+    with pytest.raises(ValueError, match="already in a group"):
+        fp8.AmaxHistories([b])
+    assert "2 states" in repr(a.group) and a.group is b.group
+
+
 # =========================================================================== the cast (NumPy)
 
 
@@ -700,6 +801,53 @@ def test_gpu_amax_history_matches_reference(cp, rng, length, margin, pow2):
         dev.update()
         for name in ("scale", "scale_inv", "history", "pos"):
             np.testing.assert_array_equal(cp.asnumpy(getattr(dev, name)), getattr(ref, name), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,length,margin,pow2", [(1, 1, 0, False), (7, 4, 1, True), (216, 16, 0, False),
+                                                  (5, 1000, 2, True), (40, 300, 0, True)])
+def test_gpu_amax_histories_match_per_state_kernel(cp, rng, n, length, margin, pow2):
+    """fp8_update_scales_kernel (one launch for the group) gives bit for bit what fp8_update_scale_kernel launched per
+    state and a memset give, and what the NumPy group gives: E4M3 and E5M2 states mixed, rings longer than a block,
+    0, inf, NaN and subnormal amaxes, rings that wrap."""
+    start = _random_states(rng, n, length)
+    grouped, single, ref = (_make_states(xp, start, length, margin, pow2) for xp in (cp, cp, np))
+    group, ref_group = fp8.AmaxHistories(grouped), fp8.AmaxHistories(ref)
+    _assert_states_bitwise(grouped, ref)
+    assert all(st.scale_inv.data.ptr % 16 == 0 and st.scale.data.ptr % 16 == 0 for st in grouped)  # cuBLASLt's rule
+    for _ in range(6):
+        amaxes = _random_amaxes(rng, n)
+        group.amax[:, 0] = cp.asarray(amaxes)  # where the casts write: the states' views
+        _set_amaxes(single, amaxes)
+        _set_amaxes(ref, amaxes)
+        group.update_and_clear()
+        for st in single:
+            st.update()
+            st.amax.fill(0)
+        ref_group.update_and_clear()
+        _assert_states_bitwise(grouped, single)
+        _assert_states_bitwise(grouped, ref)
+    assert not cp.asnumpy(group.amax).any()
+
+
+@pytest.mark.gpu
+def test_gpu_grouping_is_refused_while_capturing(cp):
+    """Grouping re-points the states' arrays, which kernels already captured would not follow: refused during a
+    capture, with the states left as they were."""
+    states = [AmaxHistory(fmt, 4, xp=cp) for fmt in ("e4m3", "e5m2")]
+    states[0].update()  # the kernel compiled and loaded outside the capture
+    arrays = [st.scale for st in states]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        try:
+            states[0].update()  # something to capture
+            with pytest.raises(RuntimeError, match="captures a CUDA graph"):
+                fp8.AmaxHistories(states)
+        finally:
+            s.end_capture()
+    assert all(st.group is None and st.scale is a for st, a in zip(states, arrays))
+    assert fp8.AmaxHistories(states).states == tuple(states)  # eagerly it groups them
 
 
 def _one_rounding_apart(got, v, tol, scale, fmt):

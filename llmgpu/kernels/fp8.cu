@@ -42,6 +42,7 @@
 // llmgpu:kernel fp8_amax_kernel<{float,__nv_bfloat16}, {1,2}>
 // llmgpu:kernel fp8_column_sums_kernel
 // llmgpu:kernel fp8_update_scale_kernel
+// llmgpu:kernel fp8_update_scales_kernel
 
 #define FP8_NAN_BITS 127         // 0x7f: NaN in E4M3 (S.1111.111) and in E5M2 (S.11111.11)
 #define FP8_SCALE_EXP_LIMIT 126  // scales are clamped to [2^-126, 2^126], so 1/scale is a finite normal float
@@ -50,6 +51,8 @@
 #define FP8_ACT_NONE 0           // ACT: the value cast is x
 #define FP8_ACT_GELU 1           //      GELU(x + b)
 #define FP8_ACT_DGELU 2          //      x * GELU'(pre + b)
+#define FP8_STATE_WORDS 4        // fp8_update_scales_kernel: a state's scalars 16 bytes apart (cuBLASLt refuses
+                                 // scale pointers off 16-byte boundaries: CUBLAS_STATUS_NOT_SUPPORTED)
 
 constexpr unsigned FP8_QNAN_BITS = 0x7fc00000u;  // the canonical quiet NaN, what NaN inputs make amax
 
@@ -276,14 +279,15 @@ fp8_column_sums_kernel(const float* __restrict__ colsum, int tiles, long long C,
     out[c] = accumulate ? out[c] + t : t;
 }
 
-// Delayed scaling's bookkeeping, one block: history[pos] = *amax, pos = (pos + 1) % n, then the scale from
-// the max of the whole history: scale = fp8_max / amax_max * margin_factor (margin_factor = 2^-margin),
-// clamped to [2^-126, 2^126], rounded down to a power of two when pow2 (exact dequantization); a history max
-// that is 0, inf or NaN keeps the previous scale. scale_inv = 1 / scale. Current scaling is n = 1.
-__global__ void __launch_bounds__(FP8_THREADS)
-fp8_update_scale_kernel(float* __restrict__ history, int n, int* __restrict__ pos, const float* __restrict__ amax,
-                        float* __restrict__ scale, float* __restrict__ scale_inv, float fp8_max, float margin_factor,
-                        int pow2) {
+// Delayed scaling's bookkeeping for one tensor, by one whole block: history[pos] = *amax, pos = (pos + 1) % n,
+// then the scale from the max of the whole history: scale = fp8_max / amax_max * margin_factor (margin_factor =
+// 2^-margin), clamped to [2^-126, 2^126], rounded down to a power of two when pow2 (exact dequantization); a
+// history max that is 0, inf or NaN keeps the previous scale. scale_inv = 1 / scale. Current scaling is n = 1.
+// Thread 0 does the single-value reads and writes; the whole block reduces the history.
+__device__ __forceinline__ void update_scale(float* __restrict__ history, int n, int* __restrict__ pos,
+                                             const float* __restrict__ amax, float* __restrict__ scale,
+                                             float* __restrict__ scale_inv, float fp8_max, float margin_factor,
+                                             int pow2) {
     __shared__ unsigned warp_max_bits[32];
     if (threadIdx.x == 0) history[*pos] = *amax;
     __syncthreads();  // the block sees the new entry before it reduces
@@ -308,4 +312,27 @@ fp8_update_scale_kernel(float* __restrict__ history, int n, int* __restrict__ po
     *scale = sc;
     *scale_inv = 1.0f / sc;
     *pos = (*pos + 1) % n;
+}
+
+// One tensor's update (update_scale), one block: AmaxHistory.update().
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_update_scale_kernel(float* __restrict__ history, int n, int* __restrict__ pos, const float* __restrict__ amax,
+                        float* __restrict__ scale, float* __restrict__ scale_inv, float fp8_max, float margin_factor,
+                        int pow2) {
+    update_scale(history, n, pos, amax, scale, scale_inv, fp8_max, margin_factor, pow2);
+}
+
+// The end of a delayed-scaling step for S tensors in one launch (AmaxHistories.update_and_clear), instead of an
+// update and a memset per tensor: block s runs update_scale on state s, whose arrays are row s of the flat
+// buffers (history [S, n]; pos, amax, scale, scale_inv [S, FP8_STATE_WORDS], element 0 of each row) and whose
+// format's largest value is fp8_max[s] (E4M3 and E5M2 tensors share the launch), then zeroes its amax, which the
+// next step's casts raise again.
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_update_scales_kernel(float* __restrict__ history, int n, int* __restrict__ pos, float* __restrict__ amax,
+                         float* __restrict__ scale, float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
+                         float margin_factor, int pow2) {
+    const int s = blockIdx.x, w = s * FP8_STATE_WORDS;
+    update_scale(history + (long long)s * n, n, pos + w, amax + w, scale + w, scale_inv + w, fp8_max[s],
+                 margin_factor, pow2);
+    if (threadIdx.x == 0) amax[w] = 0.0f;  // after update_scale's read of it, in the same thread
 }

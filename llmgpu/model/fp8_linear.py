@@ -25,6 +25,12 @@ history yet, so it scales like ``"current"``. Within one ``forward_backward`` no
 tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same
 bits as one without.
 
+**One update launch.** The delayed states are made on first use, in the first step; that step's ``end_step`` moves
+them into the flat device buffers of one ``AmaxHistories`` (the states' arrays become views of its rows), and every
+``end_step`` from then on updates all of them and zeroes their amaxes in one launch instead of two per state. A
+CUDA graph is captured only after eager steps (``TrainStep``'s warm-up), so it sees the grouped arrays; a state
+once grouped never moves (one first used later would join a group of its own), so a graph's pointers stay valid.
+
 **Epilogues.** cuBLASLt has FP8 kernels with the BIAS, GELU_AUX_BIAS and DGELU epilogues, but on an H100 some
 ran slower than the same FP8 GEMM without an epilogue followed by a separate pass (the fused DGELU 2.4x slower;
 chapter 5b's profiles). ``FastOptions.fp8_fused_epilogues`` names the ones fused (default: GELU_AUX_BIAS only);
@@ -57,7 +63,7 @@ import numpy as np
 from .. import backend
 from ..gemm.fp8 import fp8_gemm
 from ..instrument import region
-from ..ops.fp8 import AmaxHistory, fp8_cast, quantize
+from ..ops.fp8 import AmaxHistories, AmaxHistory, fp8_cast, quantize
 from ..ops.gelu import gelu_backward, gelu_forward
 from ..ops.linear import add_bias, bias_grad
 from .options import FP8_LINEARS as FP8_LAYERS  # per block, the linear layers that run in FP8
@@ -84,6 +90,8 @@ class Fp8Linears:
         self.fused_epilogues = frozenset(fused_epilogues)
         self.fused_casts = bool(fused_casts)  # the output gradients' casts also sum the bias gradients
         self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
+        self.groups: list = []  # AmaxHistories of the delayed states: end_step's launches (one after the first step)
+        self._ungrouped: list = []  # delayed states made since the last end_step
         self.primed = False  # delayed: False until the first step has filled the histories
         self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
 
@@ -93,8 +101,10 @@ class Fp8Linears:
         key = (layer, role)
         st = self.states.get(key)
         if st is None:
-            length = self.history if self.recipe == "delayed" and role != "w" else 1
-            st = self.states[key] = AmaxHistory(FORMATS[role], length, xp=self.xp)
+            delayed = self.recipe == "delayed" and role != "w"
+            st = self.states[key] = AmaxHistory(FORMATS[role], self.history if delayed else 1, xp=self.xp)
+            if delayed:
+                self._ungrouped.append(st)
         return st
 
     def _delayed(self, role: str) -> bool:
@@ -116,16 +126,20 @@ class Fp8Linears:
             return quantize(x, st, recipe="current", **kw)
 
     def end_step(self):
-        """After a step's backward: a delayed recipe's recorded amaxes become its next scales (one launch per
-        state, no host synchronisation). Nothing to do for current scaling."""
+        """After a step's backward: a delayed recipe's recorded amaxes become its next scales and are zeroed for the
+        next step's casts (which raise them again: accumulate_amax); one launch for all states, no host
+        synchronisation. States made since the last ``end_step`` join a new group first (module docstring). Nothing
+        to do for current scaling."""
         if self.recipe != "delayed":
             return
-        for (_, role), st in self.states.items():
-            if role == "w":
-                continue
+        if self._ungrouped:
+            self.groups.append(AmaxHistories(self._ungrouped))
+            self._ungrouped = []
+        for group in self.groups:
             if self.primed:
-                st.update()
-            st.amax.fill(0)  # the next step's casts raise it again (accumulate_amax)
+                group.update_and_clear()
+            else:  # the first step scaled like current scaling, which already recorded its amaxes
+                group.clear_amax()
         self.primed = True
 
     def state_dict(self) -> dict:

@@ -18,6 +18,7 @@ keeps the previous scale; scales are clamped to [2^-126, 2^126] so that ``1/scal
 * **delayed scaling** (``recipe="delayed"``, NVIDIA Transformer Engine's default): cast with the scale
   from the last n steps' amaxes while measuring this step's amax in the same pass; ``update()`` later.
   One read of x; a tensor that grows faster than the history saturates (the cast clips, it never overflows).
+  ``AmaxHistories`` updates many states (a model's) in one launch: their arrays become views of flat buffers.
 
 **The cast** (``fp8_cast``): ``x`` (fp32 / bf16 / fp16) → the FP8 bytes as a ``uint8`` array (CuPy has no
 float8 dtype; ``FP8_FORMATS[...].dtype`` views them on NumPy), and ``amax(|x|)`` in the same pass, and
@@ -62,6 +63,7 @@ BYTES = np.dtype(np.uint8)
 THREADS = constant("fp8", "FP8_THREADS")
 TILE = constant("fp8", "FP8_TILE")
 NAN_BITS = constant("fp8", "FP8_NAN_BITS")  # what NaN becomes, in both formats
+WORDS = constant("fp8", "FP8_STATE_WORDS")  # AmaxHistories: a state's scalars this many words apart
 SCALE_EXP_LIMIT = constant("fp8", "FP8_SCALE_EXP_LIMIT")  # scales live in [2^-limit, 2^limit]
 ACTS = {None: constant("fp8", "FP8_ACT_NONE"), "gelu": constant("fp8", "FP8_ACT_GELU"),
         "dgelu": constant("fp8", "FP8_ACT_DGELU")}  # act= of the amax pass and the cast: the kernels' ACT
@@ -389,6 +391,7 @@ class AmaxHistory:
         self.amax = xp.zeros(1, dtype=np.float32)
         self.history = xp.zeros(self.length, dtype=np.float32)
         self.pos = xp.zeros(1, dtype=np.int32)
+        self.group = None  # the AmaxHistories whose buffers hold the arrays above, once grouped
 
     def update(self):
         """history[pos] = amax, pos = (pos + 1) % length, scale and scale_inv from max(history)."""
@@ -401,12 +404,75 @@ class AmaxHistory:
             return self
         kern = get_kernel("fp8", "fp8_update_scale_kernel")
         kern((1,), (THREADS,), (self.history, np.int32(self.length), self.pos, self.amax, self.scale, self.scale_inv,
-                                np.float32(self.fmt.max), np.float32(2.0 ** -self.margin), np.int32(self.pow2)))
+                                np.float32(self.fmt.max), _margin_factor(self.margin), np.int32(self.pow2)))
         return self
 
     def __repr__(self):
         return (f"AmaxHistory({self.fmt.name}, length={self.length}, margin={self.margin}, pow2={self.pow2}, "
                 f"on {'numpy' if self.xp is np else 'cupy'})")
+
+
+_STATE_ARRAYS = ("pos", "amax", "scale", "scale_inv")  # an AmaxHistory's one-element arrays (history aside)
+
+
+def _margin_factor(margin) -> np.float32:
+    return np.float32(2.0 ** -margin)  # what the update kernels multiply the scale by
+
+
+class AmaxHistories:
+    """``AmaxHistory`` states (E4M3 and E5M2 mixed; one length, margin and pow2) in flat device buffers, updated by
+    one launch: ``history`` [S, length], ``pos``, ``amax``, ``scale``, ``scale_inv`` [S, WORDS] (element 0 of
+    a row: cuBLASLt takes 16-byte aligned scale pointers only), ``fp8_max`` [S] (each format's largest value). Made
+    from existing states: their values are copied in and their arrays become views of their rows, so the casts,
+    ``update()`` and checkpoints use them as before. A state joins one group at most; grouping while the stream
+    captures a CUDA graph is refused (the captured kernels keep the old arrays).
+
+    ``update_and_clear()``: each state's ``update()``, then its amax zeroed (the end of a delayed-scaling step: the
+    next step's casts raise the amaxes again). ``clear_amax()``: the zeroing alone (one memset).
+    """
+
+    def __init__(self, states):
+        self.states = tuple(states)
+        if not self.states or len(set(map(id, self.states))) != len(self.states):
+            raise ValueError("AmaxHistories takes at least one state, each once")
+        first = self.states[0]
+        for st in self.states:
+            for what in ("xp", "length", "margin", "pow2"):
+                if getattr(st, what) != getattr(first, what):
+                    raise ValueError(f"the states of one AmaxHistories share their {what}: {st!r}, {first!r}")
+            if st.group is not None:
+                raise ValueError(f"{st!r} is already in a group (its arrays are views of that group's buffers)")
+        xp = self.xp = first.xp
+        if backend.is_capturing(xp):
+            raise RuntimeError("AmaxHistories was made while the stream captures a CUDA graph: the captured kernels "
+                               "would keep the states' old arrays; group the states in an eager step first")
+        self.length, self.margin, self.pow2 = first.length, first.margin, first.pow2
+        self.history = xp.stack([st.history for st in self.states])
+        for name in _STATE_ARRAYS:  # [S, WORDS], element 0 of a row used: every scale pointer 16-byte aligned
+            setattr(self, name, xp.pad(xp.stack([getattr(st, name) for st in self.states]), ((0, 0), (0, WORDS - 1))))
+        self.fp8_max = xp.asarray(np.array([st.fmt.max for st in self.states], dtype=np.float32))
+        for i, st in enumerate(self.states):  # the states now read and write the buffers
+            st.history, st.group = self.history[i], self
+            st.pos, st.amax, st.scale, st.scale_inv = (getattr(self, name)[i, :1] for name in _STATE_ARRAYS)
+
+    def update_and_clear(self):
+        if self.xp is np:
+            for st in self.states:
+                st.update()
+                st.amax[0] = 0
+            return self
+        kern = get_kernel("fp8", "fp8_update_scales_kernel")
+        kern((len(self.states),), (THREADS,), (self.history, np.int32(self.length), self.pos, self.amax, self.scale,
+                                               self.scale_inv, self.fp8_max, _margin_factor(self.margin),
+                                               np.int32(self.pow2)))
+        return self
+
+    def clear_amax(self):
+        self.amax.fill(0)
+        return self
+
+    def __repr__(self):
+        return f"AmaxHistories({len(self.states)} states, length={self.length}, margin={self.margin}, pow2={self.pow2})"
 
 
 RECIPES = ("current", "delayed")
@@ -429,6 +495,6 @@ def quantize(x, state: AmaxHistory, *, recipe="current", rowwise=True, transpose
                     amax=amax, scale_inv=scale_inv, act=act, pre=pre, bias=bias, column_sums=column_sums)
 
 
-__all__ = ["ACTS", "BYTES", "E4M3", "E5M2", "FP8_FORMATS", "NAN_BITS", "RECIPES", "SCALE_EXP_LIMIT", "AmaxHistory",
-           "Fp8Format", "Fp8Tensor", "act_reference", "amax_bits", "amax_reference", "dequantize", "fp8_amax",
-           "fp8_cast", "fp8_format", "quantize", "quantize_reference", "scale_reference"]
+__all__ = ["ACTS", "BYTES", "E4M3", "E5M2", "FP8_FORMATS", "NAN_BITS", "RECIPES", "SCALE_EXP_LIMIT", "AmaxHistories",
+           "AmaxHistory", "Fp8Format", "Fp8Tensor", "act_reference", "amax_bits", "amax_reference", "dequantize",
+           "fp8_amax", "fp8_cast", "fp8_format", "quantize", "quantize_reference", "scale_reference"]

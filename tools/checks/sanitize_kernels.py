@@ -18,8 +18,8 @@ D = 64 and 128, T = 1, 65, 130, causal or not, on strided views of one QKV buffe
 layernorm (naive / optimized / fast, register and shared accumulators, residual, fused add+LN), GELU,
 cross-entropy (naive / optimized / fast, int32 / int64 targets, ignored rows), embedding (naive /
 optimized / counting), cast, the FP8 casts (flat, transposing, amax only) and the amax history's scale
-update, AdamW (flat, per tensor, with working copy, skipped step), the fused gradient norm / clip, the loss
-scaler's update, the timing spin kernel; then one tiny training step
+update (one state, and a group of states in one launch), AdamW (flat, per tensor, with working copy, skipped
+step), the fused gradient norm / clip, the loss scaler's update, the timing spin kernel; then one tiny training step
 of ``GPT`` and of ``FastGPT`` with cuDNN's flash attention switched off (``FastOptions(attention_kernel="math")``,
 the chapter 2 kernels instead) followed by clipping and an AdamW step. Ends with a device synchronisation.
 
@@ -266,6 +266,8 @@ def ops(d: Driver):
             d.run(f"fp8_amax {dt}", fp8.fp8_amax, d.arr((1001,), dt))
     for length in (1, 300):
         d.run(f"AmaxHistory.update length={length}", fp8.AmaxHistory("e4m3", length, xp=d.xp).update)
+        group = fp8.AmaxHistories([fp8.AmaxHistory(f, length, xp=d.xp) for f in ("e4m3", "e5m2", "e4m3")])
+        d.run(f"AmaxHistories.update_and_clear length={length}", group.update_and_clear)
 
 
 def dist(d: Driver):
