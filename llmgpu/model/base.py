@@ -53,6 +53,7 @@ class GPTBase:
     norm_gains = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # initialized to 1 (init_weights)
     residual_projections = ("c_proj.weight",)  # the block's two writes into the residual stream (init_weights)
     keeps_ln_1 = False  # a checkpointed span input is x alone (FastGPT: x and ln_1(x); model/config.activation_bytes)
+    _ckpt = 0  # checkpoint_every's value until a subclass sets it
 
     def __init__(self, config: GPTConfig, *, dtype="fp32", xp=None, seed: int = 0, init: bool = True,
                  param_multiple: int = ALIGN):
@@ -229,9 +230,21 @@ class GPTBase:
 
     # ------------------------------------------------------------------ activation memory
 
+    @property
+    def checkpoint_every(self) -> int:
+        """Activation checkpointing: keep every k-th block's input and recompute the others in the backward (0: off;
+        the steps of ``GPT`` and ``FastGPT``, chapter 6)."""
+        return self._ckpt
+
+    @checkpoint_every.setter
+    def checkpoint_every(self, k: int):
+        if int(k) < 0:
+            raise ValueError(f"checkpoint_every must be 0 (off) or >= 1, got {k}")
+        self._ckpt = int(k)
+
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
         """``model.config.activation_bytes`` for this model's dtype, attention and (default) checkpointing."""
-        k = getattr(self, "checkpoint_every", 0) if checkpoint_every is None else checkpoint_every
+        k = self.checkpoint_every if checkpoint_every is None else checkpoint_every
         return activation_bytes(self.config, batch, seq, k, self.dtype, attention=self.attention,
                                 keeps_ln_1=self.keeps_ln_1)
 

@@ -142,16 +142,6 @@ class FastGPT(GPTBase):
         """The step's choices (fixed for the model's life: a captured graph holds them)."""
         return self._options
 
-    @property
-    def checkpoint_every(self) -> int:
-        return self._ckpt
-
-    @checkpoint_every.setter
-    def checkpoint_every(self, k: int):
-        if int(k) < 0:
-            raise ValueError(f"checkpoint_every must be 0 (off) or >= 1, got {k}")
-        self._ckpt = int(k)
-
     # ------------------------------------------------------------------ pieces
 
     def _matrix(self, w_name, *, grad: bool = False):

@@ -55,16 +55,6 @@ class GPT(GPTBase):
         self.checkpoint_every = checkpoint_every
         super().__init__(config, dtype=dtype, xp=xp, seed=seed, init=init, param_multiple=param_multiple)
 
-    @property
-    def checkpoint_every(self) -> int:
-        return self._ckpt
-
-    @checkpoint_every.setter
-    def checkpoint_every(self, k: int):
-        if int(k) < 0:
-            raise ValueError(f"checkpoint_every must be 0 (off) or >= 1, got {k}")
-        self._ckpt = int(k)
-
     # ------------------------------------------------------------------ one block
 
     def _block_forward(self, i: int, x, store: bool, need_output: bool = True):
