@@ -66,12 +66,18 @@ def test_fa_cfg_check_fails_on_a_wrong_value():
 
 
 def test_wgmma_shared_memory_matches_the_compiler():
+    """The forward's and the dK/dV kernel's shared memory and block shape, as flash_launch computes them."""
     fl = flash_launch
     cfg = f"fw_cfg<{{d}}, {fl.WGMMA_BN}, {fl.WGMMA_WG}>"
     checks = "".join(
         f'static_assert({cfg.format(d=d)}::SMEM == {fl.wgmma_smem_bytes(d)}, "SMEM of D={d}");\n'
         f'static_assert({cfg.format(d=d)}::BM == {64 * fl.WGMMA_WG} && {cfg.format(d=d)}::NT == {128 * fl.WGMMA_WG},'
         f' "block of D={d}");\n' for d in (64, 128))
+    bw = f"bw_cfg<{{d}}, {fl.WGMMA_BWD_WG}>"  # the dK/dV kernel's
+    checks += "".join(
+        f'static_assert({bw.format(d=d)}::SMEM == {fl.bwd_smem_bytes(d)}, "dK/dV SMEM of D={d}");\n'
+        f'static_assert({bw.format(d=d)}::BN == {64 * fl.WGMMA_BWD_WG} && {bw.format(d=d)}::NT == '
+        f'{128 * fl.WGMMA_BWD_WG}, "dK/dV block of D={d}");\n' for d in (64, 128))
     r = _nvrtc_compile(f'#include "{fl.WGMMA_FILE}.cu"\n' + checks, "sm_90a")
     assert r.ok, r.log
 
