@@ -154,6 +154,24 @@ flash_bwd_dkdv_wgmma_pipe(const T* __restrict__ q, const T* __restrict__ k, cons
         }
     };
     auto next_q0 = [&](int q0) { return q0 + BQ < T_len ? q0 + BQ : q_first; };
+    auto p_ds = [&](int i, int q0) {  // Sᵀ and dPᵀ of tile i issued and waited for: Pᵀ (pa) and dSᵀ (ds) made
+        wg_fence();
+        issue_s(i);
+        issue_dp(i);
+        wg_wait<1>();  // Sᵀ done; dPᵀ may still run
+        wg_pin(s);
+        p_exp(i, q0);
+        pack_p();
+        wg_wait<0>();  // dPᵀ done
+        wg_pin(dp);
+        make_ds(i);
+    };
+    auto dvdk = [&](int i) {  // dV and dK of tile i issued and waited for
+        wg_fence();
+        issue_dvdk(i);
+        wg_wait<0>();
+        pin_dkdv();
+    };
 
     if constexpr (!PIPE) {
         // Per tile: load tile i + 1, then Sᵀ, dPᵀ (two commit groups: the exponentials overlap dPᵀ), dSᵀ, dV and dK,
@@ -169,20 +187,8 @@ flash_bwd_dkdv_wgmma_pipe(const T* __restrict__ q, const T* __restrict__ k, cons
             wg_fence_proxy();
             __syncthreads();
             if (active(q0)) {  // wgmma is warpgroup-collective: the skip is per warpgroup
-                wg_fence();
-                issue_s(i);
-                issue_dp(i);
-                wg_wait<1>();  // Sᵀ done; dPᵀ may still run
-                wg_pin(s);
-                p_exp(i, q0);
-                pack_p();
-                wg_wait<0>();  // dPᵀ done
-                wg_pin(dp);
-                make_ds(i);
-                wg_fence();
-                issue_dvdk(i);
-                wg_wait<0>();  // the buffer free
-                pin_dkdv();
+                p_ds(i, q0);
+                dvdk(i);  // and the buffer free
             }
             __syncthreads();  // every warpgroup is done with buffer i % 2 before tile i + 2 is copied into it
         }
@@ -202,18 +208,7 @@ flash_bwd_dkdv_wgmma_pipe(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_fence_proxy();
         __syncthreads();
         bool act = active(q_first);
-        if (act) {
-            wg_fence();
-            issue_s(0);
-            issue_dp(0);
-            wg_wait<1>();
-            wg_pin(s);
-            p_exp(0, q_first);
-            pack_p();
-            wg_wait<0>();
-            wg_pin(dp);
-            make_ds(0);
-        }
+        if (act) p_ds(0, q_first);
         for (int i = 0, q0 = q_first; i < n_steps; ++i) {
             const int q1 = next_q0(q0);
             const bool more = i + 1 < n_steps;
@@ -242,21 +237,9 @@ flash_bwd_dkdv_wgmma_pipe(const T* __restrict__ q, const T* __restrict__ k, cons
                 wg_pin(dp);
                 make_ds(i + 1);
             } else if (act1) {
-                wg_fence();
-                issue_s(i + 1);
-                issue_dp(i + 1);
-                wg_wait<1>();
-                wg_pin(s);
-                p_exp(i + 1, q1);
-                pack_p();
-                wg_wait<0>();
-                wg_pin(dp);
-                make_ds(i + 1);
+                p_ds(i + 1, q1);
             } else if (act) {
-                wg_fence();
-                issue_dvdk(i);
-                wg_wait<0>();
-                pin_dkdv();
+                dvdk(i);
             }
             act = act1;
             q0 = q1;
