@@ -262,6 +262,39 @@ def test_fused_casts_compute_the_step_they_replace(rng, recipe):
 
 
 # the epilogues matter where the casts do not apply GELU (fp8_fused_casts=False)
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_layernorm_casts_compute_the_step_they_replace(rng, monkeypatch, recipe):
+    """FastOptions.fp8_layernorm_casts: under delayed scaling, from the second step on, the residual add + LayerNorm
+    before QKV and MLP-in writes the layers' FP8 inputs (counted: 3 per forward of this 2-layer model, 2 more where a
+    checkpointed backward recomputes; none in the first step, none with current scaling, no transpose in
+    inference). In fp32 the LayerNorm's value needs no rounding, so the bits are the step's without it."""
+    from llmgpu.model import fp8_linear
+
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw["transpose"])
+        return fused_ln(*args, **kw)
+
+    fused_ln = fp8_linear.fp8_add_layernorm
+    monkeypatch.setattr(fp8_linear, "fp8_add_layernorm", spy)
+    idx, tgt = _batch(rng)
+    l_ref, g_ref = _step(FastGPT(CFG, dtype="fp32", xp=np, seed=9, options=FastOptions(
+        fp8=recipe, fp8_layernorm_casts=False)), idx, tgt, 3)
+    assert not calls
+    delayed = recipe == "delayed"
+    for k, per_step in ((0, 3), (1, 5)):
+        m = FastGPT(CFG, dtype="fp32", xp=np, seed=9, checkpoint_every=k, options=FastOptions(fp8=recipe))
+        loss, g = _step(m, idx, tgt)
+        assert not calls  # the first step has no delayed scale yet
+        loss, g = _step(m, idx, tgt, 2)
+        assert calls == [True] * (2 * per_step if delayed else 0)
+        calls.clear()
+        assert loss == l_ref and all(np.array_equal(g[n], g_ref[n]) for n in g_ref)
+    m.forward(idx)
+    assert calls == ([False] * 3 if delayed else [])
+
+
 FUSED = FastOptions(fp8="current", fp8_fused_epilogues=("bias", "gelu_bias", "dgelu"), fp8_fused_casts=False)
 UNFUSED = FastOptions(fp8="current", fp8_fused_epilogues=(), fp8_fused_casts=False)
 
@@ -348,6 +381,26 @@ def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, fused_casts
     print("fp8 vs bf16 gradients: worst rel", max(v[0] for v in worst.values()), "worst cos",
           min(v[1] for v in worst.values()), "unfused", m.fp8.unfused)
     assert not m.fp8.unfused, f"cuBLASLt had no FP8 kernel for {m.fp8.unfused}"
+
+
+@pytest.mark.gpu
+def test_gpu_layernorm_casts_close_to_the_step_without(cp, rng):
+    """bf16, delayed scaling: with the LayerNorms writing FP8 (the default) the bytes come from the fp32 LayerNorm
+    value instead of its bf16 rounding, so the step is close to the one without (not bitwise); with checkpointing
+    it is bitwise the step without checkpointing."""
+    cfg = _gpu_cfg()
+    idx = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
+    tgt = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
+    runs = {}
+    for lnc, k in ((False, 0), (True, 0), (True, 1)):
+        m = FastGPT(cfg, dtype="bf16", seed=3, checkpoint_every=k,
+                    options=FastOptions(fp8="delayed", fp8_layernorm_casts=lnc))
+        runs[lnc, k] = _step(m, idx, tgt, steps=3)
+    (l0, g0), (l1, g1), (l2, g2) = runs[False, 0], runs[True, 0], runs[True, 1]
+    assert abs(l1 - l0) < 1e-2 * abs(l0) and l2 == l1
+    worst = {n: (_rel(g1[n], g), _cos(g1[n], g)) for n, g in g0.items()}
+    assert not {n: v for n, v in worst.items() if not (v[0] < 0.1 and v[1] > 0.995)}, worst
+    assert all(np.array_equal(g2[n], g1[n]) for n in g1)
 
 
 @pytest.mark.gpu

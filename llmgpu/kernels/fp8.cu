@@ -32,6 +32,7 @@
 // "FP8 Formats for Deep Learning" (the two formats, per-tensor scales).
 #include "common.cuh"
 #include "gelu.cuh"
+#include "layernorm.cuh"
 #include <cuda_fp8.h>
 
 // llmgpu:kernel fp8_cast_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}>
@@ -40,6 +41,8 @@
 // llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {0,1,2}, 1>
 // llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}, 0>
 // llmgpu:kernel fp8_amax_kernel<{float,__nv_bfloat16}, {1,2}>
+// llmgpu:kernel fp8_transpose_kernel<{1,4}>
+// llmgpu:kernel fp8_add_layernorm_kernel<{float,__nv_bfloat16}, {1,2,3,4,6,8}, __NV_E4M3>
 // llmgpu:kernel fp8_column_sums_kernel
 // llmgpu:kernel fp8_update_scale_kernel
 // llmgpu:kernel fp8_update_scales_kernel
@@ -47,6 +50,7 @@
 #define FP8_NAN_BITS 127         // 0x7f: NaN in E4M3 (S.1111.111) and in E5M2 (S.11111.11)
 #define FP8_SCALE_EXP_LIMIT 126  // scales are clamped to [2^-126, 2^126], so 1/scale is a finite normal float
 #define FP8_TILE 64              // the transposing cast's tile: 64 x 64 elements per block
+#define FP8_TILE_PITCH 65        // its row pitch in shared memory (bytes): a warp's column gathers hit 32 banks
 #define FP8_THREADS 256          // block size of every kernel here (the host reads it)
 #define FP8_ACT_NONE 0           // ACT: the value cast is x
 #define FP8_ACT_GELU 1           //      GELU(x + b)
@@ -167,6 +171,30 @@ fp8_amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __r
     block_amax_to(m, amax);
 }
 
+// The second half of a transposing pass: a 64 x 64 tile of bytes in shared memory (row pitch FP8_TILE_PITCH, rows
+// r0.., columns c0.. of an [R, C] tensor) stored as rows of yt [C, R]. Each thread gathers VEC consecutive *rows*
+// of one column and writes them as one access of yt's row. The caller has put the tile and passed a barrier.
+template <int VEC>
+__device__ __forceinline__ void store_tile_transposed(const unsigned char* tile, unsigned char* __restrict__ yt,
+                                                      long long r0, long long c0, long long R, long long C) {
+    constexpr int GROUPS = FP8_TILE / VEC;
+#pragma unroll 4
+    for (int it = 0; it < FP8_TILE * GROUPS / FP8_THREADS; ++it) {
+        const int g = threadIdx.x + it * FP8_THREADS;
+        const int c = g / GROUPS, r = (g % GROUPS) * VEC;  // yt's row c (x's column), x's rows r .. r+VEC-1
+        const long long col = c0 + c, row = r0 + r;
+        if (row >= R || col >= C) continue;  // VEC = 4: R % 4 == 0
+        if constexpr (VEC == 4) {
+            unsigned w = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w |= (unsigned)tile[(r + k) * FP8_TILE_PITCH + c] << (8 * k);
+            *reinterpret_cast<unsigned*>(yt + col * R + row) = w;
+        } else {
+            yt[col * R + row] = tile[r * FP8_TILE_PITCH + c];
+        }
+    }
+}
+
 // Cast + transpose: x [R, C] row-major -> y [R, C] and yt [C, R] (either may be nullptr), amax, scale_inv, of
 // ACT's value (pre [R, C]: GELU's input for FP8_ACT_DGELU, else unused; bias [C]: optional, with an ACT). One
 // block per 64 x 64 tile (grid.x over row tiles, grid.y over column tiles), 256 threads. Each thread reads VEC
@@ -184,7 +212,7 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
                           unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
                           const float* __restrict__ scale, float* __restrict__ scale_inv, float* __restrict__ amax,
                           float* __restrict__ colsum) {
-    constexpr int PITCH = FP8_TILE + 1;
+    constexpr int PITCH = FP8_TILE_PITCH;
     constexpr int GROUPS = FP8_TILE / VEC;                      // VEC-wide groups per tile row
     constexpr int ITERS = FP8_TILE * GROUPS / FP8_THREADS;      // groups per thread
     constexpr int SHARE = FP8_THREADS / GROUPS;                 // threads whose groups sit in the same columns
@@ -246,24 +274,91 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
             colsum[(long long)blockIdx.x * C + c0 + threadIdx.x] = t;
         }
     }
-    if (yt) {
+    if (yt) store_tile_transposed<VEC>(tile, yt, r0, c0, R, C);
+    if (amax) block_amax_to(m, amax);  // its own shared scratch: no race with the tile
+}
+
+// The transposed bytes of FP8 bytes: x [R, C] -> xt [C, R], the transposing cast's tiles and stores without the
+// cast (fp8_add_layernorm_kernel writes LayerNorm's output as FP8 rows; the weight gradient also needs their
+// transpose). VEC = 4: C % 4 == 0, R % 4 == 0, x and xt aligned to 4 bytes (the host checks).
+template <int VEC>
+__global__ void __launch_bounds__(FP8_THREADS)
+fp8_transpose_kernel(const unsigned char* __restrict__ x, unsigned char* __restrict__ xt, long long R, long long C) {
+    __shared__ unsigned char tile[FP8_TILE * FP8_TILE_PITCH];
+    const long long r0 = (long long)blockIdx.x * FP8_TILE, c0 = (long long)blockIdx.y * FP8_TILE;
 #pragma unroll 4
-        for (int it = 0; it < ITERS; ++it) {
-            const int g = threadIdx.x + it * FP8_THREADS;
-            const int c = g / GROUPS, r = (g % GROUPS) * VEC;  // yt's row c (x's column), x's rows r .. r+VEC-1
-            const long long col = c0 + c, row = r0 + r;
-            if (row >= R || col >= C) continue;  // VEC = 4: R % 4 == 0
-            if constexpr (VEC == 4) {
-                unsigned w = 0;
+    for (int it = 0; it < FP8_TILE * FP8_TILE / VEC / FP8_THREADS; ++it) {
+        const int g = threadIdx.x + it * FP8_THREADS;
+        const int r = g / (FP8_TILE / VEC), c = (g % (FP8_TILE / VEC)) * VEC;
+        const long long row = r0 + r, col = c0 + c;
+        if (row >= R || col >= C) continue;
+        if constexpr (VEC == 4) {
+            const unsigned w = *reinterpret_cast<const unsigned*>(x + row * C + col);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) w |= (unsigned)tile[(r + k) * PITCH + c] << (8 * k);
-                *reinterpret_cast<unsigned*>(yt + col * R + row) = w;
-            } else {
-                yt[col * R + row] = tile[r * PITCH + c];
-            }
+            for (int k = 0; k < 4; ++k) tile[r * FP8_TILE_PITCH + c + k] = (unsigned char)(w >> (8 * k));
+        } else {
+            tile[r * FP8_TILE_PITCH + c] = x[row * C + col];
         }
     }
-    if (amax) block_amax_to(m, amax);  // its own shared scratch: no race with the tile
+    __syncthreads();
+    store_tile_transposed<VEC>(tile, xt, r0, c0, R, C);
+}
+
+// Residual add + LayerNorm writing y as FP8 bytes (delayed scaling: the scale is known before the pass), for the
+// LayerNorms whose output only FP8 GEMMs read: s = a + b (rounded to T, written to s), y = fp8(LN(s) * scale)
+// from the fp32 LayerNorm value (no rounding to T between), amax of those values (optional), mean and rstd. The
+// bf16 output and the cast's read of it are never made. One warp per row, the row in registers (layernorm.cuh;
+// add_layernorm_forward_warp's layout and arithmetic, so mean, rstd and s are its bits); 16-byte packs of T
+// (C % W == 0, the inputs 16-byte aligned, y aligned to W bytes: the host checks), P packs per lane. No early
+// return for rows past N: the whole block reduces amax at the end.
+template <typename T, int P, __nv_fp8_interpretation_t FMT>
+__global__ void __launch_bounds__(256)
+fp8_add_layernorm_kernel(const T* a, const T* b, const T* __restrict__ gamma, const T* __restrict__ beta, T* s,
+                         unsigned char* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int N,
+                         int C, float eps, const float* __restrict__ scale, float* __restrict__ scale_inv,
+                         float* __restrict__ amax) {
+    constexpr int W = 16 / (int)sizeof(T);  // elements per pack: W bytes of y
+    static_assert(W % 4 == 0, "a pack's bytes go out as 4-byte words");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (blockDim.x >> 5) + warp;
+    const float sc = *scale;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv) *scale_inv = 1.0f / sc;
+    unsigned mx = 0;
+    if (row < N) {
+        const int nvec = C / W;
+        const long long off = (long long)row * C;
+        float v[P][W], m, r;
+        add_layernorm_row<T, P>(a, b, s, off, lane, nvec, C, eps, v, m, r);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = lane + 32 * p;
+            if (j < nvec) {
+                float g[W], bb[W];
+                load_pack<T, W>(gamma + j * W, g);
+                load_pack<T, W>(beta + j * W, bb);
+                unsigned words[W / 4];
+#pragma unroll
+                for (int q = 0; q < W / 4; ++q) {
+                    float o[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int e = 4 * q + k;
+                        o[k] = (v[p][e] - m) * r * g[e] + bb[e];
+                        mx = max(mx, abs_bits(o[k]));
+                    }
+                    words[q] = to_fp8x4<FMT>(o, sc);
+                }
+                unsigned char* yp = y + off + j * W;
+                if constexpr (W == 8) *reinterpret_cast<uint2*>(yp) = make_uint2(words[0], words[1]);
+                else *reinterpret_cast<unsigned*>(yp) = words[0];
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+    }
+    if (amax) block_amax_to(mx, amax);
 }
 
 // out[c] (+)= sum over the row tiles t of colsum[t * C + c], in the order t = 0, 1, ...: the column sums of a

@@ -48,6 +48,7 @@
 //                                into fp32 gradient buffers);
 //   add_layernorm_forward_warp   residual add + LayerNorm in one pass (s = a + b, y = LN(s)).
 #include "common.cuh"
+#include "layernorm.cuh"
 
 // llmgpu:kernel layernorm_forward_naive<{float,__half,__nv_bfloat16}>
 // llmgpu:kernel layernorm_forward_warp<{float,__half,__nv_bfloat16}, 1, {-1,0,1,2,3,4,6,8}>
@@ -761,65 +762,24 @@ __global__ void __launch_bounds__(1024) layernorm_param_grad_finish(const float*
 //   s = a + b rounded to T (the residual stream, written to s),  y = LayerNorm(s),
 // statistics from the ROUNDED s, so y equals layernorm_forward(s) up to the order of the sums. One
 // pass over memory: read a, b; write s, y, mean, rstd (the unfused pair reads s back once more).
-// s may alias a or b (in place, residual_out=a): each lane loads all its packs of a and b before it
-// stores any of s, only that lane touches those addresses, and a, b, s are not __restrict__. Loading
-// everything first is also what keeps the loads in flight together (the compiler may not move a
-// load of a past a store to s that might alias it). 16-byte packs only (W = 16 / sizeof(T)), the row
-// in registers, P packs per lane; the host falls back to an add + layernorm_forward otherwise.
+// s may alias a or b (in place, residual_out=a): add_layernorm_row (layernorm.cuh) loads all of a
+// lane's packs of a and b before it stores any of s. Loading everything first is also what keeps the
+// loads in flight together (the compiler may not move a load of a past a store to s that might alias
+// it). 16-byte packs only (W = 16 / sizeof(T)), the row in registers, P packs per lane; the host falls
+// back to an add + layernorm_forward otherwise.
 template <typename T, int P>
 __global__ void __launch_bounds__(256) add_layernorm_forward_warp(const T* a, const T* b, const T* __restrict__ gamma,
                                                                   const T* __restrict__ beta, T* s, T* y,
                                                                   float* __restrict__ mean,
                                                                   float* __restrict__ rstd, int N, int C, float eps) {
     constexpr int W = 16 / (int)sizeof(T);
-    using Pack = Packed<T, W>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * (blockDim.x >> 5) + warp;
     if (row >= N) return;
     const int nvec = C / W;  // the host guarantees C % W == 0 and nvec <= 32 * P
     const long long off = (long long)row * C;
-
-    Pack ra[P], rb[P];
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const int j = lane + 32 * p;
-        if (j < nvec) {
-            ra[p] = *reinterpret_cast<const Pack*>(a + off + j * W);
-            rb[p] = *reinterpret_cast<const Pack*>(b + off + j * W);
-        }
-    }
-    float v[P][W];
-    float sum = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const int j = lane + 32 * p;
-        if (j < nvec) {
-            Pack st;
-#pragma unroll
-            for (int k = 0; k < W; ++k) {
-                st.v[k] = from_float<T>(to_float(ra[p].v[k]) + to_float(rb[p].v[k]));
-                v[p][k] = to_float(st.v[k]);  // the rounded sum: what the next layer will read
-                sum += v[p][k];
-            }
-            *reinterpret_cast<Pack*>(s + off + j * W) = st;
-        } else {
-#pragma unroll
-            for (int k = 0; k < W; ++k) v[p][k] = 0.0f;
-        }
-    }
-    const float m = warp_sum(sum) / (float)C;
-    float ss = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        if (lane + 32 * p < nvec) {
-#pragma unroll
-            for (int k = 0; k < W; ++k) {
-                const float d = v[p][k] - m;
-                ss += d * d;
-            }
-        }
-    }
-    const float r = rsqrtf(warp_sum(ss) / (float)C + eps);
+    float v[P][W], m, r;
+    add_layernorm_row<T, P>(a, b, s, off, lane, nvec, C, eps, v, m, r);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         const int j = lane + 32 * p;

@@ -52,7 +52,9 @@ checkpointing, and the step still captures as one CUDA graph.
 their three GEMMs in FP8 through ``model/fp8_linear.py`` (``_layer_forward`` / ``_layer_backward``); their
 caches then hold the inputs' one-byte transposed casts instead of the inputs. With ``fp8_fused_casts`` the MLP's
 GELU and its derivative run inside the FP8 casts around them instead of cuBLASLt's epilogues, and the casts of
-the layers' output gradients also sum their bias gradients.
+the layers' output gradients also sum their bias gradients. With ``fp8_layernorm_casts`` and delayed scaling the
+residual add + LayerNorm before QKV and MLP-in writes its output as the layer's FP8 bytes
+(``Fp8Linears.add_layernorm``): the state and caches then hold those bytes (a span input's ``ln_1(x)`` too).
 
 Every op sits in an ``instrument.region`` (a no-op unless a timer is active), so ``OpTimer`` can produce
 the per-op table of chapter 8 and ``nsys`` timelines read like the model.
@@ -212,8 +214,15 @@ class FastGPT(GPTBase):
     def _fc_bias(self, i: int):
         return self.weight(f"transformer.h.{i}.mlp.c_fc.bias")
 
-    def _add_ln(self, x, a, ln, *, name):
-        """(x + a written over a, LN(x + a), mean, rstd)."""
+    def _add_ln(self, x, a, ln, *, name, fp8_layer=None, train: bool = True):
+        """(x + a written over a, LN(x + a), mean, rstd). ``fp8_layer``: the FP8 layer that reads LN's output, which
+        ``FastOptions.fp8_layernorm_casts`` then writes as that layer's FP8 input where the scale allows
+        (``Fp8Linears.add_layernorm``; ``train``: with the transposed bytes and the amax)."""
+        if fp8_layer is not None and self.options.fp8_layernorm_casts and self.fp8 is not None:
+            fused = self.fp8.add_layernorm(x, a, self.weight(ln + ".weight"), self.weight(ln + ".bias"), fp8_layer,
+                                           name=name, train=train)
+            if fused is not None:
+                return fused
         it = x.dtype.itemsize
         with region(name, bytes=4 * x.nbytes + 8 * x.shape[0] + 2 * it * x.shape[1], flops=10.0 * x.size):
             return add_layernorm_forward(x, a, self.weight(ln + ".weight"), self.weight(ln + ".bias"), residual_out=a)
@@ -303,9 +312,10 @@ class FastGPT(GPTBase):
         qkv, h1 = self._layer_forward(h, i, "attn.c_attn", name="attn.qkv fwd", train=keep_pre)
         y, att = self._attention_forward(qkv, B, T)
         a = self._linear(y, n["attn.c_proj.weight"], n["attn.c_proj.bias"], name="attn.proj fwd")
-        x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd")
+        x2, h2, mean2, rstd2 = self._add_ln(x, a, f"transformer.h.{i}.ln_2", name="residual+ln_2 fwd",
+                                            fp8_layer=f"h.{i}.mlp.c_fc", train=keep_pre)
         act = "gelu" if self.fused_casts else None  # then g = f = h2 W₁ᵀ, GELU(f + b₁) by mlp.c_proj's FP8 cast
-        f = self.xp.empty((N, 4 * C), dtype=h2.dtype) if keep_pre and not act else None  # the pre-activation
+        f = self.xp.empty((N, 4 * C), dtype=x2.dtype) if keep_pre and not act else None  # the pre-activation
         g, h2 = self._layer_forward(h2, i, "mlp.c_fc", name="mlp.fc fwd" if act else "mlp.fc+gelu fwd",
                                     epilogue="none" if act else "gelu_bias", aux=f, train=keep_pre)
         f = g if act and keep_pre else f
@@ -317,8 +327,10 @@ class FastGPT(GPTBase):
                                            act_bias=self._fc_bias(i) if act else None)
             return cache, None
         m, cache["g"] = self._layer_forward(g, i, "mlp.c_proj", name="mlp.proj fwd", train=keep_pre, act=act)
-        nxt = f"transformer.h.{i + 1}.ln_1" if i + 1 < L else "transformer.ln_f"
-        return cache, self._add_ln(x2, m, nxt, name="residual+ln_1 fwd" if i + 1 < L else "residual+ln_f fwd")
+        if i + 1 < L:
+            return cache, self._add_ln(x2, m, f"transformer.h.{i + 1}.ln_1", name="residual+ln_1 fwd",
+                                       fp8_layer=f"h.{i + 1}.attn.c_attn", train=keep_pre)
+        return cache, self._add_ln(x2, m, "transformer.ln_f", name="residual+ln_f fwd")
 
     def _forward_trunk(self, idx, store: bool, keep_pre: bool | None = None):
         """Embeddings, the blocks and ln_f: ``(state, caches, inputs)``, the final state ``(x_L, ln_f(x_L),

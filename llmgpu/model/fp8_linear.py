@@ -63,7 +63,8 @@ import numpy as np
 from .. import backend
 from ..gemm.fp8 import fp8_gemm
 from ..instrument import region
-from ..ops.fp8 import AmaxHistories, AmaxHistory, fp8_cast, quantize
+from ..ops.fp8 import AmaxHistories, AmaxHistory, Fp8Tensor, fp8_cast, quantize
+from ..ops.fp8_layernorm import fp8_add_layernorm
 from ..ops.gelu import gelu_backward, gelu_forward
 from ..ops.linear import add_bias, bias_grad
 from .options import FP8_LINEARS as FP8_LAYERS  # per block, the linear layers that run in FP8
@@ -179,26 +180,47 @@ class Fp8Linears:
 
     # ------------------------------------------------------------------ the three GEMMs
 
+    def add_layernorm(self, x, a, gamma, beta, layer: str, *, name: str, train: bool = True):
+        """The residual add + LayerNorm whose output is FP8 layer ``layer``'s input, written as that input's bytes
+        (``ops.fp8_layernorm``; with ``train`` also the transposed bytes and the recorded amax): ``(x + a written
+        over a, Fp8Tensor, mean, rstd)``, which ``forward`` and ``keep`` take in place of x. None where the scale is
+        not known before the LayerNorm runs (current scaling, or the first step of a delayed run): the caller runs
+        the bf16 LayerNorm and ``forward`` casts its output."""
+        if not self._delayed("x"):
+            return None
+        st = self.state(layer, "x")
+        with region(name + " (fp8)", bytes=3 * x.nbytes + x.size * (3 if train else 1) + 8 * x.shape[0],
+                    flops=10.0 * x.size):
+            return fp8_add_layernorm(x, a, gamma, beta, st.scale, residual_out=a, transpose=train,
+                                     amax=st.amax if train else None, accumulate_amax=train, scale_inv=st.scale_inv)
+
+    def _input(self, x, layer: str, *, rowwise: bool = True, transpose: bool = True, record: bool = True, act=None,
+               act_bias=None) -> Fp8Tensor:
+        """A layer's input as FP8: x cast, or x itself when ``add_layernorm`` already wrote it as FP8."""
+        if isinstance(x, Fp8Tensor):
+            return x
+        return self.cast(x, layer, "x", rowwise=rowwise, transpose=transpose, record=record, act=act, bias=act_bias)
+
     def forward(self, x, w, bias, layer: str, *, name: str, epilogue: str = "none", aux=None, train: bool = True,
                 act=None, act_bias=None):
         """``y = x Wᵀ`` (+ bias; ``epilogue`` "bias" or "gelu_bias", the latter writing the pre-activation into
-        ``aux``, a temporary when None) in x's dtype: ``(y, Fp8Saved or None)`` (None with ``train=False``).
-        ``act="gelu"``: the layer's input is GELU(x + act_bias), applied by its cast. ``name``: the profiler
-        region's, as the bf16 step's."""
-        x8 = self.cast(x, layer, "x", transpose=train, record=train, act=act, bias=act_bias)
+        ``aux``, a temporary when None) in W's dtype: ``(y, Fp8Saved or None)`` (None with ``train=False``). x: the
+        input, or its ``Fp8Tensor`` from ``add_layernorm``. ``act="gelu"``: the layer's input is GELU(x +
+        act_bias), applied by its cast. ``name``: the profiler region's, as the bf16 step's."""
+        x8 = self._input(x, layer, transpose=train, record=train, act=act, act_bias=act_bias)
         w8 = self.cast(w, layer, "w", transpose=train)
-        (n, k), m = x.shape, w.shape[0]
-        y = self.xp.empty((n, m), dtype=x.dtype)
+        (n, k), m = x8.data.shape, w.shape[0]
+        y = self.xp.empty((n, m), dtype=w.dtype)
         if epilogue == "gelu_bias" and aux is None:  # inference: the pre-activation is written, then dropped
-            aux = self.xp.empty((n, m), dtype=x.dtype)
-        with region(name, flops=2.0 * n * k * m, bytes=n * k + k * m + n * m * x.dtype.itemsize):
+            aux = self.xp.empty((n, m), dtype=w.dtype)
+        with region(name, flops=2.0 * n * k * m, bytes=n * k + k * m + n * m * w.dtype.itemsize):
             self._gemm(x8.data, w8.data, x8.scale_inv, w8.scale_inv, "e4m3", y, epilogue, bias, aux)
         return y, (Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv) if train else None)
 
     def keep(self, x, w, layer: str, *, act=None, act_bias=None) -> Fp8Saved:
         """The casts ``forward`` would keep, without its GEMM (a recomputed span's last layer: its output is not
         needed, its backward is)."""
-        x8 = self.cast(x, layer, "x", rowwise=False, act=act, bias=act_bias)
+        x8 = self._input(x, layer, rowwise=False, act=act, act_bias=act_bias)
         w8 = self.cast(w, layer, "w", rowwise=False)
         return Fp8Saved(x8.data_t, x8.scale_inv, w8.data_t, w8.scale_inv)
 

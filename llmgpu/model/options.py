@@ -86,6 +86,9 @@ class FastOptions:
     # H200 (d48, B=8) the step was 4 % faster with delayed scaling, 1 % with current (d36: the same within noise).
     # Like the other fp8_* fields, it means nothing with fp8="off"
     fp8_fused_casts: bool = True
+    # under delayed scaling, the residual add + LayerNorm before QKV and MLP-in writes its output as the layer's FP8
+    # bytes and amax (ops/fp8_layernorm.py), never in bf16; False: a bf16 output, then the layer's cast
+    fp8_layernorm_casts: bool = True
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,

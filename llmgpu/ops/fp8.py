@@ -199,13 +199,13 @@ def scale_reference(amax_max, prev_scale, fmt="e4m3", margin=0, pow2=False) -> n
 # --------------------------------------------------------------------------- checks shared by the calls
 
 
-def _check_scalar(name, a, xp, dtype=np.float32):
+def check_scalar(name, a, xp, dtype=np.float32):
     if backend.get_array_module(a) is not xp:
         raise TypeError(f"{name} must live on the same device as x")
     check_array(name, a, shape=(1,), dtype=dtype, dtypes=None)
 
 
-def _bytes_out(name, out, shape, xp):
+def bytes_out(name, out, shape, xp):
     """A caller's uint8 output checked (device, shape, contiguity), or a new one."""
     if out is None:
         return xp.empty(shape, dtype=BYTES)
@@ -214,12 +214,12 @@ def _bytes_out(name, out, shape, xp):
     return check_array(name, out, shape=tuple(shape), dtype=BYTES, dtypes=None)
 
 
-def _null():
+def null_pointer():
     return np.uint64(0)  # a null pointer for the kernels' optional outputs
 
 
 def _opt(a):
-    return a if a is not None else _null()  # an optional array argument of a kernel
+    return a if a is not None else null_pointer()  # an optional array argument of a kernel
 
 
 def _check_act(act, pre, bias, x):
@@ -262,7 +262,7 @@ def fp8_amax(x, out=None, *, accumulate=False, act=None, pre=None, bias=None):
         if accumulate:
             raise ValueError("accumulate=True takes the max with out's value, so out must be given")
         out = xp.zeros(1, dtype=np.float32)
-    _check_scalar("out", out, xp)
+    check_scalar("out", out, xp)
     if xp is np:
         new = amax_bits(act_reference(x, act, pre, bias)).max()
         out[0] = _bits_to_float(max(int(new), int(amax_bits(out)[0])) if accumulate else new)
@@ -299,7 +299,7 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
                       column_sums=column_sums)
     check_array("x", x, dtypes=GPU_DTYPES)
     _check_act(act, pre, bias, x)
-    _check_scalar("scale", scale, xp)
+    check_scalar("scale", scale, xp)
     if not (rowwise or transpose):
         raise ValueError("fp8_cast writes nothing with rowwise=False and transpose=False")
     for name, given, wanted in (("out", out, rowwise), ("out_t", out_t, transpose)):
@@ -311,14 +311,14 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         if np.dtype(x.dtype) not in ACT_DTYPES:
             raise TypeError(f"column_sums= takes x as float32 or bfloat16, got {np.dtype(x.dtype).name}")
         check_array("column_sums", column_sums, shape=(C,), dtype=np.float32, dtypes=None)
-    y = _bytes_out("out", out, x.shape, xp) if rowwise else None
-    yt = _bytes_out("out_t", out_t, (C, R), xp) if transpose else None
+    y = bytes_out("out", out, x.shape, xp) if rowwise else None
+    yt = bytes_out("out_t", out_t, (C, R), xp) if transpose else None
     if amax is not None:
-        _check_scalar("amax", amax, xp)
+        check_scalar("amax", amax, xp)
     elif accumulate_amax:
         raise ValueError("accumulate_amax=True needs amax=")
     scale_inv = xp.empty(1, dtype=np.float32) if scale_inv is None else scale_inv
-    _check_scalar("scale_inv", scale_inv, xp)
+    check_scalar("scale_inv", scale_inv, xp)
     outs = {"out": y, "out_t": yt, "amax": amax, "scale_inv": scale_inv, "column_sums": column_sums}
     for name, arr in outs.items():
         if any(overlaps(arr, a) for a in (scale, x, pre, bias)):
@@ -342,7 +342,7 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
 
     if amax is not None and not accumulate_amax:
         amax.fill(0)
-    amax_ptr = amax if amax is not None else _null()
+    amax_ptr = amax if amax is not None else null_pointer()
     if yt is None and act is None and column_sums is None:
         n = x.size
         kern = get_kernel("fp8", "fp8_cast_kernel", x.dtype, fmt.c_name)

@@ -96,19 +96,19 @@ _FAST_WARPS = 8
 _FAST_SACC_WARPS = 4
 _FAST_REGISTER_PACKS = 4
 _PLANS = {}  # (kernel expression, device, n_rows, C) -> (blocks, threads, smem): no driver queries per call
-_ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
+ADD_WARPS = 4  # rows (warps) per block in add_layernorm_forward
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _rows(x, name="x"):
+def rows_of(x, name="x"):
     if x.ndim < 2:
         raise ValueError(f"{name} must be at least 2-D ([N, C] or [..., C]), got shape {tuple(x.shape)}")
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
-def _check_gpu(x, n_rows, c, name="x"):
+def check_gpu_rows(x, n_rows, c, name="x"):
     check_gpu_dtype(name, x)
     if n_rows >= 2**31 or c >= 2**31:
         raise ValueError(f"N and C must be below 2**31, got N={n_rows}, C={c}")
@@ -140,8 +140,9 @@ def _param_grad_dtype(gamma, dgamma_out, dbeta_out):
 _compute_dtype = reference_dtype
 
 
-def layernorm_forward_reference(x2, gamma, beta, eps):
-    """The math of the forward on NumPy arrays, rows ``x2 [N, C]``: returns (y, mean, rstd)."""
+def layernorm_forward_reference(x2, gamma, beta, eps, *, rounded=True):
+    """The math of the forward on NumPy arrays, rows ``x2 [N, C]``: returns (y, mean, rstd); ``rounded=False``
+    leaves y in the compute dtype (what ``ops.fp8_layernorm`` casts to FP8)."""
     ct = _compute_dtype(x2.dtype)
     xf = x2.astype(ct)
     mean = xf.mean(axis=1)
@@ -149,7 +150,7 @@ def layernorm_forward_reference(x2, gamma, beta, eps):
     var = (xc * xc).mean(axis=1)
     rstd = 1.0 / np.sqrt(var + ct(eps))
     y = xc * rstd[:, None] * gamma.astype(ct) + beta.astype(ct)
-    return y.astype(x2.dtype), mean.astype(ct), rstd.astype(ct)
+    return (y.astype(x2.dtype) if rounded else y), mean.astype(ct), rstd.astype(ct)
 
 
 def _backward_math(dy2, x2, gamma, mean, rstd, dresidual=None):
@@ -176,7 +177,7 @@ def layernorm_backward_reference(dy2, x2, gamma, mean, rstd, dresidual=None):
     return dx.astype(x2.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
 
 
-def add_layernorm_forward_reference(a2, b2, gamma, beta, eps):
+def add_layernorm_forward_reference(a2, b2, gamma, beta, eps, *, rounded=True):
     """The math of the fused residual add + forward on NumPy arrays ``[N, C]``: returns (s, y, mean, rstd).
 
     ``s = a + b`` rounded to the storage dtype first; the LayerNorm reads that rounded ``s`` (what the
@@ -184,7 +185,7 @@ def add_layernorm_forward_reference(a2, b2, gamma, beta, eps):
     """
     ct = _compute_dtype(a2.dtype)
     s = (a2.astype(ct) + b2.astype(ct)).astype(a2.dtype)
-    return (s, *layernorm_forward_reference(s, gamma, beta, eps))
+    return (s, *layernorm_forward_reference(s, gamma, beta, eps, rounded=rounded))
 
 
 # --------------------------------------------------------------------------- public API
@@ -201,7 +202,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
     check_method("layernorm_forward", method, METHODS)
     xp = array_module(x=x, gamma=gamma, beta=beta, out=out)
     check_array("x", x)
-    n_rows, c = _rows(x)
+    n_rows, c = rows_of(x)
     check_array("gamma", gamma, shape=(c,))
     check_array("beta", beta, shape=(c,))
     check_same_dtype(x=x, gamma=gamma, beta=beta)
@@ -218,7 +219,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
             y = out
         return y, mean.reshape(lead), rstd.reshape(lead)
 
-    _check_gpu(x, n_rows, c)
+    check_gpu_rows(x, n_rows, c)
     out = check_out(out, x.shape, x.dtype, xp)
     mean = xp.empty(lead, dtype=np.float32)
     rstd = xp.empty(lead, dtype=np.float32)
@@ -228,7 +229,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
         get_kernel("layernorm", "layernorm_forward_naive", x.dtype)((-(-n_rows // threads),), (threads,), args)
         return out, mean, rstd
 
-    vec, packs = _vector_plan(c, x.dtype, (x, gamma, beta, out))
+    vec, packs = vector_plan(c, x.dtype, (x, gamma, beta, out))
     wpb = _FWD_WARPS
     smem = 0
     if packs == 0:  # the row cached in shared memory: wpb * C floats
@@ -267,7 +268,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     xp = array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, dx_out=dx_out, dgamma_out=dgamma_out,
                       dbeta_out=dbeta_out, dresidual=dresidual)
     check_array("x", x)
-    n_rows, c = _rows(x)
+    n_rows, c = rows_of(x)
     check_array("dy", dy, shape=tuple(x.shape))
     check_array("gamma", gamma, shape=(c,))
     if dresidual is not None:
@@ -309,7 +310,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
             grads.append(o)
         return dx, grads[0], grads[1]
 
-    _check_gpu(x, n_rows, c)
+    check_gpu_rows(x, n_rows, c)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.dtype != np.float32:
             raise TypeError(f"{name} must be fp32 on the GPU path, got {a.dtype}")
@@ -339,7 +340,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
 def _backward_kernels(method, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, n_rows, c, xp, accumulators=None):
     """The "naive" or "optimized" kernels: dx into ``dx``; dgamma/dbeta (gamma's dtype or fp32) overwritten."""
     if method == "optimized":
-        vec, packs = _vector_plan(c, x.dtype, (dy, x, gamma, dx))
+        vec, packs = vector_plan(c, x.dtype, (dy, x, gamma, dx))
         if accumulators == "shared":  # the shared-memory variant even where the row fits in registers
             packs = 0
         wpb = _BWD_WARPS
@@ -458,7 +459,7 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
     """
     xp = array_module(a=a, b=b, gamma=gamma, beta=beta, residual_out=residual_out, out=out)
     check_array("a", a)
-    n_rows, c = _rows(a, "a")
+    n_rows, c = rows_of(a, "a")
     check_array("b", b, shape=tuple(a.shape))
     check_array("gamma", gamma, shape=(c,))
     check_array("beta", beta, shape=(c,))
@@ -489,15 +490,15 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
             y = out
         return s, y, mean.reshape(lead), rstd.reshape(lead)
 
-    _check_gpu(a, n_rows, c, name="a")
+    check_gpu_rows(a, n_rows, c, name="a")
     s = xp.empty(a.shape, dtype=a.dtype) if residual_out is None else residual_out
     y = xp.empty(a.shape, dtype=a.dtype) if out is None else out
-    vec, packs = _vector_plan(c, a.dtype, (a, b, s, y, gamma, beta))
+    vec, packs = vector_plan(c, a.dtype, (a, b, s, y, gamma, beta))
     if vec and packs > 0:
         mean = xp.empty(lead, dtype=np.float32)
         rstd = xp.empty(lead, dtype=np.float32)
         kern = get_kernel("layernorm", "add_layernorm_forward_warp", a.dtype, packs)
-        kern((-(-n_rows // _ADD_WARPS),), (32 * _ADD_WARPS,),
+        kern((-(-n_rows // ADD_WARPS),), (32 * ADD_WARPS,),
              (a, b, gamma, beta, s, y, mean, rstd, np.int32(n_rows), np.int32(c), np.float32(eps)))
         return s, y, mean, rstd
     # unaligned, C not a multiple of the pack width, or rows too long to hold: add (fp32, one rounding),
@@ -510,7 +511,7 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
 # --------------------------------------------------------------------------- launch planning
 
 
-def _vector_plan(c, dtype, arrays):
+def vector_plan(c, dtype, arrays):
     """(vec, packs): 16-byte packs when C is a multiple of the pack width and every pointer is
     16-byte aligned; packs = registers per lane (1..8), 0 for the shared-memory variant."""
     width = vector_width(dtype, c, *arrays)
