@@ -10,9 +10,9 @@ alone at the step's shape (fused against add_layernorm_forward + fp8_cast with t
 copy ceiling; and the whole FP8 step with the option on and off, each with its own model and CUDA graph, timed in
 alternating rounds (``_common.alternating_step_times``).
 
-Prediction written before the first run (H100, from the traffic model): the op ~45 % faster alone (6 → 3 bytes per
-element beyond the add's 6); at d36 B = 16 (72 such LayerNorms of 16384 × 1280) ~4.5 GB less per step, ~1.5 ms of
-the ~145 ms FP8 step on an H100 (~1.0 %), ~1.2 ms on an H200.
+Prediction written before the first run (from the traffic model): the op alone ~25 % less time (9 bytes per element
+instead of 12: the add's 6, then 3 instead of 6); at d36 B = 16 (72 such LayerNorms of 16384 × 1280) ~4.5 GB less per
+step, ~1.5 ms of the ~145 ms FP8 step on an H100 (~1.0 %), ~1.2 ms of ~137 ms on an H200.
 """
 
 from __future__ import annotations

@@ -52,6 +52,13 @@ instead of 20 under delayed scaling::
                g8, g8ᵀ = cast(GELU(f + b))          (MLP-out's input cast)
     backward   dg = dy8 · (W8ᵀ)ᵀ                    (MLP-out's dgrad, no epilogue)
                d8, d8ᵀ = cast(dg · GELU'(f + b)),  db += Σ dg · GELU'(f + b)     (MLP-in's output gradient)
+
+**LayerNorm casts** (``FastOptions.fp8_layernorm_casts``, delayed scaling only). The QKV and MLP-in inputs are
+LayerNorm outputs that nothing but those layers reads, and under delayed scaling their scale is known before the
+LayerNorm runs. So ``add_layernorm`` runs the block's residual add + LayerNorm writing the layer's E4M3 bytes and
+amax, then a byte transpose (``ops/fp8_layernorm.py``), and ``forward`` / ``keep`` take that ``Fp8Tensor`` instead of
+casting: per element 3 bytes moved instead of 6, and no bf16 LayerNorm output at all. Current scaling, and the first
+step of a delayed run, keep the bf16 LayerNorm and the cast (the scale needs this tensor's amax first).
 """
 
 from __future__ import annotations
