@@ -84,7 +84,9 @@ def test_delayed_scaling_first_step_is_current_then_uses_the_history(rng):
     assert l_c == l_d and all(np.array_equal(g_c[n], g_d[n]) for n in g_c)  # no history yet: current scaling
     assert dl.fp8.primed and not cur.fp8.primed
     x_state = dl.fp8.state("h.0.mlp.c_fc", "x")
-    assert x_state.length == 4 and dl.fp8.state("h.0.mlp.c_fc", "w").length == 1
+    assert x_state.length == 4 and dl.fp8.state("h.0.mlp.c_fc", "w").length == 4  # fp8_delayed_weights
+    no_w = FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8="delayed", fp8_delayed_weights=False)).fp8
+    assert no_w.state("h.0.mlp.c_fc", "w").length == 1 and no_w.delayed_roles == ("x", "dy")
     first = x_state.history.copy()
     assert first.max() > 0 and x_state.amax[0] == 0  # recorded, and cleared for the next step's casts
     idx2, tgt2 = _batch(rng)
@@ -176,7 +178,7 @@ def test_delayed_scaling_state_round_trips_through_json_bit_for_bit(rng):
     for idx, tgt in batches[:2]:
         _step(whole, idx, tgt)
     state = json.loads(json.dumps(whole.fp8.state_dict()))
-    assert state["primed"] and state["history"] == 4 and len(state["states"]) == 2 * len(FP8_LAYERS) * CFG.n_layer
+    assert state["primed"] and state["history"] == 4 and len(state["states"]) == 3 * len(FP8_LAYERS) * CFG.n_layer
     assert all(s["pos"] == 2 and s["history"][1] > 0 for s in state["states"].values())
     want = _step(whole, *batches[2])
     resumed, fresh = (FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts) for _ in range(2))
@@ -188,12 +190,37 @@ def test_delayed_scaling_state_round_trips_through_json_bit_for_bit(rng):
     assert FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="current")).fp8.state_dict() == {}
     resumed.fp8.load_state_dict({})  # a checkpoint made before the state was kept: nothing changes
     for bad, needle in (({**state, "history": 8}, "history 8, but this model runs 'delayed' with history 4"),
-                        ({**state, "states": {"h.0.attn.c_attn|w": next(iter(state["states"].values()))}},
+                        ({**state, "states": {"h.0.attn.c_attn|b": next(iter(state["states"].values()))}},
                          "does not fit a history of 4 steps")):
         with pytest.raises(ValueError, match=needle):
             FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts).fp8.load_state_dict(bad)
     with pytest.raises(ValueError, match="but this model runs 'current'"):
         FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8="current")).fp8.load_state_dict(state)
+
+
+def test_a_checkpoint_without_the_weights_states_scales_them_like_a_first_step(rng):
+    """fp8_delayed_weights: the weights' states are delayed too and the checkpoint keeps them. One made before
+    (x and dy states only) leaves them fresh (scale 1, an empty ring), so in the first resumed step they scale like
+    current scaling, as in a run's first step: that step is bit for bit the step of a model whose weights are
+    always current-scaled, and the step after it casts the weights with their new history."""
+    batches = [_batch(rng) for _ in range(3)]
+    whole = FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="delayed", fp8_history=4))
+    for idx, tgt in batches[:2]:
+        _step(whole, idx, tgt)
+    state = whole.fp8.state_dict()
+    old = {**state, "states": {k: v for k, v in state["states"].items() if not k.endswith("|w")}}
+    assert len(old["states"]) == 2 * len(FP8_LAYERS) * CFG.n_layer
+    resumed = FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="delayed", fp8_history=4))
+    current_w = FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="delayed", fp8_history=4,
+                                                                              fp8_delayed_weights=False))
+    for m in (resumed, current_w):
+        m.fp8.load_state_dict(old)
+    w = ("h.0.attn.c_attn", "w")
+    assert resumed.fp8.state(*w).scale[0] == 1 and not resumed.fp8._delayed(*w)  # fresh: scale 1 would be wrong
+    assert resumed.fp8._delayed("h.0.attn.c_attn", "x")
+    got, want = _step(resumed, *batches[2]), _step(current_w, *batches[2])
+    assert got[0] == want[0] and all(np.array_equal(got[1][n], want[1][n]) for n in want[1])
+    assert resumed.fp8._delayed(*w) and resumed.fp8.state(*w).history.max() > 0
 
 
 def test_checkpoint_keeps_and_restores_the_fp8_scaling_state(rng):
@@ -217,7 +244,7 @@ def test_fp8_inference_forward_leaves_the_delayed_state_alone(rng):
     ref = FastGPT(CFG, dtype="fp32", xp=np, seed=5)
     m = FastGPT(CFG, dtype="fp32", xp=np, seed=5, options=FastOptions(fp8="delayed"))
     _step(m, idx, tgt)
-    before = {k: (s.history.copy(), s.amax.copy(), s.scale.copy()) for k, s in m.fp8.states.items() if k[1] != "w"}
+    before = {k: (s.history.copy(), s.amax.copy(), s.scale.copy()) for k, s in m.fp8.states.items()}
     logits, loss = m.forward(idx, tgt)
     ref_logits, ref_loss = ref.forward(idx, tgt)
     assert _rel(np.asarray(logits, np.float64), np.asarray(ref_logits, np.float64)) < 0.05
@@ -420,5 +447,5 @@ def test_gpu_fp8_graph_step_replays_the_eager_step(cp, rng, fused_casts):
         if graph:
             assert step.graph is not None
         # every delayed state in the one group the first step made: one update launch per step
-        assert len(m.fp8.groups) == 1 and len(m.fp8.groups[0].states) == 2 * len(FP8_LAYERS) * cfg.n_layer
+        assert len(m.fp8.groups) == 1 and len(m.fp8.groups[0].states) == 3 * len(FP8_LAYERS) * cfg.n_layer
     assert losses[0] == losses[1] and all(np.isfinite(losses[0]))

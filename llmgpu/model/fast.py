@@ -125,7 +125,8 @@ class FastGPT(GPTBase):
             raise ValueError(f"FastOptions.fp8={opts.fp8!r}: {FP8_ONLY_GPT2}, not {type(self).__name__}")
         # the QKV and MLP linear layers in FP8 (model/fp8_linear.py), or None: every GEMM in the model's dtype
         self.fp8 = (Fp8Linears(opts.fp8, opts.fp8_history, self.xp, fused_epilogues=opts.fp8_fused_epilogues,
-                               fused_casts=opts.fp8_fused_casts) if opts.fp8 != "off" else None)
+                               fused_casts=opts.fp8_fused_casts, delayed_weights=opts.fp8_delayed_weights)
+                    if opts.fp8 != "off" else None)
         self.fused_casts = self.fp8 is not None and opts.fp8_fused_casts  # GELU and bias gradients in the FP8 casts
 
     def capture_blocker(self) -> str | None:

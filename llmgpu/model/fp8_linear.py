@@ -16,14 +16,17 @@ Micikevicius et al. 2022). cuBLASLt's FP8 GEMMs take only operands contiguous al
 The forward keeps x8ᵀ (one byte per element) for the weight gradient instead of the bf16 input: the FP8 step
 stores less than the bf16 one.
 
-**Scaling** (``llmgpu.ops.fp8``). Weights always use current scaling (their amax taken just before the cast;
-small tensors). Activations and gradients follow the recipe: ``"current"`` measures each tensor before casting it
-(the scale always fits; a second read of the tensor), ``"delayed"`` casts with the scale from the last
-``fp8_history`` steps' amaxes and records this step's amax in the same pass; ``end_step()`` (called at the end of
-``forward_backward``) turns the recorded amaxes into the next scales. The first step of a delayed run has no
-history yet, so it scales like ``"current"``. Within one ``forward_backward`` no scale changes between a
-tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same
-bits as one without.
+**Scaling** (``llmgpu.ops.fp8``). Every tensor follows the recipe: ``"current"`` measures each tensor before casting
+it (the scale always fits; a second read of the tensor, and for each a scale update), ``"delayed"`` casts with the
+scale from the last ``fp8_history`` steps' amaxes and records this step's amax in the same pass; ``end_step()``
+(called at the end of ``forward_backward``) turns the recorded amaxes into the next scales. The first step of a
+delayed run has no history yet, so it scales like ``"current"``; so does a state that a resumed checkpoint did not
+hold, in the resumed run's first step. ``delayed_weights=False`` (``FastOptions.fp8_delayed_weights``) keeps the
+weights on current scaling under the delayed recipe (the step before, for A/B benchmarks). Delaying them is safe: a
+weight moves by about the learning rate in a step, so its amax rarely passes its history's max, and then by that
+much (the cast saturates that weight, never inf). Within one ``forward_backward`` no scale changes between a
+tensor's forward cast and its recomputation (activation checkpointing), so a checkpointed step has the same bits as
+one without.
 
 **One update launch.** The delayed states are made on first use, in the first step; that step's ``end_step`` moves
 them into the flat device buffers of one ``AmaxHistories`` (the states' arrays become views of its rows), and every
@@ -91,16 +94,22 @@ class Fp8Saved(NamedTuple):
 class Fp8Linears:
     """The FP8 linear layers of one model: the scaling state of every (layer, tensor) and the three GEMMs of a
     layer. ``recipe``: "current" or "delayed" (module docstring); ``history``: steps of amax the delayed recipe
-    keeps per activation or gradient."""
+    keeps per tensor; ``delayed_weights``: the delayed recipe scales the weights from their history too (else
+    current scaling, always, for them)."""
 
-    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: tuple = (), fused_casts: bool = False):
+    def __init__(self, recipe: str, history: int, xp, *, fused_epilogues: tuple = (), fused_casts: bool = False,
+                 delayed_weights: bool = False):
         self.recipe, self.history, self.xp = recipe, int(history), xp
+        # the roles whose states keep an amax history (delayed recipe): the tensors cast with the scale it gives
+        self.delayed_roles = (("x", "dy", "w") if delayed_weights else ("x", "dy")) if recipe == "delayed" else ()
         self.fused_epilogues = frozenset(fused_epilogues)
         self.fused_casts = bool(fused_casts)  # the output gradients' casts also sum the bias gradients
         self.states: dict = {}  # (layer, "x" | "w" | "dy") -> AmaxHistory, made on first use
         self.groups: list = []  # AmaxHistories of the delayed states: end_step's launches (one after the first step)
         self._ungrouped: list = []  # delayed states made since the last end_step
         self.primed = False  # delayed: False until the first step has filled the histories
+        self._resumed = None  # after load_state_dict, until its step ends: the states it restored (the others scale
+        # like current scaling in that step, as in a first step: a checkpoint from before weights were delayed)
         self.unfused: set = set()  # epilogues cuBLASLt had no FP8 kernel for (module docstring)
 
     # ------------------------------------------------------------------ scaling
@@ -109,14 +118,15 @@ class Fp8Linears:
         key = (layer, role)
         st = self.states.get(key)
         if st is None:
-            delayed = self.recipe == "delayed" and role != "w"
+            delayed = role in self.delayed_roles
             st = self.states[key] = AmaxHistory(FORMATS[role], self.history if delayed else 1, xp=self.xp)
             if delayed:
                 self._ungrouped.append(st)
         return st
 
-    def _delayed(self, role: str) -> bool:
-        return self.recipe == "delayed" and role != "w" and self.primed
+    def _delayed(self, layer: str, role: str) -> bool:
+        """Whether the (layer, role) state casts with its history's scale now (else it measures the tensor first)."""
+        return role in self.delayed_roles and self.primed and (self._resumed is None or (layer, role) in self._resumed)
 
     def cast(self, x, layer: str, role: str, *, rowwise: bool = True, transpose: bool = True, record: bool = True,
              act=None, pre=None, bias=None, column_sums=None):
@@ -124,12 +134,13 @@ class Fp8Linears:
         leaves a delayed state's amax alone. ``act``, ``pre``, ``bias``, ``column_sums``: ``fp8_cast``'s GELU on the
         fly (the module docstring)."""
         st = self.state(layer, role)
-        reads = (1 if self._delayed(role) else 2) * (2 if pre is not None else 1)
+        delayed = self._delayed(layer, role)
+        reads = (1 if delayed else 2) * (2 if pre is not None else 1)
         kw = dict(rowwise=rowwise, transpose=transpose, scale_inv=st.scale_inv, act=act, pre=pre, bias=bias,
                   column_sums=column_sums)
         with region(f"fp8 cast {role}" + (f" ({act})" if act else ""),
                     bytes=x.size * (x.dtype.itemsize * reads + rowwise + transpose), flops=2.0 * x.size):
-            if self._delayed(role):
+            if delayed:
                 return fp8_cast(x, st.scale, st.fmt, amax=st.amax if record else None, accumulate_amax=record, **kw)
             return quantize(x, st, recipe="current", **kw)
 
@@ -149,6 +160,7 @@ class Fp8Linears:
             else:  # the first step scaled like current scaling, which already recorded its amaxes
                 group.clear_amax()
         self.primed = True
+        self._resumed = None
 
     def state_dict(self) -> dict:
         """The delayed recipe's scaling state in JSON form ({} under current scaling, which keeps none between
@@ -161,7 +173,7 @@ class Fp8Linears:
         return {"history": self.history, "primed": self.primed,
                 "states": {f"{layer}|{role}": {"history": host(st.history), "pos": int(backend.to_numpy(st.pos)[0]),
                                                "scale": host(st.scale)[0], "scale_inv": host(st.scale_inv)[0]}
-                           for (layer, role), st in sorted(self.states.items()) if role != "w"}}
+                           for (layer, role), st in sorted(self.states.items()) if role in self.delayed_roles}}
 
     def load_state_dict(self, state: dict):
         """Put ``state_dict()``'s state back (into the device arrays, made here if the model has not run yet); an
@@ -175,7 +187,7 @@ class Fp8Linears:
                                                              "delayed" else ""))
         for key, s in state["states"].items():
             layer, _, role = key.rpartition("|")
-            if role not in ("x", "dy") or len(s["history"]) != self.history or not 0 <= s["pos"] < self.history:
+            if role not in self.delayed_roles or len(s["history"]) != self.history or not 0 <= s["pos"] < self.history:
                 raise ValueError(f"FP8 scaling state {key!r} does not fit a history of {self.history} steps")
             st = self.state(layer, role)
             for name, value in (("history", s["history"]), ("pos", [s["pos"]]), ("scale", [s["scale"]]),
@@ -184,6 +196,7 @@ class Fp8Linears:
                 arr[...] = backend.to_device(np.asarray(value, dtype=arr.dtype), self.xp)
             st.amax.fill(0)
         self.primed = bool(state["primed"])
+        self._resumed = {tuple(key.rpartition("|")[::2]) for key in state["states"]}
 
     # ------------------------------------------------------------------ the three GEMMs
 
@@ -193,7 +206,7 @@ class Fp8Linears:
         over a, Fp8Tensor, mean, rstd)``, which ``forward`` and ``keep`` take in place of x. None where the scale is
         not known before the LayerNorm runs (current scaling, or the first step of a delayed run): the caller runs
         the bf16 LayerNorm and ``forward`` casts its output."""
-        if not self._delayed("x"):
+        if not self._delayed(layer, "x"):
             return None
         st = self.state(layer, "x")
         with region(name + " (fp8)", bytes=3 * x.nbytes + x.size * (3 if train else 1) + 8 * x.shape[0],
@@ -215,7 +228,7 @@ class Fp8Linears:
         input, or its ``Fp8Tensor`` from ``add_layernorm``. ``act="gelu"``: the layer's input is GELU(x +
         act_bias), applied by its cast. ``name``: the profiler region's, as the bf16 step's."""
         x8 = self._input(x, layer, transpose=train, record=train, act=act, act_bias=act_bias)
-        w8 = self.cast(w, layer, "w", transpose=train)
+        w8 = self.cast(w, layer, "w", transpose=train, record=train)
         (n, k), m = x8.data.shape, w.shape[0]
         y = self.xp.empty((n, m), dtype=w.dtype)
         if epilogue == "gelu_bias" and aux is None:  # inference: the pre-activation is written, then dropped

@@ -89,6 +89,11 @@ class FastOptions:
     # under delayed scaling, the residual add + LayerNorm before QKV and MLP-in writes its output as the layer's FP8
     # bytes and amax (ops/fp8_layernorm.py), never in bf16; False: a bf16 output, then the layer's cast
     fp8_layernorm_casts: bool = True
+    # the delayed recipe also casts the weights with the scale from their amax history, recorded by the cast itself
+    # (Transformer Engine's DelayedScaling does), instead of measuring each weight first: one launch a weight instead
+    # of three and a memset, one read instead of two (model/fp8_linear.py says why that is safe); False: current
+    # scaling for the weights, always
+    fp8_delayed_weights: bool = True
 
     def __post_init__(self):
         allowed = {"attention_kernel": ATTENTION_KERNELS, "embedding_backward_method": embedding.METHODS,
