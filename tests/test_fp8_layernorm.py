@@ -15,7 +15,7 @@ import pytest
 
 from llmgpu.ops.fp8 import E4M3, NAN_BITS, amax_reference, dequantize, fp8_cast, quantize_reference
 from llmgpu.ops.fp8_layernorm import fp8_add_layernorm, fp8_transpose
-from llmgpu.ops.layernorm import add_layernorm_forward
+from llmgpu.ops.layernorm import add_layernorm_forward, vector_plan
 from llmgpu.testing import random_array
 
 pytestmark = pytest.mark.ch5
@@ -171,8 +171,13 @@ def test_gpu_kernel_matches_reference(cp, rng, dtype, shape):
                                          amax=amax, scale_inv=sinv)
     assert s is res
     np.testing.assert_array_equal(cp.asnumpy(s), cp.asnumpy(s_fused))
-    np.testing.assert_array_equal(cp.asnumpy(mean), cp.asnumpy(m_fused))
-    np.testing.assert_array_equal(cp.asnumpy(rstd), cp.asnumpy(r_fused))
+    vec, packs = vector_plan(c, da.dtype, (da, db, s, dg, dbt))
+    if vec and packs > 0:  # the kernel: add_layernorm_forward_warp's statistics, bit for bit (layernorm.cuh)
+        np.testing.assert_array_equal(cp.asnumpy(mean), cp.asnumpy(m_fused))
+        np.testing.assert_array_equal(cp.asnumpy(rstd), cp.asnumpy(r_fused))
+    else:  # the fallback's fp32 LayerNorm may sum in another order than the storage type's
+        np.testing.assert_allclose(cp.asnumpy(mean), cp.asnumpy(m_fused), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(cp.asnumpy(rstd), cp.asnumpy(r_fused), rtol=1e-5)
     np.testing.assert_array_equal(cp.asnumpy(s).astype(F32), s_ref.astype(F32))
     _close_bytes(cp.asnumpy(t.data), t_ref.data)
     np.testing.assert_array_equal(cp.asnumpy(t.data_t), cp.asnumpy(t.data).T)
