@@ -413,8 +413,9 @@ def test_gpu_fp8_step_close_to_the_bf16_step(cp, rng, recipe, fused, fused_casts
 @pytest.mark.gpu
 def test_gpu_layernorm_casts_close_to_the_step_without(cp, rng):
     """bf16, delayed scaling: with the LayerNorms writing FP8 (the default) the bytes come from the fp32 LayerNorm
-    value instead of its bf16 rounding, so the step is close to the one without (not bitwise); with checkpointing
-    it is bitwise the step without checkpointing."""
+    value instead of its bf16 rounding, so the step differs from the one without by FP8's own error, no more (the
+    bounds of test_gpu_fp8_step_close_to_the_bf16_step: a byte one code off moves a gradient as much as FP8's
+    rounding does); with checkpointing it is bitwise the step without checkpointing."""
     cfg = _gpu_cfg()
     idx = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
     tgt = cp.asarray(rng.integers(0, cfg.vocab_size, (4, 256)).astype(np.int32))
@@ -424,10 +425,12 @@ def test_gpu_layernorm_casts_close_to_the_step_without(cp, rng):
                     options=FastOptions(fp8="delayed", fp8_layernorm_casts=lnc))
         runs[lnc, k] = _step(m, idx, tgt, steps=3)
     (l0, g0), (l1, g1), (l2, g2) = runs[False, 0], runs[True, 0], runs[True, 1]
-    assert abs(l1 - l0) < 1e-2 * abs(l0) and l2 == l1
+    assert l2 == l1 and all(np.array_equal(g2[n], g1[n]) for n in g1)
+    assert abs(l1 - l0) < 1e-2 * abs(l0)
     worst = {n: (_rel(g1[n], g), _cos(g1[n], g)) for n, g in g0.items()}
-    assert not {n: v for n, v in worst.items() if not (v[0] < 0.1 and v[1] > 0.995)}, worst
-    assert all(np.array_equal(g2[n], g1[n]) for n in g1)
+    assert not {n: v for n, v in worst.items() if not (v[0] < 0.2 and v[1] > 0.98)}, worst
+    print("layernorm casts vs not: worst rel", max(v[0] for v in worst.values()), "worst cos",
+          min(v[1] for v in worst.values()))
 
 
 @pytest.mark.gpu
