@@ -214,12 +214,20 @@ def bytes_out(name, out, shape, xp):
     return check_array(name, out, shape=tuple(shape), dtype=BYTES, dtypes=None)
 
 
-def null_pointer():
-    return np.uint64(0)  # a null pointer for the kernels' optional outputs
+def check_scale_outputs(amax, accumulate_amax, scale_inv, xp):
+    """A cast's ``amax`` (optional; ``accumulate_amax`` needs it) and ``scale_inv`` (new when None) checked: the
+    ``scale_inv`` to write."""
+    if amax is not None:
+        check_scalar("amax", amax, xp)
+    elif accumulate_amax:
+        raise ValueError("accumulate_amax=True needs amax=")
+    scale_inv = xp.empty(1, dtype=np.float32) if scale_inv is None else scale_inv
+    check_scalar("scale_inv", scale_inv, xp)
+    return scale_inv
 
 
-def _opt(a):
-    return a if a is not None else null_pointer()  # an optional array argument of a kernel
+def optional_arg(a):
+    return a if a is not None else np.uint64(0)  # an optional array argument of a kernel: a null pointer for None
 
 
 def _check_act(act, pre, bias, x):
@@ -274,7 +282,7 @@ def fp8_amax(x, out=None, *, accumulate=False, act=None, pre=None, bias=None):
     grid = resident_grid(kern, -(-n // 4), THREADS, xp)
     C = x.shape[-1] if x.ndim else 1
     vec = elements_aligned(4, x, pre) and (bias is None or C % 4 == 0)  # a pack in one row: one bias offset
-    kern((grid,), (THREADS,), (x, _opt(pre), _opt(bias), np.int64(n), np.int64(C), out, np.int32(vec)))
+    kern((grid,), (THREADS,), (x, optional_arg(pre), optional_arg(bias), np.int64(n), np.int64(C), out, np.int32(vec)))
     return out
 
 
@@ -313,12 +321,7 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         check_array("column_sums", column_sums, shape=(C,), dtype=np.float32, dtypes=None)
     y = bytes_out("out", out, x.shape, xp) if rowwise else None
     yt = bytes_out("out_t", out_t, (C, R), xp) if transpose else None
-    if amax is not None:
-        check_scalar("amax", amax, xp)
-    elif accumulate_amax:
-        raise ValueError("accumulate_amax=True needs amax=")
-    scale_inv = xp.empty(1, dtype=np.float32) if scale_inv is None else scale_inv
-    check_scalar("scale_inv", scale_inv, xp)
+    scale_inv = check_scale_outputs(amax, accumulate_amax, scale_inv, xp)
     outs = {"out": y, "out_t": yt, "amax": amax, "scale_inv": scale_inv, "column_sums": column_sums}
     for name, arr in outs.items():
         if any(overlaps(arr, a) for a in (scale, x, pre, bias)):
@@ -342,7 +345,7 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
 
     if amax is not None and not accumulate_amax:
         amax.fill(0)
-    amax_ptr = amax if amax is not None else null_pointer()
+    amax_ptr = optional_arg(amax)
     if yt is None and act is None and column_sums is None:
         n = x.size
         kern = get_kernel("fp8", "fp8_cast_kernel", x.dtype, fmt.c_name)
@@ -358,8 +361,8 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         if grid[1] > 65535:
             raise ValueError(f"fp8_cast(transpose=True or act=) takes at most {65535 * TILE} columns, got {C}")
         part = xp.empty((grid[0], C), dtype=np.float32) if column_sums is not None else None
-        kern(grid, (THREADS,), (x, _opt(pre), _opt(bias), _opt(y), _opt(yt), np.int64(R), np.int64(C), scale,
-                                scale_inv, amax_ptr, _opt(part)))
+        kern(grid, (THREADS,), (x, *map(optional_arg, (pre, bias, y, yt)), np.int64(R), np.int64(C), scale,
+                                scale_inv, amax_ptr, optional_arg(part)))
         if part is not None:
             get_kernel("fp8", "fp8_column_sums_kernel")((-(-C // THREADS),), (THREADS,),
                                                          (part, np.int32(grid[0]), np.int64(C), column_sums,
@@ -384,8 +387,7 @@ class AmaxHistory:
         if not is_integer(length) or length < 1:
             raise ValueError(f"length must be a positive integer (steps of amax kept), got {length!r}")
         self.length, self.margin, self.pow2 = int(length), _check_margin(margin), bool(pow2)
-        xp = backend.resolve_xp(xp)
-        self.xp = xp
+        xp = self.xp = backend.resolve_xp(xp)
         self.scale = xp.ones(1, dtype=np.float32)
         self.scale_inv = xp.ones(1, dtype=np.float32)
         self.amax = xp.zeros(1, dtype=np.float32)
@@ -488,9 +490,7 @@ def quantize(x, state: AmaxHistory, *, recipe="current", rowwise=True, transpose
     if recipe == "current":
         fp8_amax(x, state.amax, act=act, pre=pre, bias=bias)
         state.update()
-        amax = None
-    else:
-        amax = state.amax
+    amax = state.amax if recipe == "delayed" else None
     return fp8_cast(x, state.scale, state.fmt, rowwise=rowwise, transpose=transpose, out=out, out_t=out_t,
                     amax=amax, scale_inv=scale_inv, act=act, pre=pre, bias=bias, column_sums=column_sums)
 

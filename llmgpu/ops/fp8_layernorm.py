@@ -30,10 +30,11 @@ from .fp8 import (
     Fp8Tensor,
     bytes_out,
     check_scalar,
+    check_scale_outputs,
     fp8_amax,
     fp8_cast,
     fp8_format,
-    null_pointer,
+    optional_arg,
     quantize_reference,
 )
 from .layernorm import (
@@ -96,12 +97,7 @@ def fp8_add_layernorm(a, b, gamma, beta, scale, eps=1e-5, *, residual_out=None, 
         check_out(residual_out, a.shape, a.dtype, xp, name="residual_out")
     check_alias("residual_out", residual_out, "a", a)
     check_alias("residual_out", residual_out, "b", b)
-    if amax is not None:
-        check_scalar("amax", amax, xp)
-    elif accumulate_amax:
-        raise ValueError("accumulate_amax=True needs amax=")
-    scale_inv = xp.empty(1, dtype=np.float32) if scale_inv is None else scale_inv
-    check_scalar("scale_inv", scale_inv, xp)
+    scale_inv = check_scale_outputs(amax, accumulate_amax, scale_inv, xp)
     for name, arr in (("amax", amax), ("scale_inv", scale_inv)):
         if any(overlaps(arr, other) for other in (scale, a, b, gamma, beta, residual_out)):
             raise ValueError(f"{name} overlaps an input or s: the kernel reads those while it writes {name}")
@@ -140,7 +136,7 @@ def fp8_add_layernorm(a, b, gamma, beta, scale, eps=1e-5, *, residual_out=None, 
     kern = get_kernel("fp8", "fp8_add_layernorm_kernel", a.dtype, packs, FORMAT.c_name)
     kern((-(-n_rows // ADD_WARPS),), (32 * ADD_WARPS,),
          (a, b, gamma, beta, s, y, mean, rstd, np.int32(n_rows), np.int32(c), np.float32(eps), scale, scale_inv,
-          amax if amax is not None else null_pointer()))
+          optional_arg(amax)))
     data_t = fp8_transpose(y.reshape(n_rows, c)) if transpose else None
     return s, Fp8Tensor(y, data_t, scale_inv, FORMAT), mean, rstd
 
