@@ -36,7 +36,7 @@ once grouped never moves (one first used later would join a group of its own), s
 
 **Epilogues.** cuBLASLt has FP8 kernels with the BIAS, GELU_AUX_BIAS and DGELU epilogues, but on an H100 some
 ran slower than the same FP8 GEMM without an epilogue followed by a separate pass (the fused DGELU 2.4x slower;
-chapter 5b's profiles). ``FastOptions.fp8_fused_epilogues`` names the ones fused (default: GELU_AUX_BIAS only);
+chapter 5b's profiles). ``FastOptions.fp8_fused_epilogues`` names the ones fused (default: GELU_AUX_BIAS and BIAS);
 the others run as the plain product followed by ``add_bias`` / ``gelu_forward`` / ``gelu_backward``. A machine whose
 cuBLASLt has no FP8 kernel for a fused one fails the plan on the first call (always outside a CUDA graph
 capture), and the layer runs it unfused from then on; ``unfused`` lists the epilogues for which that happened.
