@@ -191,9 +191,14 @@ def test_delayed_scaling_state_round_trips_through_json_bit_for_bit(rng):
     resumed.fp8.load_state_dict({})  # a checkpoint made before the state was kept: nothing changes
     for bad, needle in (({**state, "history": 8}, "history 8, but this model runs 'delayed' with history 4"),
                         ({**state, "states": {"h.0.attn.c_attn|b": next(iter(state["states"].values()))}},
-                         "does not fit a history of 4 steps")):
+                         "histories for x/dy/w only"),
+                        ({**state, "states": {"h.0.attn.c_attn|x": {**next(iter(state["states"].values())),
+                                                                    "pos": 9}}}, "does not fit a history of 4 steps")):
         with pytest.raises(ValueError, match=needle):
             FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=opts).fp8.load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"x/dy only \(FastOptions.fp8_delayed_weights is off\)"):
+        FastGPT(CFG, dtype="fp32", xp=np, seed=6, options=FastOptions(fp8="delayed", fp8_history=4,
+                                                                      fp8_delayed_weights=False)).fp8.load_state_dict(state)
     with pytest.raises(ValueError, match="but this model runs 'current'"):
         FastGPT(CFG, dtype="fp32", xp=np, options=FastOptions(fp8="current")).fp8.load_state_dict(state)
 

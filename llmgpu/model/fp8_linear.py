@@ -187,7 +187,11 @@ class Fp8Linears:
                                                              "delayed" else ""))
         for key, s in state["states"].items():
             layer, _, role = key.rpartition("|")
-            if role not in self.delayed_roles or len(s["history"]) != self.history or not 0 <= s["pos"] < self.history:
+            if role not in self.delayed_roles:
+                why = " (FastOptions.fp8_delayed_weights is off)" if role == "w" else ""
+                raise ValueError(f"FP8 scaling state {key!r}: this model keeps histories for "
+                                 f"{'/'.join(self.delayed_roles)} only{why}")
+            if len(s["history"]) != self.history or not 0 <= s["pos"] < self.history:
                 raise ValueError(f"FP8 scaling state {key!r} does not fit a history of {self.history} steps")
             st = self.state(layer, role)
             for name, value in (("history", s["history"]), ("pos", [s["pos"]]), ("scale", [s["scale"]]),
