@@ -221,3 +221,17 @@ def test_gpu_quantize_reference_is_what_the_bytes_mean(cp, rng):
     _, t, _, _ = fp8_add_layernorm(*_dev(cp, a, b, gamma, beta), cp.asarray(_one(32.0)))
     s = (a.astype(F32) + b.astype(F32)).astype(a.dtype)
     _close_bytes(cp.asnumpy(t.data), quantize_reference(_ln64(s, gamma, beta).astype(F32), F32(32.0), E4M3))
+
+
+def test_benchmark_script_runs_on_the_cpu(capsys):
+    """benchmarks/bench_ch5b_layernorm_casts.py --quick: every setting built and timed on a tiny model, the first
+    as the baseline; an unknown setting is refused in one line."""
+    from test_fast_model import _run_benchmark  # tests/ is not a package
+
+    assert _run_benchmark("bench_ch5b_layernorm_casts.py", ["--quick", "--settings", "defaults,bias unfused"]) == 0
+    out = capsys.readouterr().out
+    assert "defaults over bias unfused: " in out and "not written" in out
+    with pytest.raises(SystemExit):
+        _run_benchmark("bench_ch5b_layernorm_casts.py", ["--quick", "--settings", "nope"])
+    assert "--settings takes defaults, bf16 layernorm + cast, weights current, bias unfused; got nope" in \
+        capsys.readouterr().err
