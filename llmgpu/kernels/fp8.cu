@@ -201,7 +201,7 @@ __device__ __forceinline__ void store_tile_transposed(const unsigned char* tile,
 // consecutive elements of a row (coalesced), writes their bytes to y and to a shared tile; after the barrier it
 // gathers VEC consecutive *rows* of one column from the tile and writes them as one access of yt's row. VEC = 4
 // needs C % 4 == 0, R % 4 == 0 and x, pre, y, yt aligned to 4 elements (the host checks); VEC = 1 takes any
-// shape. The tile's row pitch is 65 bytes so that the column gathers of a warp fall into different banks.
+// shape. The tile's row pitch (FP8_TILE_PITCH, 65 bytes) puts the column gathers of a warp into different banks.
 // SUMS = 1, colsum (optional): colsum[blockIdx.x * C + col] = the fp32 sum of the values cast in the tile's column
 // col (its rows in a fixed order; the tile's share of a bias gradient): a thread's groups all sit in the same VEC
 // columns, so each thread sums its rows, then one thread per column adds the SHARE threads' sums of its column in
@@ -212,12 +212,11 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
                           unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
                           const float* __restrict__ scale, float* __restrict__ scale_inv, float* __restrict__ amax,
                           float* __restrict__ colsum) {
-    constexpr int PITCH = FP8_TILE_PITCH;
     constexpr int GROUPS = FP8_TILE / VEC;                      // VEC-wide groups per tile row
     constexpr int ITERS = FP8_TILE * GROUPS / FP8_THREADS;      // groups per thread
     constexpr int SHARE = FP8_THREADS / GROUPS;                 // threads whose groups sit in the same columns
     static_assert(FP8_THREADS % GROUPS == 0, "a thread's groups must keep to the same columns");
-    __shared__ unsigned char tile[FP8_TILE * PITCH];
+    __shared__ unsigned char tile[FP8_TILE * FP8_TILE_PITCH];
     __shared__ float col_part[SUMS ? SHARE : 1][FP8_TILE];
     const float s = *scale;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && scale_inv) *scale_inv = 1.0f / s;
@@ -256,7 +255,7 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
             if (y) y[i] = q[0];
         }
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) tile[r * PITCH + c + k] = q[k];
+        for (int k = 0; k < VEC; ++k) tile[r * FP8_TILE_PITCH + c + k] = q[k];
     }
     if constexpr (SUMS) {
         if (colsum) {
