@@ -68,6 +68,15 @@ def test_fp8_cast_wide_script_runs():
         assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
 
 
+def test_fp8_cast_transpose_regs_script_runs():
+    """Without a GPU: one line saying so, exit 0. With one: the three step casts at small shapes, cut tiles included
+    (R not a multiple of 256, C not of 64), checked against the package's cast."""
+    r = _run_dev_script("fp8_cast_transpose_regs.py", "--cases", "dy:264x200,dgelu:520x72,gelu:8x8,dy:1024x768",
+                        "--reps", "3", "--no-copy")
+    if r is not None:
+        assert r.returncode == 0 and "FAIL" not in r.stdout and "differs" not in r.stdout, r.stdout + r.stderr
+
+
 def test_wgmma_probe_compiles_for_sm90a_with_wgmma():
     """The probe's wgmma exists on sm_90a only; for sm_80 / sm_90 (the test above) its body is a trap."""
     pytest.importorskip("cupy", reason="CuPy (with NVRTC) is not installed: pip install 'llmgpu[cuda13]'")
