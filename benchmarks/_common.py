@@ -87,10 +87,12 @@ def names(option: str) -> list[str]:
 
 
 def save(path, payload: dict, xp) -> bool:
-    """Write ``payload`` (with the run's device and date header) to ``path`` if there is one.
+    """Write ``payload`` (with the run's device and date header) to ``path`` if there is one, else say so.
 
-    Returns whether it wrote, so a script can say why it did not."""
+    Scripts pass ``args.out or (RESULTS if <a full GPU run> else None)``: a CPU or ``--quick`` run keeps nothing
+    unless asked. Returns whether it wrote."""
     if not path:
+        print("(results not written: pass --out PATH to keep them)")
         return False
     timing.save_results(path, payload, xp=xp)
     print(f"wrote {path}")

@@ -162,8 +162,7 @@ def main(argv=None):
           f"{100 * (one['time_vs_off'] - 1):.0f}% more time (the article: about half the memory for 30-40% "
           "more compute)")
     out = a.out or (RESULTS if on_gpu and not quick else None)
-    if out:
-        _common.save(os.path.relpath(out), payload, xp)
+    _common.save(out and os.path.relpath(out), payload, xp)
     return 0
 
 
