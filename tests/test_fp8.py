@@ -931,6 +931,36 @@ def test_gpu_cast_column_sums(cp, rng, act, shape):
     assert np.array_equal(runs[0], runs[2]) and np.array_equal(runs[0], runs[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,sums", [(None, False), (None, True), ("gelu", False), ("dgelu", True)])
+@pytest.mark.parametrize("shape", [(8, 8), (264, 200), (1024, 1280)])
+def test_gpu_cast_register_and_shared_tile_transposes_agree(cp, rng, act, sums, shape):
+    """The two transposing kernels on the same values: 16-byte-aligned bf16 in whole 8 x 8 blocks takes the register
+    transpose, the same data 4 elements (8 bytes) off that alignment the shared 64 x 64 tile. Bytes, transposed
+    bytes and amax bit for bit; the column sums (each kernel's own fixed order) within fp32 rounding."""
+    R, C = shape
+    x, pre, b = _act_inputs(rng, shape, "bf16")
+    x.reshape(-1)[rng.integers(0, x.size, 3)] = [np.nan, np.inf, 3e4]
+    pre, b = pre if act == "dgelu" else None, b if act else None
+    fmt = E4M3 if act == "gelu" else E5M2
+    outs = []
+    for off in (0, 4):
+        dev = lambda a: None if a is None else cp.concatenate(  # noqa: E731
+            [cp.zeros(off, a.dtype), cp.asarray(a).reshape(-1)])[off:].reshape(a.shape)
+        xd = dev(x)
+        assert (xd.data.ptr % 16 == 0) == (off == 0)
+        amax, col = cp.full(1, np.nan, F32), cp.zeros(C, F32) if sums else None
+        t = fp8_cast(xd, cp.asarray(_one(fmt.max / 64.0)), fmt, transpose=True, amax=amax, act=act, pre=dev(pre),
+                     bias=dev(b), column_sums=col)
+        outs.append([cp.asnumpy(a) for a in (t.data, t.data_t, amax, col if sums else amax)])
+    (y0, t0, a0, c0), (y1, t1, a1, c1) = outs
+    np.testing.assert_array_equal(y0, y1)
+    np.testing.assert_array_equal(t0, t1)
+    np.testing.assert_array_equal(t0, y0.T)
+    assert _f32_bits(a0[0]) == _f32_bits(a1[0])
+    np.testing.assert_allclose(c0, c1, rtol=1e-5, atol=1e-4)
+
+
 # =========================================================================== GPU: the GEMM
 
 

@@ -1,6 +1,6 @@
 // fp8_cast_transpose_regs.cu: the FP8 step's transposing casts (delayed scaling: one pass) with the transpose done in
 // registers instead of through a shared-memory tile (issue 37), checked and timed against llmgpu/kernels/fp8.cu's
-// fp8_cast_transpose_kernel by fp8_cast_transpose_regs.py.
+// shared-tile fp8_cast_transpose_kernel by fp8_cast_transpose_regs.py.
 //
 // Each thread owns an 8 x 8 block of x: eight 16-byte loads (one per row, all issued before any is used), the cast
 // of its 64 values, eight 8-byte stores of y, a byte transpose of the 8 x 8 bytes in registers (__byte_perm), and
@@ -25,16 +25,8 @@
 #define REGS_ROWS 256  // a block tile's rows: 8 warps x 32
 #define REGS_COLS 64   // its columns: 8 lane groups x 8
 
-// Rows a0..a3 (bytes = columns 0..3) of a 4 x 4 byte block -> its columns, in place (column j in a[j], row i in
-// byte i).
-__device__ __forceinline__ void transpose4x4_bytes(unsigned& a0, unsigned& a1, unsigned& a2, unsigned& a3) {
-    const unsigned t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a2, a3, 0x5140);  // r0c0 r1c0 r0c1 r1c1
-    const unsigned t2 = __byte_perm(a0, a1, 0x7362), t3 = __byte_perm(a2, a3, 0x7362);  // r0c2 r1c2 r0c3 r1c3
-    a0 = __byte_perm(t0, t1, 0x5410);
-    a1 = __byte_perm(t0, t1, 0x7632);
-    a2 = __byte_perm(t2, t3, 0x5410);
-    a3 = __byte_perm(t2, t3, 0x7632);
-}
+// transpose4x4_bytes is fp8.cu's: the package's fp8_cast_transpose_8x8_kernel took this experiment's transpose
+// (this file keeps the MIN_BLOCKS sweep that chose its launch bounds).
 
 // x [R, C] bf16 -> y [R, C], yt [C, R] (either may be nullptr), amax, scale_inv and (SUMS) partial column sums
 // part[blockIdx.x * C + col], of ACT's value (pre [R, C] for FP8_ACT_DGELU, bias [C] optional with an ACT): the

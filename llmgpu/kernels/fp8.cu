@@ -39,6 +39,8 @@
 // llmgpu:kernel fp8_cast_transpose_kernel<{float,__half,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, 0, 0>
 // llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {1,2}, 0>
 // llmgpu:kernel fp8_cast_transpose_kernel<{float,__nv_bfloat16}, {__NV_E4M3,__NV_E5M2}, {1,4}, {0,1,2}, 1>
+// llmgpu:kernel fp8_cast_transpose_8x8_kernel<__half, {__NV_E4M3,__NV_E5M2}, 0, 0>
+// llmgpu:kernel fp8_cast_transpose_8x8_kernel<__nv_bfloat16, {__NV_E4M3,__NV_E5M2}, {0,1,2}, {0,1}>
 // llmgpu:kernel fp8_amax_kernel<{float,__half,__nv_bfloat16}, 0>
 // llmgpu:kernel fp8_amax_kernel<{float,__nv_bfloat16}, {1,2}>
 // llmgpu:kernel fp8_transpose_kernel<{1,4}>
@@ -52,6 +54,8 @@
 #define FP8_TILE 64              // the transposing cast's tile: 64 x 64 elements per block
 #define FP8_TILE_PITCH 65        // its row pitch in shared memory (bytes): a warp's column gathers hit 32 banks
 #define FP8_THREADS 256          // block size of every kernel here (the host reads it)
+#define FP8_8X8_ROWS 256         // fp8_cast_transpose_8x8_kernel's block tile: 8 warps x 32 rows
+#define FP8_8X8_COLS 64          //   x 8 lane groups x 8 columns
 #define FP8_ACT_NONE 0           // ACT: the value cast is x
 #define FP8_ACT_GELU 1           //      GELU(x + b)
 #define FP8_ACT_DGELU 2          //      x * GELU'(pre + b)
@@ -275,6 +279,129 @@ fp8_cast_transpose_kernel(const T* __restrict__ x, const T* __restrict__ pre, co
     }
     if (yt) store_tile_transposed<VEC>(tile, yt, r0, c0, R, C);
     if (amax) block_amax_to(m, amax);  // its own shared scratch: no race with the tile
+}
+
+// Rows a0..a3 (bytes = columns 0..3) of a 4 x 4 byte block -> its columns, in place (column j in a[j], row i in
+// byte i).
+__device__ __forceinline__ void transpose4x4_bytes(unsigned& a0, unsigned& a1, unsigned& a2, unsigned& a3) {
+    const unsigned t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a2, a3, 0x5140);  // r0c0 r1c0 r0c1 r1c1
+    const unsigned t2 = __byte_perm(a0, a1, 0x7362), t3 = __byte_perm(a2, a3, 0x7362);  // r0c2 r1c2 r0c3 r1c3
+    a0 = __byte_perm(t0, t1, 0x5410);
+    a1 = __byte_perm(t0, t1, 0x7632);
+    a2 = __byte_perm(t2, t3, 0x5410);
+    a3 = __byte_perm(t2, t3, 0x7632);
+}
+
+// The transposing cast for 16-bit x with R % 8 == 0 and C % 8 == 0 (x, pre 16-byte aligned, y, yt 8-byte aligned:
+// the host checks): fp8_cast_transpose_kernel's contract, with the transpose in registers. Each thread owns an 8 x 8
+// block: eight 16-byte loads (one per row, all in flight before any is used), the cast of its 64 values, eight
+// 8-byte stores of y, a byte transpose in registers, eight 8-byte stores of y^T. A warp's lanes are 4 row groups x
+// 8 column groups (32 rows x 64 columns): a load instruction reads four whole 128-byte lines, a y^T store (4 lanes,
+// 32 consecutive rows of one column) one whole 32-byte sector. No shared tile and no barrier before the stores;
+// only amax and the column sums reduce across the block at the end. The 8 warps stack in rows: a block tile is
+// FP8_8X8_ROWS x FP8_8X8_COLS, grid (ceil(R / FP8_8X8_ROWS), ceil(C / FP8_8X8_COLS)), and the column sums'
+// partials are part[blockIdx.x * C + col] as the tiled cast's. The resident blocks per SM asked of ptxas: 2 for
+// the plain cast (at most 128 registers; unbounded, ptxas takes 185 and a quarter of the occupancy; at 3 it
+// spills), fp8_8x8_act_blocks for the GELU casts (3: fewer registers, more blocks in flight, faster on an H100).
+// The idea of many bytes in flight per thread and a register transpose: Transformer Engine's cast_transpose.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr int fp8_8x8_act_blocks = 2;  // sm_80 emulates the FP8 conversion: at 3 blocks the GELU casts spill
+#else
+constexpr int fp8_8x8_act_blocks = 3;
+#endif
+template <typename T, __nv_fp8_interpretation_t FMT, int ACT, int SUMS>
+__global__ void __launch_bounds__(FP8_THREADS, ACT == FP8_ACT_NONE ? 2 : fp8_8x8_act_blocks)
+fp8_cast_transpose_8x8_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __restrict__ bias,
+                        unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
+                        const float* __restrict__ scale, float* __restrict__ scale_inv, float* __restrict__ amax,
+                        float* __restrict__ part) {
+    static_assert(sizeof(T) == 2, "16-bit x: one 16-byte load is a thread's 8 columns of a row");
+    __shared__ float warp_sums[SUMS ? FP8_THREADS / 32 : 1][FP8_8X8_COLS];
+    const float s = *scale;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && scale_inv) *scale_inv = 1.0f / s;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int cg = lane & 7, rg = lane >> 3;
+    const long long row = (long long)blockIdx.x * FP8_8X8_ROWS + warp * 32 + rg * 8;
+    const long long col = (long long)blockIdx.y * FP8_8X8_COLS + cg * 8;
+    const bool inside = row < R && col < C;  // R % 8 == 0, C % 8 == 0: a thread's block is wholly in or out
+    unsigned m = 0;
+    float csum[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) csum[k] = 0.0f;
+    if (inside) {
+        uint4 raw[8], raw_pre[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            raw[i] = *reinterpret_cast<const uint4*>(x + (row + i) * C + col);
+            if constexpr (ACT == FP8_ACT_DGELU) raw_pre[i] = *reinterpret_cast<const uint4*>(pre + (row + i) * C + col);
+        }
+        float b[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) b[k] = act_bias<ACT>(bias, col + k);
+        unsigned lo[8], hi[8];  // row i's bytes of columns 0..3 and 4..7
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float v[8], p[8];
+            unpack2<T>(raw[i].x, v[0], v[1]);
+            unpack2<T>(raw[i].y, v[2], v[3]);
+            unpack2<T>(raw[i].z, v[4], v[5]);
+            unpack2<T>(raw[i].w, v[6], v[7]);
+            if constexpr (ACT == FP8_ACT_DGELU) {
+                unpack2<T>(raw_pre[i].x, p[0], p[1]);
+                unpack2<T>(raw_pre[i].y, p[2], p[3]);
+                unpack2<T>(raw_pre[i].z, p[4], p[5]);
+                unpack2<T>(raw_pre[i].w, p[6], p[7]);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                v[k] = act_value<ACT>(v[k], ACT == FP8_ACT_DGELU ? p[k] : 0.0f, b[k]);
+                m = max(m, abs_bits(v[k]));
+                if constexpr (SUMS) csum[k] += v[k];
+            }
+            const float v0[4] = {v[0], v[1], v[2], v[3]}, v1[4] = {v[4], v[5], v[6], v[7]};
+            lo[i] = to_fp8x4<FMT>(v0, s);
+            hi[i] = to_fp8x4<FMT>(v1, s);
+            if (y) *reinterpret_cast<uint2*>(y + (row + i) * C + col) = make_uint2(lo[i], hi[i]);
+        }
+        if (yt) {
+            // four 4 x 4 transposes: afterwards a[k] / c[k] hold column k's rows 0..3 / 4..7, d[k] / e[k]
+            // column 4 + k's (k < 4)
+            unsigned a[4] = {lo[0], lo[1], lo[2], lo[3]}, c[4] = {lo[4], lo[5], lo[6], lo[7]};
+            unsigned d[4] = {hi[0], hi[1], hi[2], hi[3]}, e[4] = {hi[4], hi[5], hi[6], hi[7]};
+            transpose4x4_bytes(a[0], a[1], a[2], a[3]);  // rows 0-3, columns 0-3
+            transpose4x4_bytes(c[0], c[1], c[2], c[3]);  // rows 4-7, columns 0-3
+            transpose4x4_bytes(d[0], d[1], d[2], d[3]);  // rows 0-3, columns 4-7
+            transpose4x4_bytes(e[0], e[1], e[2], e[3]);  // rows 4-7, columns 4-7
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                *reinterpret_cast<uint2*>(yt + (col + k) * R + row) = make_uint2(a[k], c[k]);
+                *reinterpret_cast<uint2*>(yt + (col + 4 + k) * R + row) = make_uint2(d[k], e[k]);
+            }
+        }
+    }
+    if constexpr (SUMS) {
+        if (part) {
+            // the 4 row groups of a column group (lanes cg, cg + 8, cg + 16, cg + 24), then the 8 warps in order
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                csum[k] += __shfl_xor_sync(0xffffffffu, csum[k], 8);
+                csum[k] += __shfl_xor_sync(0xffffffffu, csum[k], 16);
+            }
+            if (rg == 0) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) warp_sums[warp][cg * 8 + k] = csum[k];
+            }
+            __syncthreads();
+            const long long c = (long long)blockIdx.y * FP8_8X8_COLS + threadIdx.x;
+            if (threadIdx.x < FP8_8X8_COLS && c < C) {
+                float t = 0.0f;
+#pragma unroll
+                for (int w = 0; w < FP8_THREADS / 32; ++w) t += warp_sums[w][threadIdx.x];
+                part[(long long)blockIdx.x * C + c] = t;
+            }
+        }
+    }
+    if (amax) block_amax_to(m, amax);
 }
 
 // The transposed bytes of FP8 bytes: x [R, C] -> xt [C, R], the transposing cast's tiles and stores without the

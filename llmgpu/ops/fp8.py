@@ -36,12 +36,15 @@ float64 formula the reference uses, far below FP8's 2^-4), so a byte can differ 
 where a value sits on a rounding boundary.
 
 **Bias gradients on the fly** (``column_sums=``): the cast adds the column sums of the values it casts (fp32,
-per 64-row tile, then the tiles in a fixed order: the same bits on every run) into a bias gradient, so no other
+per tile of rows, then the tiles in a fixed order: the same bits on every run) into a bias gradient, so no other
 pass reads the gradient for it.
 
 Capturable: pass every output (``out``, ``out_t``, ``amax``, ``scale_inv``) preallocated; nothing is then
 allocated and nothing read back (``column_sums`` takes a scratch buffer from CuPy's pool, which a CUDA graph
 capture allows).
+
+This module is long because its parts are one contract: the NumPy references define the bytes the kernels' hosts
+must give, and chapter 5b reads the formats, the casts and the scaling state side by side.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from .gelu import gelu_backward_reference, gelu_forward_reference
 BYTES = np.dtype(np.uint8)
 THREADS = constant("fp8", "FP8_THREADS")
 TILE = constant("fp8", "FP8_TILE")
+ROWS_8X8, COLS_8X8 = constant("fp8", "FP8_8X8_ROWS"), constant("fp8", "FP8_8X8_COLS")
 NAN_BITS = constant("fp8", "FP8_NAN_BITS")  # what NaN becomes, in both formats
 WORDS = constant("fp8", "FP8_STATE_WORDS")  # AmaxHistories: a state's scalars this many words apart
 SCALE_EXP_LIMIT = constant("fp8", "FP8_SCALE_EXP_LIMIT")  # scales live in [2^-limit, 2^limit]
@@ -353,11 +357,9 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
         kern((resident_grid(kern, -(-n // 4), THREADS, xp),), (THREADS,),
              (x, y, np.int64(n), scale, scale_inv, amax_ptr, np.int32(vec)))
     else:
-        # the tiled kernel (also without a transpose for act= or column_sums=: only it applies GELU and sums)
-        vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, pre, y, yt)) else 1
+        # a transposing kernel (also without a transpose for act= or column_sums=: only they apply GELU and sum)
         sums = int(column_sums is not None)
-        kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec, ACTS[act], sums)
-        grid = (-(-R // TILE), -(-C // TILE))
+        kern, grid = _cast_transpose_kernel(x, pre, y, yt, fmt, ACTS[act], sums)
         if grid[1] > 65535:
             raise ValueError(f"fp8_cast(transpose=True or act=) takes at most {65535 * TILE} columns, got {C}")
         part = xp.empty((grid[0], C), dtype=np.float32) if column_sums is not None else None
@@ -368,6 +370,19 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
                                                          (part, np.int32(grid[0]), np.int64(C), column_sums,
                                                           np.int32(1)))
     return Fp8Tensor(y, yt, scale_inv, fmt)
+
+
+def _cast_transpose_kernel(x, pre, y, yt, fmt, act, sums):
+    """The transposing cast for these operands, and its grid: an 8 x 8 block per thread, transposed in registers,
+    for 16-bit x in whole blocks (fp16 never comes with act or sums); else 64 x 64 shared tiles."""
+    C = x.shape[-1]
+    R = x.size // C
+    if x.dtype.itemsize == 2 and R % 8 == C % 8 == 0 and elements_aligned(8, x, pre, y, yt):
+        kern = get_kernel("fp8", "fp8_cast_transpose_8x8_kernel", x.dtype, fmt.c_name, act, sums)
+        return kern, (-(-R // ROWS_8X8), -(-C // COLS_8X8))
+    vec = 4 if (C % 4 == 0 and R % 4 == 0 and elements_aligned(4, x, pre, y, yt)) else 1
+    kern = get_kernel("fp8", "fp8_cast_transpose_kernel", x.dtype, fmt.c_name, vec, act, sums)
+    return kern, (-(-R // TILE), -(-C // TILE))
 
 
 # --------------------------------------------------------------------------- scaling state

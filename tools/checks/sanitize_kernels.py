@@ -257,13 +257,18 @@ def ops(d: Driver):
 
     for dt in DTYPES:
         for fmt in fp8.FP8_FORMATS:
-            for shape in ((1,), (7, 13), (64, 64), (65, 129)):  # scalar and vector paths, partial tiles
+            # scalar and vector paths, partial tiles; (264, 200): the 8 x 8 register transpose (16-bit x), cut tiles
+            for shape in ((1,), (7, 13), (64, 64), (65, 129), (264, 200)):
                 x, scale = d.arr(shape, dt, 30.0), d.xp.full(1, 2.0, np.float32)
                 amax = d.xp.zeros(1, np.float32)
                 d.run(f"fp8_cast {dt}->{fmt} {shape}", fp8.fp8_cast, x, scale, fmt, amax=amax)
                 d.run(f"fp8_cast transpose {dt}->{fmt} {shape}", fp8.fp8_cast, x, scale, fmt, transpose=True,
                       amax=amax, accumulate_amax=True)
             d.run(f"fp8_amax {dt}", fp8.fp8_amax, d.arr((1001,), dt))
+        if dt in ("fp32", "bf16"):  # the act= and column_sums= kernels' dtypes
+            x, pre, b = d.arr((264, 200), dt, 3.0), d.arr((264, 200), dt, 3.0), d.arr((200,), dt)
+            d.run(f"fp8_cast dgelu + column sums {dt}", fp8.fp8_cast, x, d.xp.full(1, 2.0, np.float32), "e5m2",
+                  transpose=True, act="dgelu", pre=pre, bias=b, column_sums=d.xp.zeros(200, np.float32))
     for length in (1, 300):
         d.run(f"AmaxHistory.update length={length}", fp8.AmaxHistory("e4m3", length, xp=d.xp).update)
         group = fp8.AmaxHistories([fp8.AmaxHistory(f, length, xp=d.xp) for f in ("e4m3", "e5m2", "e4m3")])
