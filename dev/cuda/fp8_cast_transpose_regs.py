@@ -1,4 +1,5 @@
-"""Check and time the register-transposing FP8 cast (fp8_cast_transpose_regs.cu) against the package's shared-tile one.
+"""Check and time the register-transposing FP8 cast at each launch bound (fp8_cast_transpose_regs.cu) against the
+package's shared-tile one.
 
     python dev/cuda/fp8_cast_transpose_regs.py                   # the d36 and d48 step casts, bf16
     python dev/cuda/fp8_cast_transpose_regs.py --cases dy:16384x1280 --reps 50 --json out.json
@@ -7,8 +8,8 @@ The cases are the three transposing casts of the FP8 step under delayed scaling 
 output gradient, E5M2, with its bias gradient's column sums), ``dgelu`` (MLP-in's output gradient dg · GELU'(f + b),
 E5M2, column sums) and ``gelu`` (MLP-out's input GELU(f + b), E4M3). Per case, on fresh random inputs with NaN,
 ±inf and a huge value sprinkled in, into outputs poisoned twice (two byte values: an unwritten byte cannot match
-both times), the experiment's y, yᵀ and amax must equal the package's ``fp8_cast`` bit for bit and its column sums
-match the package's to float32 rounding (another fixed order); then the package's ``fp8_cast`` (since this
+both times), each instantiation's y, yᵀ and amax must equal the shared-tile kernel's bit for bit and its column
+sums match the tile kernel's to float32 rounding (another fixed order); then the package's ``fp8_cast`` (since this
 experiment, the register transpose for such inputs), its 64 x 64 shared-tile kernel (``tile``, what ``fp8_cast``
 ran before) and the experiment's instantiations are timed (``llmgpu.perf.timing.time_fn``) and set against the
 device-to-device copy measured in the same run; the speedup is the tile kernel's time over the best experiment's.
@@ -36,8 +37,8 @@ from llmgpu.perf.timing import copy_bandwidth, time_fn  # noqa: E402
 
 SOURCE = HERE / "fp8_cast_transpose_regs.cu"
 THREADS = fp8.THREADS
-ROWS, COLS = 256, 64  # its REGS_ROWS x REGS_COLS block tile
-MIN_BLOCKS = {False: (2,), True: (2, 3)}  # its instantiations' MIN_BLOCKS, without / with an act
+ROWS, COLS = fp8.ROWS_8X8, fp8.COLS_8X8  # the register transpose's block tile
+MIN_BLOCKS = {False: (2,), True: (2, 3)}  # the file's instantiations' MIN_BLOCKS, without / with an act
 # what each cast applies and writes: (act, format, column sums)
 KINDS = {"dy": (None, "e5m2", True), "dgelu": ("dgelu", "e5m2", True), "gelu": ("gelu", "e4m3", False)}
 # d36 at B = 16 (M = 16384 tokens, C = 1280) and d48 at B = 8 (M = 8192, C = 1600): the output gradients of
@@ -70,7 +71,7 @@ def run_case(cp, module, kind, R, C, rng, reps, copy_gbps):
     pre = cp.asarray(poisoned_normal(rng, (R, C)).astype(bf16)) if act == "dgelu" else None
     bias = cp.asarray((0.1 * rng.standard_normal(C)).astype(bf16)) if act else None
     scale = cp.asarray(np.array([fmt.max / 8.0], np.float32))
-    kernels = {f"regs/{b}": module.get_function(f"fp8_cast_transpose_regs<{loader.template_args(bf16)}, "
+    kernels = {f"regs/{b}": module.get_function(f"fp8_cast_transpose_8x8_kernel<{loader.template_args(bf16)}, "
                                                 f"{fmt.c_name}, {fp8.ACTS[act]}, {int(sums)}, {b}>")
                for b in MIN_BLOCKS[act is not None]}
     grid = (-(-R // ROWS), -(-C // COLS))
@@ -112,16 +113,16 @@ def run_case(cp, module, kind, R, C, rng, reps, copy_gbps):
             a.fill(np.nan)
         if sums:
             cs.fill(np.nan)
-            pcs.fill(0)
+            pcs.fill(np.nan)
         regs(kern)
-        package()
+        tile()
         same = (bool(cp.array_equal(y, py)) and bool(cp.array_equal(yt, pyt))
                 and cp.asnumpy(amax).view(np.uint32)[0] == cp.asnumpy(pam).view(np.uint32)[0]
                 and float(si[0]) == float(psi[0]))
         if sums:
             same &= bool(np.allclose(cp.asnumpy(cs), cp.asnumpy(pcs), rtol=1e-5, atol=1e-3, equal_nan=True))
         if not same:
-            print(f"    {label}: differs from the package (poison {poison:#x})")
+            print(f"    {label}: differs from the shared tile (poison {poison:#x})")
         ok &= same
     print(f"{kind} [{R}, {C}] {fmt_name}: y, yT, amax{', column sums' if sums else ''} {'ok' if ok else 'FAIL'}")
 

@@ -300,17 +300,19 @@ __device__ __forceinline__ void transpose4x4_bytes(unsigned& a0, unsigned& a1, u
 // 32 consecutive rows of one column) one whole 32-byte sector. No shared tile and no barrier before the stores;
 // only amax and the column sums reduce across the block at the end. The 8 warps stack in rows: a block tile is
 // FP8_8X8_ROWS x FP8_8X8_COLS, grid (ceil(R / FP8_8X8_ROWS), ceil(C / FP8_8X8_COLS)), and the column sums'
-// partials are part[blockIdx.x * C + col] as the tiled cast's. The resident blocks per SM asked of ptxas: 2 for
-// the plain cast (at most 128 registers; unbounded, ptxas takes 185 and a quarter of the occupancy; at 3 it
-// spills), fp8_8x8_act_blocks for the GELU casts (3: fewer registers, more blocks in flight, faster on an H100).
+// partials are part[blockIdx.x * C + col] as the tiled cast's. MIN_BLOCKS, the resident blocks per SM asked of
+// ptxas: by default 2 for the plain cast (at most 128 registers; unbounded, ptxas takes 185 and a quarter of the
+// occupancy; at 3 it spills), fp8_8x8_act_blocks for the GELU casts (3: fewer registers, more blocks in flight,
+// faster on an H100); dev/cuda/fp8_cast_transpose_regs.cu instantiates other values to compare.
 // The idea of many bytes in flight per thread and a register transpose: Transformer Engine's cast_transpose.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 constexpr int fp8_8x8_act_blocks = 2;  // sm_80 emulates the FP8 conversion: at 3 blocks the GELU casts spill
 #else
 constexpr int fp8_8x8_act_blocks = 3;
 #endif
-template <typename T, __nv_fp8_interpretation_t FMT, int ACT, int SUMS>
-__global__ void __launch_bounds__(FP8_THREADS, ACT == FP8_ACT_NONE ? 2 : fp8_8x8_act_blocks)
+template <typename T, __nv_fp8_interpretation_t FMT, int ACT, int SUMS,
+          int MIN_BLOCKS = (ACT == FP8_ACT_NONE ? 2 : fp8_8x8_act_blocks)>
+__global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS)
 fp8_cast_transpose_8x8_kernel(const T* __restrict__ x, const T* __restrict__ pre, const T* __restrict__ bias,
                         unsigned char* __restrict__ y, unsigned char* __restrict__ yt, long long R, long long C,
                         const float* __restrict__ scale, float* __restrict__ scale_inv, float* __restrict__ amax,
