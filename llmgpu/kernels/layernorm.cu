@@ -146,19 +146,11 @@ __global__ void __launch_bounds__(256) layernorm_forward_warp(const T* __restric
     const float m = warp_sum(sum) / (float)C;
 
     // pass 2: variance from the kept row
-    float ss = 0.0f;
+    float s;
     if constexpr (P > 0) {
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            if (lane + 32 * p < nvec) {
-#pragma unroll
-                for (int k = 0; k < W; ++k) {
-                    const float d = v[p][k] - m;
-                    ss += d * d;
-                }
-            }
-        }
+        s = kept_row_rstd(v, m, lane, nvec, C, eps);
     } else {
+        float ss = 0.0f;
         for (int j = lane; j < nvec; j += 32) {
             float t[W];
             if constexpr (P == 0) {
@@ -173,8 +165,8 @@ __global__ void __launch_bounds__(256) layernorm_forward_warp(const T* __restric
                 ss += d * d;
             }
         }
+        s = rsqrtf(warp_sum(ss) / (float)C + eps);
     }
-    const float s = rsqrtf(warp_sum(ss) / (float)C + eps);
 
     // pass 3: normalize, scale, shift, one 16-byte store per pack
     if constexpr (P > 0) {

@@ -3,6 +3,24 @@
 // writes y as FP8 bytes). Needs common.cuh first.
 #pragma once
 
+// The rstd of a row that a warp keeps in registers (lane l holds packs j = l, l + 32, ...; P packs of W values),
+// given its mean m: the second pass of the two-pass variance, over the kept values (no cancellation).
+template <int P, int W>
+__device__ __forceinline__ float kept_row_rstd(const float (&v)[P][W], float m, int lane, int nvec, int C, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (lane + 32 * p < nvec) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                const float d = v[p][k] - m;
+                ss += d * d;
+            }
+        }
+    }
+    return rsqrtf(warp_sum(ss) / (float)C + eps);
+}
+
 // s = a + b for one row (offset `off`, C = nvec * W elements, W = 16 / sizeof(T)), rounded to T and written to s;
 // the rounded row kept in registers as fp32 v (lane l holds packs j = l, l + 32, ...; 0 past the row's end), and
 // its mean m and rstd r (two-pass variance from v: no cancellation). s may alias a or b: every pack of a and b is
@@ -41,16 +59,5 @@ __device__ __forceinline__ void add_layernorm_row(const T* a, const T* b, T* s, 
         }
     }
     m = warp_sum(sum) / (float)C;
-    float ss = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        if (lane + 32 * p < nvec) {
-#pragma unroll
-            for (int k = 0; k < W; ++k) {
-                const float d = v[p][k] - m;
-                ss += d * d;
-            }
-        }
-    }
-    r = rsqrtf(warp_sum(ss) / (float)C + eps);
+    r = kept_row_rstd(v, m, lane, nvec, C, eps);
 }
