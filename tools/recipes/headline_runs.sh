@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The comparisons against PyTorch that issues 36 and 37 set targets for, on the GPU at hand, each pair in one
+# process (`llmgpu bench`, T=1024, bf16 storage, the same padded vocabulary on both sides):
+#   fp8    chapter 5b: our bf16 step beside our FP8 step (delayed scaling) at d36 (B=16) and d48 (B=8), then torchao
+#          float8 + torch.compile at each size in a process of its own (targets: >= 1.2x our bf16, >= 1.1x torchao)
+#   llama  chapter 10: the Llama fast step beside torch.compile's at SmolLM-360M (B=32) and SmolLM-135M (B=64)
+#          (target: >= 1.1x in no more memory)
+#   bash tools/recipes/headline_runs.sh [fp8|llama|all]
+# Writes benchmarks/results/ch5b/<card>_<size>_{bf16_and_fp8_delayed,torchao_fp8}.json and
+# benchmarks/results/ch10/ch10_bench_smollm_<size>_<card>.json (card: h100, h200, ... from nvidia-smi; OUT=DIR puts
+# them all in DIR instead), each run's log beside its JSON, and a table of the ratios at the end. A run that fails or
+# outlives TIMEOUT seconds (default 300; the first run also compiles the kernels) is reported and the others go on.
+set -uo pipefail
+part=${1:-all}
+case "$part" in fp8|llama|all) ;; *) echo "usage: $0 [fp8|llama|all]" >&2; exit 2;; esac
+cd "$(dirname "$0")/../.."
+command -v nvidia-smi >/dev/null && gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+[ -n "${gpu:-}" ] || { echo "headline_runs.sh: no NVIDIA GPU here (nvidia-smi lists none)" >&2; exit 1; }
+card=$(echo "$gpu" | grep -oE '[A-Z][0-9]{3}' | head -1 | tr 'A-Z' 'a-z'); card=${card:-gpu}
+echo "$gpu, $(nvidia-smi --query-gpu=power.limit --format=csv,noheader | head -1) cap; card name '$card'"
+written=()
+run() {  # run PATH-WITHOUT-.json BENCH-ARGS...: one llmgpu bench process
+  local path=${OUT:+$OUT/$(basename "$1")}; path=${path:-$1}; shift
+  mkdir -p "$(dirname "$path")"
+  local t0=$SECONDS
+  timeout "${TIMEOUT:-300}" python3 -m llmgpu bench "$@" --json "$path.json" > "$path.log" 2>&1
+  local rc=$?
+  echo "$(basename "$path"): $([ $rc = 0 ] && echo done || echo "FAILED (exit $rc, see $path.log)") in $((SECONDS - t0)) s"
+  [ $rc = 0 ] && written+=("$path.json")
+}
+if [ "$part" != llama ]; then
+  for size_batch in "d36 16" "d48 8"; do
+    read -r size batch <<< "$size_batch"
+    run "benchmarks/results/ch5b/${card}_${size}_bf16_and_fp8_delayed" --preset "$size" --batch "$batch" \
+      --modes llmgpu-fast-graph,llmgpu-fp8-graph --fp8-recipe delayed
+    run "benchmarks/results/ch5b/${card}_${size}_torchao_fp8" --preset "$size" --batch "$batch" --modes torch-compile-fp8
+  done
+fi
+if [ "$part" != fp8 ]; then
+  run "benchmarks/results/ch10/ch10_bench_smollm_360m_$card" --arch llama --preset smollm-360m --batch 32 \
+    --modes llmgpu-fast-graph,torch-compile
+  run "benchmarks/results/ch10/ch10_bench_smollm_135m_$card" --arch llama --preset smollm-135m --batch 64 \
+    --modes llmgpu-fast-graph,torch-compile
+fi
+[ ${#written[@]} -gt 0 ] || exit 1
+python3 - "${written[@]}" <<'PY'
+import json, sys
+rows = {}  # (preset, mode) -> the timed row
+for path in sys.argv[1:]:
+    d = json.load(open(path))
+    rows.update({(d["preset"], r["mode"]): r for r in d["results"] if r.get("tokens_per_s")})
+# the ratios the targets state: (this mode, over which mode's row, said as)
+RATIOS = {"llmgpu-fp8-graph": ("llmgpu-fast-graph", False, "x our bf16"),
+          "torch-compile-fp8": ("llmgpu-fp8-graph", True, "x: our FP8 over this"),
+          "llmgpu-fast-graph": ("torch-compile", False, "x torch.compile")}
+print(f"\n{'preset':12s} {'mode':18s} {'ms/step':>8s} {'K tok/s':>8s} {'GiB':>6s}  ratio")
+for (preset, mode), r in rows.items():
+    other, inverse, said = RATIOS.get(mode, (None, False, ""))
+    o = rows.get((preset, other))
+    ratio = f"{(o['tokens_per_s'] / r['tokens_per_s']) if inverse else (r['tokens_per_s'] / o['tokens_per_s']):.3f}{said}" \
+        if o else ""
+    print(f"{preset:12s} {mode:18s} {r['ms_per_step']:8.1f} {r['tokens_per_s'] / 1e3:8.1f} "
+          f"{r['peak_memory_bytes'] / 2**30:6.1f}  {ratio}")
+PY
