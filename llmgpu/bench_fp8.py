@@ -24,8 +24,8 @@ def fp8_skip_reason(mode: str, arch: str, dtype: str, xp, torch) -> str | None:
     ``torch``: the module, for torchao's checks."""
     if mode not in FP8_BENCH_MODES:
         return None
-    if mode.startswith("llmgpu"):  # GPT-2's fast step in bf16, a GPU with FP8 tensor cores
-        return fp8_setting_reason(arch, dtype) or fp8_unavailable_reason(xp)
+    if mode.startswith("llmgpu"):  # a GPU with FP8 tensor cores (the first thing to say where none is), GPT-2 in bf16
+        return fp8_unavailable_reason(xp) or fp8_setting_reason(arch, dtype)
     return float8_unavailable_reason(torch, "cpu" if xp is np else "cuda", dtype=dtype, arch=arch)
 
 

@@ -328,12 +328,12 @@ TORCHAO_RECIPE = "tensorwise"  # torchao's Float8LinearRecipeName: per-tensor dy
 def float8_unavailable_reason(torch, device=None, *, dtype: str = "bf16", arch: str = "gpt2") -> str | None:
     """Why torchao's float8 training cannot run here (one line), or None: the GPT-2 family (the layers llmgpu runs in
     FP8), bf16 autocast around it, a CUDA GPU with FP8 tensor cores, torchao importable."""
-    if why := fp8_setting_reason(arch, backend.dtype_name(dtype)):
-        return why
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     cap = "{}.{}".format(*torch.cuda.get_device_capability(device)) if cuda else None
-    if why := fp8_hardware_reason(cap, torch.cuda.get_device_name(device) if cuda else "this GPU"):
+    # the hardware first: where it cannot run FP8, no setting would help
+    if why := (fp8_hardware_reason(cap, torch.cuda.get_device_name(device) if cuda else "this GPU")
+               or fp8_setting_reason(arch, backend.dtype_name(dtype))):
         return why
     try:
         import torchao.float8  # noqa: F401

@@ -107,10 +107,10 @@ def test_bench_main_passes_the_recipe_to_the_fp8_step(recipe, monkeypatch, tmp_p
     assert data["llmgpu_best_mode"] == "llmgpu-fast-graph"  # the bf16 comparisons stay bf16 against bf16
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"dtype": "fp32"}, "FP8 GEMMs run inside bf16 training (--dtype bf16), not fp32"),
-    ({"dtype": "bf16"}, "FP8 GEMMs need a GPU with FP8 tensor cores (sm_89+"),  # this machine: no GPU
-    ({"arch": "llama", "preset": "llama-tiny", "dtype": "bf16"}, FP8_ONLY_GPT2),
+@pytest.mark.parametrize("kw,needle", [  # this machine has no GPU: that is said first, whatever else is off
+    ({"dtype": "fp32"}, "FP8 GEMMs need a GPU with FP8 tensor cores (sm_89+"),
+    ({"dtype": "bf16"}, "FP8 GEMMs need a GPU with FP8 tensor cores (sm_89+"),
+    ({"arch": "llama", "preset": "llama-tiny", "dtype": "bf16"}, "FP8 GEMMs need a GPU with FP8 tensor cores (sm_89+"),
 ])
 def test_fp8_modes_that_cannot_run_are_skipped_with_one_line(kw, needle, capsys):
     rc = bench.bench_main(_args(device="cpu", batch=2, seq=16, steps=1, warmup=0, no_ceiling=True,
@@ -125,6 +125,15 @@ def test_fp8_modes_that_cannot_run_are_skipped_with_one_line(kw, needle, capsys)
         assert "PyTorch is not installed" in tline
     else:
         assert needle in tline
+
+
+def test_fp8_skip_reason_names_the_hardware_first_then_the_setting(monkeypatch):
+    assert "none is in use" in bench_fp8.fp8_skip_reason("llmgpu-fp8-graph", "llama", "fp32", np, None)
+    monkeypatch.setattr(bench_fp8, "fp8_unavailable_reason", lambda xp: None)  # as on a GPU with FP8 tensor cores
+    why = lambda arch, dtype: bench_fp8.fp8_skip_reason("llmgpu-fp8-graph", arch, dtype, np, None)  # noqa: E731
+    assert "--dtype bf16), not fp32" in why("gpt2", "fp32") and FP8_ONLY_GPT2 in why("llama", "bf16")
+    assert why("gpt2", "bf16") is None
+    assert bench_fp8.fp8_skip_reason("llmgpu-fast-graph", "llama", "fp32", np, None) is None  # not an FP8 mode
 
 
 # --------------------------------------------------------------------------- the table and the ratios
