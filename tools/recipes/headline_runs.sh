@@ -7,8 +7,8 @@
 #          (target: >= 1.1x in no more memory)
 #   bash tools/recipes/headline_runs.sh [fp8|llama|all]
 # Writes benchmarks/results/ch5b/<card>_<size>_{bf16_and_fp8_delayed,torchao_fp8}.json and
-# benchmarks/results/ch10/ch10_bench_smollm_<size>_<card>.json (card: h100, h200, ... from nvidia-smi; OUT=DIR puts
-# them all in DIR instead), each run's log beside its JSON, and a table of the ratios at the end. A run that fails or
+# benchmarks/results/ch10/ch10_bench_smollm_<size>.json, which chapter 10 reads (card: h100, h200, ... from nvidia-smi,
+# and the JSON names the GPU; OUT=DIR puts them all in DIR instead), each run's log beside its JSON, and a table of the ratios at the end. A run that fails or
 # outlives TIMEOUT seconds (default 300; the first run also compiles the kernels) is reported and the others go on.
 set -uo pipefail
 part=${1:-all}
@@ -37,9 +37,9 @@ if [ "$part" != llama ]; then
   done
 fi
 if [ "$part" != fp8 ]; then
-  run "benchmarks/results/ch10/ch10_bench_smollm_360m_$card" --arch llama --preset smollm-360m --batch 32 \
+  run benchmarks/results/ch10/ch10_bench_smollm_360m --arch llama --preset smollm-360m --batch 32 \
     --modes llmgpu-fast-graph,torch-compile
-  run "benchmarks/results/ch10/ch10_bench_smollm_135m_$card" --arch llama --preset smollm-135m --batch 64 \
+  run benchmarks/results/ch10/ch10_bench_smollm_135m --arch llama --preset smollm-135m --batch 64 \
     --modes llmgpu-fast-graph,torch-compile
 fi
 [ ${#written[@]} -gt 0 ] || exit 1
