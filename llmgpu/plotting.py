@@ -303,20 +303,21 @@ def plot_scale_table(table, png_path=None, *, title=None):
         mem = [(x, gib(r)) for x, r, _ in pts if gib(r) is not None]
         if mem:
             a2.plot(*zip(*mem), "o-", color=color, label=label)
-        for x, r, o in pts:  # each point labelled with its batch on both panels (memory depends on it): above
-            k = r.get("checkpoint_every") or 0  # the point where it is the higher of the two, else below
-            tag = f"B={r['batch']}" + (f" c{k}" if k else "")
+        for x, r, o in pts:  # each point labelled with its batch on both panels (memory depends on it), centred
+            k = r.get("checkpoint_every") or 0  # above the point where it is the higher of the two, else below (off
+            tag = f"B={r['batch']}" + (f" c{k}" if k else "")  # the lines, which leave a point sideways)
             for ax, v, w in ((a1, mfu(r), mfu(o) if o.get("tokens_per_s") else None), (a2, gib(r), gib(o))):
                 if v is not None:
-                    dy = 4 if w is None or v >= w else -11
-                    ax.annotate(tag, (x, v), textcoords="offset points", xytext=(4, dy), fontsize=7, color=color)
+                    above = w is None or v >= w
+                    ax.annotate(tag, (x, v), textcoords="offset points", xytext=(0, 6 if above else -6), ha="center",
+                                va="bottom" if above else "top", fontsize=7, color=color)
     ticks = [r["parameters"] / 1e6 for r in rows]
     names = [f"{r.get('preset', '')}\n{r['parameters'] / 1e6:,.0f}M" for r in rows]
     for ax, yl in ((a1, "MFU (%)"), (a2, "peak memory (GiB)")):
         ax.set_xscale("log")
         ax.set_xticks(ticks, names, fontsize=8)
         ax.minorticks_off()
-        ax.margins(x=0.08)  # room for the last point's label
+        ax.margins(x=0.12, y=0.12)  # room for the outer points' labels
         ax.set_xlabel("parameters")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
