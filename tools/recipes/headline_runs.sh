@@ -5,14 +5,17 @@
 #          float8 + torch.compile at each size in a process of its own (targets: >= 1.2x our bf16, >= 1.1x torchao)
 #   llama  chapter 10: the Llama fast step beside torch.compile's at SmolLM-360M (B=32) and SmolLM-135M (B=64)
 #          (target: >= 1.1x in no more memory)
-#   bash tools/recipes/headline_runs.sh [fp8|llama|all]
+#   bash tools/recipes/headline_runs.sh [fp8|fp8-pairs|torchao|llama|all]   (fp8 = fp8-pairs + torchao)
+# Time on a fresh H100 (2026-12-07): the d36 pair 169 s (it compiles our kernels first), torchao at d36 172 s
+# (torch.compile), the d48 pair 82 s, the 360M pair 135 s: split the parts across calls that are limited to 10 minutes.
 # Writes benchmarks/results/ch5b/<card>_<size>_{bf16_and_fp8_delayed,torchao_fp8}.json and
 # benchmarks/results/ch10/ch10_bench_smollm_<size>.json, which chapter 10 reads (card: h100, h200, ... from nvidia-smi,
-# and the JSON names the GPU; OUT=DIR puts them all in DIR instead), each run's log beside its JSON, and a table of the ratios at the end. A run that fails or
+# and the JSON names the GPU; OUT=DIR puts them all in DIR instead), each run's log beside its JSON, and a table of the ratios between the runs of this call at the end. A run that fails or
 # outlives TIMEOUT seconds (default 300; the first run also compiles the kernels) is reported and the others go on.
 set -uo pipefail
 part=${1:-all}
-case "$part" in fp8|llama|all) ;; *) echo "usage: $0 [fp8|llama|all]" >&2; exit 2;; esac
+case "$part" in fp8|fp8-pairs|torchao|llama|all) ;; *) echo "usage: $0 [fp8|fp8-pairs|torchao|llama|all]" >&2; exit 2;; esac
+wants() { case "$part" in all) return 0;; fp8) [ "$1" != llama ];; *) [ "$1" = "$part" ];; esac; }
 cd "$(dirname "$0")/../.."
 command -v nvidia-smi >/dev/null && gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 [ -n "${gpu:-}" ] || { echo "headline_runs.sh: no NVIDIA GPU here (nvidia-smi lists none)" >&2; exit 1; }
@@ -28,15 +31,14 @@ run() {  # run PATH-WITHOUT-.json BENCH-ARGS...: one llmgpu bench process
   echo "$(basename "$path"): $([ $rc = 0 ] && echo done || echo "FAILED (exit $rc, see $path.log)") in $((SECONDS - t0)) s"
   [ $rc = 0 ] && written+=("$path.json")
 }
-if [ "$part" != llama ]; then
-  for size_batch in "d36 16" "d48 8"; do
-    read -r size batch <<< "$size_batch"
-    run "benchmarks/results/ch5b/${card}_${size}_bf16_and_fp8_delayed" --preset "$size" --batch "$batch" \
-      --modes llmgpu-fast-graph,llmgpu-fp8-graph --fp8-recipe delayed
-    run "benchmarks/results/ch5b/${card}_${size}_torchao_fp8" --preset "$size" --batch "$batch" --modes torch-compile-fp8
-  done
-fi
-if [ "$part" != fp8 ]; then
+for size_batch in "d36 16" "d48 8"; do
+  read -r size batch <<< "$size_batch"
+  wants fp8-pairs && run "benchmarks/results/ch5b/${card}_${size}_bf16_and_fp8_delayed" --preset "$size" \
+    --batch "$batch" --modes llmgpu-fast-graph,llmgpu-fp8-graph --fp8-recipe delayed
+  wants torchao && run "benchmarks/results/ch5b/${card}_${size}_torchao_fp8" --preset "$size" --batch "$batch" \
+    --modes torch-compile-fp8
+done
+if wants llama; then
   run benchmarks/results/ch10/ch10_bench_smollm_360m --arch llama --preset smollm-360m --batch 32 \
     --modes llmgpu-fast-graph,torch-compile
   run benchmarks/results/ch10/ch10_bench_smollm_135m --arch llama --preset smollm-135m --batch 64 \
