@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The comparisons against PyTorch that issues 36 and 37 set targets for, on the GPU at hand, each pair in one
 # process (`llmgpu bench`, T=1024, bf16 storage, the same padded vocabulary on both sides):
-#   fp8    chapter 5b: our bf16 step beside our FP8 step (delayed scaling) at d36 (B=16) and d48 (B=8), then torchao
-#          float8 + torch.compile at each size in a process of its own (targets: >= 1.2x our bf16, >= 1.1x torchao)
-#   llama  chapter 10: the Llama fast step beside torch.compile's at SmolLM-360M (B=32) and SmolLM-135M (B=64)
-#          (target: >= 1.1x in no more memory)
-#   bash tools/recipes/headline_runs.sh [fp8|fp8-pairs|torchao|llama|all]   (fp8 = fp8-pairs + torchao)
+#   fp8-pairs  chapter 5b: our bf16 step beside our FP8 step (delayed scaling) at d36 (B=16) and at d48 (B=8)
+#   torchao    torchao float8 + torch.compile at each size, in a process of its own
+#              (targets: our FP8 >= 1.2x our bf16 and >= 1.1x torchao; fp8 = both parts)
+#   llama      chapter 10: the Llama fast step beside torch.compile's at SmolLM-360M (B=32) and SmolLM-135M (B=64)
+#              (target: >= 1.1x in no more memory)
+#   bash tools/recipes/headline_runs.sh [fp8|fp8-pairs|torchao|llama|all]
 # Time on a fresh H100 (2026-12-07): the d36 pair 169 s (it compiles our kernels first), torchao at d36 172 s
-# (torch.compile), the d48 pair 82 s, the 360M pair 135 s: split the parts across calls that are limited to 10 minutes.
+# (torch.compile), the d48 pair 82 s, the 360M pair 135 s: split the parts across calls limited to 10 minutes.
 # Writes benchmarks/results/ch5b/<card>_<size>_{bf16_and_fp8_delayed,torchao_fp8}.json and
-# benchmarks/results/ch10/ch10_bench_smollm_<size>.json, which chapter 10 reads (card: h100, h200, ... from nvidia-smi,
-# and the JSON names the GPU; OUT=DIR puts them all in DIR instead), each run's log beside its JSON, and a table of the ratios between the runs of this call at the end. A run that fails or
-# outlives TIMEOUT seconds (default 300; the first run also compiles the kernels) is reported and the others go on.
+# benchmarks/results/ch10/ch10_bench_smollm_<size>.json, which chapter 10 reads (card: h100, h200, ... from
+# nvidia-smi, and the JSON names the GPU; OUT=DIR puts them all in DIR instead), each run's log beside its JSON,
+# and at the end a table of the ratios between the runs of this call. A run that fails or outlives TIMEOUT seconds
+# (default 300; the first run also compiles the kernels) is reported and the others go on.
 set -uo pipefail
 part=${1:-all}
 case "$part" in fp8|fp8-pairs|torchao|llama|all) ;; *) echo "usage: $0 [fp8|fp8-pairs|torchao|llama|all]" >&2; exit 2;; esac
