@@ -16,7 +16,10 @@
 # (default 300; the first run also compiles the kernels) is reported and the others go on.
 set -uo pipefail
 part=${1:-all}
-case "$part" in fp8|fp8-pairs|torchao|llama|all) ;; *) echo "usage: $0 [fp8|fp8-pairs|torchao|llama|all]" >&2; exit 2;; esac
+case "$part" in
+  fp8|fp8-pairs|torchao|llama|all) ;;
+  *) echo "usage: $0 [fp8|fp8-pairs|torchao|llama|all]" >&2; exit 2;;
+esac
 wants() { case "$part" in all) return 0;; fp8) [ "$1" != llama ];; *) [ "$1" = "$part" ];; esac; }
 cd "$(dirname "$0")/../.."
 command -v nvidia-smi >/dev/null && gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
@@ -30,7 +33,8 @@ run() {  # run PATH-WITHOUT-.json BENCH-ARGS...: one llmgpu bench process
   local t0=$SECONDS
   timeout "${TIMEOUT:-300}" python3 -m llmgpu bench "$@" --json "$path.json" > "$path.log" 2>&1
   local rc=$?
-  echo "$(basename "$path"): $([ $rc = 0 ] && echo done || echo "FAILED (exit $rc, see $path.log)") in $((SECONDS - t0)) s"
+  local said="done"; [ $rc = 0 ] || said="FAILED (exit $rc, see $path.log)"
+  echo "$(basename "$path"): $said in $((SECONDS - t0)) s"
   [ $rc = 0 ] && written+=("$path.json")
 }
 for size_batch in "d36 16" "d48 8"; do
@@ -61,8 +65,8 @@ print(f"\n{'preset':12s} {'mode':18s} {'ms/step':>8s} {'K tok/s':>8s} {'GiB':>6s
 for (preset, mode), r in rows.items():
     other, inverse, said = RATIOS.get(mode, (None, False, ""))
     o = rows.get((preset, other))
-    ratio = f"{(o['tokens_per_s'] / r['tokens_per_s']) if inverse else (r['tokens_per_s'] / o['tokens_per_s']):.3f}{said}" \
-        if o else ""
+    x = (o["tokens_per_s"] / r["tokens_per_s"] if inverse else r["tokens_per_s"] / o["tokens_per_s"]) if o else None
+    ratio = f"{x:.3f}{said}" if o else ""
     print(f"{preset:12s} {mode:18s} {r['ms_per_step']:8.1f} {r['tokens_per_s'] / 1e3:8.1f} "
           f"{r['peak_memory_bytes'] / 2**30:6.1f}  {ratio}")
 PY
