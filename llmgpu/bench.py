@@ -53,7 +53,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import backend
-from .bench_fp8 import FP8_BENCH_MODES, fp8_ratios, fp8_skip_reason
+from .bench_fp8 import FP8_BENCH_MODES, fp8_ratios, fp8_recipe, fp8_skip_reason
 from .gemm import lt_splitk
 from .model import FastOptions
 from .model.family import ARCHS, FAMILIES, arch_of_preset, fast_model_class, model_class
@@ -282,7 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="let llmgpu's attention backward run cuDNN's default algorithm (atomics: faster, gradients "
                         "not bitwise repeatable; what PyTorch's SDPA runs); default: deterministic")
-    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=FP8_RECIPES[0],
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="scaling of llmgpu-fp8-graph's GEMMs: current (each tensor's amax this step, as torchao's "
                         "tensorwise) or delayed (an amax history, one read per cast: faster); default current")
     p.add_argument("--modes", default=None,
@@ -383,7 +383,7 @@ def bench_main(args) -> int:
     cfg = FAMILIES[arch][0].preset(o["preset"], **overrides)
     cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
     ckpt, compile_mode, seed, note = run_options(args, xp)
-    recipe = getattr(args, "fp8_recipe", None) or FP8_RECIPES[0]
+    recipe = fp8_recipe(getattr(args, "fp8_recipe", None), modes)
     kv = f", {cfg.n_kv_head} K/V heads, ffn {cfg.ffn_dim}" if arch == "llama" else ""
     print(f"model: {o['preset']} ({arch}: L={cfg.n_layer}, H={cfg.n_head}{kv}, C={cfg.n_embd}, vocab {cfg.vocab_size}"
           f"{' padded to ' + str(cfg.padded_vocab_size) if cfg.padded_vocab_size != cfg.vocab_size else ''}); "

@@ -14,9 +14,17 @@ import numpy as np
 
 from .model.options import fp8_setting_reason
 from .torch_reference import float8_unavailable_reason
-from .train.config import fp8_unavailable_reason
+from .train.config import FP8_RECIPES, fp8_unavailable_reason
 
 FP8_BENCH_MODES = ("llmgpu-fp8-graph", "torch-compile-fp8")
+
+
+def fp8_recipe(given: str | None, modes) -> str:
+    """The scaling recipe of the run's llmgpu-fp8-graph rows: ``--fp8-recipe`` or the default ("current"). Given where
+    no such row runs, it is ignored, and a note says so."""
+    if given and "llmgpu-fp8-graph" not in modes:
+        print(f"note: --fp8-recipe {given} is ignored: it scales llmgpu-fp8-graph, which is not among the modes")
+    return given or FP8_RECIPES[0]
 
 
 def fp8_skip_reason(mode: str, arch: str, dtype: str, xp, torch) -> str | None:

@@ -36,7 +36,7 @@ def test_fp8_modes_are_offered_but_not_default():
     assert {"llmgpu-fp8-graph", "torch-compile-fp8"} <= set(bench.MODES)
     assert bench.DEFAULT_MODES == ("llmgpu", "llmgpu-fast-graph", "torch-eager", "torch-compile")
     p = bench.add_arguments(argparse.ArgumentParser())
-    assert p.parse_args([]).fp8_recipe == "current"
+    assert p.parse_args([]).fp8_recipe is None  # "current" where llmgpu-fp8-graph runs; a note where it does not
     assert p.parse_args(["--fp8-recipe", "delayed"]).fp8_recipe == "delayed"
     with pytest.raises(SystemExit):
         p.parse_args(["--fp8-recipe", "hybrid"])
@@ -125,6 +125,14 @@ def test_fp8_modes_that_cannot_run_are_skipped_with_one_line(kw, needle, capsys)
         assert "PyTorch is not installed" in tline
     else:
         assert needle in tline
+
+
+def test_an_fp8_recipe_without_an_fp8_mode_is_said_to_be_ignored(capsys):
+    args = dict(device="cpu", batch=2, seq=16, steps=1, warmup=0, no_ceiling=True, preset="tiny", modes="llmgpu")
+    assert bench.bench_main(_args(fp8_recipe="delayed", **args)) == 0
+    assert "note: --fp8-recipe delayed is ignored" in capsys.readouterr().out
+    assert bench.bench_main(_args(**args)) == 0  # not given: nothing to say
+    assert "--fp8-recipe" not in capsys.readouterr().out
 
 
 def test_fp8_skip_reason_names_the_hardware_first_then_the_setting(monkeypatch):
