@@ -31,6 +31,7 @@ run() {  # run PATH-WITHOUT-.json BENCH-ARGS...: one llmgpu bench process
   local path=${OUT:+$OUT/$(basename "$1")}; path=${path:-$1}; shift
   mkdir -p "$(dirname "$path")"
   local t0=$SECONDS
+  echo "$(basename "$path"): running (log: $path.log) ..."
   timeout "${TIMEOUT:-300}" python3 -m llmgpu bench "$@" --json "$path.json" > "$path.log" 2>&1
   local rc=$?
   local said="done"; [ $rc = 0 ] || said="FAILED (exit $rc, see $path.log)"
