@@ -25,6 +25,7 @@ from llmgpu.interop.hf_llama import HF_DEFAULTS, llama_config_from_hf, llama_con
 from llmgpu.model import GPTConfig, Llama, LlamaConfig
 from llmgpu.model.family import config_from_dict
 from llmgpu.model.llama_config import EMBED, LM_HEAD, llama_param_shapes
+from llmgpu.train import TrainConfig, Trainer
 from llmgpu.train.checkpoint import save_checkpoint
 from llmgpu.train.pretrained import load_pretrained
 
@@ -277,9 +278,14 @@ def test_train_init_fine_tunes_a_hugging_face_llama(tmp_path, rng, capsys):
     loss = losses(out)
     assert len(loss) == 6 and loss[-1] < loss[0]
     assert 4.0 < loss[0] < 7.0  # a random model's loss on 256 tokens is about ln 256 = 5.5, not a trained one's
+    capsys.readouterr()
     rc = main(["train", "--init", str(d), "--arch", "gpt2", "--device", "cpu", "--steps", "1", "--out",
                str(tmp_path / "x"), "--no-progress", "--no-plot"])
-    assert rc == 0  # gpt2 is the default: the weights' family wins, with no conflict to report
+    err = capsys.readouterr().err  # an --arch the user gave that contradicts the weights: one line, nothing written
+    assert rc != 0 and "holds a Llama model: drop --arch gpt2" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+    ft = Trainer(TrainConfig(init=str(d), arch="gpt2", device="cpu", steps=1, out=str(tmp_path / "y")))
+    assert ft.cfg.arch == "llama"  # the API cannot tell gpt2, the default, from one set: the weights' family wins
     back = llmgpu.from_pretrained(out, xp=np)
     assert type(back).__name__ == "Llama"
 

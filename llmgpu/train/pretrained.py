@@ -153,13 +153,15 @@ def check_export_target(out: Path, pre: Pretrained, overwrite: bool):
 # --------------------------------------------------------------------------- train --init
 
 
-def init_run(cfg: TrainConfig, note=print) -> tuple[TrainConfig, Pretrained]:
+def init_run(cfg: TrainConfig, note=print, explicit=None) -> tuple[TrainConfig, Pretrained]:
     """(the configuration of a new run that starts from the weights at ``cfg.init``, those weights); ``note``
     is called with what the run takes from them (one line).
 
     The model's shape, vocabulary and block size are the weights'; ``--preset`` is an error (it would name
-    another shape), and so are a ``--block-size``/``--vocab-size`` other than the weights'. Fine-tuning
-    defaults (``config.FINETUNE_DEFAULTS``) apply to what the user did not set (``resolve``)."""
+    another shape), and so are a ``--block-size``/``--vocab-size`` other than the weights', and an ``--arch`` of
+    another family (``explicit``: the fields the user set, as the CLI knows them; None: an ``arch`` other than the
+    default counts as set). Fine-tuning defaults (``config.FINETUNE_DEFAULTS``) apply to what the user did not set
+    (``resolve``)."""
     if cfg.resume:
         raise ConfigError(f"--init {cfg.init} starts a new run from pretrained weights; --resume continues a run: "
                           "give one of them")
@@ -167,7 +169,8 @@ def init_run(cfg: TrainConfig, note=print) -> tuple[TrainConfig, Pretrained]:
         raise ConfigError(f"--init {cfg.init} takes the model's shape from its weights: drop --preset {cfg.preset}")
     pre = load_pretrained(cfg.init)
     m = pre.config
-    if cfg.arch not in ("gpt2", m.arch):  # gpt2 is the default: an --arch of another family contradicts the weights
+    arch_set = "arch" in explicit if explicit is not None else cfg.arch != TrainConfig.arch  # the API: not the default
+    if arch_set and cfg.arch != m.arch:  # an --arch of another family contradicts the weights
         raise ConfigError(f"--init {cfg.init} holds a {family_name(m)} model: drop --arch {cfg.arch}")
     cfg = replace(cfg, arch=m.arch)  # before resolve(): a Llama then runs the book step, with its note
     for name, value in (("block_size", m.block_size), ("vocab_size", m.vocab_size)):

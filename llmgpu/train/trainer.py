@@ -66,7 +66,7 @@ class Trainer:
         self._bar = None
 
         # plan: the configuration, where the run writes, the model (pure, plan.py) around the reads it needs
-        cfg, self.init = init_run(cfg, self._note) if cfg.init else (cfg, None)  # --init's weights (pretrained.py)
+        cfg, self.init = init_run(cfg, self._note, explicit) if cfg.init else (cfg, None)  # --init's weights
         saved = ckpt = None
         if cfg.resume:
             ckpt = load_checkpoint(cfg.resume)  # (weights, meta, optimizer arrays)
