@@ -1,6 +1,7 @@
-// layernorm.cuh: the first half of the fused residual add + LayerNorm forward, one warp per row, shared by
-// layernorm.cu (add_layernorm_forward_warp writes y in the storage type) and fp8.cu (fp8_add_layernorm_kernel
-// writes y as FP8 bytes). Needs common.cuh first.
+// layernorm.cuh: the row statistics of the one-warp-per-row LayerNorm forwards, shared by layernorm.cu
+// (layernorm_forward_warp; add_layernorm_forward_warp writes y in the storage type) and fp8.cu
+// (fp8_add_layernorm_kernel writes y as FP8 bytes): the variance of a kept row, and the first half of the fused
+// residual add + LayerNorm. Needs common.cuh first.
 #pragma once
 
 // The rstd of a row that a warp keeps in registers (lane l holds packs j = l, l + 32, ...; P packs of W values),
