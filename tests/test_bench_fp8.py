@@ -216,6 +216,36 @@ def _fake_torchao(monkeypatch, calls):
     monkeypatch.setitem(sys.modules, "torchao.float8", f8)
 
 
+def test_the_headline_table_states_the_targets_ratios(tmp_path, capsys):
+    """tools/recipes/headline_table.py, the table headline_runs.sh ends with, on files as llmgpu bench writes them."""
+    from repo_tools import load_tool
+
+    table = load_tool("recipes/headline_table")
+    row = lambda mode, tps: {"mode": mode, "tokens_per_s": tps, "ms_per_step": 1e5 / tps,  # noqa: E731
+                             "peak_memory_bytes": 2**30}
+    runs = {"pair": {"preset": "d36", "results": [row("llmgpu-fast-graph", 100.0), row("llmgpu-fp8-graph", 125.0)]},
+            "torchao": {"preset": "d36", "results": [row("torch-compile-fp8", 90.0)]},
+            "llama": {"preset": "smollm-360m", "results": [row("llmgpu-fast-graph", 111.0),
+                                                           row("torch-compile", 100.0),
+                                                           {"mode": "torch-eager", "error": "out of memory"}]}}
+    paths = []
+    for name, d in runs.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(d))
+    rows = table.timed_rows(paths)
+    assert ("smollm-360m", "torch-eager") not in rows  # a mode that did not run has no row
+    assert table.ratio(rows, "d36", "llmgpu-fp8-graph") == (pytest.approx(1.25), "our FP8 over our bf16")
+    assert table.ratio(rows, "d36", "torch-compile-fp8")[0] == pytest.approx(125 / 90)  # ours over torchao's
+    assert table.ratio(rows, "smollm-360m", "llmgpu-fast-graph")[0] == pytest.approx(1.11)
+    assert table.ratio(rows, "d36", "llmgpu-fast-graph") is None  # no torch.compile row for d36 among the files
+    assert table.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "1.250x our FP8 over our bf16" in out and "1.389x our FP8 over torchao" in out and "1.110x ours" in out
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"preset": "d36", "results": [{"mode": "llmgpu-fp8-graph", "skipped": "no GPU"}]}))
+    assert table.main([str(empty)]) == 1 and "no timed rows" in capsys.readouterr().err
+
+
 def test_float8_unavailable_reasons_are_one_line(monkeypatch):
     why = torch_reference.float8_unavailable_reason
     assert FP8_ONLY_GPT2 in why(_fake_torch((9, 0)), "cuda", arch="llama")

@@ -52,22 +52,5 @@ if wants llama; then
     --modes llmgpu-fast-graph,torch-compile
 fi
 [ ${#written[@]} -gt 0 ] || exit 1
-python3 - "${written[@]}" <<'PY'
-import json, sys
-rows = {}  # (preset, mode) -> the timed row
-for path in sys.argv[1:]:
-    d = json.load(open(path))
-    rows.update({(d["preset"], r["mode"]): r for r in d["results"] if r.get("tokens_per_s")})
-# the ratios the targets state: (this mode, over which mode's row, said as)
-RATIOS = {"llmgpu-fp8-graph": ("llmgpu-fast-graph", False, "x our bf16"),
-          "torch-compile-fp8": ("llmgpu-fp8-graph", True, "x: our FP8 over this"),
-          "llmgpu-fast-graph": ("torch-compile", False, "x torch.compile")}
-print(f"\n{'preset':12s} {'mode':18s} {'ms/step':>8s} {'K tok/s':>8s} {'GiB':>6s}  ratio")
-for (preset, mode), r in rows.items():
-    other, inverse, said = RATIOS.get(mode, (None, False, ""))
-    o = rows.get((preset, other))
-    x = (o["tokens_per_s"] / r["tokens_per_s"] if inverse else r["tokens_per_s"] / o["tokens_per_s"]) if o else None
-    ratio = f"{x:.3f}{said}" if o else ""
-    print(f"{preset:12s} {mode:18s} {r['ms_per_step']:8.1f} {r['tokens_per_s'] / 1e3:8.1f} "
-          f"{r['peak_memory_bytes'] / 2**30:6.1f}  {ratio}")
-PY
+echo
+python3 tools/recipes/headline_table.py "${written[@]}"
