@@ -25,7 +25,7 @@ from ..model import GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
 from ..version import __version__
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
-from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, flag_of
+from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, explicit_fields, flag_of
 from .rundir import RUN_FILES
 
 
@@ -159,9 +159,9 @@ def init_run(cfg: TrainConfig, note=print, explicit=None) -> tuple[TrainConfig, 
 
     The model's shape, vocabulary and block size are the weights'; ``--preset`` is an error (it would name
     another shape), and so are a ``--block-size``/``--vocab-size`` other than the weights', and an ``--arch`` of
-    another family (``explicit``: the fields the user set, as the CLI knows them; None: an ``arch`` other than the
-    default counts as set). Fine-tuning defaults (``config.FINETUNE_DEFAULTS``) apply to what the user did not set
-    (``resolve``)."""
+    another family (``explicit``: the fields the user set, as the CLI knows them; None: ``explicit_fields``, those
+    that differ from the defaults). Fine-tuning defaults (``config.FINETUNE_DEFAULTS``) apply to what the user did
+    not set (``resolve``)."""
     if cfg.resume:
         raise ConfigError(f"--init {cfg.init} starts a new run from pretrained weights; --resume continues a run: "
                           "give one of them")
@@ -169,8 +169,8 @@ def init_run(cfg: TrainConfig, note=print, explicit=None) -> tuple[TrainConfig, 
         raise ConfigError(f"--init {cfg.init} takes the model's shape from its weights: drop --preset {cfg.preset}")
     pre = load_pretrained(cfg.init)
     m = pre.config
-    arch_set = "arch" in explicit if explicit is not None else cfg.arch != TrainConfig.arch  # the API: not the default
-    if arch_set and cfg.arch != m.arch:  # an --arch of another family contradicts the weights
+    explicit = explicit_fields(cfg) if explicit is None else explicit
+    if "arch" in explicit and cfg.arch != m.arch:  # an --arch of another family contradicts the weights
         raise ConfigError(f"--init {cfg.init} holds a {family_name(m)} model: drop --arch {cfg.arch}")
     cfg = replace(cfg, arch=m.arch)  # before resolve(): a Llama then runs the book step, with its note
     for name, value in (("block_size", m.block_size), ("vocab_size", m.vocab_size)):
