@@ -199,9 +199,14 @@ def cmd_train(a) -> int:
     if "error" in summary:  # diverged: stopped, the last good checkpoint kept
         raise UsageError(summary["error"])
     if summary["stop_reason"] == "interrupted":
-        if from_environ().is_main:
+        ckpt, out, unfinished = summary["checkpoint"], summary["out"], summary.get("unfinished_step")
+        if from_environ().is_main and unfinished:  # a second signal stopped a step halfway (train/stop.py)
+            print(f"llmgpu: interrupted in the middle of step {unfinished} ({summary['signal']}): nothing saved; "
+                  + (f"the last checkpoint is {ckpt} (continue with: llmgpu train --resume {out})" if ckpt else
+                     "no checkpoint was saved before it"), file=sys.stderr)
+        elif from_environ().is_main:
             print(f"llmgpu: interrupted at step {summary['steps']} ({summary['signal']}); checkpoint saved in "
-                  f"{summary['checkpoint']} (continue with: llmgpu train --resume {summary['out']})", file=sys.stderr)
+                  f"{ckpt} (continue with: llmgpu train --resume {out})", file=sys.stderr)
         return exit_code(getattr(signal, summary["signal"]))
     if "sample" in summary and given.get("progress", True):
         print("--- sample ---")

@@ -112,3 +112,16 @@ def test_cli_train_off_a_terminal_and_quiet(tmp_path, capsys):
     assert err.splitlines()[-1].startswith("done: 40 steps")
     assert main([*TINY, "--quiet", "--out", str(tmp_path / "b")]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_done_line_names_the_step_of_a_validation_loss_that_is_not_the_last_steps():
+    base = dict(steps=31, train_time_s=3.2, first_val_loss=5.3781, val_loss=5.3781, val_loss_step=0, skipped_steps=0,
+                checkpoint="r/checkpoint")
+    assert report.done_line(base) == "done: 31 steps in 3 s; val loss 5.378 at step 0; checkpoint r/checkpoint"
+    assert report.done_line({**base, "val_loss": 4.1, "val_loss_step": 31}) == (
+        "done: 31 steps in 3 s; val loss 5.378 -> 4.100; checkpoint r/checkpoint")
+    assert "val loss 5.378 -> 4.100 at step 20;" in report.done_line({**base, "val_loss": 4.1, "val_loss_step": 20})
+    assert report.done_line({**base, "first_val_loss": None, "val_loss": None, "val_loss_step": None,
+                             "skipped_steps": 2, "unfinished_step": 32, "checkpoint": None}) == (
+        "done: 31 steps in 3 s; 2 steps skipped (inf/nan gradients); step 32 was stopped halfway: nothing saved, "
+        "no checkpoint")

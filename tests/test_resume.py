@@ -21,6 +21,7 @@ from llmgpu.interop.safetensors import load_file, save_file
 from llmgpu.train import ConfigError, TrainConfig, Trainer, read_log, resolve, rundir
 from llmgpu.train import checkpoint as ck
 from llmgpu.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from llmgpu.train.step import TrainStep
 
 pytestmark = pytest.mark.ch7
 
@@ -150,6 +151,69 @@ def test_ctrl_c_saves_says_where_and_exits_130(tmp_path, capsys, monkeypatch):
     assert _train_steps(out) == [1, 2, 3, 4, 5, 6]
 
 
+def _signal_during_step(monkeypatch, at_step: int, signals: int):
+    """Send this process ``signals`` SIGINTs from inside step ``at_step``, after its batches are drawn and before
+    its update: where a real Ctrl-C lands most of the time."""
+    real = TrainStep.__call__
+
+    def call(self, batches, lr):
+        if self.optimizer_state()["step"] == at_step - 1:
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batches, lr)
+
+    monkeypatch.setattr(TrainStep, "__call__", call)
+    return real
+
+
+def test_a_signal_during_a_step_stops_after_that_step_and_resume_continues_exactly(tmp_path, monkeypatch, capsys):
+    """The first Ctrl-C is deferred to the end of the step it lands in: the checkpoint holds that whole step, with
+    the data position after its batches, so the resumed run sees the batches the uninterrupted run saw."""
+    args = ["train", *TINY, "--steps", "8", "--warmup", "1", "--log-every", "1"]
+    assert main([*args, "--out", str(tmp_path / "full")]) == 0
+    real = _signal_during_step(monkeypatch, 3, 1)
+    out = tmp_path / "r"
+    assert main([*args, "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted at step 3 (SIGINT)" in err[0], err
+    meta = load_checkpoint(out)[1]
+    ref = Trainer(TrainConfig(**{**FAST, "steps": 8, "warmup": 1, "out": str(tmp_path / "ref")}))
+    ref.run(stop_at=3)
+    assert meta["step"] == 3 and meta["data"] == load_checkpoint(tmp_path / "ref")[1]["data"]
+    monkeypatch.setattr(TrainStep, "__call__", real)
+    assert main(["train", "--resume", str(out)]) == 0
+    full, resumed = _losses(tmp_path / "full"), _losses(out)
+    assert sorted(resumed) == list(range(1, 9))
+    np.testing.assert_allclose([resumed[k] for k in range(1, 9)], [full[k] for k in range(1, 9)], rtol=1e-6)
+
+
+def test_a_second_signal_in_the_middle_of_a_step_saves_nothing_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A second Ctrl-C stops at once; in the middle of a step the state is half updated (the data cursor moved, AdamW
+    partly applied), so the checkpoint of step 2 stays and the run says so."""
+    real = _signal_during_step(monkeypatch, 3, 2)
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "6", "--warmup", "1", "--save-every", "2", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "in the middle of step 3" in err[0] and "nothing saved" in err[0], err
+    assert str(out / "checkpoint") in err[0] and f"--resume {out}" in err[0]
+    assert load_checkpoint(out)[1]["step"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["unfinished_step"], summary["signal"]) == (2, 3, "SIGINT")
+    monkeypatch.setattr(TrainStep, "__call__", real)
+    assert main(["train", "--resume", str(out)]) == 0
+    assert _train_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_trainer_stopped_halfway_through_a_step_refuses_to_save(tmp_path, monkeypatch):
+    t = Trainer(TrainConfig(**{**FAST, "steps": 4, "out": str(tmp_path / "r")}))
+    monkeypatch.setattr(TrainStep, "__call__", lambda self, batches, lr: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        t.train_step(1e-3)
+    with pytest.raises(RuntimeError, match="step 1 was stopped halfway"):
+        t.save()
+
+
 # --------------------------------------------------------------------------- the model's block size
 
 
@@ -226,12 +290,17 @@ def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch, writer):
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(ck, writer, full_disk)
-    with pytest.raises(OSError, match="No space"):
-        save_checkpoint(d, model={"a": np.zeros(6, np.float32)}, meta={"step": 2, "model_config": {}},
-                        optim={"m/a": np.zeros(6, np.float32)})
+    second = dict(model={"a": np.zeros(6, np.float32)}, meta={"step": 2, "model_config": {}},
+                  optim={"m/a": np.zeros(6, np.float32)})
+    with pytest.raises(CheckpointError, match=f"saving a checkpoint to {d} failed .No space left on device: "
+                                              f"{d}.tmp/.*; the checkpoint already in {d} is kept"):
+        save_checkpoint(d, **second)
     model, meta, _ = load_checkpoint(d)
     assert meta["step"] == 1 and np.array_equal(model["a"], w1["a"])
     assert not (tmp_path / "ck.tmp").exists()  # the partial copy is removed
+    with pytest.raises(CheckpointError, match="; no earlier checkpoint exists"):
+        save_checkpoint(tmp_path / "first", **second)
+    assert not (tmp_path / "first").exists() and not (tmp_path / "first.tmp").exists()
 
 
 def test_checkpoint_weights_are_safetensors_and_old_npz_checkpoints_still_load(tmp_path):

@@ -87,8 +87,12 @@ def save_checkpoint(directory, *, model: dict, meta: dict, optim: dict | None = 
             _savez(tmp / OPTIM_FILE, optim)
         _write_json(tmp / META_FILE, {"format": FORMAT, **meta})  # last: a meta.json means the files are whole
         _fsync(tmp)
-    except BaseException:  # a full disk, Ctrl-C: drop the partial copy, keep the last good one
+    except BaseException as e:  # a full disk, Ctrl-C: drop the partial copy, keep the last good one
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # say which save failed and what is left
+            kept = f"the checkpoint already in {final} is kept" if _complete(final) else "no earlier checkpoint exists"
+            raise CheckpointError(f"saving a checkpoint to {final} failed ({e.strerror or e}"
+                                  f"{f': {e.filename}' if e.filename else ''}); {kept}") from e
         raise
     if _complete(final):
         if old.exists():

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import backend
 from .stream import DataStream, GPUPrefetcher  # noqa: F401  (moved to stream.py; still importable from here)
 from .tokenizers import BYTE_VOCAB, GPT2_VOCAB, ByteTokenizer, DataError, GPT2Tokenizer, get_tokenizer
 
@@ -399,6 +400,17 @@ class ValidationSplit:
                 raise DataError(f"the validation data has token id {int(out.max())} but the model's vocabulary is "
                                 f"{vocab}")
             yield out
+
+    def loss_sums(self, model):
+        """``[Σ mean loss × rows, rows]`` over this rank's chunks, summed on the device (no host sync): a float32
+        array whose sum over the ranks, first over second, is the mean loss per sequence."""
+        xp = model.xp
+        total = xp.zeros(2, dtype=np.float32)
+        for chunk in self.chunks():
+            b = backend.to_device(chunk, xp)
+            total[0:1] += model.loss(b[0], b[1]).astype(np.float32) * np.float32(chunk.shape[1])
+            total[1:2] += np.float32(chunk.shape[1])
+        return total
 
 
 # the tokenizers and DataError live in tokenizers.py; they are still importable from here

@@ -174,6 +174,22 @@ def read_log(path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+def done_line(summary: dict) -> str:
+    """The last line of a finished or interrupted run, from its summary: steps, time, the validation loss (with the
+    step it was measured at, when that is not the last one: an interrupted run skips the final evaluation), the
+    skipped steps and where the checkpoint is."""
+    fv, lv, at, steps = summary["first_val_loss"], summary["val_loss"], summary.get("val_loss_step"), summary["steps"]
+    start = f"{fv:.3f} -> " if fv is not None and at != 0 else ""
+    at_step = f" at step {at}" if at not in (None, steps) else ""
+    val = "" if lv is None else f"val loss {start}{lv:.3f}{at_step}; "
+    skipped = summary["skipped_steps"]
+    return (f"done: {steps} steps in {summary['train_time_s']:.0f} s; {val}"
+            + (f"{skipped} steps skipped (inf/nan gradients); " if skipped else "")
+            + (f"checkpoint {summary['checkpoint']}" if "unfinished_step" not in summary else
+               f"step {summary['unfinished_step']} was stopped halfway: nothing saved, "
+               + (f"the last checkpoint is {summary['checkpoint']}" if summary["checkpoint"] else "no checkpoint")))
+
+
 def run_banner(cfg, mc, n_params: int, dtype: str, world: int, device: str) -> str:
     """The run's first line: the model, the batch (per rank), the step's options and the device."""
     family = "" if mc.arch == "gpt2" else f"{mc.arch.capitalize()}, "  # GPT-2's banner as it always was
@@ -188,4 +204,4 @@ def run_banner(cfg, mc, n_params: int, dtype: str, world: int, device: str) -> s
             + f"; {device}")
 
 
-__all__ = ["Progress", "read_log", "run_banner"]
+__all__ = ["Progress", "done_line", "read_log", "run_banner"]

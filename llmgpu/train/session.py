@@ -28,6 +28,7 @@ class Session:
     signal: int | None = None  # the signal that stopped the run
     first_val: float | None = None
     last_val: float | None = None
+    last_val_step: int | None = None  # the step last_val was measured after
     last_loss: float | None = None
     ceiling: float | None = None
     t0: float = 0.0

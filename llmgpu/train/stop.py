@@ -1,14 +1,17 @@
 """Stopping a run on a signal (chapter 7, and chapter 9's ranks): Ctrl-C (SIGINT) and SIGTERM save, then stop.
 
-One process stops at once: the first signal raises ``KeyboardInterrupt`` wherever the loop is, and the trainer
-writes a checkpoint of the last whole step and returns (exit code 130 for SIGINT, 143 for SIGTERM).
+The first signal only records its number, and the run stops at the next step boundary: a step stopped halfway would
+leave a state no checkpoint may hold (the data cursor advanced past its batches, AdamW's moments updated for some
+parameters and not others). One process checks the record after every step; it then saves a checkpoint of that
+whole step and returns (exit code 130 for SIGINT, 143 for SIGTERM). Several ranks must also stop after the same step
+(a rank that saves, a collective under ZeRO, while another is still in a step's reductions would pair the wrong
+collectives and hang), so they compare their records at the next log sync (``ranks.agree``, every ``--log-every``
+steps) and, if any rank was asked to stop, all stop after that same step, save one checkpoint together and exit
+with the signal's code.
 
-Several ranks cannot stop "wherever they are": a rank that saves (a collective, under ZeRO) while another is
-still in a step's reductions would pair the wrong collectives and hang. So in a run of several ranks the first
-signal only records its number; the ranks compare their records at the next log sync (``ranks.agree``, every
-``--log-every`` steps) and, if any rank was asked to stop, all stop after that same step, save one checkpoint
-together and exit with the signal's code. A second signal raises ``KeyboardInterrupt`` at once (a rank stuck in a
-collective can still be stopped by hand).
+A second signal raises ``KeyboardInterrupt`` at once (a step that hangs, or a rank stuck in a collective, can still
+be stopped by hand). Raised in the middle of a step, it leaves that step half done: the trainer then saves nothing
+and keeps the last checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ def exit_code(signum: int) -> int:
 class StopRequests:
     """SIGINT/SIGTERM handlers for the span of a ``with`` block (main thread only; elsewhere nothing is installed).
 
-    ``defer``: record the first signal (``signum``) instead of raising ``KeyboardInterrupt`` (several ranks).
-    ``signum`` is the first signal received (None: none), also when it was raised at once.
+    ``defer``: record the first signal (``signum``) instead of raising ``KeyboardInterrupt``; the loop reads
+    ``requested`` at its step boundaries. ``signum`` is the first signal received (None: none), also when it was
+    raised at once. Later signals always raise.
     """
 
-    def __init__(self, defer: bool = False):
+    def __init__(self, defer: bool = True):
         self.defer, self.signum, self._old = defer, None, {}
 
     def _handle(self, signum, frame):

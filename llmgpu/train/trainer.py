@@ -39,7 +39,7 @@ from .divergence import RunHealth
 from .plan import RunPlan, SavedRun, fitted_total_steps, plan_config, plan_model, warmup_note
 from .pretrained import init_run
 from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_ranks
-from .report import Progress, read_log, run_banner
+from .report import Progress, done_line, read_log, run_banner
 from .rundir import check_target, default_out_dir, open_run_dir, write_config
 from .sampling import check_run_sample, prompt_ids
 from .session import Log, Session
@@ -64,6 +64,7 @@ class Trainer:
         self.is_main = self.rank == 0  # the rank that prints and writes files
         self.notes: list[str] = []  # what the run does differently from what was asked (one line each)
         self._bar = None
+        self._in_step = False  # between a step's first state change and its end (then no checkpoint may be written)
 
         # plan: the configuration, where the run writes, the model (pure, plan.py) around the reads it needs
         cfg, self.init = init_run(cfg, self._note, explicit) if cfg.init else (cfg, None)  # --init's weights
@@ -198,10 +199,12 @@ class Trainer:
 
         Returns a device array ``[mean loss, gradient norm (unscaled, before clipping), found_inf]``.
         """
+        self._in_step = True
         batches = [self.stream.next() for _ in range(self.cfg.grad_accum)]  # on the device already
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the run checks for inf/nan itself
             out = self.step_fn(batches, lr)
         self.step += 1
+        self._in_step = False
         return out
 
     def lr_at(self, step: int) -> float:
@@ -214,15 +217,9 @@ class Trainer:
     def evaluate(self) -> float | None:
         """Mean validation loss per sequence over the same sequences every time (``data.ValidationSplit``: the
         same number on any number of ranks); one host sync. None without validation data."""
-        vs = self.validation
-        if vs is None:
+        if self.validation is None:
             return None
-        xp = self.xp
-        total = xp.zeros(2, dtype=np.float32)  # [Σ mean loss × rows, rows] of this rank's chunks
-        for chunk in vs.chunks():
-            b = backend.to_device(chunk, xp)
-            total[0:1] += self.model.loss(b[0], b[1]).astype(np.float32) * np.float32(chunk.shape[1])
-            total[1:2] += np.float32(chunk.shape[1])
+        total = self.validation.loss_sums(self.model)
         if self.world > 1:
             self.comm.all_reduce(total)
             wait_for_ranks(self.comm, "the other ranks' validation")
@@ -233,6 +230,8 @@ class Trainer:
 
     def save(self, directory=None) -> Path:
         """Checkpoint: weights, AdamW moments and step count, scaler, step, data position, RNG state."""
+        if self._in_step:  # a KeyboardInterrupt stopped a step halfway
+            raise RuntimeError(f"step {self.step + 1} was stopped halfway: no checkpoint may hold its state")
         d = Path(directory) if directory else Path(self.cfg.out) / "checkpoint"
         sd = self.step_fn.master_weights()  # whole, also under ZeRO (every rank takes part in gathering it)
         ost = self.step_fn.optimizer_state()
@@ -258,10 +257,6 @@ class Trainer:
             self.last_checkpoint = path
         return path
 
-    def weights_finite(self) -> bool:
-        """Whether every master weight is finite (one reduction, one host sync): a checkpoint must be."""
-        return self.step_fn.weights_finite()
-
     # ------------------------------------------------------------------ sampling
 
     def sample(self, prompt: str | None = None, n_tokens: int | None = None) -> str:
@@ -285,7 +280,7 @@ class Trainer:
 
     def _run(self, stop_at: int | None) -> dict:
         s = self._open_session()
-        with StopRequests(defer=self.world > 1) as s.stop:  # several ranks stop together (stop.py)
+        with StopRequests() as s.stop:  # a signal stops the run after a whole step (stop.py)
             return self._loop(s, stop_at)
 
     def _loop(self, s: Session, stop_at: int | None) -> dict:
@@ -304,10 +299,18 @@ class Trainer:
                     break
             else:  # the loop ended before a step, not by a break
                 s.stop_reason = reason
-        except KeyboardInterrupt:
-            s.stop_reason, s.signal = "interrupted", s.stop.signum or signal.SIGINT
-            s.bar.message(f"interrupted at step {self.step}: saving a checkpoint (continue with --resume {s.out})")
+                if reason == "interrupted":
+                    self._interrupted(s, s.stop.signum)
+        except KeyboardInterrupt:  # a second signal (stop.py), or one raised by code other than the handler
+            self._interrupted(s, s.stop.signum or signal.SIGINT)
+        s.stop.defer = self.world > 1  # one process: from here on (final save, sample) a signal stops at once
         return self._close_session(s)
+
+    def _interrupted(self, s: Session, signum: int):
+        s.stop_reason, s.signal = "interrupted", signum
+        s.bar.message(f"{signal.Signals(signum).name} at step {self.step}: " + (
+            f"step {self.step + 1} was stopped halfway, so nothing is saved" if self._in_step else
+            f"saving a checkpoint (continue with --resume {s.out})"))
 
     def _open_session(self) -> Session:
         """The run directory (a resumed run's log cut back to its checkpoint), the log, the progress line, the
@@ -339,6 +342,7 @@ class Trainer:
                "datasheet_peak_tflops": datasheet, "datasheet_gpu": gpu_model, "data": self.corpus.description})
         if not resumed and c.eval_every:
             s.first_val = s.last_val = self.evaluate()
+            s.last_val_step = 0
             if s.first_val is not None:
                 s.log({"type": "val", "step": 0, "val_loss": s.first_val})
                 s.bar.message(f"step 0: val loss {s.first_val:.4f}")
@@ -352,6 +356,8 @@ class Trainer:
             return "steps"
         if stop_at is not None and self.step >= stop_at:
             return "stop_at"
+        if self.world == 1 and s.stop.requested:  # several ranks: they agree on it at a sync (_sync)
+            return "interrupted"
         if self.cfg.max_time is not None and self.world == 1 and time.perf_counter() - s.t0 >= self.cfg.max_time:
             return "max_time"  # several ranks: rank 0's clock decides at a sync (_sync)
         return None
@@ -388,9 +394,8 @@ class Trainer:
             s.bar.total = self.total_steps
             s.stop_reason = "max_time" if time_up else s.stop_reason
             if sig is not None:  # a rank was asked to stop: every rank stops after this step, saving together
-                s.stop_reason, s.signal, time_up = "interrupted", sig, True
-                s.bar.message(f"{signal.Signals(sig).name} at step {self.step}: saving a checkpoint (continue with "
-                              f"--resume {s.out})")
+                self._interrupted(s, sig)
+                time_up = True
         eta = None
         if self.total_steps and self.step > 1:
             eta = (now - s.probe_start) / (self.step - 1) * (self.total_steps - self.step)
@@ -420,7 +425,7 @@ class Trainer:
         return now, tok_s, util
 
     def _validate(self, s: Session):
-        s.last_val = self.evaluate()
+        s.last_val, s.last_val_step = self.evaluate(), self.step
         if s.last_val is not None:
             s.log({"type": "val", "step": self.step, "val_loss": s.last_val})
         s.t_last = time.perf_counter()  # evaluation time does not count against tokens/s
@@ -436,7 +441,7 @@ class Trainer:
                                                                                 or self.step % c.eval_every):
             self._validate(s)
         s.bar.close()
-        if not failed:
+        if not failed and not self._in_step:  # a step stopped halfway: the last checkpoint on disk stays
             self._save_if_finite(s.health)
             failed = s.health.failure is not None
         ckpt = self.last_checkpoint  # a failed run keeps the last good one: nothing bad is written over it
@@ -444,11 +449,13 @@ class Trainer:
             s.stop_reason = s.health.failure[0]
         summary = rundir.with_log_figures(s.kept, {
             "steps": self.step, "stop_reason": s.stop_reason, "train_time_s": elapsed, "first_val_loss": s.first_val,
-            "val_loss": s.last_val, "train_loss": s.last_loss, "skipped_steps": s.health.skipped,
-            "tokens": self.step * self.tokens_per_step, "checkpoint": str(ckpt) if ckpt else None,
-            "out": str(s.out), "notes": self.notes})
+            "val_loss": s.last_val, "val_loss_step": s.last_val_step, "train_loss": s.last_loss,
+            "skipped_steps": s.health.skipped, "tokens": self.step * self.tokens_per_step,
+            "checkpoint": str(ckpt) if ckpt else None, "out": str(s.out), "notes": self.notes})
         if s.stop_reason == "interrupted":
             summary["signal"] = signal.Signals(s.signal).name
+            if self._in_step:
+                summary["unfinished_step"] = self.step + 1
         if failed:
             summary["error"] = s.health.failure[1] + (f"; the last good checkpoint is {ckpt}" if ckpt else
                                                       "; no checkpoint was saved (--save-every N keeps some)")
@@ -466,20 +473,12 @@ class Trainer:
         s.log.close()
         if self.is_main:
             (s.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        if failed:
-            s.bar.message(f"stopped at step {self.step}: {summary['error']}")
-            return summary
-        fv, lv = s.first_val, s.last_val
-        s.bar.message(f"done: {self.step} steps in {elapsed:.0f} s; "
-                      + (f"val loss {fv:.3f} -> {lv:.3f}; " if fv is not None and lv is not None else
-                         (f"val loss {lv:.3f}; " if lv is not None else ""))
-                      + (f"{s.health.skipped} steps skipped (inf/nan gradients); " if s.health.skipped else "")
-                      + f"checkpoint {ckpt}")
+        s.bar.message(f"stopped at step {self.step}: {summary['error']}" if failed else done_line(summary))
         return summary
 
     def _save_if_finite(self, health: RunHealth) -> bool:
         """Checkpoint unless a weight is inf/nan (then record the failure: the last good checkpoint stays)."""
-        if not self.weights_finite():
+        if not self.step_fn.weights_finite():  # one reduction, one host sync
             health.failure = ("diverged", f"the weights hold inf/nan after step {self.step}: the run diverged")
             return False
         self.save()
