@@ -154,10 +154,11 @@ def test_ctrl_c_saves_says_where_and_exits_130(tmp_path, capsys, monkeypatch):
 def _signal_during_step(monkeypatch, at_step: int, signals: int):
     """Send this process ``signals`` SIGINTs from inside step ``at_step``, after its batches are drawn and before
     its update: where a real Ctrl-C lands most of the time."""
-    real = TrainStep.__call__
+    real, calls = TrainStep.__call__, [0]
 
     def call(self, batches, lr):
-        if self.optimizer_state()["step"] == at_step - 1:
+        calls[0] += 1
+        if calls[0] == at_step:
             for _ in range(signals):
                 os.kill(os.getpid(), signal.SIGINT)
         return real(self, batches, lr)
@@ -185,6 +186,19 @@ def test_a_signal_during_a_step_stops_after_that_step_and_resume_continues_exact
     full, resumed = _losses(tmp_path / "full"), _losses(out)
     assert sorted(resumed) == list(range(1, 9))
     np.testing.assert_allclose([resumed[k] for k in range(1, 9)], [full[k] for k in range(1, 9)], rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_a_signal_during_a_step_then_resume_gives_the_uninterrupted_losses_bit_for_bit(cp, tmp_path, monkeypatch):
+    """The same on the GPU's default (fast, CUDA-graph) step, whose kernels fix their reduction order: bit for bit."""
+    base = {**FAST, "device": "gpu", "dtype": "bf16", "batch": 4, "seq": 64, "steps": 10, "log_every": 1}
+    Trainer(TrainConfig(**base, out=str(tmp_path / "full"))).run()
+    real = _signal_during_step(monkeypatch, 4, 1)
+    s = Trainer(TrainConfig(**base, out=str(tmp_path / "r"))).run()
+    assert (s["stop_reason"], s["steps"], load_checkpoint(tmp_path / "r")[1]["step"]) == ("interrupted", 4, 4)
+    monkeypatch.setattr(TrainStep, "__call__", real)
+    Trainer(TrainConfig(resume=str(tmp_path / "r"), progress=False)).run()
+    assert _losses(tmp_path / "r") == _losses(tmp_path / "full")
 
 
 def test_a_second_signal_in_the_middle_of_a_step_saves_nothing_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
