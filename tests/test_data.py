@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,19 @@ def test_text_file_and_errors(tmp_path):
         D.load_corpus(str(tmp_path / "empty.txt"))
     with pytest.raises(D.DataError, match="no files match"):
         D.load_corpus(str(tmp_path / "*.bin"))
+
+
+def test_data_that_is_not_a_file_says_what_it_is(tmp_path):
+    """/dev/null exists but is no file (it reads as nothing), a glob may match a directory: each says so."""
+    with pytest.raises(D.DataError, match=f"data file {os.devnull} is not a regular file"):
+        D.load_corpus(os.devnull)
+    (tmp_path / "p1").mkdir()
+    with pytest.raises(D.DataError, match="'.*p1\\*' matches the directory .*p1: give a pattern that matches files"):
+        D.load_corpus(str(tmp_path / "p1*"))
+    with pytest.raises(D.DataError, match="token shard .*p1 is a directory"):
+        D.read_shard(tmp_path / "p1")
+    with pytest.raises(D.DataError, match="text file .*null is not a regular file"):
+        D.read_text(os.devnull)
 
 
 def test_loader_batches_are_next_token_pairs_and_seeded():

@@ -69,6 +69,21 @@ def test_sample_refuses_non_finite_weights_and_a_nan_temperature(tmp_path, capsy
     assert "inf/nan weights" in _error_lines(capsys)[0][0]
 
 
+def test_weights_overwritten_with_0xff_bytes_may_be_a_damaged_file(tmp_path, capsys):
+    """0xFF bytes read as NaN weights: the refusal names a damaged file, not only a diverged run."""
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "1", "--out", str(out)]) == 0
+    f = out / "checkpoint" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # after safetensors' header
+    data[start:] = b"\xff" * (len(data) - start)
+    f.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["sample", "--from", str(out), "--device", "cpu"]) == 2
+    errors, err = _error_lines(capsys)
+    assert len(errors) == 1 and "inf/nan weights" in errors[0] and "the file is damaged" in errors[0], err
+
+
 def test_fp16_skipped_steps_are_counted_in_the_summary_and_the_progress_line(tmp_path, capsys):
     t = Trainer(TrainConfig(**{**FAST, "progress": True, "log_every": 3}, steps=14, dtype="fp16",
                             out=str(tmp_path / "r")))

@@ -8,8 +8,11 @@ a wrong transpose or name is a logits mismatch. ``tests/test_hf_transformers.py`
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +201,9 @@ def test_the_layernorm_epsilon_is_the_models():
     ({"model_type": "llama"}, "model_type 'llama'"),
     ({"model_type": None}, "model_type None"),
     ({"architectures": ["GPT2DoubleHeadsModel"]}, "architecture GPT2DoubleHeadsModel"),
+    ({"architectures": 5}, 'architectures 5 is not a list of strings: write it as \\["GPT2LMHeadModel"\\]'),
+    ({"architectures": "GPT2LMHeadModel"}, "architectures 'GPT2LMHeadModel' is not a list of strings"),
+    ({"architectures": [5]}, "architectures \\[5\\] is not a list of strings"),
     ({"activation_function": "gelu"}, "activation_function 'gelu'"),
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"n_inner": 96}, "n_inner 96"),
@@ -403,6 +409,33 @@ def test_llmgpu_export_round_trip_from_a_run(tmp_path, rng, capsys, one_error_li
     one_error_line(main(["export", "--from", str(out), "--to", str(tmp_path / "hf")]), "is not empty", "--overwrite")
     assert main(["export", "--from", str(out), "--to", str(tmp_path / "hf"), "--overwrite"]) == 0
     one_error_line(main(["export", "--from", str(tmp_path / "nothing"), "--to", str(tmp_path / "y")]), "does not exist")
+
+
+@pytest.mark.parametrize("to", ["new", "an earlier export"])
+def test_a_failed_export_leaves_to_as_it_was_and_names_the_file(tmp_path, monkeypatch, capsys, one_error_line, to):
+    """A full disk halfway (the second weights file): one line naming that file, and --to as it was (absent, or an
+    earlier export with --overwrite), so a retry runs and nothing there reads as a half-written model."""
+    out, dst = _run(tmp_path), tmp_path / "hf"
+    if to != "new":
+        assert main(["export", "--from", str(out), "--to", str(dst)]) == 0
+    before = sorted(tmp_path.iterdir()), {p.name: p.read_bytes() for p in dst.iterdir()} if dst.exists() else None
+    real, calls = st.save_file, []
+
+    def save_file(path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            Path(path).write_bytes(b"\0" * 100)  # a part of it, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(st, "save_file", save_file)
+    capsys.readouterr()
+    one_error_line(main(["export", "--from", str(out), "--to", str(dst), "--overwrite"]), "No space left on device",
+                   f"writing {dst / 'nanogpt.safetensors'} failed", f"--to {dst} was left as it was")
+    assert (sorted(tmp_path.iterdir()), {p.name: p.read_bytes() for p in dst.iterdir()} if dst.exists() else None) \
+        == before  # no staging directory left either
+    monkeypatch.undo()
+    assert main(["export", "--from", str(out), "--to", str(dst), "--overwrite"]) == 0  # the retry
 
 
 def test_export_never_writes_over_the_model_it_reads_or_a_run(tmp_path, capsys, one_error_line):

@@ -102,7 +102,11 @@ def config_with_defaults(hf, where, defaults: dict, model_type: str, architectur
     c = {**defaults, **hf}
     if c.get("model_type") != model_type:
         raise InteropError(f"{where}: model_type {c.get('model_type')!r} is not {model_type!r}{type_hint}")
-    other = [a for a in (c.get("architectures") or []) if a not in architectures]
+    names = c.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(a, str) for a in names):  # a string would read as letters
+        raise InteropError(f"{where}: architectures {names!r} is not a list of strings: write it as "
+                           f'["{architectures[0]}"]')
+    other = [a for a in names if a not in architectures]
     if other:
         raise InteropError(f"{where}: architecture {other[0]} is not supported (llmgpu imports "
                            f"{' or '.join(architectures)}{arch_hint})")
@@ -159,11 +163,14 @@ def _read_torch(f: Path) -> dict:
 
 
 def publish(path: Path, write):
-    """``write(tmp)`` to a temporary name beside ``path``, then rename it into place (no half-written file)."""
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it into place (no half-written file); an
+    OSError names ``path``."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk's error names no file: this one
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
         if tmp.exists():
             tmp.unlink()

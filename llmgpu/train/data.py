@@ -102,11 +102,20 @@ def write_shard(path, tokens) -> Path:
     return path
 
 
+def need_file(path: Path, what: str, fix: str = "give a text file, a .bin shard, a directory of them or a glob"):
+    """A DataError unless ``path`` is a regular file, saying what it is instead: missing, a directory, or not a file
+    (/dev/null, a pipe: no data, or data without end)."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise DataError(f"{what} {path} does not exist")
+    raise DataError(f"{what} {path} is {'a directory' if path.is_dir() else 'not a regular file'}: {fix}")
+
+
 def read_shard(path) -> np.ndarray:
     """An llm.c shard's tokens as a read-only uint16 memmap, after checking its header."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"token shard {path} does not exist")
+    need_file(path, "token shard")
     size = path.stat().st_size
     if size < SHARD_HEADER_BYTES:
         raise DataError(f"{path} is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte llm.c shard header")
@@ -124,8 +133,7 @@ def read_shard(path) -> np.ndarray:
 
 def read_text(path) -> np.ndarray:
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"text file {path} does not exist")
+    need_file(path, "text file")
     data = path.read_bytes()
     if not data:
         raise DataError(f"text file {path} is empty")
@@ -168,6 +176,9 @@ def data_files(spec: str, notes: list | None = None) -> list[Path]:
         paths = sorted(Path(p) for p in glob.glob(spec))
         if not paths:
             raise DataError(f"no files match {spec!r}")
+        if dirs := [q for q in paths if q.is_dir()]:
+            raise DataError(f"{spec!r} matches the directory {dirs[0]}: give a pattern that matches files only, or "
+                            "the directory itself")
         return paths
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -181,8 +192,7 @@ def data_files(spec: str, notes: list | None = None) -> list[Path]:
         if not texts:
             raise DataError(f"directory {p} holds no .bin shards and no .txt/.md/.py/.rst files")
         return texts
-    if not p.exists():
-        raise DataError(f"data file {p} does not exist")
+    need_file(p, "data file")
     return [p]
 
 
@@ -416,5 +426,5 @@ class ValidationSplit:
 # the tokenizers and DataError live in tokenizers.py; they are still importable from here
 __all__ = ["BYTE_VOCAB", "EMBEDDED", "GPT2_VOCAB", "PREPARE_INFO", "SHARD_MAGIC", "BatchLoader", "ByteTokenizer",
            "Corpus", "DataError", "DataStream", "GPT2Tokenizer", "GPUPrefetcher", "data_files", "embedded_corpus",
-           "get_tokenizer", "load_corpus", "read_shard", "read_text", "shard_tokenizer", "stdlib_files",
+           "get_tokenizer", "load_corpus", "need_file", "read_shard", "read_text", "shard_tokenizer", "stdlib_files",
            "ValidationSplit", "validation_loader", "write_shard"]

@@ -16,11 +16,13 @@ Nothing is downloaded: a path that does not exist (a hub name such as ``gpt2``) 
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import backend
-from ..interop import hf
+from ..interop import InteropError, hf
 from ..model import GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
 from ..version import __version__
@@ -71,8 +73,8 @@ def load_pretrained(path) -> Pretrained:
     d = find_checkpoint(p)
     bad = non_finite(weights)
     if bad:
-        raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the run diverged; use an earlier "
-                              "checkpoint")
+        raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the file is damaged, or the run that "
+                              "wrote it had diverged; use an earlier checkpoint")
     try:
         cfg = family.config_from_dict(meta["model_config"])
     except (KeyError, TypeError, ValueError) as e:
@@ -119,7 +121,8 @@ def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
 def export(src, dst, *, overwrite: bool = False) -> dict:
     """``llmgpu export``: the weights at ``src`` (an llmgpu run, or a Hugging Face directory) as a directory
     ``transformers`` loads (``interop.hf.export_hf``), GPT-2 or Llama as the weights are; a Hugging Face Llama's
-    BOS/EOS token ids go along. Refuses a ``dst`` holding files unless ``overwrite``."""
+    BOS/EOS token ids go along. Refuses a ``dst`` holding files unless ``overwrite``. Written beside ``dst`` first
+    (``_staged``): a failure leaves ``dst`` as it was."""
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
@@ -127,10 +130,34 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
     check_export_target(out, pre, overwrite)
     info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__,
             **{k: pre.meta[k] for k in ("bos_token_id", "eos_token_id") if pre.meta.get(k) is not None}}
-    hf.export_hf(out, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info)
+    _staged(out, lambda stage: hf.export_hf(stage, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info))
     return {"to": str(out), "from": pre.source, "architecture": family_name(pre.config),
             "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
             "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
+
+
+def _staged(out: Path, write):
+    """``write(stage)`` into a new directory beside ``out``, then moved into place: a failure (a full disk) leaves
+    ``out`` as it was, not a half-written export that blocks a retry (not empty) or reads as an incomplete checkpoint.
+    A new or empty ``out``: one rename; one that holds files (--overwrite): file by file, config.json last."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.with_name(f".{out.name}.export-tmp")  # beside it: the same file system, so moving is renaming
+    shutil.rmtree(stage, ignore_errors=True)  # a killed export's
+    try:
+        stage.mkdir()
+        try:
+            write(stage)
+        except OSError as e:  # a full disk's error names no file: interop's publish() names the one being written
+            name = out / Path(e.filename).name if e.filename else out
+            raise InteropError(f"writing {name} failed: {e.strerror or e}; --to {out} was left as it was (export "
+                               "again once that is fixed)") from None
+        if out.is_dir() and any(out.iterdir()):
+            for f in sorted(stage.iterdir(), key=lambda f: f.name == hf.CONFIG_FILE):
+                os.replace(f, out / f.name)
+        else:
+            os.replace(stage, out)  # over an empty directory too
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def check_export_target(out: Path, pre: Pretrained, overwrite: bool):

@@ -2,9 +2,9 @@
 
 ``load_for_sampling(path)`` reads a checkpoint of any ``--arch`` (``train --resume``'s reader, without the
 optimizer state; ``pretrained.py``) or a Hugging Face GPT-2 or Llama directory, and refuses, in one line naming the
-file, weights that hold inf/nan (a diverged run) or do not fit the model configuration stored with them;
-``sampling_settings`` refuses a temperature, top-k or seed that cannot work and ``prompt_ids`` a prompt that cannot
-(``train`` checks both for its end-of-run sample before it trains: ``check_run_sample``).
+file, weights that hold inf/nan (a damaged file or a diverged run) or do not fit the model configuration stored with
+them; ``sampling_settings`` refuses a temperature, top-k or seed that cannot work and ``prompt_ids`` a prompt that
+cannot (``train`` checks both for its end-of-run sample before it trains: ``check_run_sample``).
 """
 
 from __future__ import annotations

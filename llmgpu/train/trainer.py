@@ -148,7 +148,8 @@ class Trainer:
         d = self.last_checkpoint
         bad = non_finite(model_arrays)
         if bad:
-            raise CheckpointError(f"{ckpt_files.model_file(d)} holds inf/nan weights ({bad}): the run had diverged")
+            raise CheckpointError(f"{ckpt_files.model_file(d)} holds inf/nan weights ({bad}): the file is damaged, "
+                                  "or the run that wrote it had diverged")
         try:
             self.model.load_state_dict(model_arrays)
         except (KeyError, TypeError, ValueError) as e:
