@@ -23,9 +23,22 @@ The package tree is the book's table of contents:
 ``llmgpu.from_pretrained(path)``: a model from a local Hugging Face GPT-2 or Llama directory or an llmgpu run.
 """
 
-from . import backend, ops, plotting, testing
-from .backend import default_xp, device_info, get_array_module, gpu_available, on_gpu
+import importlib
+
 from .version import __version__
+
+_SUBMODULES = ("backend", "ops", "plotting", "testing")
+_FROM_BACKEND = ("default_xp", "device_info", "get_array_module", "gpu_available", "on_gpu")
+
+
+def __getattr__(name):
+    # imported on first use, not by `import llmgpu`: the `llmgpu` command imports this package before its Ctrl-C
+    # handler is in place (cli.main), and backend's NumPy + ml_dtypes take about a second to import
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _FROM_BACKEND:
+        return getattr(importlib.import_module(".backend", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):

@@ -61,7 +61,7 @@ from .model.options import FLASH_KERNELS
 from .perf import clocks, timing
 from .perf.timing import MFU_DEFINITION, datasheet_peak_tflops, mfu, mfu_ceiling
 from .torch_reference import COMPILE_MODES, SDPA_BACKENDS, import_torch, pick_sdpa_backend, run_torch
-from .train.config import CPU_DEFAULTS, FP8_RECIPES, GPU_DEFAULTS, TrainConfig
+from .train.config import CPU_DEFAULTS, FP8_RECIPES, GPU_DEFAULTS, TrainConfig, resolve
 from .train.step import EAGER_WARMUP, TrainStep
 
 MODES = ("llmgpu", "llmgpu-fast", "llmgpu-fast-graph", "torch-eager", "torch-compile", "torch-compile-unpadded",
@@ -72,6 +72,8 @@ BENCH_DEFAULTS = {"gpu": {"preset": "gpt2", "batch": 64, "seq": 1024, "steps": 2
                   "cpu": {"preset": "tiny", "batch": 4, "seq": 64, "steps": 3, "warmup": 1, "dtype": "fp32"}}
 # the Llama family: its presets instead of GPT-2's, the same modes
 LLAMA_PRESETS = {"gpu": "smollm-135m", "cpu": "llama-tiny"}
+# llmgpu train's flags too: checked by its rules before a model is built (train.config.resolve; NumPy: no device probed)
+TRAIN_FLAGS = ("batch", "seq", "steps", "warmup", "vocab_size", "block_size", "pad_vocab", "checkpoint_every", "seed")
 
 
 def optimizer_settings(xp) -> TrainConfig:
@@ -267,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="PyTorch's attention backend (auto: flash or cuDNN, whichever is faster here, timed once)")
     p.add_argument("--batch", type=int, help="sequences per step (default 64 on GPU, 4 on CPU)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
+    p.add_argument("--block-size", type=int, help="context length of the model (default: the preset's; >= --seq)")
     p.add_argument("--steps", type=int, help="timed steps per mode (default 20 on GPU, 3 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 5 on GPU, 1 on CPU; torch.compile: +5)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute precision (default bf16 on GPU, fp32 on CPU)")
@@ -374,14 +377,11 @@ def bench_main(args) -> int:
     arch = bench_arch(args)
     o = _defaults(args, gpu, arch)
     modes = bench_modes(args, arch, gpu)
-    for k in ("batch", "seq", "steps"):
-        if o[k] < 1:
-            raise ValueError(f"--{k} must be >= 1, got {o[k]}")
-    overrides = {}
-    if getattr(args, "vocab_size", None):
-        overrides["vocab_size"] = int(args.vocab_size)
-    cfg = FAMILIES[arch][0].preset(o["preset"], **overrides)
-    cfg = replace(cfg, block_size=max(cfg.block_size, o["seq"]), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
+    base = FAMILIES[arch][0].preset(o["preset"])  # an unknown preset: its family's message
+    given = {k: v for k in TRAIN_FLAGS if (v := getattr(args, k, None)) is not None}
+    resolve(TrainConfig(arch=arch, **{**given, **{k: o[k] for k in ("preset", "batch", "seq", "steps", "warmup")}}), np)
+    sizes = {k: given[k] for k in ("vocab_size", "block_size") if k in given}
+    cfg = replace(base, **sizes, pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
     ckpt, compile_mode, seed, note = run_options(args, xp)
     recipe = fp8_recipe(getattr(args, "fp8_recipe", None), modes)
     kv = f", {cfg.n_kv_head} K/V heads, ffn {cfg.ffn_dim}" if arch == "llama" else ""

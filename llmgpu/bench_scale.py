@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from . import backend
-from .bench import BENCH_DEFAULTS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
+from .bench import BENCH_DEFAULTS, TRAIN_FLAGS, optimizer_settings, release_memory, run_llmgpu, run_options, torch_sdpa
 from .bench_fp8 import FP8_BENCH_MODES
 from .model import FastOptions, GPTConfig
 from .model.config import activation_bytes, state_bytes_per_parameter
@@ -49,6 +49,7 @@ from .perf import timing
 from .perf.timing import MFU_DEFINITION, mfu, mfu_ceiling
 from .results import RESULTS
 from .torch_reference import import_torch, run_torch
+from .train.config import TrainConfig, resolve
 
 MAX_BATCH = 1024
 
@@ -201,14 +202,18 @@ def scale_main(args, xp) -> int:
     if getattr(args, "arch", None) not in (None, "gpt2"):
         raise ValueError(f"the scale table is GPT-2's; --arch {args.arch} measures one preset (no --scale-table, "
                          "no comma-separated presets)")
-    presets = list(dict.fromkeys(p.strip() for p in str(args.preset or "").split(",") if p.strip()))
-    for p in presets:
-        GPTConfig.preset(p)  # a ValueError naming the presets
-    sides = _sides(args)
     d = BENCH_DEFAULTS["gpu" if gpu else "cpu"]
+    presets = list(dict.fromkeys(p.strip() for p in str(args.preset or d["preset"]).split(",") if p.strip()))
+    if not presets:
+        raise ValueError(f"--preset {args.preset!r} names no preset: give one or several, comma-separated")
     seq = int(getattr(args, "seq", None) or d["seq"])
     steps = int(getattr(args, "steps", None) or (10 if gpu else 1))
     warmup = int(getattr(args, "warmup", None) if getattr(args, "warmup", None) is not None else (3 if gpu else 0))
+    given = {k: v for k in TRAIN_FLAGS if (v := getattr(args, k, None)) is not None}
+    for p in presets:
+        GPTConfig.preset(p)  # a ValueError naming the presets
+        resolve(TrainConfig(**{**given, "preset": p, "seq": seq, "steps": steps, "warmup": warmup}), np)  # TRAIN_FLAGS
+    sides = _sides(args)
     dtype = getattr(args, "dtype", None) or d["dtype"]
     min_batch = int(getattr(args, "min_batch", 8) or 1)
     ckpt, compile_mode, seed, note = run_options(args, xp)
@@ -233,7 +238,8 @@ def scale_main(args, xp) -> int:
     table = {}
     for name in presets:
         cfg = GPTConfig.preset(name)
-        cfg = replace(cfg, block_size=max(cfg.block_size, seq), pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
+        cfg = replace(cfg, block_size=given.get("block_size", cfg.block_size),
+                      pad_vocab_to=int(getattr(args, "pad_vocab", 64) or 0))
         fpt = cfg.flops_per_token(seq)
         log(f"{name}: L={cfg.n_layer} C={cfg.n_embd}, {cfg.num_parameters() / 1e6:.0f}M parameters, T={seq}")
         if getattr(args, "batch", None):

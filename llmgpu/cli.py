@@ -8,13 +8,15 @@ sources, byte-level): on a CPU the ``tiny`` preset for about three minutes, on a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import traceback
 from dataclasses import fields
+from pathlib import Path
 
-from . import backend
 from .version import __version__
 
 EXIT_USAGE = 2  # every error the command reports (bad flags, data, checkpoints, a diverged run, I/O)
@@ -218,6 +220,7 @@ def _launch_ranks(a, given) -> int:
     """``--nproc N`` (chapter 9): the same command as N ranks, one per GPU (or N CPU ranks through mpiexec)."""
     import numpy as np
 
+    from . import backend
     from .dist import from_environ
     from .dist.launch import launch, strip_nproc
     from .train import select_xp
@@ -260,16 +263,35 @@ def cmd_sample(a) -> int:
 def cmd_eval(a) -> int:
     from .train.evaluate import run_eval
 
+    if a.json:
+        _check_output_file(a.json, "--json")
     result = run_eval(a.src, a.data, batch=a.batch, seq=a.seq, max_batches=a.max_batches, device=a.device,
                       dtype=a.dtype, progress=not a.quiet)
     for note in result["notes"]:  # what the evaluation chose (also in the JSON), as train says it: even with --quiet
         print(f"llmgpu: note: {note}", file=sys.stderr)
     text = json.dumps(result, indent=1)
+    print(text)  # first: should writing --json fail after all, the result is not lost
     if a.json:
         with open(a.json, "w") as f:
             f.write(text + "\n")
-    print(text)
     return 0
+
+
+def _check_output_file(path, flag: str, *, makes_folders: bool = False):
+    """A UsageError unless the file ``path`` can be written, checked before the work whose result it is: not a
+    directory, in a folder that exists (``makes_folders``: that can be made) and is writable."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"{flag} {p} is a directory: give a file name, e.g. {p / 'result.json'}")
+    folder = p.parent
+    while makes_folders and not folder.exists() and folder != folder.parent:  # the nearest folder that exists
+        folder = folder.parent
+    if not folder.exists():
+        raise UsageError(f"{flag} {p}: the directory {folder} does not exist; create it or give another path")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {p}: {folder} is not a directory; give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {p}: the directory {folder} is not writable; give another path")
 
 
 def cmd_prepare(a) -> int:
@@ -290,6 +312,8 @@ def cmd_export(a) -> int:
 
 def cmd_info(a) -> int:
     import numpy as np
+
+    from . import backend
 
     facts = {"llmgpu": __version__, "numpy": np.__version__}
     reason = backend.gpu_unavailable_reason()
@@ -336,8 +360,10 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from . import bench
+    from . import backend, bench
 
+    if a.json:
+        _check_output_file(a.json, "--json", makes_folders=True)  # timing.save_results makes missing folders
     try:
         if bench.wants_scale_table(a):
             from .bench_scale import scale_main
@@ -350,14 +376,52 @@ def cmd_bench(a) -> int:
 
 def main(argv=None) -> int:
     """Entry point of the ``llmgpu`` command; returns the exit code."""
+    try:
+        with _ctrl_c_held():  # the imports (a second or more): NumPy, the backend, every command's modules
+            errors, parser = _user_errors(), build_parser()
+        return _run(parser, errors, argv)
+    except KeyboardInterrupt:  # outside the training loop (which saves and returns): nothing to save
+        print("llmgpu: interrupted", file=sys.stderr)
+        _abort_run(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """A Ctrl-C inside the block is held until the block ends, then raised: inside an import, NumPy's C code turns a
+    KeyboardInterrupt into an ImportError (or worse) with a traceback. Left alone where SIGINT is not Python's
+    default (ignored, another handler) or this is not the main thread."""
+    held, previous = [], None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        try:
+            previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+        except ValueError:  # not the main thread: not ours to hold
+            pass
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _user_errors() -> tuple:
+    """The exceptions a command reports as one ``llmgpu: error:`` line (exit code 2)."""
+    from . import backend
     from .dist import DistError
-    from .dist.launch import ERROR_MARK
     from .interop import InteropError
     from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
     from .train.data import DataError
 
-    parser = build_parser()
+    return (DistError, UsageError, ConfigError, DataError, CheckpointError, InteropError, backend.GPUUnavailableError,
+            backend.DeviceSettingError)
+
+
+def _run(parser, errors: tuple, argv) -> int:
+    from .dist.launch import ERROR_MARK
+
     try:
         a = parser.parse_args(argv)
         a.argv = list(sys.argv[1:] if argv is None else argv)
@@ -366,8 +430,7 @@ def main(argv=None) -> int:
             return EXIT_USAGE
         return {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "prepare": cmd_prepare,
                 "export": cmd_export, "info": cmd_info, "bench": cmd_bench}[a.command](a)
-    except (DistError, UsageError, ConfigError, DataError, CheckpointError, InteropError, backend.GPUUnavailableError,
-            backend.DeviceSettingError) as e:
+    except errors as e:
         return _fail(f"{ERROR_MARK}{e}")
     except MemoryError as e:
         return _fail(f"{ERROR_MARK}out of host memory ({e}); lower --batch/--seq or use a smaller --preset")
@@ -383,10 +446,6 @@ def main(argv=None) -> int:
         traceback.print_exc()  # this rank's traceback, then the end of the run: the others must not wait for it
         _abort_run(1)
         return 1
-    except KeyboardInterrupt:  # outside the training loop (which saves and returns): nothing to save
-        print("llmgpu: interrupted", file=sys.stderr)
-        _abort_run(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
 
 
 def _several_ranks() -> bool:

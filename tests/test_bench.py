@@ -318,6 +318,59 @@ def test_scale_table_one_framework_per_command_merges_into_one_row(tmp_path, cap
         bench_scale._sides(_args(modes="bogus"))
 
 
+def test_scale_table_without_a_preset_measures_the_default_one(tmp_path, capsys):
+    """``--scale-table`` alone: the preset bench measures by default (per its help), not an empty table; --json in a
+    folder that does not exist yet is made."""
+    from llmgpu import cli
+
+    out = tmp_path / "new" / "scale.json"
+    assert cli.main(["bench", "--device", "cpu", "--scale-table", "--seq", "16", "--batch", "2", "--steps", "1",
+                     "--warmup", "0", "--compile-mode", "none", "--modes", "llmgpu-fast", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["presets"]) == [bench.BENCH_DEFAULTS["cpu"]["preset"]]
+    assert "tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--warmup", "-2"], ["--warmup must be >= 0, got -2"]),
+    (["--vocab-size", "0"], ["--vocab-size must be >= 2, got 0"]),
+    (["--seq", "100000"], ["--seq 100000 exceeds the model's block size 128 (the tiny preset's)", "--block-size"]),
+    (["--block-size", "0"], ["--block-size must be >= 1"]),
+    (["--scale-table", "--warmup", "-2"], ["--warmup must be >= 0"]),
+    (["--scale-table", "--seq", "100000"], ["--seq 100000 exceeds the model's block size 128"]),
+])  # fmt: skip
+def test_bench_refuses_what_train_refuses_before_it_builds_a_model(flags, needles, monkeypatch, one_error_line):
+    """The flags bench shares with train (``bench.TRAIN_FLAGS``) follow train's rules: one line, nothing built."""
+    from llmgpu import bench_scale, cli
+
+    def run_llmgpu(*a, **kw):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(bench, "run_llmgpu", run_llmgpu)
+    monkeypatch.setattr(bench_scale, "run_llmgpu", run_llmgpu)
+    one_error_line(cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--batch", "2", *flags]),
+                   *needles)
+
+
+def test_bench_block_size_makes_room_for_a_longer_seq(tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.bench_main(_args(device="cpu", preset="tiny", batch=1, seq=160, block_size=160, steps=1, warmup=0,
+                                  modes="llmgpu", no_ceiling=True, json=str(out))) == 0
+    assert json.loads(out.read_text())["model"]["block_size"] == 160
+
+
+@pytest.mark.parametrize("where, needle", [(".", "is a directory"), ("a.txt/b.json", "a.txt is not a directory")])
+def test_bench_refuses_a_json_path_it_cannot_write_before_it_runs(tmp_path, monkeypatch, where, needle,
+                                                                   one_error_line):
+    from llmgpu import cli
+
+    def bench_main(args):
+        raise AssertionError("measured before the --json path was checked")
+
+    monkeypatch.setattr(bench, "bench_main", bench_main)
+    (tmp_path / "a.txt").write_text("a file")
+    one_error_line(cli.main(["bench", "--device", "cpu", "--json", str(tmp_path / where)]), "--json", needle)
+
+
 def test_bench_pads_both_frameworks_alike_by_default_and_takes_the_torch_options():
     a = _args()
     assert a.pad_vocab == 64 and a.compile_mode == "default" and a.sdpa == "auto"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -80,6 +82,38 @@ def test_module_entry_point_error_is_one_line():
                        timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["llmgpu: error: --steps must be >= 1, got 0"]
+
+
+def test_the_command_line_loads_without_numpy():
+    """``llmgpu`` reaches main(), where Ctrl-C is one line, before NumPy and the backend load (about a second)."""
+    r = subprocess.run([sys.executable, "-c", "import sys, llmgpu.cli; print(sorted({'numpy', 'llmgpu.backend'} & "
+                        "set(sys.modules)))"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+@pytest.mark.parametrize("how", ["raised", "signal"])
+def test_ctrl_c_while_the_command_loads_is_one_line(how, monkeypatch, capsys):
+    """A Ctrl-C during the imports and the parser: 'llmgpu: interrupted', exit code 130, no traceback. A SIGINT is
+    held until they are done (inside NumPy's C import code it would come out as an ImportError)."""
+    from llmgpu import cli
+
+    real, built = cli.build_parser, []
+
+    def build_parser():
+        if how == "raised":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)
+        built.append(real())  # reached: the signal waits for the loading to end
+        return built[-1]
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever the test runner set
+    try:
+        assert main(["info"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert capsys.readouterr().err.splitlines() == ["llmgpu: interrupted"]
+    assert len(built) == (how == "signal")
 
 
 @pytest.mark.parametrize("argv", [["info"], ["train", "--steps", "1", "--no-progress"], ["bench", "--steps", "1"]])

@@ -148,6 +148,12 @@ def test_prepare_shows_progress_and_refuses_to_write_over_shards(tmp_path, capsy
                          "--val-fraction", "1.5"]), "--val-fraction")
 
 
+def test_prepare_input_that_is_not_a_file_says_so(tmp_path, one_error_line):
+    one_error_line(main(["prepare", os.devnull, "--out", str(tmp_path / "s"), "--tokenizer", "bytes"]),
+                   f"input {os.devnull} is not a regular file")
+    assert not (tmp_path / "s").exists()
+
+
 def test_gpt2_offline_without_a_cached_vocabulary_is_one_line(tmp_path, monkeypatch, capsys, one_error_line):
     pytest.importorskip("tiktoken", reason="tiktoken is not installed (the 'bpe' extra)")
     import tiktoken.load
@@ -372,3 +378,17 @@ def test_eval_counts_are_integers(tmp_path, kw, needle):
     out = _run(tmp_path)
     with pytest.raises(ConfigError, match=f"{needle} must be an integer"):
         evaluate.run_eval(str(out), "stdlib", **{"batch": 2, "seq": 16, **kw}, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("where,needle", [("nodir/r.json", "nodir does not exist"), (".", "is a directory"),
+                                          ("a.txt/r.json", "a.txt is not a directory")])
+def test_eval_refuses_a_json_path_it_cannot_write_before_it_evaluates(tmp_path, monkeypatch, where, needle,
+                                                                       one_error_line):
+    """``eval --json`` to a path that cannot be written is one line up front, not after the evaluation."""
+    def run_eval(*a, **kw):
+        raise AssertionError("evaluated before the --json path was checked")
+
+    monkeypatch.setattr(evaluate, "run_eval", run_eval)
+    (tmp_path / "a.txt").write_text("a file")
+    one_error_line(main(["eval", "--from", str(tmp_path), "--data", "stdlib", "--json", str(tmp_path / where)]),
+                   "--json", needle)

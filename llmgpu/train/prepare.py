@@ -36,7 +36,7 @@ import numpy as np
 from ..checks import is_integer
 from ..version import __version__
 from .config import TrainConfig
-from .data import PREPARE_INFO, DataError, write_shard
+from .data import PREPARE_INFO, DataError, need_file, write_shard
 from .report import Progress
 from .tokenizers import get_tokenizer
 
@@ -133,10 +133,9 @@ def input_files(inputs, out=None) -> list[Path]:
             if not found:
                 raise DataError(f"directory {p} holds no text files ({', '.join(TEXT_SUFFIXES)})")
             out_files += found
-        elif p.is_file():
-            out_files.append(p)
         else:
-            raise DataError(f"input {p} does not exist")
+            need_file(p, "input", "give text files, directories or globs")
+            out_files.append(p)
     return out_files
 
 
