@@ -38,9 +38,18 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert code == 2 and len(errors) == 1 and "Traceback" not in err and "RuntimeWarning" not in err, err
     assert "the loss is nan at step 2" in errors[0] and str(out / "checkpoint") in errors[0]
     assert load_checkpoint(out)[1]["step"] == 1  # step 2's weights were not written over it
-    s = json.loads((out / "summary.json").read_text())
+    s = _strict_json((out / "summary.json").read_text())
     assert s["stop_reason"] == "diverged" and s["steps"] == 2 and "sample" not in s
+    assert s["train_loss"] is None  # NaN is not JSON: null
     assert read_log(out)[-1]["type"] == "end" and not (out / "samples.txt").exists()
+    lines = [_strict_json(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lines if r["type"] == "train"][1] is None
+    assert np.isnan([r["loss"] for r in read_log(out) if r["type"] == "train"][1])  # read back as the run had it
+
+
+def _strict_json(text: str):
+    """JSON as strict parsers (JavaScript, Go) read it: NaN and Infinity are errors."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a file that must be strict JSON"))
 
 
 def test_a_diverged_run_without_a_checkpoint_says_so(tmp_path):

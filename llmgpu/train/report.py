@@ -166,12 +166,20 @@ def _hms(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+LOGGED_NUMBERS = ("loss", "grad_norm", "val_loss")  # a step's and an evaluation's: null in the log is NaN
+
+
 def read_log(path) -> list[dict]:
-    """The records of a JSON-lines training log."""
+    """The records of a JSON-lines training log; a step's or an evaluation's number written as null (the log is
+    strict JSON: ``session.strict_json``) reads as NaN, as the run had it."""
     p = Path(path)
     if p.is_dir():
         p = p / "log.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    for r in records:
+        if r.get("type") in ("train", "val"):
+            r.update({k: float("nan") for k in LOGGED_NUMBERS if k in r and r[k] is None})
+    return records
 
 
 def done_line(summary: dict) -> str:

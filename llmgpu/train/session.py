@@ -4,6 +4,7 @@ loop has seen so far. The trainer's loop reads and updates it; nothing here runs
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +38,27 @@ class Session:
     steps_last: int = 0
 
 
+def strict_json(obj):
+    """``obj`` with every inf/nan float as None: NaN is not JSON (Python writes it, JavaScript and Go refuse it, jq
+    turns it into null), and a diverged run's loss is NaN. ``report.read_log`` reads the numbers back as NaN."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 class Log:
-    """The JSON-lines log (rank 0's; the other ranks write nothing)."""
+    """The JSON-lines log (rank 0's; the other ranks write nothing), strict JSON (``strict_json``)."""
 
     def __init__(self, path: Path | None):
         self.f = open(path, "a") if path is not None else None
 
     def __call__(self, rec: dict):
         if self.f is not None:
-            self.f.write(json.dumps(rec) + "\n")
+            self.f.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
             self.f.flush()
 
     def close(self):
@@ -53,4 +66,4 @@ class Log:
             self.f.close()
 
 
-__all__ = ["Log", "Session"]
+__all__ = ["Log", "Session", "strict_json"]

@@ -42,7 +42,7 @@ from .ranks import agree, check_agreement, connect, gradient_seam, wait_for_rank
 from .report import Progress, done_line, read_log, run_banner
 from .rundir import check_target, default_out_dir, open_run_dir, write_config
 from .sampling import check_run_sample, prompt_ids
-from .session import Log, Session
+from .session import Log, Session, strict_json
 from .step import TrainStep
 from .stop import StopRequests
 from .stream import DataStream
@@ -473,7 +473,7 @@ class Trainer:
         s.log({"type": "end", **{k: v for k, v in summary.items() if k != "sample"}})
         s.log.close()
         if self.is_main:
-            (s.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            (s.out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False) + "\n")
         s.bar.message(f"stopped at step {self.step}: {summary['error']}" if failed else done_line(summary))
         return summary
 
