@@ -475,6 +475,25 @@ def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, c
         assert not (out / rundir.LOCK_FILE).exists()
 
 
+def test_resume_of_a_run_another_process_writes_before_its_first_checkpoint_names_that_process(tmp_path,
+                                                                                                one_error_line):
+    """Before its first checkpoint a running run holds none: a --resume says that another process writes it, not
+    that the directory holds no checkpoint."""
+    out = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "llmgpu", "train", *TINY, "--steps", "1000000", "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / rundir.LOCK_FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and not (out / "checkpoint").exists(), "the run never started, or saved already"
+        one_error_line(main(["train", "--resume", str(out)]), f"pid {proc.pid}", "being written")
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
 def test_a_second_process_on_a_running_run_is_refused_and_a_killed_ones_lock_taken_over(tmp_path, capsys,
                                                                                          one_error_line):
     """Two processes: the first resumes a run for (nearly) ever; a second --resume, or a new run with --overwrite
