@@ -138,9 +138,6 @@ def find_checkpoint(path) -> Path:
             raise CheckpointError(f"checkpoint {cand} is incomplete: {cand / missing} is missing")
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
-    from .rundir import refuse_if_in_use  # (rundir imports this module)
-
-    refuse_if_in_use(p)  # a run that another process writes holds no checkpoint before its first save: say that
     raise CheckpointError(f"{p} holds no llmgpu checkpoint ({META_FILE} + {MODEL_FILE}, or a checkpoint/ "
                           "directory with them)")
 

@@ -70,6 +70,7 @@ class Trainer:
         cfg, self.init = init_run(cfg, self._note, explicit) if cfg.init else (cfg, None)  # --init's weights
         saved = ckpt = None
         if cfg.resume:
+            rundir.refuse_if_in_use(Path(cfg.resume))  # a run being written holds no checkpoint before its first save
             ckpt = load_checkpoint(cfg.resume)  # (weights, meta, optimizer arrays)
             saved = SavedRun.from_meta(find_checkpoint(cfg.resume), ckpt[1])
         plan = plan_config(cfg, xp, explicit=explicit, saved=saved)
