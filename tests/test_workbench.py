@@ -175,11 +175,11 @@ def _misplaced_results(texts) -> list[str]:
 def test_the_path_checks_see_a_stale_path():
     text = ("python tools/probe_gemm_k.py; tools/probes/probe_gemm_k.py; benchmarks/results/ch8_bench.json, "
             "benchmarks/results/ch8/ch8_bench.json, benchmarks/results/ch3/ch8_bench.json, "
-            "benchmarks/results/ch7/x.json, benchmarks/results/ch9/ch9_allreduce_8gpu.json, "
+            "benchmarks/results/ch42/x.json, benchmarks/results/ch9/ch9_allreduce_8gpu.json, "
             "benchmarks/results/<chapter>/")
     assert _missing_tools([("t", text)]) == ["t: tools/probe_gemm_k.py"]
     assert _misplaced_results([("t", text)]) == ["t: benchmarks/results/ch3/ch8_bench.json (the file is in ch8/)",
-                                                 "t: benchmarks/results/ch7/x.json (no folder ch7)",
+                                                 "t: benchmarks/results/ch42/x.json (no folder ch42)",
                                                  "t: benchmarks/results/ch8_bench.json (the file is in ch8/)"]
 
 
