@@ -146,7 +146,9 @@ def add_interop_commands(sub):
                        "in nanoGPT's names and layout), a Llama run for LlamaForCausalLM; and llmgpu.json.")
     x.add_argument("--from", dest="src", required=True, metavar="RUN", help="run or checkpoint directory")
     x.add_argument("--to", dest="dst", required=True, metavar="DIR", help="new or empty output directory")
-    x.add_argument("--overwrite", action="store_true", help="write into a directory that holds files")
+    x.add_argument("--overwrite", action="store_true",
+                   help="write into a directory that holds files: the model there goes (its config.json and weight "
+                   "files), other files stay")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -438,6 +438,50 @@ def test_a_failed_export_leaves_to_as_it_was_and_names_the_file(tmp_path, monkey
     assert main(["export", "--from", str(out), "--to", str(dst), "--overwrite"]) == 0  # the retry
 
 
+def test_export_overwrite_replaces_the_model_there_and_keeps_other_files(tmp_path, capsys):
+    """--overwrite of a GPT-2 export (plus a sharded model's index and shards, a pickle) with a Llama: none of the
+    old weight files stay beside the new config.json, the user's notes do, and the directory loads the Llama."""
+    gpt2, llama, dst = _run(tmp_path), _run(tmp_path, "llama", arch="llama", preset="llama-tiny"), tmp_path / "hf"
+    assert main(["export", "--from", str(gpt2), "--to", str(dst)]) == 0
+    stale = [hf.INDEX_FILE, "model-00001-of-00002.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json"]
+    for name in [*stale, "notes.md"]:
+        (dst / name).write_text("an earlier model's" if name != "notes.md" else "the user's own file")
+    assert main(["export", "--from", str(llama), "--to", str(dst), "--overwrite"]) == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "llmgpu.json", "model.safetensors", "notes.md"]
+    assert (dst / "notes.md").read_text() == "the user's own file" and not list(tmp_path.glob(".hf.*"))
+    theirs, ours = llmgpu.from_pretrained(dst, xp=np), llmgpu.from_pretrained(llama, xp=np)
+    assert type(theirs).__name__ == "Llama" and all(np.array_equal(v, theirs.state_dict()[k])
+                                                    for k, v in ours.state_dict().items())
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 5, 7])
+def test_an_export_that_fails_while_moving_into_place_puts_the_old_model_back(tmp_path, monkeypatch, capsys,
+                                                                             one_error_line, fail_at):
+    """--overwrite moves the old model's four files aside, then the new three in: a failure at any of those renames
+    (1-4 aside, 5-7 in, config.json last) leaves --to byte for byte as it was."""
+    gpt2, llama, dst = _run(tmp_path), _run(tmp_path, "llama", arch="llama", preset="llama-tiny"), tmp_path / "hf"
+    assert main(["export", "--from", str(gpt2), "--to", str(dst)]) == 0
+    (dst / "notes.md").write_text("the user's own file")
+    before = sorted(tmp_path.iterdir()), {p.name: p.read_bytes() for p in dst.iterdir()}
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        if Path(b).parent in (dst, dst.parent / ".hf.export-tmp" / "old"):  # the stage's moves, not hf.publish's
+            calls.append(b)
+            if len(calls) == fail_at:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(a), None, str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    capsys.readouterr()
+    one_error_line(main(["export", "--from", str(llama), "--to", str(dst), "--overwrite"]), "into place failed",
+                   "Input/output error", f"--to {dst} was left as it was")
+    monkeypatch.undo()
+    aside = dst.parent / ".hf.export-tmp" / "old"
+    assert Path(calls[fail_at - 1]).parent == (dst if fail_at > 4 else aside)  # then the moves back
+    assert (sorted(tmp_path.iterdir()), {p.name: p.read_bytes() for p in dst.iterdir()}) == before
+
+
 def test_export_never_writes_over_the_model_it_reads_or_a_run(tmp_path, capsys, one_error_line):
     """--to the run's own directory (or its checkpoint/) would replace the run's config.json and weights: refused,
     also with --overwrite; so is another run, and the Hugging Face directory an export reads."""

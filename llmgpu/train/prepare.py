@@ -38,6 +38,7 @@ from ..version import __version__
 from .config import TrainConfig
 from .data import PREPARE_INFO, DataError, need_file, write_shard
 from .report import Progress
+from .staging import move_in
 from .tokenizers import get_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text", ".json", ".jsonl", ".csv", ".html", ".tex")
@@ -230,7 +231,7 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
                    "val_fraction": val_fraction, "shard_tokens": shard_tokens, "inputs": [str(p) for p in files],
                    "seconds": time.perf_counter() - t0, "llmgpu": __version__}
         (stage / "shards" / PREPARE_INFO).write_text(json.dumps(summary, indent=1) + "\n")
-        _publish(stage, out, old)
+        move_in(list((stage / "shards").iterdir()), out, PREPARE_INFO, stage / "old", old)  # prepare.json last
     except BaseException:  # Ctrl-C, a full disk, a bad file: the old output as it was, no staging left
         shutil.rmtree(stage, ignore_errors=True)
         for d in made:  # deepest first, while empty
@@ -243,28 +244,6 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
                 f"{summary['val_tokens']:,} validation tokens in {len(summary['val_shards'])}, "
                 f"{summary['seconds']:.1f} s")
     return summary
-
-
-def _publish(stage: Path, out: Path, old: list):
-    """Replace the ``old`` output files of ``out`` with the complete new ones in ``stage/shards`` (renames, one
-    file system): the old files move into ``stage/old`` first and come back if a move fails, and
-    ``prepare.json`` moves last, so a directory with a ``prepare.json`` holds the shards it lists."""
-    new = sorted((stage / "shards").iterdir(), key=lambda p: p.name == PREPARE_INFO)
-    (stage / "old").mkdir()
-    moved, placed = [], []
-    try:
-        for p in old:
-            os.replace(p, stage / "old" / p.name)
-            moved.append(p)
-        for p in new:
-            os.replace(p, out / p.name)
-            placed.append(out / p.name)
-    except BaseException:
-        for p in placed:
-            p.unlink(missing_ok=True)
-        for p in moved:
-            os.replace(stage / "old" / p.name, p)
-        raise
 
 
 def _write_shards(out: Path, token_files: list, counts: list, val_fraction: float, shard_tokens: int) -> dict:

@@ -29,6 +29,7 @@ from ..version import __version__
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
 from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, explicit_fields, flag_of
 from .rundir import RUN_FILES
+from .staging import move_in
 
 
 @dataclass
@@ -121,8 +122,8 @@ def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
 def export(src, dst, *, overwrite: bool = False) -> dict:
     """``llmgpu export``: the weights at ``src`` (an llmgpu run, or a Hugging Face directory) as a directory
     ``transformers`` loads (``interop.hf.export_hf``), GPT-2 or Llama as the weights are; a Hugging Face Llama's
-    BOS/EOS token ids go along. Refuses a ``dst`` holding files unless ``overwrite``. Written beside ``dst`` first
-    (``_staged``): a failure leaves ``dst`` as it was."""
+    BOS/EOS token ids go along. Refuses a ``dst`` holding files unless ``overwrite``, which replaces the model
+    there (``OLD_MODEL_FILES`` too). Written beside ``dst`` first (``_staged``): a failure leaves ``dst`` as it was."""
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
@@ -136,26 +137,34 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
             "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
 
 
+# An earlier model's files that an export with --overwrite removes too: kept, they would sit beside the new
+# config.json as if they belonged to it (a sharded model's index and shards, a PyTorch pickle, a GPT-2 export's
+# nanoGPT copy under a Llama).
+OLD_MODEL_FILES = (hf.INDEX_FILE, "model-*-of-*.safetensors", "pytorch_model*.bin*", hf.NANOGPT_FILE)
+
+
 def _staged(out: Path, write):
     """``write(stage)`` into a new directory beside ``out``, then moved into place: a failure (a full disk) leaves
-    ``out`` as it was, not a half-written export that blocks a retry (not empty) or reads as an incomplete checkpoint.
-    A new or empty ``out``: one rename; one that holds files (--overwrite): file by file, config.json last."""
+    ``out`` as it was, not a half-written export that blocks a retry (not empty) or reads as a model. A new or
+    empty ``out``: one rename; one that holds files (--overwrite): ``staging.move_in``, config.json last."""
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.with_name(f".{out.name}.export-tmp")  # beside it: the same file system, so moving is renaming
     shutil.rmtree(stage, ignore_errors=True)  # a killed export's
     try:
-        stage.mkdir()
+        (stage / "new").mkdir(parents=True)
+        what = "writing {} failed"
         try:
-            write(stage)
+            write(stage / "new")
+            what = "moving {} into place failed"
+            if out.is_dir() and any(out.iterdir()):
+                old = sorted({f for pattern in OLD_MODEL_FILES for f in out.glob(pattern) if f.is_file()})
+                move_in(list((stage / "new").iterdir()), out, hf.CONFIG_FILE, stage / "old", old)
+            else:
+                os.replace(stage / "new", out)  # over an empty directory too
         except OSError as e:  # a full disk's error names no file: interop's publish() names the one being written
             name = out / Path(e.filename).name if e.filename else out
-            raise InteropError(f"writing {name} failed: {e.strerror or e}; --to {out} was left as it was (export "
+            raise InteropError(f"{what.format(name)}: {e.strerror or e}; --to {out} was left as it was (export "
                                "again once that is fixed)") from None
-        if out.is_dir() and any(out.iterdir()):
-            for f in sorted(stage.iterdir(), key=lambda f: f.name == hf.CONFIG_FILE):
-                os.replace(f, out / f.name)
-        else:
-            os.replace(stage, out)  # over an empty directory too
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
