@@ -475,10 +475,9 @@ def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, c
         assert not (out / rundir.LOCK_FILE).exists()
 
 
-def test_resume_of_a_run_another_process_writes_before_its_first_checkpoint_names_that_process(tmp_path,
-                                                                                                one_error_line):
-    """Before its first checkpoint a running run holds none: a --resume says that another process writes it, not
-    that the directory holds no checkpoint."""
+def test_a_run_another_process_writes_before_its_first_checkpoint_is_named_as_such(tmp_path, one_error_line):
+    """Before its first checkpoint a running run holds none: a --resume says that another process writes it, and
+    sample/eval/export --from say that it has no checkpoint yet because of that, not only that it holds none."""
     out = tmp_path / "r"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "llmgpu", "train", *TINY, "--steps", "1000000", "--out", str(out)],
@@ -489,9 +488,16 @@ def test_resume_of_a_run_another_process_writes_before_its_first_checkpoint_name
             time.sleep(0.05)
         assert proc.poll() is None and not (out / "checkpoint").exists(), "the run never started, or saved already"
         one_error_line(main(["train", "--resume", str(out)]), f"pid {proc.pid}", "being written")
+        text = tmp_path / "held-out.txt"
+        text.write_text("some held-out text " * 50)
+        for command in (["sample", "--from", str(out)], ["eval", "--from", str(out), "--data", str(text)],
+                        ["export", "--from", str(out), "--to", str(tmp_path / "hf")]):
+            one_error_line(main(command), f"{out} holds no checkpoint yet", f"another llmgpu process writes that run "
+                           f"(pid {proc.pid}", "--save-every")
     finally:
         proc.kill()
         proc.wait(timeout=60)
+    one_error_line(main(["sample", "--from", str(out)]), f"{out} holds no llmgpu checkpoint")  # its writer is gone
 
 
 def test_a_second_process_on_a_running_run_is_refused_and_a_killed_ones_lock_taken_over(tmp_path, capsys,

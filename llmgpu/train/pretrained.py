@@ -26,6 +26,7 @@ from ..interop import InteropError, hf
 from ..model import GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
 from ..version import __version__
+from . import rundir
 from .checkpoint import META_FILE, CheckpointError, find_checkpoint, load_checkpoint, model_file, non_finite
 from .config import FINETUNE_DEFAULTS, ConfigError, TrainConfig, explicit_fields, flag_of
 from .rundir import RUN_FILES
@@ -70,8 +71,15 @@ def load_pretrained(path) -> Pretrained:
                 else p / hf.INDEX_FILE
             raise CheckpointError(f"{where} holds inf/nan weights ({bad}): a damaged or diverged model")
         return Pretrained(cfg, weights, info.get("tokenizer"), "hf", p, f"Hugging Face {family_name(cfg)} {p}", info)
-    weights, meta, _ = load_checkpoint(p, with_optim=False)
-    d = find_checkpoint(p)
+    try:
+        d = find_checkpoint(p)
+    except CheckpointError:
+        who = rundir.writer(p)
+        if who:  # a run's directory exists from its start, its checkpoint from its first save
+            raise CheckpointError(f"{p} holds no checkpoint yet: another llmgpu process writes that run ({who}), "
+                                  "and saves its first at --save-every steps or at its end") from None
+        raise
+    weights, meta, _ = load_checkpoint(d, with_optim=False)
     bad = non_finite(weights)
     if bad:
         raise CheckpointError(f"{model_file(d)} holds inf/nan weights ({bad}): the file is damaged, or the run that "

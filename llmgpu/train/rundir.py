@@ -183,7 +183,7 @@ def _lock_file(path: Path) -> int:
         except BlockingIOError:
             owner = _owner(fd)
             os.close(fd)
-            raise _in_use(path, owner) from None
+            raise _in_use(path, _describe(owner)) from None
         try:
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 return fd
@@ -195,25 +195,33 @@ def _lock_file(path: Path) -> int:
 def refuse_if_in_use(out: Path):
     """A ConfigError when another process holds ``out``'s lock: what the set-up of a run checks, so that the
     refusal comes before its notes and its work (``run_lock`` takes the lock itself when the run starts)."""
+    who = writer(out)
+    if who:
+        raise _in_use(out / LOCK_FILE, who)
+
+
+def writer(out: Path) -> str | None:
+    """The other process that writes the run directory ``out`` (pid, host, start, command, as its lock file says),
+    or None: no process holds the lock, or this one does (its own run: ``run_lock`` decides)."""
     path = out / LOCK_FILE
     if fcntl is None or not path.is_file():
-        return
+        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only probing: closing the descriptor drops it
+        return None
     except BlockingIOError:
         owner = _owner(fd)
-        if (owner or {}).get("pid") != os.getpid():  # this process's own run: run_lock decides
-            raise _in_use(path, owner) from None
+        return None if (owner or {}).get("pid") == os.getpid() else _describe(owner)
     finally:
         os.close(fd)
 
 
-def _in_use(path: Path, owner: dict | None) -> ConfigError:
-    return ConfigError(f"{path.parent} is being written by another llmgpu process ({_describe(owner)}): two "
+def _in_use(path: Path, who: str) -> ConfigError:
+    return ConfigError(f"{path.parent} is being written by another llmgpu process ({who}): two "
                        "processes cannot write one run directory; wait for it to end, or stop it")
 
 
@@ -279,4 +287,4 @@ def with_log_figures(kept: list[dict], summary: dict) -> dict:
 
 __all__ = ["FINAL_STOPS", "LOCK_FILE", "RUN_FILES", "check_out", "check_target", "clear_run", "continue_log",
            "default_out_dir", "finished_summary", "holds_run", "refuse_if_in_use", "resume_target", "run_dir_of",
-           "run_lock", "with_log_figures", "write_config"]
+           "run_lock", "with_log_figures", "write_config", "writer"]
