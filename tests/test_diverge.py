@@ -58,6 +58,14 @@ def test_a_diverged_run_without_a_checkpoint_says_so(tmp_path):
     assert not (tmp_path / "r" / "checkpoint").exists()
 
 
+def test_a_divergence_seen_at_a_later_log_sync_says_where_the_run_stopped(tmp_path):
+    """The loss is read every --log-every steps: the NaN of step 2 is seen at step 4's sync, where the run stops.
+    The error names both, so the summary's 'steps': 4 does not contradict it."""
+    s = train(TrainConfig(**{**FAST, "lr": 1e30, "log_every": 4}, steps=10, out=str(tmp_path / "r")))
+    assert s["stop_reason"] == "diverged" and s["steps"] == 4
+    assert "the loss is nan at step 2" in s["error"] and "log sync of step 4, where the run stopped" in s["error"]
+
+
 def test_sample_refuses_non_finite_weights_and_a_nan_temperature(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *TINY, "--steps", "1", "--out", str(out)]) == 0

@@ -22,17 +22,20 @@ class RunHealth:
     streak: int = 0
     failure: tuple[str, str] | None = None
 
-    def check(self, step: int, loss: float, skipped: bool, *, loss_scaled: bool, max_skipped: int):
-        """Count one step; record the first failure."""
+    def check(self, step: int, loss: float, skipped: bool, *, loss_scaled: bool, max_skipped: int, synced: int):
+        """Count one step; record the first failure. ``synced``: the step whose log sync reads this one's record
+        (the run stops there, so its summary's ``steps`` is that one; the message says why they differ)."""
         self.skipped += skipped
         self.streak = self.streak + 1 if skipped else 0
         if self.failure:
             return
+        stopped = (f" (seen at the log sync of step {synced}, where the run stopped; --log-every sets how often it "
+                   "looks)") if synced > step else ""
         if not math.isfinite(loss) and not loss_scaled:
-            self.failure = ("diverged", f"the loss is {loss} at step {step}: the run diverged")
+            self.failure = ("diverged", f"the loss is {loss} at step {step}: the run diverged{stopped}")
         elif max_skipped and self.streak >= max_skipped:
             self.failure = ("skipped", f"{self.streak} steps in a row (up to step {step}) were skipped for inf/nan "
-                            f"gradients (--max-skipped-steps {max_skipped}): the run diverged")
+                            f"gradients (--max-skipped-steps {max_skipped}): the run diverged{stopped}")
 
 
 __all__ = ["RunHealth"]

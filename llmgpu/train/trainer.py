@@ -420,7 +420,7 @@ class Trainer:
                 entry.update(tokens_per_s=tok_s, mfu=util, time_s=now - s.t0)
             s.log(entry)
             s.health.check(step, float(loss), bool(inf), loss_scaled=self.scaler.enabled,
-                           max_skipped=self.cfg.max_skipped_steps)
+                           max_skipped=self.cfg.max_skipped_steps, synced=self.step)
         s.last_loss = float(host[-1][0])
         s.pending.clear()
         s.t_last, s.steps_last = now, self.step
