@@ -453,6 +453,24 @@ def test_resume_metadata_of_the_wrong_type_is_one_line_naming_the_file(tmp_path,
         one_error_line(main(["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"]), str(meta_file), key)
 
 
+@pytest.mark.parametrize("vocab", [300, 255])
+def test_a_model_configuration_edited_to_another_vocabulary_is_refused_not_zero_padded(tmp_path, capsys, vocab,
+                                                                                      one_error_line):
+    """256 tokens trained, meta.json edited to 300: the 44 new tokens would get zero embeddings, as if trained.
+    Edited to 255: the last trained token's row would be cut off as padding. Both refused, naming the weights."""
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    meta_file = out / "checkpoint" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model_config"]["vocab_size"] = vocab
+    meta_file.write_text(json.dumps(meta))
+    for command in (["sample", "--from", str(out), "--tokens", "2", "--device", "cpu"],
+                    ["export", "--from", str(out), "--to", str(tmp_path / "hf")],
+                    ["train", "--resume", str(out), "--steps", "2"]):
+        one_error_line(main(command), str(out / "checkpoint"), "transformer.wte.weight")
+
+
 # --------------------------------------------------------------------------- one writer; a finished run stays
 
 def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, capsys):

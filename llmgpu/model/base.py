@@ -152,7 +152,8 @@ class GPTBase:
     def load_state_dict(self, sd: dict, strict: bool = True, *, allow_nonfinite: bool = False):
         """Load nanoGPT-named weights (NumPy, CuPy or PyTorch tensors; any float dtype).
 
-        ``lm_head.weight`` is optional (tied); an unpadded token embedding is zero-padded. Keys such
+        ``lm_head.weight`` is optional (tied); an unpadded token embedding (at least ``vocab_size`` rows) is
+        zero-padded, one with fewer rows a ValueError. Keys such
         as ``attn.bias`` (nanoGPT's causal-mask buffer) are ignored. A tensor that is not floating
         point (integer or bool weights: a wrong file, or a buffer under a weight's name) is a
         TypeError naming its key; a NaN or inf weight a ValueError naming the key and the count
@@ -168,9 +169,10 @@ class GPTBase:
             d[E] = _checked_host("lm_head.weight", sd["lm_head.weight"], allow_nonfinite)
         for n in (E, "lm_head.weight"):  # vocabulary rows: an unpadded matrix is zero-padded
             if n in d and d[n].shape[0] != cfg.padded_vocab_size and d[n].shape[1:] == (cfg.n_embd,):
-                if d[n].shape[0] > cfg.padded_vocab_size:
-                    raise ValueError(f"{n} has {d[n].shape[0]} rows, the model's vocabulary is "
-                                     f"{cfg.padded_vocab_size}")
+                if not cfg.vocab_size <= d[n].shape[0] <= cfg.padded_vocab_size:  # fewer: real tokens would get zeros
+                    raise ValueError(f"{n} has {d[n].shape[0]} rows, the model's vocabulary is {cfg.vocab_size} "
+                                     f"tokens" + (f" ({cfg.padded_vocab_size} rows padded)"
+                                                  if cfg.padded_vocab_size != cfg.vocab_size else ""))
                 pad = np.zeros((cfg.padded_vocab_size, cfg.n_embd), np.float32)
                 pad[: d[n].shape[0]] = d[n]
                 d[n] = pad

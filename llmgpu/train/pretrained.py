@@ -21,6 +21,8 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from .. import backend
 from ..interop import InteropError, hf
 from ..model import GPTConfig, LlamaConfig, family
@@ -90,7 +92,11 @@ def load_pretrained(path) -> Pretrained:
         raise CheckpointError(f"checkpoint {d} has no usable model configuration ({type(e).__name__}: {e})") \
             from None
     for name in {model_class(cfg).embedding_name, LM_HEAD} & set(weights):  # the padded vocabulary rows are
-        weights[name] = weights[name][: cfg.vocab_size]  # zeros (an untied head's too): another padding adds its own
+        if np.any(weights[name][cfg.vocab_size:]):  # zeros (an untied head's too): another padding adds its own
+            raise CheckpointError(f"{model_file(d)}: {name} holds trained rows beyond the {cfg.vocab_size} tokens of "
+                                  f"the vocabulary its {META_FILE} names: the weights do not fit their model "
+                                  "configuration")
+        weights[name] = weights[name][: cfg.vocab_size]
     return Pretrained(cfg, weights, meta.get("tokenizer", "bytes"), "llmgpu", d, f"llmgpu run {d} ({cfg.arch}, step "
                       f"{meta['step']})", meta)
 
@@ -139,7 +145,14 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
     check_export_target(out, pre, overwrite)
     info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__,
             **{k: pre.meta[k] for k in ("bos_token_id", "eos_token_id") if pre.meta.get(k) is not None}}
-    _staged(out, lambda stage: hf.export_hf(stage, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info))
+
+    def write(stage):
+        try:
+            hf.export_hf(stage, pre.config, pre.weights, tokenizer=pre.tokenizer, info=info)
+        except InteropError as e:  # a weight of another shape than the configuration's (an edited meta.json)
+            raise InteropError(f"{pre.path}: the weights do not fit their model configuration ({e})") from None
+
+    _staged(out, write)
     return {"to": str(out), "from": pre.source, "architecture": family_name(pre.config),
             "tokenizer": pre.tokenizer, "vocab_size": pre.config.vocab_size,
             "n_layer": pre.config.n_layer, "n_embd": pre.config.n_embd, "block_size": pre.config.block_size}
