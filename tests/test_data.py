@@ -78,8 +78,9 @@ def test_shard_train_val_by_name_and_vocab_check(tmp_path):
     c.check_vocab(50301)
     with pytest.raises(D.DataError, match="token id 50300 but the model's vocabulary is 50257"):
         c.check_vocab(50257)
+    assert [n for n in c.notes if "token id 50300, beyond GPT-2's 50257 tokens" in n]  # not GPT-2 tokens: said
     c2 = D.load_corpus(str(tmp_path / "d_train_*.bin"), val_fraction=0.25)
-    assert c2.n_train == 4500 and c2.n_val == 1500
+    assert c2.n_train == 4500 and c2.n_val == 1500 and not c2.notes  # ids within GPT-2's: nothing to say
 
 
 def test_text_file_and_errors(tmp_path):

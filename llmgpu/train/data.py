@@ -273,7 +273,7 @@ def load_corpus(data: str | None = None, *, val_data: str | None = None, val_fra
     return _finish(train, val, tok, desc, notes)
 
 
-def _finish(train, val, tok, desc, notes=()) -> Corpus:
+def _finish(train, val, tok, desc, notes: list) -> Corpus:
     train = [a for a in train if a.size]
     val = [a for a in val if a.size]
     if not train:
@@ -283,6 +283,10 @@ def _finish(train, val, tok, desc, notes=()) -> Corpus:
         every = [train[0], train[-1], *val[:1]]  # every batch is checked again as it is read
     mx = max(int(a.max()) for a in every)
     vocab = BYTE_VOCAB if tok == "bytes" else max(GPT2_VOCAB, mx + 1)
+    if tok == "gpt2" and mx >= GPT2_VOCAB:  # llm.c's shards say no tokenizer: another one's ids are read as GPT-2's
+        notes.append(f"the data holds token id {mx}, beyond GPT-2's {GPT2_VOCAB} tokens: these are not GPT-2 tokens "
+                     f"(shards without a {PREPARE_INFO} are read as GPT-2's); the model trains on them, samples show "
+                     "such ids as numbers")
     return Corpus(train, val, vocab_size=vocab, tokenizer=tok, description=desc, max_token=mx, notes=list(notes))
 
 
