@@ -268,6 +268,23 @@ def test_eval_tokenizes_text_with_the_models_bpe(tmp_path, tiny_bpe, monkeypatch
 
 # --------------------------------------------------------------------------- --overwrite never loses the old output
 
+def test_a_file_named_twice_is_tokenized_once_with_a_note(tmp_path, capsys):
+    """doc1.txt named itself, through its directory and through a glob (and a path spelled otherwise): one copy of
+    its tokens, in its first place, and a note; the shards equal those of the files named once."""
+    src = _inputs(tmp_path, 3)
+    args = ["--tokenizer", "bytes", "--val-fraction", "0.25", "--shard-tokens", "400", "--quiet"]
+    assert main(["prepare", str(src / "doc1.txt"), str(src), str(src / "*.txt"), str(src / ".." / "in" / "doc1.txt"),
+                 "--out", str(tmp_path / "a"), *args]) == 0
+    err = capsys.readouterr().err
+    assert "llmgpu: note: 5 input file(s) named more than once" in err and "tokenized once" in err
+    assert main(["prepare", *(str(src / f"doc{i}.txt") for i in (1, 0, 2)), "--out", str(tmp_path / "b"), *args]) == 0
+    assert _snapshot(tmp_path / "a").keys() == _snapshot(tmp_path / "b").keys()
+    assert {k: v for k, v in _snapshot(tmp_path / "a").items() if k.suffix == ".bin"} == \
+        {k: v for k, v in _snapshot(tmp_path / "b").items() if k.suffix == ".bin"}
+    info = json.loads((tmp_path / "a" / "prepare.json").read_text())
+    assert [Path(f).name for f in info["inputs"]] == ["doc1.txt", "doc0.txt", "doc2.txt"]
+
+
 def _snapshot(d):
     return {p.relative_to(d): p.read_bytes() for p in d.rglob("*") if p.is_file()}
 

@@ -114,10 +114,11 @@ def _tokenize_to_file(task) -> tuple[int, int]:
 STAGING = ".prepare-tmp"  # in --out: the token files and the new shards until they replace the old ones
 
 
-def input_files(inputs, out=None) -> list[Path]:
-    """Files named by ``inputs``: files, directories (their text files, recursively, sorted) and glob patterns.
-    The output directory ``out``'s own files (its shards, ``prepare.json``, the staging directory) are never
-    inputs, also where ``out`` lies inside an input directory."""
+def input_files(inputs, out=None, notes: list | None = None) -> list[Path]:
+    """Files named by ``inputs``: files, directories (their text files, recursively, sorted) and glob patterns,
+    each once (where two name one file, its first place; ``notes`` gets a line saying so). The output directory
+    ``out``'s own files (its shards, ``prepare.json``, the staging directory) are never inputs, also where ``out``
+    lies inside an input directory."""
     own = _output_files(out)
     out_files: list[Path] = []
     for spec in inputs:
@@ -137,7 +138,12 @@ def input_files(inputs, out=None) -> list[Path]:
         else:
             need_file(p, "input", "give text files, directories or globs")
             out_files.append(p)
-    return out_files
+    once = list({p.resolve(): p for p in reversed(out_files)}.values())[::-1]  # the first of each
+    if len(once) < len(out_files) and notes is not None:
+        twice = next(p for i, p in enumerate(out_files) if p.resolve() in {q.resolve() for q in out_files[:i]})
+        notes.append(f"{len(out_files) - len(once)} input file(s) named more than once ({twice}, ...): each is "
+                     "tokenized once")
+    return once
 
 
 def _output_files(out):
@@ -188,7 +194,8 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
         if (v is not None or name != "--workers") and (not is_integer(v) or v < 1):
             raise DataError(f"{name} must be an integer >= 1, got {v!r}")
     out = Path(out).expanduser()
-    files = input_files(inputs, out)
+    notes = []
+    files = input_files(inputs, out, notes)
     tok = get_tokenizer(tokenizer, required=True) if isinstance(tokenizer, str) else tokenizer
     if tok.vocab_size > 2**16:
         raise DataError(f"the {tok.name} tokenizer has {tok.vocab_size} tokens: llm.c shards hold uint16 ids")
@@ -209,6 +216,8 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
     bar = Progress(len(files), enabled=progress, stream=stream)
     bar.message(f"llmgpu prepare: {len(files)} file(s), {total_bytes / 1e6:.1f} MB, {tok.name} tokens, "
                 f"{workers} worker(s) -> {out}")
+    for note in notes:
+        bar.warn(f"llmgpu: note: {note}")
     counts, done_bytes, t0 = [], 0, time.perf_counter()
     try:
         pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
