@@ -138,7 +138,10 @@ def input_files(inputs, out=None, notes: list | None = None) -> list[Path]:
         else:
             need_file(p, "input", "give text files, directories or globs")
             out_files.append(p)
-    once = list({p.resolve(): p for p in reversed(out_files)}.values())[::-1]  # the first of each
+    first: dict[Path, Path] = {}
+    for p in out_files:
+        first.setdefault(p.resolve(), p)
+    once = list(first.values())
     if len(once) < len(out_files) and notes is not None:
         twice = next(p for i, p in enumerate(out_files) if p.resolve() in {q.resolve() for q in out_files[:i]})
         notes.append(f"{len(out_files) - len(once)} input file(s) named more than once ({twice}, ...): each is "
