@@ -212,6 +212,38 @@ def test_config_fields_of_the_wrong_type_are_refused_not_rounded():
         LlamaConfig.from_dict({**cfg.as_dict(), "arch": "gpt2"})
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("ids,msg", [
+    ([[-1, 5]], r"idx must lie in \[0, 37\); 1 do not \(first: idx\[0, 0\] = -1\)"),
+    ([[3, 37]], r"idx must lie in \[0, 37\); 1 do not \(first: idx\[0, 1\] = 37\)"),  # a padding row's id
+    ([[2**32 + 7, 5]], "beyond int32's range"),  # narrowed, it would read as id 7
+    (np.zeros((1, 0), np.int32), r"idx is empty \(shape \(1, 0\)\)"),
+])  # fmt: skip
+def test_token_ids_outside_the_vocabulary_are_refused_on_numpy_by_both_families(family, ids, msg):
+    """A plain gather reads row -1 as the last row, and int64 ids wrap when narrowed to int32: both gave logits of
+    other tokens. Each family's forward, loss and backward refuse them in one line (vocabulary padded to 40 rows:
+    id 37 is a padding row, not a token)."""
+    from llmgpu.model import GPT, GPTConfig
+
+    m = (Llama(LlamaConfig(**SMALL, pad_vocab_to=8), xp=np) if family == "llama" else
+         GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=37, block_size=16, pad_vocab_to=8), xp=np))
+    idx = np.asarray(ids, dtype=np.int64)
+    for call in (lambda: m.forward(idx), lambda: m.loss(idx, np.zeros(idx.shape, np.int32)),
+                 lambda: m.forward_backward(idx, np.zeros(idx.shape, np.int32))):
+        with pytest.raises(ValueError, match=msg):
+            call()
+
+
+def test_llama_loads_the_rope_buffers_older_transformers_saved():
+    """``rotary_emb.inv_freq`` is recomputed from the configuration: skipped, as GPT-2's causal-mask buffers are."""
+    m = _model()
+    sd = {n: np.asarray(a) for n, a in m.state_dict().items()}
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(2, np.float32)
+    other = Llama(m.config, dtype="fp64", xp=np, init=False)
+    other.load_state_dict(sd)
+    assert all(np.array_equal(a, other.state_dict()[n]) for n, a in m.state_dict().items())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("bf16", 3e-2)])
 def test_gpu_llama_against_the_float64_model(cp, dtype, tol):

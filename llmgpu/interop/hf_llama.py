@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.llama_config import EMBED, LM_HEAD, LlamaConfig, llama_param_shapes
+from ..model.llama_config import BUFFERS, EMBED, LM_HEAD, LlamaConfig, llama_param_shapes
 from . import safetensors as st
 from .hf_files import (
     WEIGHTS_FILE,
@@ -37,7 +37,6 @@ from .hf_files import (
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 ACTIVATIONS = ("silu", "swish")  # both SiLU in transformers' ACT2FN
-BUFFERS = (".rotary_emb.inv_freq",)  # RoPE's frequencies, saved by older versions: recomputed, not weights
 # transformers' LlamaConfig defaults (configuration_llama.py, 4.4x and 5.x): what a config.json that leaves a key
 # out means. num_key_value_heads None: one K/V head per query head; rope_theta: PreTrainedConfig.default_theta.
 HF_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -31,8 +31,9 @@ import numpy as np
 from .. import backend
 from ..checks import check_token_ids
 from ..ops.cross_entropy import cross_entropy_forward
+from ..ops.embedding import check_ids_numpy
 from ..optim.params import ALIGN, FlatParams
-from .config import WTE, GPTConfig, activation_bytes, block_param_names, param_shapes
+from .config import BUFFERS, WTE, GPTConfig, activation_bytes, block_param_names, param_shapes
 from .llama_config import LM_HEAD
 
 PAD_LOGIT = -1.0e4  # logit of padded vocabulary columns: exp(-1e4 - max) == 0 in fp32
@@ -50,6 +51,7 @@ class GPTBase:
     attention = "math"  # which activation-memory formula applies (model/config.block_activation_bytes)
     config_type = GPTConfig  # the configuration this family takes (Llama: model/llama_config.LlamaConfig)
     embedding_name = WTE  # the token embedding (its padded rows; the LM head when tied)
+    buffers = BUFFERS  # names of saved non-weights that load_state_dict skips
     norm_gains = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # initialized to 1 (init_weights)
     residual_projections = ("c_proj.weight",)  # the block's two writes into the residual stream (init_weights)
     keeps_ln_1 = False  # a checkpointed span input is x alone (FastGPT: x and ln_1(x); model/config.activation_bytes)
@@ -153,16 +155,15 @@ class GPTBase:
         """Load nanoGPT-named weights (NumPy, CuPy or PyTorch tensors; any float dtype).
 
         ``lm_head.weight`` is optional (tied); an unpadded token embedding (at least ``vocab_size`` rows) is
-        zero-padded, one with fewer rows a ValueError. Keys such
-        as ``attn.bias`` (nanoGPT's causal-mask buffer) are ignored. A tensor that is not floating
-        point (integer or bool weights: a wrong file, or a buffer under a weight's name) is a
-        TypeError naming its key; a NaN or inf weight a ValueError naming the key and the count
-        (``allow_nonfinite=True`` loads it anyway, e.g. to inspect a run that diverged).
+        zero-padded, one with fewer rows a ValueError. Keys ending in ``buffers`` (GPT-2's causal masks, Llama's
+        RoPE frequencies) are ignored. A tensor that is not floating point (integer or bool weights: a wrong file,
+        or a buffer under a weight's name) is a TypeError naming its key; a NaN or inf weight a ValueError naming
+        the key and the count (``allow_nonfinite=True`` loads it anyway, e.g. to inspect a run that diverged).
         """
         cfg, P, E, tied = self.config, self.params, self.embedding_name, self.tied
         d = {}
         for k, v in sd.items():
-            if (tied and k == "lm_head.weight") or k.endswith((".attn.bias", ".attn.masked_bias")):
+            if (tied and k == "lm_head.weight") or k.endswith(self.buffers):
                 continue
             d[k] = _checked_host(k, v, allow_nonfinite)
         if tied and "lm_head.weight" in sd and E not in sd:
@@ -187,8 +188,10 @@ class GPTBase:
 
     # ------------------------------------------------------------------ inputs, logits, loss
 
-    def check_idx(self, idx, name="idx"):
-        """``idx`` as a contiguous int32 ``[B, T]`` array on the model's device, T ≤ block_size."""
+    def check_idx(self, idx, name="idx", *, token_ids: bool = True):
+        """``idx`` as a contiguous int32 ``[B, T]`` array on the model's device, not empty, T ≤ block_size. Ids of a
+        wider type must fit int32 (narrowed, they would wrap to other ids); ``token_ids`` on NumPy: each in
+        ``[0, vocab_size)`` (on a GPU the embedding writes NaN rows for others, without a host synchronisation)."""
         xp = self.xp
         if backend.get_array_module(idx) is not xp:
             raise TypeError(f"{name} must live on the model's device ({'cupy' if xp is not np else 'numpy'})")
@@ -198,14 +201,20 @@ class GPTBase:
             raise ValueError(f"{name} has T={idx.shape[1]} > block_size={self.config.block_size}")
         if idx.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integer token ids, got {idx.dtype}")
+        if idx.size == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(idx.shape)})")
         if idx.dtype != np.int32:
+            if idx.dtype.itemsize >= 4 and not -2**31 <= int(idx.min()) <= int(idx.max()) < 2**31:
+                raise ValueError(f"{name} holds ids from {int(idx.min())} to {int(idx.max())}, beyond int32's range")
             idx = idx.astype(np.int32)
+        if token_ids and xp is np:
+            check_ids_numpy(idx, self.config.vocab_size, name)
         return xp.ascontiguousarray(idx)
 
     def check_batch(self, idx, targets):
         """``check_idx`` of both, and the same shape."""
         idx = self.check_idx(idx)
-        targets = self.check_idx(targets, "targets")
+        targets = self.check_idx(targets, "targets", token_ids=False)  # cross_entropy checks them (ignore_index)
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
         return idx, targets
@@ -215,7 +224,7 @@ class GPTBase:
         against ``targets`` if given, and the logits reshaped to ``[B, T, vocab]`` (``[B, vocab]``)."""
         loss = None
         if targets is not None:
-            targets = self.check_idx(targets, "targets")
+            targets = self.check_idx(targets, "targets", token_ids=False)
             loss, _ = cross_entropy_forward(logits, targets.reshape(-1))
         Tl = 1 if last_only else T
         logits = logits.reshape(B, Tl, -1)[:, :, : self.config.vocab_size]

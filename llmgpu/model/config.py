@@ -13,6 +13,7 @@ from .. import backend
 
 # nanoGPT's names (and PyTorch layouts: ``nn.Linear`` weights are ``[out, in]``)
 WTE, WPE = "transformer.wte.weight", "transformer.wpe.weight"
+BUFFERS = (".attn.bias", ".attn.masked_bias")  # nanoGPT's and transformers' causal masks: not weights
 LNF_W, LNF_B = "transformer.ln_f.weight", "transformer.ln_f.bias"
 
 

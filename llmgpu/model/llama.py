@@ -32,6 +32,7 @@ from .base import PAD_LOGIT
 from .config import span_activation_bytes
 from .gpt import GPT
 from .llama_config import (
+    BUFFERS,
     EMBED,
     LM_HEAD,
     NORM,
@@ -49,6 +50,7 @@ class LlamaFamily:
 
     config_type = LlamaConfig
     embedding_name = EMBED
+    buffers = BUFFERS
     # GPTBase.init_weights: matrices N(0, 0.02) (Hugging Face's initializer_range), these two N(0, 0.02/√(2L)) as
     # GPT-2's, every vector a norm gain of 1 (there are no biases)
     norm_gains = ("norm.weight",)  # input_layernorm, post_attention_layernorm, model.norm

@@ -19,6 +19,7 @@ import numpy as np
 from .. import backend
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+BUFFERS = (".rotary_emb.inv_freq",)  # RoPE's frequencies, saved by older transformers: recomputed, not weights
 
 _INT_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "vocab_size", "block_size", "pad_vocab_to")
 

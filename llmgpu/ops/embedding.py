@@ -110,11 +110,14 @@ MAX_PACKS_PER_LANE = max(int(e.split(",")[2]) for e in loader.name_expressions("
 _compute_dtype = reference_dtype
 
 
-def _check_ids_numpy(idx, v):
+def check_ids_numpy(idx, v, name="idx"):
+    """A ValueError naming the first id of the NumPy array ``idx`` outside ``[0, v)``, and how many are (on a GPU
+    the kernels write NaN rows for such ids instead: checking there would cost a host synchronisation)."""
     bad = (idx < 0) | (idx >= v)
     if bad.any():
         i = tuple(int(k) for k in np.argwhere(bad)[0])
-        raise ValueError(f"idx must lie in [0, {v}); {int(bad.sum())} do not (first: idx{list(i)} = {int(idx[i])})")
+        raise ValueError(f"{name} must lie in [0, {v}); {int(bad.sum())} do not (first: {name}{list(i)} = "
+                         f"{int(idx[i])})")
 
 
 def _pack_grid(rows, c, dtype, arrays):
@@ -164,7 +167,7 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
         raise ValueError(f"idx has T={t} positions but wpe holds only {wpe.shape[0]}")
 
     if xp is np:
-        _check_ids_numpy(idx, v)
+        check_ids_numpy(idx, v)
         x = embedding_forward_reference(idx, wte, wpe)
         if out is None:
             return x
@@ -236,7 +239,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
             raise ValueError(f"accumulate=True runs on the GPU with method='counting', got method={method!r}")
 
     if xp is np:
-        _check_ids_numpy(idx, v)
+        check_ids_numpy(idx, v)
         if accumulate:  # any float dtype here; the GPU path below checks for fp32
             for name, o, shape in (("dwte_out", dwte_out, (v, c)), ("dwpe_out", dwpe_out, (max_t, c))):
                 if o is not None:
@@ -376,6 +379,7 @@ def traffic_bytes(b, t, c, vocab_size, max_t, dtype, backward=False, index_items
 
 __all__ = [
     "METHODS",
+    "check_ids_numpy",
     "embedding_backward",
     "embedding_backward_reference",
     "embedding_forward",
