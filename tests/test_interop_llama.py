@@ -143,9 +143,13 @@ def test_spellings_of_the_same_model_are_accepted(change):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_parameters of rope_type"),
     ({"rope_scaling": "llama3"}, "rope_scaling 'llama3' is not a JSON object"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-    ({"attention_bias": True}, "attention_bias True"),
-    ({"mlp_bias": True}, "mlp_bias True"),
+    ({"partial_rotary_factor": "1.0"}, "partial_rotary_factor '1.0' is not a number"),
+    ({"attention_bias": True}, "attention_bias true: llmgpu's Llama has no biases"),
+    ({"mlp_bias": True}, "mlp_bias true"),
+    ({"attention_bias": "false"}, "attention_bias 'false' is not true or false"),  # a true value to Python
+    ({"mlp_bias": 0}, "mlp_bias 0 is not true or false"),
     ({"head_dim": 8}, "head_dim 8"),
+    ({"head_dim": "4"}, "head_dim '4' is not a whole number"),  # printed without quotes, it read as the right one
     ({"sliding_window": 4096}, "sliding_window 4096"),
     ({"num_key_value_heads": 3}, "not a usable Llama shape"),
     ({"hidden_size": 18}, "not a usable Llama shape"),

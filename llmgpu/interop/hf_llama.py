@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import is_integer
 from ..model.llama_config import BUFFERS, EMBED, LM_HEAD, LlamaConfig, llama_param_shapes
 from . import safetensors as st
 from .hf_files import (
@@ -55,13 +56,17 @@ def llama_config_from_hf(hf: dict, where="config.json") -> LlamaConfig:
     if c["hidden_act"] not in ACTIVATIONS:
         bad(f"hidden_act {c['hidden_act']!r}: llmgpu's Llama MLP is SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias"):
+        if c[key] is not None and not isinstance(c[key], bool):  # "false" is a true value to Python
+            bad(f"{key} {c[key]!r} is not true or false")
         if c[key]:
-            bad(f"{key} {c[key]}: llmgpu's Llama has no biases")
+            bad(f"{key} true: llmgpu's Llama has no biases")
     if c.get("sliding_window") is not None:
         bad(f"sliding_window {c['sliding_window']}: llmgpu's Llama attends to every earlier position")
     heads, width = c["num_attention_heads"], c["hidden_size"]
+    if c["head_dim"] is not None and not is_integer(c["head_dim"]):
+        bad(f"head_dim {c['head_dim']!r} is not a whole number")
     if c["head_dim"] is not None and isinstance(heads, int) and heads > 0 and c["head_dim"] != width // heads:
-        bad(f"head_dim {c['head_dim']}: llmgpu's Llama has head_dim hidden_size / num_attention_heads = "
+        bad(f"head_dim {c['head_dim']!r}: llmgpu's Llama has head_dim hidden_size / num_attention_heads = "
             f"{width // heads}")
     theta = _rope_theta(c, bad)
     eps = c["rms_norm_eps"]
@@ -91,8 +96,11 @@ def _rope_theta(c: dict, bad) -> float:
         if kind != "default":
             bad(f"{key} of rope_type {kind!r}: llmgpu's Llama rotates by plain RoPE (rope_scaling null)")
         theta = p.get("rope_theta", theta)
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
-        bad(f"partial_rotary_factor {c['partial_rotary_factor']}: llmgpu's Llama rotates the whole head")
+    factor = c.get("partial_rotary_factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        bad(f"partial_rotary_factor {factor!r} is not a number")
+    if factor != 1.0:
+        bad(f"partial_rotary_factor {factor!r}: llmgpu's Llama rotates the whole head")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
         bad(f"rope_theta {theta!r} is not a positive number")
     return float(theta)
