@@ -120,6 +120,23 @@ def check_out(out, shape, dtype, xp, name="out", contiguous=True):
     return out
 
 
+def check_row_stats(name, a, x, n_rows):
+    """A statistic per row that a norm's forward saved (LayerNorm's mean and rstd, RMSNorm's inv_rms): fp32 or
+    fp64, of shape ``x.shape[:-1]`` or ``(n_rows,)``."""
+    check_array(name, a, dtypes=(backend.float32, backend.float64))
+    shapes = list(dict.fromkeys([tuple(x.shape[:-1]), (n_rows,)]))
+    if tuple(a.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(a.shape)}")
+
+
+def check_param_grad_dtype(name, out, param_name, param):
+    """A parameter gradient's buffer holds the parameter's dtype or fp32 (an fp32 sum of 16-bit parameters)."""
+    if out is not None and out.dtype not in (param.dtype, np.dtype(np.float32)):
+        also = "" if param.dtype == np.float32 else " or fp32"
+        raise TypeError(f"{name} must be {backend.dtype_name(param.dtype)} ({param_name}'s dtype){also}, "
+                        f"got {out.dtype}")
+
+
 def _address(a):
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 

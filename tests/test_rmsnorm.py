@@ -158,8 +158,13 @@ def test_bad_inputs(rng):
         rmsnorm_forward(x.tolist(), w)
     with pytest.raises(ValueError, match="dy must have shape"):
         rmsnorm_backward(dy[:3].copy(), x, w, inv)
-    with pytest.raises(ValueError, match="inv_rms must have shape"):
+    with pytest.raises(ValueError, match=r"inv_rms must have shape \(4,\), got \(3,\)$"):  # one shape, said once
         rmsnorm_backward(dy, x, w, inv[:3].copy())
+    x3, dy3 = x.reshape(2, 2, 6), dy.reshape(2, 2, 6)
+    with pytest.raises(ValueError, match=r"inv_rms must have shape \(2, 2\) or \(4,\), got \(3,\)$"):
+        rmsnorm_backward(dy3, x3, w, inv[:3].copy())
+    with pytest.raises(TypeError, match=r"dweight must be fp32 \(weight's dtype\), got float64$"):
+        rmsnorm_backward(dy, x, w, inv, dweight=np.zeros(6, np.float64))
     with pytest.raises(TypeError, match="inv_rms has dtype"):
         rmsnorm_backward(dy, x, w, inv.astype(np.float16))
     with pytest.raises(ValueError, match="accumulate=True adds into dweight"):
@@ -167,7 +172,7 @@ def test_bad_inputs(rng):
     with pytest.raises(TypeError, match="accumulate must be True or False"):
         rmsnorm_backward(dy, x, w, inv, accumulate="yes")
     xb, wb, dyb = (a.astype(backend.bfloat16) for a in (x, w, dy))
-    with pytest.raises(TypeError, match="dweight must be bf16"):
+    with pytest.raises(TypeError, match=r"dweight must be bf16 \(weight's dtype\) or fp32, got float16"):
         rmsnorm_backward(dyb, xb, wb, inv, dweight=np.zeros(6, np.float16))
     with pytest.raises(ValueError, match="dx overlaps dy"):
         rmsnorm_backward(dy, x, w, inv, dx=dy)

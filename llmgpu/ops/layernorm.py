@@ -52,6 +52,8 @@ from ..checks import (
     check_gpu_dtype,
     check_method,
     check_out,
+    check_param_grad_dtype,
+    check_row_stats,
     check_same_dtype,
     overlaps,
     reference_dtype,
@@ -114,18 +116,10 @@ def check_gpu_rows(x, n_rows, c, name="x"):
         raise ValueError(f"N and C must be below 2**31, got N={n_rows}, C={c}")
 
 
-def _check_stats(name, a, x, n_rows):
-    check_array(name, a, dtypes=(backend.float32, backend.float64))
-    if tuple(a.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
-        raise ValueError(f"{name} must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(a.shape)}")
-
-
 def _param_grad_dtype(gamma, dgamma_out, dbeta_out):
     """dtype of dgamma/dbeta: gamma's, or fp32 when the caller passes fp32 buffers (both alike)."""
-    allowed = (gamma.dtype, np.dtype(np.float32))
     for name, o in (("dgamma_out", dgamma_out), ("dbeta_out", dbeta_out)):
-        if o is not None and o.dtype not in allowed:
-            raise TypeError(f"{name} must be {backend.dtype_name(gamma.dtype)} (gamma's dtype) or fp32, got {o.dtype}")
+        check_param_grad_dtype(name, o, "gamma", gamma)
     if dgamma_out is not None and dbeta_out is not None and dgamma_out.dtype != dbeta_out.dtype:
         raise TypeError(f"dgamma_out and dbeta_out must share one dtype, got {dgamma_out.dtype} and {dbeta_out.dtype}")
     for o in (dgamma_out, dbeta_out):
@@ -274,8 +268,8 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     if dresidual is not None:
         check_array("dresidual", dresidual, shape=tuple(x.shape))
     check_same_dtype(dy=dy, x=x, gamma=gamma, dresidual=dresidual)
-    _check_stats("mean", mean, x, n_rows)
-    _check_stats("rstd", rstd, x, n_rows)
+    check_row_stats("mean", mean, x, n_rows)
+    check_row_stats("rstd", rstd, x, n_rows)
     if not isinstance(accumulate_params, (bool, np.bool_)):
         raise TypeError(f"accumulate_params must be True or False, got {accumulate_params!r}")
     accumulate = bool(accumulate_params)

@@ -66,6 +66,8 @@ from ..checks import (
     check_gpu_dtype,
     check_method,
     check_out,
+    check_param_grad_dtype,
+    check_row_stats,
     check_same_dtype,
     overlaps,
     reference_dtype,
@@ -272,16 +274,12 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
     if dresidual is not None:
         check_array("dresidual", dresidual, shape=tuple(x.shape))
     check_same_dtype(dy=dy, x=x, weight=weight, dresidual=dresidual)
-    check_array("inv_rms", inv_rms, dtypes=(backend.float32, backend.float64))
-    if tuple(inv_rms.shape) not in (tuple(x.shape[:-1]), (n_rows,)):
-        raise ValueError(f"inv_rms must have shape {tuple(x.shape[:-1])} (or ({n_rows},)), got {tuple(inv_rms.shape)}")
+    check_row_stats("inv_rms", inv_rms, x, n_rows)
     if not isinstance(accumulate, (bool, np.bool_)):
         raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
     if accumulate and dweight is None:
         raise ValueError("accumulate=True adds into dweight: pass the buffer")
-    if dweight is not None and dweight.dtype not in (weight.dtype, np.dtype(np.float32)):
-        raise TypeError(f"dweight must be {backend.dtype_name(weight.dtype)} (weight's dtype) or fp32, "
-                        f"got {dweight.dtype}")
+    check_param_grad_dtype("dweight", dweight, "weight", weight)
     pdt = weight.dtype if dweight is None else dweight.dtype
     if dx is not None:
         check_out(dx, x.shape, x.dtype, xp, name="dx")
