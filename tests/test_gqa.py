@@ -178,6 +178,33 @@ def test_bad_head_counts_are_one_line(rng, call):
         attention_forward(q, k[:, :, :4].copy(), v[:, :, :4].copy())
 
 
+@pytest.mark.parametrize("pair", [("dq", "dk"), ("dk", "dv"), ("dq", "dv")])
+def test_flash_backward_refuses_gradient_buffers_that_share_memory(rng, pair):
+    """The NumPy backward writes dq, dk, dv in turn: one buffer given twice came back holding the last one."""
+    q, k, v = gqa_inputs(rng, 1, 2, 2, 5, 3, np.float32)  # H_kv = H: every gradient has q's shape
+    o, st = fa.flash_attention_forward(q, k, v)
+    buf = np.empty_like(q)
+    with pytest.raises(ValueError, match=f"{pair[0]} and {pair[1]} share memory"):
+        fa.flash_attention_backward(o, q, k, v, o, st, **{pair[0]: buf, pair[1]: buf})
+    packed = np.empty((3, *q.shape), np.float32)  # three slices of one buffer: disjoint, accepted
+    dq, dk, dv = fa.flash_attention_backward(o, q, k, v, o, st, dq=packed[0], dk=packed[1], dv=packed[2])
+    assert all(np.array_equal(a, b) for a, b in zip((dq, dk, dv), fa.flash_attention_backward(o, q, k, v, o, st)))
+
+
+@pytest.mark.parametrize("name", ["naive_forward", "tiled_forward", "naive_backward", "tiled_backward",
+                                  "grouped_backward"])
+def test_the_reference_refuses_k_and_v_it_does_not_take(rng, name):
+    """The NumPy spec takes q's heads (grouped_backward: H_kv dividing H); other K/V broadcast into an error deep
+    in np.matmul, or (H_kv = 1) silently."""
+    q, k, v = gqa_inputs(rng, 1, 4, 2, 5, 3, np.float32)
+    if name == "grouped_backward":
+        k, v = k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1)  # H_kv = 3 does not divide 4
+    fn, o, lse = getattr(flash_reference, name), np.zeros_like(q), np.zeros(q.shape[:-1], np.float32)
+    args = (q, k, v, 0.5, True) if "forward" in name else (o, q, k, v, o, lse, 0.5, True)
+    with pytest.raises(ValueError, match="do not fit q"):
+        fn(*args)
+
+
 # --------------------------------------------------------------------------- the flash API's NumPy reference
 
 

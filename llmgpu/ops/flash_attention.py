@@ -62,6 +62,7 @@ after a warm-up they are capturable in a CUDA graph.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -433,6 +434,9 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     kernel = DEFAULT_KERNEL if kernel is None else kernel
     if xp is np:
         check_choice("kernel", kernel, ("auto", "ours", "cudnn"))
+        for (a, u), (b, w) in itertools.combinations((("dq", dq), ("dk", dk), ("dv", dv)), 2):
+            if np.shares_memory(u, w):  # exact on NumPy; the GPU path (views of one packed buffer) is unchecked
+                raise ValueError(f"{a} and {b} share memory: each gradient needs a buffer of its own")
         for g, r in zip((dq, dk, dv), flash_reference.grouped_backward(do, q, k, v, o, lse, stats.scale, causal)):
             g[...] = r.astype(g.dtype)
         for g in (dq, dk) if rope is not None else ():

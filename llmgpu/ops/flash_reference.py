@@ -9,7 +9,9 @@ Two forms of the same math, on q, k, v of shape ``[B, H, T, D]`` (NumPy, float32
   ``lse_i = m_i + log l_i`` for the backward. The backward recomputes ``P = exp(c·S − lse)`` tile by tile, as the
   CUDA kernels do: dK and dV per key tile looping over query tiles, dQ per query tile looping over key tiles.
 
-Both take the scores scaled by ``scale`` (c, 1/√D by default) and, when ``causal``, mask key j > query i.
+Both take the scores scaled by ``scale`` (c, 1/√D by default) and, when ``causal``, mask key j > query i. K and V
+have q's heads here (a ValueError otherwise); ``grouped_backward`` takes grouped-query K/V (H_kv dividing H), as the
+public ops (``ops.flash_attention``, ``ops.attention``) do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ def compute_dtype(dtype):
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
+def _check_heads(q, k, v, grouped=False):
+    """k and v of q's shape ``[..., H, T, D]``, or with ``grouped`` of ``[..., H_kv, T, D]`` with H_kv dividing H."""
+    want = q.shape if not grouped else (*q.shape[:-3], k.shape[-3], *q.shape[-2:])
+    if k.shape != want or v.shape != want or (grouped and (k.shape[-3] < 1 or q.shape[-3] % k.shape[-3])):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}: "
+                         + ("H_kv must divide H, with q's B, T, D" if grouped else "the reference takes q's heads "
+                            "(grouped K/V: grouped_backward)"))
+
+
 def _visible(q0, nq, k0, nk, causal):
     """Boolean [nq, nk] mask of the keys k0.. that queries q0.. see."""
     if not causal:
@@ -32,6 +43,7 @@ def _visible(q0, nq, k0, nk, causal):
 
 def naive_forward(q, k, v, scale, causal):
     """(o, lse) with the whole T × T score matrix, in the compute dtype."""
+    _check_heads(q, k, v)
     ct = compute_dtype(q.dtype)
     T = q.shape[-2]
     s = np.matmul(q.astype(ct), np.swapaxes(k.astype(ct), -1, -2)) * ct(scale)
@@ -44,6 +56,7 @@ def naive_forward(q, k, v, scale, causal):
 
 def tiled_forward(q, k, v, scale, causal, tile=TILE):
     """(o, lse) by the online softmax over key tiles of ``tile`` keys (query tiles likewise)."""
+    _check_heads(q, k, v)
     ct = compute_dtype(q.dtype)
     q, k, v = (a.astype(ct) for a in (q, k, v))
     *lead, T, D = q.shape
@@ -74,6 +87,7 @@ def tiled_forward(q, k, v, scale, causal, tile=TILE):
 
 def naive_backward(do, q, k, v, o, lse, scale, causal):
     """(dq, dk, dv) from the recomputed T × T probabilities."""
+    _check_heads(q, k, v)
     ct = compute_dtype(q.dtype)
     T = q.shape[-2]
     s = np.matmul(q.astype(ct), np.swapaxes(k.astype(ct), -1, -2)) * ct(scale)
@@ -88,6 +102,7 @@ def naive_backward(do, q, k, v, o, lse, scale, causal):
 
 def tiled_backward(do, q, k, v, o, lse, scale, causal, tile=TILE):
     """(dq, dk, dv) as the CUDA kernels compute them: P recomputed per (query tile, key tile) from lse."""
+    _check_heads(q, k, v)
     ct = compute_dtype(q.dtype)
     q, k, v, do, o = (a.astype(ct) for a in (q, k, v, do, o))
     lse = lse.astype(ct)
@@ -118,6 +133,7 @@ def tiled_backward(do, q, k, v, o, lse, scale, causal, tile=TILE):
 def grouped_backward(do, q, k, v, o, lse, scale, causal):
     """``tiled_backward`` for K/V with H_kv heads dividing q's H: K/V repeated per group of H / H_kv query heads, then
     dK and dV summed over each group (what grouped-query attention's gradient is)."""
+    _check_heads(q, k, v, grouped=True)
     B, H, T, D = q.shape
     G = H // k.shape[1]
     kr, vr = (np.repeat(a, G, axis=1) if G > 1 else a for a in (k, v))
