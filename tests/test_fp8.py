@@ -389,6 +389,15 @@ def test_cast_bad_arguments(rng):
         fp8_cast(x, s, scale_inv=s)
     with pytest.raises(ValueError, match="fp8 format"):
         fp8_cast(x, s, "e4m3fnuz")
+    with pytest.raises(ValueError, match="x must have at least one axis"):  # it failed on x.shape[-1]
+        fp8_cast(np.array(1.0, F32), s)
+    for bad in (0.0, -2.0, np.inf, np.nan):  # the bytes would be all 0 (inf) or NaN: refused where it is free
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            fp8_cast(x, _one(bad))
+    with pytest.raises(ValueError, match=r"scale_inv must have shape \[1\], got \(2,\)"):
+        fp8.dequantize(fp8_cast(x, s).data, np.ones(2, F32))
+    with pytest.raises(TypeError, match="state must be an AmaxHistory"):
+        quantize(x, "e4m3")
 
 
 # =========================================================================== GELU inside the casts (NumPy)

@@ -56,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import backend
-from ..checks import GPU_DTYPES, array_module, check_array, check_choice, is_integer, overlaps
+from ..checks import FLOAT_DTYPES, GPU_DTYPES, array_module, check_array, check_choice, is_integer, overlaps
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned, resident_grid
 from ..kernels.loader import constant
@@ -140,6 +140,7 @@ def dequantize(bits, scale_inv, fmt="e4m3"):
     fmt = fp8_format(fmt)
     xp = array_module(bits=bits, scale_inv=scale_inv)
     check_array("bits", bits, dtypes=(BYTES,), contiguous=False)
+    check_scalar("scale_inv", scale_inv, xp, dtype=None)
     return fmt.values(xp)[bits] * scale_inv.astype(np.float32).reshape(())
 
 
@@ -204,9 +205,10 @@ def scale_reference(amax_max, prev_scale, fmt="e4m3", margin=0, pow2=False) -> n
 
 
 def check_scalar(name, a, xp, dtype=np.float32):
+    """``a``: a [1] array on ``xp`` (of ``dtype``, or any float dtype for None)."""
     if backend.get_array_module(a) is not xp:
         raise TypeError(f"{name} must live on the same device as x")
-    check_array(name, a, shape=(1,), dtype=dtype, dtypes=None)
+    check_array(name, a, shape=(1,), dtype=dtype, dtypes=None if dtype is not None else FLOAT_DTYPES)
 
 
 def bytes_out(name, out, shape, xp):
@@ -317,6 +319,10 @@ def fp8_cast(x, scale, fmt="e4m3", *, rowwise=True, transpose=False, out=None, o
     for name, given, wanted in (("out", out, rowwise), ("out_t", out_t, transpose)):
         if given is not None and not wanted:
             raise ValueError(f"{name}= was given but {'rowwise' if name == 'out' else 'transpose'} is False")
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis (its last is C), got a 0-d array")
+    if xp is np and not (np.isfinite(scale[0]) and scale[0] > 0):  # free on the host (the GPU reads it there)
+        raise ValueError(f"scale must be finite and > 0, got {scale[0]}: the bytes would be 0 or NaN")
     C = x.shape[-1]
     R = x.size // C
     if column_sums is not None:
@@ -502,6 +508,8 @@ def quantize(x, state: AmaxHistory, *, recipe="current", rowwise=True, transpose
     same pass (call ``state.update()`` when the step's amaxes are in, e.g. after the backward pass). ``act``,
     ``pre``, ``bias``, ``column_sums``: as ``fp8_cast``'s (the amax is then of the values cast)."""
     check_choice("recipe", recipe, RECIPES)
+    if not isinstance(state, AmaxHistory):
+        raise TypeError(f"state must be an AmaxHistory (the tensor's scaling state), got {type(state).__name__}")
     if recipe == "current":
         fp8_amax(x, state.amax, act=act, pre=pre, bias=bias)
         state.update()
