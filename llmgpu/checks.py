@@ -72,6 +72,13 @@ def check_float(name, value, *, low=None, high=None, low_open=False, high_open=F
     return v
 
 
+def check_bool(name, value):
+    """``value`` must be True or False (a string such as "no" would read as True): a TypeError otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_choice(name, value, choices, *, where=None):
     """``value`` must be one of ``choices``; ``where`` (an op's name) starts the message."""
     if value not in choices:

@@ -178,6 +178,23 @@ def test_bad_head_counts_are_one_line(rng, call):
         attention_forward(q, k[:, :, :4].copy(), v[:, :, :4].copy())
 
 
+@pytest.mark.parametrize("fn", ["attention", "flash"])
+def test_causal_and_scale_of_the_wrong_type_are_refused(rng, fn):
+    """causal="no" is a true value to Python and scale="0.5" a float to float(): both ran as if meant."""
+    q, k, v = gqa_inputs(rng, 1, 4, 2, 5, 3, np.float32)
+    fwd, bwd = ((attention_forward, attention_backward) if fn == "attention" else
+                (fa.flash_attention_forward, fa.flash_attention_backward))
+    with pytest.raises(TypeError, match="causal must be True or False, got 'no'"):
+        fwd(q, k, v, "no")
+    with pytest.raises(TypeError, match="scale must be a real number, got str '0.5'"):
+        fwd(q, k, v, scale="0.5")
+    with pytest.raises(ValueError, match="scale must be finite"):
+        fwd(q, k, v, scale=float("nan"))
+    o, st = fwd(q, k, v)
+    with pytest.raises(TypeError, match="causal must be True or False, got 1"):
+        bwd(o, q, k, v, o, st, 1)
+
+
 @pytest.mark.parametrize("pair", [("dq", "dk"), ("dk", "dv"), ("dq", "dv")])
 def test_flash_backward_refuses_gradient_buffers_that_share_memory(rng, pair):
     """The NumPy backward writes dq, dk, dv in turn: one buffer given twice came back holding the last one."""

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_gpu_dtype, check_same_dtype
+from ..checks import array_module, check_array, check_bool, check_float, check_gpu_dtype, check_same_dtype
 from ..gemm import gemm
 from .softmax import softmax_backward, softmax_forward
 
@@ -128,7 +128,8 @@ def attention_forward(q, k, v, causal=True, *, scale=None, method="auto", fp32_s
     """
     _, G = _check_qkv(q, k, v)
     B, H, T, D = q.shape
-    scale = default_scale(D) if scale is None else float(scale)
+    scale = default_scale(D) if scale is None else check_float("scale", scale)
+    check_bool("causal", causal)
     q3 = q.reshape(B * H // G, G * T, D)  # a K/V head's group of query rows (G = 1: [BH, T, D])
     k3, v3 = (a.reshape(B * H // G, T, D) for a in (k, v))
     s = _mm(q3, k3, trans_b=True, out_dtype=_score_dtype(q.dtype, fp32_scores))  # S = q kᵀ  [BH/G, GT, T]
@@ -150,7 +151,7 @@ def attention_backward(do, q, k, v, o, stats, causal=True, *, method="auto", fp3
         raise TypeError(f"stats must be the AttentionStats returned by attention_forward, got {type(stats).__name__}")
     if stats.p is None:
         raise ValueError("stats holds no probabilities (only lse): it comes from a fused kernel, not this path")
-    if stats.causal != causal:
+    if check_bool("causal", causal) != stats.causal:
         raise ValueError(f"stats were computed with causal={stats.causal}, backward called with causal={causal}")
     B, H, T, D = q.shape
     array_module(q=q, **{"stats.p": stats.p})  # same device as q (TypeError naming stats.p otherwise)

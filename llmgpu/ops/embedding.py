@@ -81,6 +81,7 @@ from .. import backend
 from ..checks import (
     array_module,
     check_array,
+    check_bool,
     check_gpu_dtype,
     check_method,
     check_out,
@@ -228,8 +229,7 @@ def embedding_backward(dx, idx, vocab_size, max_t, *, method="optimized", dwte_o
     v, max_t = int(vocab_size), int(max_t)
     if t > max_t:
         raise ValueError(f"dx has T={t} positions but max_t is {max_t}")
-    if not isinstance(positions, (bool, np.bool_)):
-        raise TypeError(f"positions must be True or False, got {positions!r}")
+    check_bool("positions", positions)
     if not positions and (not accumulate or dwpe_out is not None):
         raise ValueError("positions=False sums the token rows only: it takes accumulate=True and no dwpe_out")
     if accumulate:

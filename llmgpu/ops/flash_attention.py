@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
-from ..checks import array_module, check_array, check_choice, check_gpu_dtype
+from ..checks import array_module, check_array, check_bool, check_choice, check_float, check_gpu_dtype
 from . import cudnn_attention, flash_reference
 from .attention import AttentionStats, default_scale, kv_group
 from .cudnn_attention import INSTALL_HINT, CudnnUnavailableError
@@ -356,7 +356,8 @@ def flash_attention_forward(q, k, v, causal=True, *, scale=None, out=None, lse=N
     xp = _check_inputs(q, k, v)
     _check_choices(choices)
     B, H, T, D = q.shape
-    scale = default_scale(D) if scale is None else float(scale)
+    scale = default_scale(D) if scale is None else check_float("scale", scale)
+    check_bool("causal", causal)
     o = _out("out", out, q.shape, q.dtype, xp)
     lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
     if lse is None:
@@ -420,7 +421,7 @@ def flash_attention_backward(do, q, k, v, o, stats, causal=True, *, dq=None, dk=
     if stats.lse is None:
         raise ValueError("stats holds no lse (it comes from llmgpu.ops.attention_forward, which keeps P): "
                          "use llmgpu.ops.attention.attention_backward for it")
-    if stats.causal != causal:
+    if check_bool("causal", causal) != stats.causal:
         raise ValueError(f"stats were computed with causal={stats.causal}, backward called with causal={causal}")
     B, H, T, D = q.shape
     lse = stats.lse

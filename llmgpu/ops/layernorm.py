@@ -48,6 +48,7 @@ from ..checks import (
     array_module,
     check_alias,
     check_array,
+    check_bool,
     check_choice,
     check_gpu_dtype,
     check_method,
@@ -270,9 +271,7 @@ def layernorm_backward(dy, x, gamma, mean, rstd, *, method="optimized", dx_out=N
     check_same_dtype(dy=dy, x=x, gamma=gamma, dresidual=dresidual)
     check_row_stats("mean", mean, x, n_rows)
     check_row_stats("rstd", rstd, x, n_rows)
-    if not isinstance(accumulate_params, (bool, np.bool_)):
-        raise TypeError(f"accumulate_params must be True or False, got {accumulate_params!r}")
-    accumulate = bool(accumulate_params)
+    accumulate = check_bool("accumulate_params", accumulate_params)
     if accumulate and (dgamma_out is None or dbeta_out is None):
         raise ValueError("accumulate_params=True adds into dgamma_out and dbeta_out: pass both buffers")
     pdt = _param_grad_dtype(gamma, dgamma_out, dbeta_out)

@@ -62,6 +62,7 @@ from ..checks import (
     array_module,
     check_alias,
     check_array,
+    check_bool,
     check_float,
     check_gpu_dtype,
     check_method,
@@ -275,8 +276,7 @@ def rmsnorm_backward(dy, x, weight, inv_rms, *, dx=None, dweight=None, accumulat
         check_array("dresidual", dresidual, shape=tuple(x.shape))
     check_same_dtype(dy=dy, x=x, weight=weight, dresidual=dresidual)
     check_row_stats("inv_rms", inv_rms, x, n_rows)
-    if not isinstance(accumulate, (bool, np.bool_)):
-        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    check_bool("accumulate", accumulate)
     if accumulate and dweight is None:
         raise ValueError("accumulate=True adds into dweight: pass the buffer")
     check_param_grad_dtype("dweight", dweight, "weight", weight)
