@@ -119,8 +119,10 @@ def test_bad_inputs(rng):
         fp8_add_layernorm(a[0], b[0], gamma, beta, sc)
     with pytest.raises(ValueError, match="residual_out"):
         fp8_add_layernorm(a, b, gamma, beta, sc, residual_out=a[:, :4])
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         fp8_add_layernorm(a, b, gamma, beta, sc, eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        fp8_add_layernorm(a, b, gamma, beta, sc, eps="1e-5")
     with pytest.raises(ValueError, match="overlaps"):
         fp8_add_layernorm(a, b, gamma, beta, sc, amax=sc)
     with pytest.raises(TypeError, match="bits"):

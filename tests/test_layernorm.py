@@ -110,8 +110,12 @@ def test_bad_inputs(rng):
         layernorm_forward(x.astype(np.int32), gamma, beta)
     with pytest.raises(ValueError, match="method"):
         layernorm_forward(x, gamma, beta, method="fastest")
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         layernorm_forward(x, gamma, beta, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0, got inf"):  # every row would be 0
+        layernorm_forward(x, gamma, beta, eps=float("inf"))
+    with pytest.raises(TypeError, match="eps must be a real number, got str"):  # float("1e-5") took it
+        layernorm_forward(x, gamma, beta, eps="1e-5")
     with pytest.raises(ValueError, match="out"):
         layernorm_forward(x, gamma, beta, out=np.empty((4, 7), np.float32))
     with pytest.raises(ValueError, match="dy"):
@@ -292,8 +296,10 @@ def test_fused_bad_inputs(rng):
         add_layernorm_forward(a, b.astype(np.float64), gamma, beta)
     with pytest.raises(ValueError, match="b must be C-contiguous"):
         add_layernorm_forward(a, np.asfortranarray(b), gamma, beta)
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         add_layernorm_forward(a, b, gamma, beta, eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        add_layernorm_forward(a, b, gamma, beta, eps="1e-5")
     with pytest.raises(ValueError, match="residual_out must have shape"):
         add_layernorm_forward(a, b, gamma, beta, residual_out=np.zeros((4, 7), np.float32))
     with pytest.raises(TypeError, match="out must be fp32"):

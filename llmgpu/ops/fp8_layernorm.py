@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks import array_module, check_alias, check_array, check_out, check_same_dtype, overlaps
+from ..checks import array_module, check_alias, check_array, check_float, check_out, check_same_dtype, overlaps
 from ..kernels import get_kernel
 from ..kernels.launch import elements_aligned
 from .fp8 import (
@@ -90,9 +90,7 @@ def fp8_add_layernorm(a, b, gamma, beta, scale, eps=1e-5, *, residual_out=None, 
     check_array("beta", beta, shape=(c,))
     check_same_dtype(a=a, b=b, gamma=gamma, beta=beta)
     check_scalar("scale", scale, xp)
-    eps = float(eps)
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    eps = check_float("eps", eps, low=0.0)
     if residual_out is not None:
         check_out(residual_out, a.shape, a.dtype, xp, name="residual_out")
     check_alias("residual_out", residual_out, "a", a)

@@ -50,6 +50,7 @@ from ..checks import (
     check_array,
     check_bool,
     check_choice,
+    check_float,
     check_gpu_dtype,
     check_method,
     check_out,
@@ -201,9 +202,7 @@ def layernorm_forward(x, gamma, beta, eps=1e-5, *, out=None, method="optimized")
     check_array("gamma", gamma, shape=(c,))
     check_array("beta", beta, shape=(c,))
     check_same_dtype(x=x, gamma=gamma, beta=beta)
-    eps = float(eps)
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    eps = check_float("eps", eps, low=0.0)
     lead = tuple(x.shape[:-1])
 
     if xp is np:
@@ -457,9 +456,7 @@ def add_layernorm_forward(a, b, gamma, beta, eps=1e-5, *, residual_out=None, out
     check_array("gamma", gamma, shape=(c,))
     check_array("beta", beta, shape=(c,))
     check_same_dtype(a=a, b=b, gamma=gamma, beta=beta)
-    eps = float(eps)
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    eps = check_float("eps", eps, low=0.0)
     if residual_out is not None:
         check_out(residual_out, a.shape, a.dtype, xp, name="residual_out")
     if out is not None:
