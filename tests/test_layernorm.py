@@ -112,7 +112,7 @@ def test_bad_inputs(rng):
         layernorm_forward(x, gamma, beta, method="fastest")
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         layernorm_forward(x, gamma, beta, eps=-1.0)
-    with pytest.raises(ValueError, match="eps must be finite and >= 0, got inf"):  # every row would be 0
+    with pytest.raises(ValueError, match="eps must be finite and >= 0.0, got inf"):  # every row would be 0
         layernorm_forward(x, gamma, beta, eps=float("inf"))
     with pytest.raises(TypeError, match="eps must be a real number, got str"):  # float("1e-5") took it
         layernorm_forward(x, gamma, beta, eps="1e-5")
