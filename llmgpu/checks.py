@@ -252,6 +252,20 @@ def check_field_types(obj, name_of=str, error=TypeError):
     return obj
 
 
+def fields_of_dict(cls, d, *, also=()):
+    """The keyword arguments of dataclass ``cls`` that the dict ``d`` gives (an ``as_dict`` form: a checkpoint's
+    model configuration, say). A TypeError for a non-dict; a ValueError naming keys that are no field (nor in
+    ``also``): a misspelled one would otherwise leave its field at the default."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a {cls.__name__} is a dict of its fields, got {type(d).__name__}")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(str(k) for k in set(d) - set(names) - set(also))
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown))} {'is no field' if len(unknown) == 1 else 'are no fields'} "
+                         f"of {cls.__name__} ({', '.join(names)})")
+    return {k: d[k] for k in names if k in d}
+
+
 def _type_names(t) -> list[str]:
     """['int', 'None'] for ``int | None``, written as a string (``from __future__ import annotations``) or not."""
     if isinstance(t, str):

@@ -210,6 +210,13 @@ def test_config_fields_of_the_wrong_type_are_refused_not_rounded():
     assert LlamaConfig.from_dict(cfg.as_dict()) == cfg
     with pytest.raises(ValueError, match="not a Llama configuration"):
         LlamaConfig.from_dict({**cfg.as_dict(), "arch": "gpt2"})
+    from llmgpu.model import GPTConfig
+
+    for config_type, d in ((LlamaConfig, cfg.as_dict()), (GPTConfig, GPTConfig.preset("tiny").as_dict())):
+        with pytest.raises(ValueError, match=r"'n_layers' is no field of \w+Config \(n_layer, "):  # left the default
+            config_type.from_dict({**d, "n_layers": 3})
+        with pytest.raises(TypeError, match="is a dict of its fields, got list"):
+            config_type.from_dict([d])
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

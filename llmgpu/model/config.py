@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .. import backend
+from ..checks import fields_of_dict
 
 # nanoGPT's names (and PyTorch layouts: ``nn.Linear`` weights are ``[out, in]``)
 WTE, WPE = "transformer.wte.weight", "transformer.wpe.weight"
@@ -60,9 +61,10 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> GPTConfig:
-        if d.get("arch", "gpt2") != "gpt2":  # a Llama's dict holds GPT-2's field names too: never read it as one
+        # a Llama's dict holds GPT-2's field names too: never read it as one
+        if isinstance(d, dict) and d.get("arch", "gpt2") != "gpt2":
             raise ValueError(f"not a GPT-2 configuration (arch {d.get('arch')!r})")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return cls(**fields_of_dict(cls, d, also=("arch",)))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:

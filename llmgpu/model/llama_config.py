@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .. import backend
+from ..checks import fields_of_dict
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 BUFFERS = (".rotary_emb.inv_freq",)  # RoPE's frequencies, saved by older transformers: recomputed, not weights
@@ -91,9 +92,9 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
-        if d.get("arch", "llama") != "llama":
+        if isinstance(d, dict) and d.get("arch", "llama") != "llama":
             raise ValueError(f"not a Llama configuration (arch {d.get('arch')!r})")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return cls(**fields_of_dict(cls, d, also=("arch",)))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
