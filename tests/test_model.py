@@ -228,6 +228,8 @@ def test_forward_api_and_bad_inputs(rng):
         m.forward_backward(idx, tgt[:, :4].copy())
     with pytest.raises(ValueError, match="checkpoint_every"):
         GPT(SMALL, xp=np, checkpoint_every=-1)
+    with pytest.raises(TypeError, match="checkpoint_every must be 0 .off. or an integer >= 1, got 1.5"):  # was 1
+        GPT(SMALL, xp=np, checkpoint_every=1.5)
 
 
 def test_generate_and_sampling_rules(rng):
@@ -427,6 +429,26 @@ def test_config_numpy_ints_become_ints():
     cfg = GPTConfig(n_layer=np.int64(2), n_head=np.int32(2), n_embd=32, vocab_size=64, block_size=8)
     assert type(cfg.n_layer) is int and type(cfg.n_head) is int
     assert GPTConfig.from_dict(cfg.as_dict()) == cfg
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_tied_model_refuses_an_lm_head_that_differs_from_its_embedding(family):
+    """An untied model's weights (lm_head.weight its own matrix) into a tied model: the head was dropped without a
+    word. The same head rounded to bf16 or fp16 (a file saved in 16 bits) still loads."""
+    from llmgpu.model.llama import Llama
+    from llmgpu.model.llama_config import LlamaConfig
+
+    if family == "gpt2":
+        m, E = GPT(SMALL, xp=np, seed=0), "transformer.wte.weight"
+    else:
+        cfg = LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, ffn_dim=24, vocab_size=37, block_size=8)
+        m, E = Llama(cfg, xp=np, seed=0), "model.embed_tokens.weight"
+    sd = {k: np.asarray(v) for k, v in m.state_dict().items()}
+    for dtype in (backend.bfloat16, np.float16):
+        m.load_state_dict({**sd, "lm_head.weight": sd[E].astype(dtype)})
+    untied = {**sd, "lm_head.weight": sd[E] + np.float32(0.01) * np.ones_like(sd[E])}
+    with pytest.raises(ValueError, match=f"lm_head.weight differs from {E}, which this model ties it to"):
+        m.load_state_dict(untied)
 
 
 def test_load_state_dict_refuses_non_float_and_non_finite_weights():

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..checks import check_token_ids
+from ..checks import check_token_ids, is_integer
 from ..ops.cross_entropy import cross_entropy_forward
 from ..ops.embedding import check_ids_numpy
 from ..optim.params import ALIGN, FlatParams
@@ -168,6 +168,12 @@ class GPTBase:
             d[k] = _checked_host(k, v, allow_nonfinite)
         if tied and "lm_head.weight" in sd and E not in sd:
             d[E] = _checked_host("lm_head.weight", sd["lm_head.weight"], allow_nonfinite)
+        elif tied and "lm_head.weight" in sd:  # both: an untied model's head would be dropped without a word
+            head, emb, V = _checked_host("lm_head.weight", sd["lm_head.weight"], True), d[E], cfg.vocab_size
+            a, b = (w[:V].astype(np.float32) for w in (head, emb))  # one may have been rounded to bf16 or fp16
+            if a.shape == b.shape and not np.allclose(a, b, rtol=2.0**-7, atol=1e-6, equal_nan=True):
+                raise ValueError(f"lm_head.weight differs from {E}, which this model ties it to: weights of an "
+                                 "untied model (load them into one with tie_embeddings=False)")
         for n in (E, "lm_head.weight"):  # vocabulary rows: an unpadded matrix is zero-padded
             if n in d and d[n].shape[0] != cfg.padded_vocab_size and d[n].shape[1:] == (cfg.n_embd,):
                 if not cfg.vocab_size <= d[n].shape[0] <= cfg.padded_vocab_size:  # fewer: real tokens would get zeros
@@ -249,8 +255,9 @@ class GPTBase:
 
     @checkpoint_every.setter
     def checkpoint_every(self, k: int):
-        if int(k) < 0:
-            raise ValueError(f"checkpoint_every must be 0 (off) or >= 1, got {k}")
+        if not is_integer(k) or k < 0:  # 1.5 was taken as 1
+            raise (ValueError if is_integer(k) else TypeError)(f"checkpoint_every must be 0 (off) or an integer >= 1, "
+                                                               f"got {k!r}")
         self._ckpt = int(k)
 
     def activation_bytes(self, batch: int, seq: int, checkpoint_every: int | None = None) -> dict:
