@@ -154,11 +154,12 @@ class GPTBase:
     def load_state_dict(self, sd: dict, strict: bool = True, *, allow_nonfinite: bool = False):
         """Load nanoGPT-named weights (NumPy, CuPy or PyTorch tensors; any float dtype).
 
-        ``lm_head.weight`` is optional (tied); an unpadded token embedding (at least ``vocab_size`` rows) is
-        zero-padded, one with fewer rows a ValueError. Keys ending in ``buffers`` (GPT-2's causal masks, Llama's
-        RoPE frequencies) are ignored. A tensor that is not floating point (integer or bool weights: a wrong file,
-        or a buffer under a weight's name) is a TypeError naming its key; a NaN or inf weight a ValueError naming
-        the key and the count (``allow_nonfinite=True`` loads it anyway, e.g. to inspect a run that diverged).
+        ``lm_head.weight`` is optional (tied; given, it must equal the embedding up to 16-bit rounding); an
+        unpadded token embedding (at least ``vocab_size`` rows) is zero-padded, one with fewer rows a ValueError.
+        Keys ending in ``buffers`` (GPT-2's causal masks, Llama's RoPE frequencies) are ignored. A tensor that is
+        not floating point (integer or bool weights: a wrong file, or a buffer under a weight's name) is a TypeError
+        naming its key; a NaN or inf weight a ValueError naming the key and the count (``allow_nonfinite=True``
+        loads it anyway, e.g. to inspect a run that diverged).
         """
         cfg, P, E, tied = self.config, self.params, self.embedding_name, self.tied
         d = {}
@@ -197,7 +198,8 @@ class GPTBase:
     def check_idx(self, idx, name="idx", *, token_ids: bool = True):
         """``idx`` as a contiguous int32 ``[B, T]`` array on the model's device, not empty, T ≤ block_size. Ids of a
         wider type must fit int32 (narrowed, they would wrap to other ids); ``token_ids`` on NumPy: each in
-        ``[0, vocab_size)`` (on a GPU the embedding writes NaN rows for others, without a host synchronisation)."""
+        ``[0, vocab_size)``. Not on a GPU, where it would cost a host synchronisation: there GPT-2's embedding kernel
+        writes NaN rows for such ids, while Llama's gather reads other rows (unchecked)."""
         xp = self.xp
         if backend.get_array_module(idx) is not xp:
             raise TypeError(f"{name} must live on the model's device ({'cupy' if xp is not np else 'numpy'})")
