@@ -184,7 +184,24 @@ def test_ranks_match_one_rank_at_the_same_global_batch(world, zero, accum):
 def test_ranks_with_different_models_stop_before_the_first_step():
     p = _mpi(2, 0, 1, "mismatch")
     assert p.returncode != 0
-    assert "rank(s) [1] have a different model than rank 0" in p.stdout + p.stderr
+    assert "rank(s) [1] differ from rank 0 in their model (n_layer)" in p.stdout + p.stderr
+
+
+@needs_mpi
+def test_ranks_that_read_different_data_under_one_path_stop_before_the_first_step(tmp_path):
+    """Two ranks, each in its own directory, both given --data d.txt (another node's copy of a file, or one rewritten
+    in between): the configurations agree, the tokens do not. They trained on different data without a word."""
+    args = [sys.executable, "-m", "llmgpu", "train", "--device", "cpu", "--preset", "tiny", "--batch", "2", "--seq",
+            "16", "--steps", "2", "--eval-every", "0", "--sample-tokens", "0", "--no-plot", "--no-progress",
+            "--data", "d.txt", "--out", str(tmp_path / "run")]
+    for name, text in (("a", "the same start, then one ending " * 200), ("b", "the same start, then another " * 200)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "d.txt").write_text(text)
+    p = subprocess.run([MPIEXEC, "-n", "1", "-wdir", str(tmp_path / "a"), *args, ":",
+                        "-n", "1", "-wdir", str(tmp_path / "b"), *args], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and not (tmp_path / "run" / "checkpoint").exists()
+    assert "rank(s) [1] differ from rank 0 in their data (token counts or tokens) (train, val)" in p.stderr, p.stderr
 
 
 def test_zero2_keeps_less_gradient_than_the_whole_buffer():

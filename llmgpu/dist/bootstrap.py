@@ -164,19 +164,37 @@ def _recv_exact(s, n):
 
 def check_same(comm, what: str, value) -> None:
     """Raise ``DistError`` on every rank unless all ranks hold the same ``value`` (any JSON-able object):
-    a mismatched configuration is an error before the first step, not a silent divergence."""
+    a mismatched configuration is an error before the first step, not a silent divergence. For a dict the error
+    names the keys that differ (a second gather, on the failure path only: every rank takes it together)."""
     if comm.world_size == 1:
         return
-    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
-    mine = np.frombuffer(digest, dtype=np.uint8)
+    rows = _gathered_digests(comm, [value])
+    differ = [r for r in range(comm.world_size) if not np.array_equal(rows[r], rows[0])]
+    if not differ:
+        return
+    keys = ""
+    if isinstance(value, dict):
+        names = sorted(value, key=str)
+        same_names = _gathered_digests(comm, [[str(k) for k in names]])
+        if all(np.array_equal(r, same_names[0]) for r in same_names):  # the per-key gather needs one size everywhere
+            per_key = _gathered_digests(comm, [value[k] for k in names])
+            odd = [str(k) for i, k in enumerate(names) if any(not np.array_equal(per_key[r, i], per_key[0, i])
+                                                              for r in differ)]
+            keys = f" ({', '.join(odd)})"
+        else:
+            keys = " (other fields)"
+    raise DistError(f"rank(s) {differ} differ from rank 0 in their {what}{keys}: every rank must run the same "
+                    "configuration on the same data")
+
+
+def _gathered_digests(comm, values: list) -> np.ndarray:
+    """[world, len(values), 32]: every rank's SHA-256 of each of its ``values`` (JSON), through one all-gather."""
+    mine = np.frombuffer(b"".join(hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).digest()
+                                  for v in values), dtype=np.uint8)
     xp = comm.xp
     got = xp.zeros(comm.world_size * mine.size, dtype=np.uint8)
     comm.all_gather(backend.to_device(mine.copy(), xp), got)
-    rows = backend.to_numpy(got).reshape(comm.world_size, -1)
-    differ = [r for r in range(comm.world_size) if not np.array_equal(rows[r], rows[0])]
-    if differ:
-        raise DistError(f"rank(s) {differ} have a different {what} than rank 0: every rank must run the same "
-                        "configuration")
+    return backend.to_numpy(got).reshape(comm.world_size, len(values), 32)
 
 
 __all__ = ["MULTI_RANK_NCCL", "check_same", "init_process_group", "ranks_may_share_gpus", "rendezvous", "select_device"]

@@ -163,6 +163,17 @@ class Corpus:
     def n_val(self) -> int:
         return int(sum(a.size for a in self.val))
 
+    def fingerprint(self) -> dict:
+        """What ranks compare before the first step (``ranks.check_agreement``): the tokenizer, each array's length
+        and a hash of its first and last 64 Ki tokens. Several ranks that read "the same" path may not read the same
+        tokens (another node's copy, a file rewritten in between), and would then train on different data."""
+        def digest(a):
+            ends = (a[:65536], a[-65536:]) if a.size > 65536 else (a,)
+            return hashlib.sha256(b"".join(np.ascontiguousarray(e).tobytes() for e in ends)).hexdigest()[:16]
+
+        return {"tokenizer": self.tokenizer, "train": [[a.size, digest(a)] for a in self.train],
+                "val": [[a.size, digest(a)] for a in self.val]}
+
     def check_vocab(self, model_vocab: int):
         """DataError when a token id does not fit the model's vocabulary."""
         if self.max_token >= model_vocab:

@@ -70,12 +70,14 @@ def gradient_seam(comm, cfg: TrainConfig, params):
     return LocalGradSync(params)
 
 
-def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int):
-    """Every rank runs the same configuration from the same step (``DistError`` naming the odd ranks)."""
+def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int, data: dict):
+    """Every rank runs the same configuration from the same step on the same data (``data``: the corpus's
+    ``fingerprint``); a ``DistError`` naming the odd ranks and what differs."""
     mine = {k: v for k, v in cfg.as_dict().items() if k not in ("out", "progress")}  # rank 0 alone writes
     check_same(comm, "training configuration", mine)
     check_same(comm, "model", model_config)
     check_same(comm, "starting step", step)
+    check_same(comm, "data (token counts or tokens)", data)
 
 
 def agree(comm, total_steps: int | None, time_up: bool, signum: int | None = None):
