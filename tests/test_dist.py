@@ -83,6 +83,19 @@ def test_a_ranks_error_line_is_left_for_the_launcher(tmp_path, monkeypatch):
     assert rank_errors(tmp_path) == [(str(os.getpid()), line)]
 
 
+def test_error_lines_that_mpiexec_glued_together_are_split_apart_again():
+    """mpiexec merges the ranks' streams in chunks: one rank's error line could end in the next one's (then said
+    twice on one line) or in MPICH's abort line, and the newline they lost came later as an empty line."""
+    from llmgpu.dist.launch import unglued
+
+    abort = "Abort(2) on node 0 (rank 0 in comm 0): application called MPI_Abort(MPI_COMM_WORLD, 2) - process 0\n"
+    src = ["llmgpu: error: x does not existllmgpu: error: x does not exist\n", "\n", "a sample line\n", "\n",
+           "llmgpu: error: bad setting " + abort, "\n", "the end"]
+    assert list(unglued(src)) == ["llmgpu: error: x does not exist\n", "llmgpu: error: x does not exist\n",
+                                  "a sample line\n", "\n", "llmgpu: error: bad setting\n", abort, "the end"]
+    assert list(unglued(["plain\n", "\n"])) == ["plain\n", "\n"]  # nothing glued: nothing dropped
+
+
 def test_strip_nproc():
     assert strip_nproc(["train", "--nproc", "2", "--steps", "3", "--nproc=4"]) == ["train", "--steps", "3"]
 

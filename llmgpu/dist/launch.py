@@ -65,6 +65,22 @@ def rank_errors(directory) -> list[tuple[str, str]]:
     return out
 
 
+def unglued(lines):
+    """``lines`` (a rank output stream as mpiexec merges it) with the lines of several ranks that it glued together
+    split apart again: an error line or MPICH's abort line that starts in the middle of another line begins its own,
+    and the newline each glued line lost, which comes through later as an empty line, is dropped."""
+    starts = re.compile(f"(?<=.)(?={re.escape(ERROR_MARK)}|{MPICH_ABORT.pattern})")
+    lost = 0
+    for line in lines:
+        if lost and not line.strip():
+            lost -= 1
+            continue
+        parts = starts.split(line)
+        lost += len(parts) - 1
+        yield from (part.rstrip() + "\n" for part in parts[:-1])
+        yield parts[-1]
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without ``--nproc N`` / ``--nproc=N`` (the children must not launch again)."""
     out, skip = [], False
@@ -267,7 +283,7 @@ def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
 
     def pump(src, dst):
         pid, in_banner, dashes = None, False, None
-        for line in src:
+        for line in unglued(src):
             if ERROR_MARK in line:
                 if line in passed:  # every rank hit the same error (a bad setting): say it once
                     continue
