@@ -305,6 +305,28 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_one_checkpoint(tmp_path
     assert res.returncode == 0, res.stderr[-1500:]  # and it continues
 
 
+@needs_mpi
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the ranks through /proc")
+def test_a_second_signal_to_the_launcher_kills_the_ranks_and_says_so(tmp_path):
+    """The second Ctrl-C kills every rank at once: exit 130 and one line saying so, not exit 247 (-9) with
+    "rank 0 died" as if a rank had failed."""
+    out = tmp_path / "twice"
+    p = _start_long_run(out, "--log-every", "1", "--batch", "16", "--seq", "128")  # steps of a few 100 ms
+    wait_for_steps(out, 2, proc=p)
+    ranks = [rank_pid(str(out), r) for r in range(3)]
+    p.send_signal(signal.SIGINT)  # the ranks finish their step, then save...
+    time.sleep(0.05)
+    p.send_signal(signal.SIGINT)  # ...unless this comes first
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr[-1500:]
+    assert "llmgpu: a second SIGINT killed the ranks at once: the run keeps the last checkpoint it saved" in stderr
+    assert "died" not in stderr and "exited with code" not in stderr, stderr[-1500:]
+    end = time.monotonic() + 10
+    while [pid for pid in ranks if Path(f"/proc/{pid}").exists()] and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+
+
 def _losses_steps(run):
     return [json.loads(line)["step"] for line in open(Path(run) / "log.jsonl") if '"train"' in line]
 

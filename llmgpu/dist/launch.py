@@ -155,11 +155,16 @@ def _launch_mpi(nproc, cmd, env, d, say) -> int:
     relay = _Relay(lambda: [int(pid) for pid in watch.rank_pids()])
     with relay:
         rc, reports, passed = _wait_mpiexec([find_mpiexec(), "-n", str(nproc), *cmd], env, relay)
+    rc = 128 - rc if rc < 0 else rc  # mpiexec killed by a signal: the shell's code
     first = watch.first()
     errors = rank_errors(d)
     for _, line in errors:
         if line not in passed:  # mpiexec dropped it when it stopped the run
             say(line, file=sys.stderr)
+    if relay.killed:  # no rank died of itself: the user's second signal killed them all
+        say(f"llmgpu: a second {signal.Signals(relay.signum).name} killed the ranks at once: the run keeps the last "
+            "checkpoint it saved", file=sys.stderr)
+        return 128 + relay.signum
     if rc not in (0, 130, 143) and not errors:  # a rank that stopped the run on an error said so (above)
         what = name_dead_rank(first, reports, watch.rank_of, rc)
         say(f"llmgpu: {what}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
@@ -359,6 +364,7 @@ class _Relay:
 
     def __init__(self, targets):
         self.targets, self.fallback, self.signum, self._old = targets, None, None, {}
+        self.killed = False  # a second signal killed the ranks
 
     def _handle(self, signum, frame):
         if self.signum is None:
@@ -369,6 +375,7 @@ class _Relay:
             if not pids and self.fallback is not None:
                 _try(self.fallback, signum)
         else:  # the second time: now
+            self.killed = True
             for pid in self.targets():
                 _signal(pid, signal.SIGKILL)
             if self.fallback is not None:
