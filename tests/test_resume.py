@@ -431,6 +431,27 @@ def test_overwrite_is_never_inherited_from_the_checkpoint(tmp_path):
         Trainer(TrainConfig(resume=str(a), out=str(b)))
 
 
+@pytest.mark.parametrize("saved_world, world, accum, says", [
+    (2, 1, 1, "32 tokens per step (it had 64; --grad-accum 2 keeps that)"),  # batch 2 x seq 16 a rank
+    (2, 1, 2, "64 tokens per step (as before)"),
+    (1, 2, 1, "64 tokens per step (it had 32, which no --grad-accum gives with --batch 2 on 2 rank(s))"),
+    (2, 3, 1, "96 tokens per step (it had 64, which no --grad-accum gives with --batch 2 on 3 rank(s))"),
+])  # fmt: skip
+def test_a_resume_on_another_rank_count_says_whether_grad_accum_keeps_the_tokens_per_step(tmp_path, saved_world,
+                                                                                        world, accum, says):
+    """The note promised "--grad-accum keeps it" also where no --grad-accum can (fewer tokens were saved than one
+    micro-batch over the new ranks holds), and --batch cannot change on a resume."""
+    from llmgpu.train import plan as plan_module
+    from llmgpu.train.plan import SavedRun, plan_config
+
+    Trainer(TrainConfig(**FAST, steps=1, out=str(tmp_path / "r"))).run()
+    meta = {**load_checkpoint(tmp_path / "r")[1], "world_size": saved_world}
+    saved = SavedRun.from_meta(tmp_path / "r" / "checkpoint", meta)
+    p = plan_config(TrainConfig(resume=str(tmp_path / "r"), grad_accum=accum), np, saved=saved)
+    m = plan_module.plan_model(p, data_vocab=256, data_tokenizer="bytes", saved=saved, world_size=world)
+    assert any(f"saved on {saved_world} rank(s) and continues on {world}: {says}" in n for n in m.notes), m.notes
+
+
 # --------------------------------------------------------------------------- metadata of the wrong type
 
 @pytest.mark.parametrize("key,value", [

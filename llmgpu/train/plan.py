@@ -123,9 +123,13 @@ def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: Sa
     if saved is not None:
         mcfg = saved.model_config
         if saved.world_size != world_size:
-            now = cfg.batch * cfg.seq * cfg.grad_accum * world_size
+            micro, had = cfg.batch * cfg.seq * world_size, saved.global_batch()
+            now = micro * cfg.grad_accum
+            keep = ("as before" if now == had else f"it had {had}; --grad-accum {had // micro} keeps that"
+                    if had % micro == 0 else f"it had {had}, which no --grad-accum gives with --batch {cfg.batch} on "
+                    f"{world_size} rank(s)")
             notes.append(f"the run was saved on {saved.world_size} rank(s) and continues on {world_size}: {now} "
-                         f"tokens per step (it had {saved.global_batch()}; --grad-accum keeps it)")
+                         f"tokens per step ({keep})")
     elif init is not None:
         mcfg = init.run_model_config(data_tokenizer, cfg)
     else:
