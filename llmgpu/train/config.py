@@ -92,7 +92,8 @@ class TrainConfig:
     # optimization
     steps: int | None = _opt(None, "optimizer steps (default: as many as fit in --max-time)", "optimization")
     max_time: float | None = _opt(None, "training time limit (default 180 on CPU, 300 on GPU when --steps is not "
-                                  "given)", "optimization", metavar="SECONDS")
+                                  "given; several ranks read it at the log syncs, --log-every)", "optimization",
+                                  metavar="SECONDS")
     lr: float | None = _opt(None, "peak learning rate (default 3e-3 on CPU, 6e-4 on GPU, "
                             f"{FINETUNE_DEFAULTS['lr']:.0e} with --init)".replace("e-0", "e-"), "optimization")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak", "optimization")
