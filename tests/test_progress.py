@@ -122,6 +122,7 @@ def test_done_line_names_the_step_of_a_validation_loss_that_is_not_the_last_step
         "done: 31 steps in 3 s; val loss 5.378 -> 4.100; checkpoint r/checkpoint")
     assert "val loss 5.378 -> 4.100 at step 20;" in report.done_line({**base, "val_loss": 4.1, "val_loss_step": 20})
     assert report.done_line({**base, "first_val_loss": None, "val_loss": None, "val_loss_step": None,
-                             "skipped_steps": 2, "unfinished_step": 32, "checkpoint": None}) == (
-        "done: 31 steps in 3 s; 2 steps skipped (inf/nan gradients); step 32 was stopped halfway: nothing saved, "
+                             "skipped_steps": 2, "unfinished_step": 32, "checkpoint": None,
+                             "stop_reason": "interrupted"}) == (  # an interrupted run does not say "done"
+        "stopped: 31 steps in 3 s; 2 steps skipped (inf/nan gradients); step 32 was stopped halfway: nothing saved, "
         "no checkpoint")

@@ -191,7 +191,8 @@ def done_line(summary: dict) -> str:
     at_step = f" at step {at}" if at not in (None, steps) else ""
     val = "" if lv is None else f"val loss {start}{lv:.3f}{at_step}; "
     skipped = summary["skipped_steps"]
-    return (f"done: {steps} steps in {summary['train_time_s']:.0f} s; {val}"
+    head = "stopped" if summary.get("stop_reason") == "interrupted" else "done"  # not to read as a finished run
+    return (f"{head}: {steps} steps in {summary['train_time_s']:.0f} s; {val}"
             + (f"{skipped} steps skipped (inf/nan gradients); " if skipped else "")
             + (f"checkpoint {summary['checkpoint']}" if "unfinished_step" not in summary else
                f"step {summary['unfinished_step']} was stopped halfway: nothing saved, "
