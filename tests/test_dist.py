@@ -327,6 +327,26 @@ def test_a_second_signal_to_the_launcher_kills_the_ranks_and_says_so(tmp_path):
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
 
 
+@needs_mpi
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the ranks through /proc")
+def test_a_second_signal_to_one_rank_ends_the_run_at_once(tmp_path):
+    """Two SIGINTs to rank 1 alone: the second comes mid-step, where that rank stops at once. It closed its run as
+    one process does, while rank 0 waited in the step's all-reduce: both hung until --dist-timeout (300 s)."""
+    out = tmp_path / "one"
+    p = _start_long_run(out, "--log-every", "5", "--batch", "16", "--seq", "128", "--save-every", "2")
+    wait_for_steps(out, 5, proc=p)
+    before = json.loads((out / "checkpoint" / "meta.json").read_text())["step"]
+    r1 = rank_pid(str(out), 1)
+    t = time.monotonic()
+    os.kill(r1, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(r1, signal.SIGINT)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130 and time.monotonic() - t < 60, stderr[-1500:]
+    assert "llmgpu: interrupted" in stderr and "Traceback" not in stderr
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] >= before  # a whole checkpoint stays
+
+
 def _losses_steps(run):
     return [json.loads(line)["step"] for line in open(Path(run) / "log.jsonl") if '"train"' in line]
 

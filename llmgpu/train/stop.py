@@ -11,7 +11,8 @@ with the signal's code.
 
 A second signal raises ``KeyboardInterrupt`` at once (a step that hangs, or a rank stuck in a collective, can still
 be stopped by hand). Raised in the middle of a step, it leaves that step half done: the trainer then saves nothing
-and keeps the last checkpoint on disk.
+and keeps the last checkpoint on disk. On one of several ranks it ends the whole run at once (the command line's
+MPI_Abort): the other ranks wait in that step's collectives, and the last checkpoint stays.
 """
 
 from __future__ import annotations

@@ -272,10 +272,7 @@ class Trainer:
 
     def run(self, stop_at: int | None = None) -> dict:
         """Train until ``steps`` / ``max_time`` (or ``stop_at``: stop there as if interrupted, keeping the
-        schedule of the full run); returns a summary dict (also written to summary.json).
-
-        Ctrl-C stops cleanly too: the steps done so far are logged and checkpointed (``--resume``).
-        """
+        schedule of the full run); returns a summary dict (also written to summary.json). Ctrl-C: ``stop.py``."""
         out = Path(self.cfg.out)
         with rundir.run_lock(out, self.notes, enabled=self.is_main):  # one process writes a run directory
             return rundir.finished_summary(out, self.step, self.total_steps, self.cfg.resume) or self._run(stop_at)
@@ -304,6 +301,8 @@ class Trainer:
                 if reason == "interrupted":
                     self._interrupted(s, s.stop.signum)
         except KeyboardInterrupt:  # a second signal (stop.py), or one raised by code other than the handler
+            if self.world > 1:  # the other ranks wait in this step's collectives: end the run now (cli: MPI_Abort)
+                raise
             self._interrupted(s, s.stop.signum or signal.SIGINT)
         s.stop.defer = self.world > 1  # one process: from here on (final save, sample) a signal stops at once
         return self._close_session(s)
