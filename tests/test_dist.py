@@ -96,6 +96,28 @@ def test_error_lines_that_mpiexec_glued_together_are_split_apart_again():
     assert list(unglued(["plain\n", "\n"])) == ["plain\n", "\n"]  # nothing glued: nothing dropped
 
 
+@needs_mpi
+def test_more_cpu_ranks_than_cores_get_a_note(monkeypatch):
+    from llmgpu.dist import launch as launch_module
+
+    said = []
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 1)
+    rc = launch_module.launch(2, ["--version"], gpu=False, say=lambda line, **kw: said.append(line))
+    assert rc == 0 and said[0] == ("llmgpu: note: 2 ranks on 1 CPU cores share them: a check of correctness, "
+                                   "not of speed")
+
+
+def test_zero_on_one_rank_says_there_is_nothing_to_shard(tmp_path):
+    from llmgpu.train.config import TrainConfig
+    from llmgpu.train.plan import plan_config, plan_model
+
+    p = plan_config(TrainConfig(preset="tiny", device="cpu", zero=2, out=str(tmp_path / "z")), np)
+    assert any("--zero 2 on one rank: nothing to shard" in n for n in plan_model(p, data_vocab=256,
+                                                                                  data_tokenizer="bytes").notes)
+    assert not any("nothing to shard" in n for n in plan_model(p, data_vocab=256, data_tokenizer="bytes",
+                                                               world_size=2).notes)
+
+
 def test_strip_nproc():
     assert strip_nproc(["train", "--nproc", "2", "--steps", "3", "--nproc=4"]) == ["train", "--steps", "3"]
 
@@ -343,7 +365,7 @@ def test_a_second_signal_to_one_rank_ends_the_run_at_once(tmp_path):
     os.kill(r1, signal.SIGINT)
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 130 and time.monotonic() - t < 60, stderr[-1500:]
-    assert "llmgpu: interrupted" in stderr and "Traceback" not in stderr
+    assert stderr.count("llmgpu: interrupted") == 1 and "Traceback" not in stderr, stderr[-1500:]  # said once
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] >= before  # a whole checkpoint stays
 
 

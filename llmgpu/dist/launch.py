@@ -37,6 +37,7 @@ from .env import DistError
 GRACE_S = 3.0  # seconds the other ranks get after one failed (SIGTERM), before SIGKILL
 RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register their PIDs
 ERROR_MARK = "llmgpu: error: "  # how the command's error lines start (cli.main prints them with it)
+SAID_ONCE = ("llmgpu: interrupted",)  # besides error lines, what every rank prints alike: passed once
 MPICH_ABORT = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
 
 
@@ -139,6 +140,10 @@ def launch(nproc: int, args: list[str], *, gpu: bool, say=print) -> int:
             import mpi4py  # noqa: F401  (fail here, once, rather than in every rank)
         except ImportError:
             raise DistError("--nproc on CPU ranks needs mpi4py: pip install 'llmgpu[dist]'") from None
+    cores = os.cpu_count() or 1
+    if not gpu and nproc > cores:
+        say(f"llmgpu: note: {nproc} ranks on {cores} CPU cores share them: a check of correctness, not of speed",
+            file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="llmgpu-ranks-") as d:
         env = dict(os.environ, **{RANK_DIR_VAR: d})
         if gpu:
@@ -278,8 +283,8 @@ def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
     """Run mpiexec (in a session of its own: signals reach the ranks through ``relay``), passing its output through
     and reading it for a dead process (Hydra, on stdout: 'PID n RUNNING AT ...' then 'EXIT CODE: c'; Open MPI, on
     stderr: 'process rank r with PID n ... exited on signal s'). Returns mpiexec's exit code, the deaths it reported
-    (('rank', r, pid, code) or (pid, code) each) and the ``ERROR_MARK`` lines it passed through (only those: a long
-    run prints a line per step)."""
+    (('rank', r, pid, code) or (pid, code) each) and the ``ERROR_MARK`` and ``SAID_ONCE`` lines it passed through
+    (only those: a long run prints a line per step)."""
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                          start_new_session=True, preexec_fn=_parent_death_signal())
     relay.fallback = lambda sig: os.killpg(p.pid, sig)  # before any rank registered: nothing to save yet
@@ -289,8 +294,8 @@ def _wait_mpiexec(cmd, env, relay) -> tuple[int, list, str]:
     def pump(src, dst):
         pid, in_banner, dashes = None, False, None
         for line in unglued(src):
-            if ERROR_MARK in line:
-                if line in passed:  # every rank hit the same error (a bad setting): say it once
+            if ERROR_MARK in line or line.startswith(SAID_ONCE):
+                if line in passed:  # every rank hit the same error (a bad setting), or Ctrl-C: say it once
                     continue
                 passed.append(line)
             # MPI's own words for MPI_Abort (MPICH: one line; Open MPI: a banner between dashed lines, so a dashed

@@ -120,6 +120,9 @@ def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: Sa
     a ``pretrained.Pretrained``), or the preset's with the data's vocabulary (``data_vocab`` tokens of
     ``data_tokenizer``) unless ``--vocab-size`` sets it. ``world_size``: the ranks this run trains on."""
     cfg, notes = plan.cfg, list(plan.notes)
+    if cfg.zero and world_size == 1:
+        notes.append(f"--zero {cfg.zero} on one rank: nothing to shard, the optimizer state stays whole (ZeRO saves "
+                     "memory across several ranks)")
     if saved is not None:
         mcfg = saved.model_config
         if saved.world_size != world_size:
