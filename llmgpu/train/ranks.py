@@ -70,14 +70,16 @@ def gradient_seam(comm, cfg: TrainConfig, params):
     return LocalGradSync(params)
 
 
-def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int, data: dict):
-    """Every rank runs the same configuration from the same step on the same data (``data``: the corpus's
-    ``fingerprint``); a ``DistError`` naming the odd ranks and what differs."""
+def check_agreement(comm, cfg: TrainConfig, model_config: dict, step: int, corpus):
+    """Every rank runs the same configuration from the same step on the same data (``corpus``'s ``fingerprint``,
+    read only with several ranks); a ``DistError`` naming the odd ranks and what differs."""
+    if comm.world_size == 1:
+        return
     mine = {k: v for k, v in cfg.as_dict().items() if k not in ("out", "progress")}  # rank 0 alone writes
     check_same(comm, "training configuration", mine)
     check_same(comm, "model", model_config)
     check_same(comm, "starting step", step)
-    check_same(comm, "data (token counts or tokens)", data)
+    check_same(comm, "data (token counts or tokens)", corpus.fingerprint())
 
 
 def agree(comm, total_steps: int | None, time_up: bool, signum: int | None = None):

@@ -136,7 +136,7 @@ class Trainer:
             self._load_weights(ckpt[0])
             self.step = int(ckpt[1]["step"])
         # every rank: the same configuration and starting step, before the first collective of the step
-        check_agreement(self.comm, cfg, mcfg.as_dict(), self.step, self.corpus.fingerprint())
+        check_agreement(self.comm, cfg, mcfg.as_dict(), self.step, self.corpus)
         seam = gradient_seam(self.comm, cfg, self.params)  # after the weights: ZeRO keeps its shard of them
         self.step_fn = TrainStep(self.model, cfg, grad_sync=seam)
         self.opt, self.scaler = self.step_fn.opt, self.step_fn.scaler
