@@ -139,14 +139,10 @@ def input_files(inputs, out=None, notes: list | None = None) -> list[Path]:
             need_file(p, "input", "give text files, directories or globs")
             out_files.append(p)
     first: dict[Path, Path] = {}
-    for p in out_files:
-        first.setdefault(p.resolve(), p)
-    once = list(first.values())
-    if len(once) < len(out_files) and notes is not None:
-        twice = next(p for i, p in enumerate(out_files) if p.resolve() in {q.resolve() for q in out_files[:i]})
-        notes.append(f"{len(out_files) - len(once)} input file(s) named more than once ({twice}, ...): each is "
-                     "tokenized once")
-    return once
+    again = [p for p in out_files if first.setdefault(p.resolve(), p) is not p]  # named before, in order
+    if again and notes is not None:
+        notes.append(f"{len(again)} input file(s) named more than once ({again[0]}, ...): each is tokenized once")
+    return list(first.values())
 
 
 def _output_files(out):
