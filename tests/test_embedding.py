@@ -95,6 +95,26 @@ def test_bad_inputs(rng):
         embedding_backward(dx, idx, 5, (6, 3))
 
 
+def test_forward_without_positions_is_the_bare_gather_and_vocab_size_bounds_the_ids(rng):
+    """wpe=None (a Llama's embedding): x = wte[idx], bit for bit. vocab_size below wte's rows: the padded rows'
+    ids are refused like any other id past the vocabulary."""
+    idx, wte, _, _ = _inputs(rng, 3, 5, 6, 9, dtype="bf16", idx_dtype=np.int32)
+    x = embedding_forward(idx, wte, None)
+    assert x.dtype == wte.dtype and x.shape == (3, 5, 6)
+    np.testing.assert_array_equal(x.view(np.uint16), wte[idx].view(np.uint16))
+    out = poisoned((3, 5, 6), "bf16", np)
+    assert embedding_forward(idx, wte, None, out=out, vocab_size=9) is out
+    np.testing.assert_array_equal(out.view(np.uint16), x.view(np.uint16))
+    idx %= 7
+    idx[1, 2] = 7
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 7\); 1 do not \(first: idx\[1, 2\] = 7\)"):
+        embedding_forward(idx, wte, None, vocab_size=7)
+    with pytest.raises(ValueError, match=r"vocab_size must lie in \[1, 9\] \(wte's rows\), got 10"):
+        embedding_forward(idx, wte, None, vocab_size=10)
+    with pytest.raises(TypeError, match="vocab_size must be an int, got 7.0"):
+        embedding_forward(idx, wte, None, vocab_size=7.0)
+
+
 # --------------------------------------------------------------------------- counting sort, NumPy model
 # A NumPy mirror of the "counting" path's kernels (embedding_count_*, embedding_backward_wte_pos's row
 # walk and its hot-row pieces), step by step, with the kernels' constants: it checks the index
@@ -460,6 +480,24 @@ def test_gpu_out_of_range_ids_are_loud(cp, rng):
         dwte, dwpe = embedding_backward(cp.asarray(dx), cp.asarray(idx), 10, wpe.shape[0], method=method)
         assert_close(dwte, ref_dwte, "fp32")
         assert_close(dwpe, ref_dwpe, "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["naive", "optimized"])
+@pytest.mark.parametrize("c", [7, 64])
+def test_gpu_forward_without_positions_is_the_gather_and_nan_past_vocab_size(cp, rng, dtype, method, c):
+    """wpe=None on the GPU: wte's rows bit for bit (both kernels, vector and scalar packs); ids below 0 or from
+    vocab_size up (a padded table's rows) read as NaN rows, where a plain gather read row -1 as the last row."""
+    idx, wte, _, _ = _inputs(rng, 2, 5, c, 11, dtype=dtype, idx_dtype=np.int64)
+    idx[0, 1], idx[1, 3], idx[1, 4] = -1, 9, 10  # vocab_size 9: rows 9 and 10 are padding
+    x = backend.to_numpy(embedding_forward(cp.asarray(idx), cp.asarray(wte), None, method=method, vocab_size=9,
+                                           out=poisoned((2, 5, c), dtype, cp)))
+    bad = np.zeros((2, 5), bool)
+    bad[0, 1] = bad[1, 3] = bad[1, 4] = True
+    assert np.isnan(x[bad].astype(np.float32)).all()
+    bits = np.uint16 if dtype == "bf16" else np.uint32
+    np.testing.assert_array_equal(x[~bad].view(bits), wte[idx[~bad]].view(bits))
 
 
 @pytest.mark.gpu

@@ -241,6 +241,31 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_numpy_by_both_families(
             call()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("fast", [False, True], ids=["book", "fast"])
+def test_gpu_token_ids_outside_the_vocabulary_turn_the_loss_nan(cp, family, fast):
+    """On a GPU the check would cost a host synchronisation: the embedding kernel writes NaN rows for such ids
+    instead, so the loss turns NaN (loud), in each family's book and fast model. Llama's gather read id -1 as the
+    last (padding) row and a padding row's id as zeros: a finite loss of other tokens."""
+    from test_fast_model import _need_fast  # the chapter 8 tests' helper (tests/ is not a package)
+
+    from llmgpu.model import GPT, FastGPT, FastLlama, GPTConfig
+
+    if fast:
+        _need_fast(cp)
+    cfg = (LlamaConfig(**{**SMALL, "n_embd": 32}, pad_vocab_to=8) if family == "llama" else
+           GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=37, block_size=16, pad_vocab_to=8))
+    model = {("llama", False): Llama, ("llama", True): FastLlama, ("gpt2", False): GPT, ("gpt2", True): FastGPT}
+    m = model[family, fast](cfg, dtype="bf16" if fast else "fp32", xp=cp, seed=2)
+    idx = cp.asarray([[3, 5, 7, 9], [1, 2, 4, 6]], dtype=cp.int32)
+    assert np.isfinite(float(m.loss(idx, idx)))
+    for bad in (-1, 37):  # 37: the first padding row's id
+        bad_idx = idx.copy()
+        bad_idx[1, 2] = bad
+        assert np.isnan(float(m.loss(bad_idx, idx))), bad
+
+
 def test_llama_loads_the_rope_buffers_older_transformers_saved():
     """``rotary_emb.inv_freq`` is recomputed from the configuration: skipped, as GPT-2's causal-mask buffers are."""
     m = _model()

@@ -1,6 +1,6 @@
 // embedding.cu: token + position embedding, forward and backward (chapter 3).
 //
-//   forward   x[b, t, :] = wte[idx[b, t], :] + wpe[t, :]
+//   forward   x[b, t, :] = wte[idx[b, t], :] + wpe[t, :]      (wpe null: wte's row alone, as in a Llama)
 //   backward  dwpe[t, :] = sum_b dx[b, t, :]
 //             dwte[v, :] = sum over all (b, t) with idx[b, t] == v of dx[b, t, :]
 //
@@ -102,7 +102,8 @@ __global__ void embedding_forward_naive(const TI* __restrict__ idx, const T* __r
         out[i] = from_float<T>(EMB_NAN);
         return;
     }
-    out[i] = from_float<T>(to_float(wte[id * C + c]) + to_float(wpe[(long long)t * C + c]));
+    const float a = to_float(wte[id * C + c]);  // T -> float -> T is exact: a bare gather keeps its bits
+    out[i] = from_float<T>(wpe ? a + to_float(wpe[(long long)t * C + c]) : a);
 }
 
 // Grid (B*T, ceil(nvec / blockDim.x)): block x = one output row, threads over its 16-byte packs.
@@ -123,11 +124,13 @@ __global__ void __launch_bounds__(256) embedding_forward(const TI* __restrict__ 
 #pragma unroll
         for (int k = 0; k < W; ++k) o[k] = EMB_NAN;
     } else {
-        float a[W], b[W];
-        load_pack<T, W>(wte + id * C + (long long)j * W, a);
-        load_pack<T, W>(wpe + (long long)t * C + (long long)j * W, b);
+        load_pack<T, W>(wte + id * C + (long long)j * W, o);
+        if (wpe) {  // the same branch for the whole grid
+            float b[W];
+            load_pack<T, W>(wpe + (long long)t * C + (long long)j * W, b);
 #pragma unroll
-        for (int k = 0; k < W; ++k) o[k] = a[k] + b[k];
+            for (int k = 0; k < W; ++k) o[k] += b[k];
+        }
     }
     store_pack<T, W>(out + row * C + (long long)j * W, o);
 }

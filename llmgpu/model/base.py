@@ -198,8 +198,8 @@ class GPTBase:
     def check_idx(self, idx, name="idx", *, token_ids: bool = True):
         """``idx`` as a contiguous int32 ``[B, T]`` array on the model's device, not empty, T ≤ block_size. Ids of a
         wider type must fit int32 (narrowed, they would wrap to other ids); ``token_ids`` on NumPy: each in
-        ``[0, vocab_size)``. Not on a GPU, where it would cost a host synchronisation: there GPT-2's embedding kernel
-        writes NaN rows for such ids, while Llama's gather reads other rows (unchecked)."""
+        ``[0, vocab_size)``. Not on a GPU, where it would cost a host synchronisation: there the embedding kernel writes
+        NaN rows for such ids (the padding rows' ids included), and the loss turns NaN."""
         xp = self.xp
         if backend.get_array_module(idx) is not xp:
             raise TypeError(f"{name} must live on the model's device ({'cupy' if xp is not np else 'numpy'})")

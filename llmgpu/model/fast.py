@@ -296,7 +296,7 @@ class FastGPT(GPTBase):
         N, C = B * T, cfg.n_embd
         it = self.dtype.itemsize
         with region("embedding fwd", bytes=2 * N * C * it + T * C * it + 4 * N, flops=float(N * C)):
-            x = embedding_forward(idx, self.weight(WTE), self.weight(WPE)).reshape(N, C)
+            x = embedding_forward(idx, self.weight(WTE), self.weight(WPE), vocab_size=cfg.vocab_size).reshape(N, C)
         with region("ln_1 fwd", bytes=2 * x.nbytes + 8 * N, flops=8.0 * x.size):
             h, mean, rstd = layernorm_forward(x, self.weight("transformer.h.0.ln_1.weight"),
                                               self.weight("transformer.h.0.ln_1.bias"))

@@ -28,7 +28,8 @@ the fp32 buffer, and its flash attention (``FastOptions.attention_kernel``; grou
   gradient in the norm's kernel (``rmsnorm_backward(..., dresidual=)``, written over it).
 * **SwiGLU on the gate|up rows** (``swiglu_forward`` on the two column halves), its backward written over the
   saved gate|up (they are not read again), which then is the stacked GEMMs' output gradient.
-* **Embedding**: a gather forward; backward adds the fp32 row sums of the tokens in the batch straight into the
+* **Embedding**: a gather forward (``embedding_forward`` without position rows: NaN rows for ids past the
+  vocabulary, as GPT-2's); backward adds the fp32 row sums of the tokens in the batch straight into the
   fp32 gradient (``embedding_backward(..., positions=False)``: there is no position table).
 
 Every weight is bias-free, so no GEMM needs a bias epilogue and no bias gradient is summed. The gradients agree
@@ -38,6 +39,7 @@ with ``Llama``'s to rounding (the same ops in another order of rounding; in floa
 from __future__ import annotations
 
 from ..instrument import region
+from ..ops.embedding import embedding_forward
 from ..ops.flash_attention import split_qkv
 from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, traffic_bytes
 from ..ops.rope import rope_backward, rope_forward
@@ -156,7 +158,7 @@ class FastLlama(LlamaFamily, FastGPT):
         B, T = idx.shape
         C = self.config.n_embd
         with region("embedding fwd", bytes=2 * B * T * C * self.dtype.itemsize + 4 * B * T):
-            x = self.weight(EMBED)[idx.reshape(-1)].reshape(B * T, C)
+            x = embedding_forward(idx, self.weight(EMBED), None, vocab_size=self.config.vocab_size).reshape(B * T, C)
         return (x, *self._norm(x, block_names(0)["input_layernorm.weight"], name="input_norm fwd"))
 
     def _block_forward(self, i: int, state, B: int, T: int, need_output: bool = True, keep_pre: bool = True):

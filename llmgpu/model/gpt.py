@@ -161,7 +161,7 @@ class GPT(GPTBase):
 
     def _embed(self, idx):
         """Token and position embeddings: x [B,T,C]."""
-        return embedding_forward(idx, self.weight(WTE), self.weight(WPE))
+        return embedding_forward(idx, self.weight(WTE), self.weight(WPE), vocab_size=self.config.vocab_size)
 
     def _embed_backward(self, dx, idx) -> list[str]:
         """Accumulates the embeddings' gradients from dx [B,T,C]; returns their names."""

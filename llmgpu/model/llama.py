@@ -23,7 +23,7 @@ from __future__ import annotations
 from .. import backend
 from ..instrument import region
 from ..ops.attention import attention_backward, attention_forward
-from ..ops.embedding import embedding_backward
+from ..ops.embedding import embedding_backward, embedding_forward
 from ..ops.linear import linear_backward, linear_forward
 from ..ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward, rope_tables
@@ -103,7 +103,8 @@ class Llama(LlamaFamily, GPT):
     # ------------------------------------------------------------------ around the blocks
 
     def _embed(self, idx):
-        return self.weight(EMBED)[idx]  # a gather: x [B, T, C]; no position vector (RoPE rotates q and k)
+        # a gather: x [B, T, C]; no position rows (RoPE rotates q and k); ids past the vocabulary read NaN on a GPU
+        return embedding_forward(idx, self.weight(EMBED), None, vocab_size=self.config.vocab_size)
 
     def _head(self, x):
         B, T, C = x.shape

@@ -1,6 +1,7 @@
 """Token + position embedding, forward and backward (chapter 3, ``kernels/embedding.cu``)::
 
     x[b, t, :]  = wte[idx[b, t], :] + wpe[t, :]              idx [B, T] int32/int64, T <= maxT
+                                                             (wpe None: no position rows, as in a Llama)
     dwte[v, :]  = sum of dx[b, t, :] over all (b, t) with idx[b, t] == v
     dwpe[t, :]  = sum_b dx[b, t, :]       (rows t >= T are zero)
 
@@ -68,8 +69,9 @@ Hot rows (``method="counting"``; ``emb_hot_piece`` in the same kernel launch as 
     NumPy models of these steps against ``np.argsort(idx, kind="stable")`` and of the hot-row
     pieces (blocks finishing in any order) against the formula above.
 
-Token ids outside ``[0, V)``: the NumPy path raises ValueError. The GPU path does not read out of
-bounds; the forward writes NaN into those rows of x (the loss turns NaN: loud), and the backward
+Token ids outside ``[0, V)`` (in the forward, ``V`` may be given as ``vocab_size`` below wte's rows: a
+padded table's extra rows are not tokens): the NumPy path raises ValueError. The GPU path does not read
+out of bounds; the forward writes NaN into those rows of x (the loss turns NaN: loud), and the backward
 leaves those positions out of dwte (they still count in dwpe).
 """
 
@@ -134,6 +136,8 @@ def _pack_grid(rows, c, dtype, arrays):
 
 def embedding_forward_reference(idx, wte, wpe):
     ct = _compute_dtype(wte.dtype)
+    if wpe is None:
+        return wte[idx]  # a bare gather: no sum, so no rounding
     t = idx.shape[1]
     return (wte.astype(ct)[idx] + wpe.astype(ct)[:t][None]).astype(wte.dtype)
 
@@ -152,20 +156,30 @@ def embedding_backward_reference(dx, idx, vocab_size, max_t):
 # --------------------------------------------------------------------------- public API
 
 
-def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
-    """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]``.
+def embedding_forward(idx, wte, wpe, *, out=None, method="optimized", vocab_size=None):
+    """``x [B, T, C] = wte[idx] + wpe[:T]`` for ``idx [B, T]``, ``wte [V, C]``, ``wpe [maxT, C]`` (or None:
+    ``x = wte[idx]``, the token rows alone).
 
-    ``method="counting"`` is the optimized gather (the methods differ in the backward only)."""
+    ``vocab_size`` (default V): ids from it up are not tokens (a padded table's last rows); NumPy refuses them, the
+    GPU writes NaN rows for them. ``method="counting"`` is the optimized gather (the methods differ in the backward
+    only)."""
     check_method("embedding_forward", method, METHODS)
     xp = array_module(idx=idx, wte=wte, wpe=wpe, out=out)
     check_array("idx", idx, ndim=2, dtypes=INDEX_DTYPES)
     check_array("wte", wte, ndim=2)
     v, c = wte.shape
-    check_array("wpe", wpe, shape=(None, c))
-    check_same_dtype(wte=wte, wpe=wpe)
     b, t = idx.shape
-    if t > wpe.shape[0]:
-        raise ValueError(f"idx has T={t} positions but wpe holds only {wpe.shape[0]}")
+    if wpe is not None:
+        check_array("wpe", wpe, shape=(None, c))
+        check_same_dtype(wte=wte, wpe=wpe)
+        if t > wpe.shape[0]:
+            raise ValueError(f"idx has T={t} positions but wpe holds only {wpe.shape[0]}")
+    if vocab_size is not None:
+        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
+            raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+        if not 0 < vocab_size <= v:
+            raise ValueError(f"vocab_size must lie in [1, {v}] (wte's rows), got {vocab_size}")
+        v = int(vocab_size)
 
     if xp is np:
         check_ids_numpy(idx, v)
@@ -180,16 +194,17 @@ def embedding_forward(idx, wte, wpe, *, out=None, method="optimized"):
         raise ValueError("B*T and V must be below 2**31")
     out = check_out(out, (b, t, c), wte.dtype, xp)
     ti = _C_INDEX[idx.dtype]
+    pos = wpe if wpe is not None else np.uint64(0)  # a null pointer: the kernels add no position row
     if method == "naive":
         n = b * t * c
         get_kernel("embedding", "embedding_forward_naive", wte.dtype, ti)(
             (-(-n // THREADS),), (THREADS,),
-            (idx, wte, wpe, out, np.int64(b * t), np.int32(t), np.int32(c), np.int32(v)),
+            (idx, wte, pos, out, np.int64(b * t), np.int32(t), np.int32(c), np.int32(v)),
         )
         return out
-    vec, grid, block = _pack_grid(b * t, c, wte.dtype, (wte, wpe, out))
+    vec, grid, block = _pack_grid(b * t, c, wte.dtype, (wte, out) if wpe is None else (wte, wpe, out))
     get_kernel("embedding", "embedding_forward", wte.dtype, ti, int(vec))(
-        grid, block, (idx, wte, wpe, out, np.int32(t), np.int32(c), np.int32(v))
+        grid, block, (idx, wte, pos, out, np.int32(t), np.int32(c), np.int32(v))
     )
     return out
 
