@@ -202,7 +202,10 @@ def test_state_dict_names_layouts_and_roundtrip(rng):
     with pytest.raises(ValueError, match="shape"):
         m2.load_state_dict(bad)
     del bad["transformer.h.0.ln_1.weight"]
-    with pytest.raises(KeyError, match="missing"):
+    with pytest.raises(ValueError, match=r"names are not this model's: 1 missing \('transformer.h.0.ln_1.weight'\)$"):
+        m2.load_state_dict(bad)
+    bad.update({f"extra.{i}": np.ones(2, np.float32) for i in range(5)})
+    with pytest.raises(ValueError, match=r"1 missing .*; 5 unexpected \('extra.0', 'extra.1', 'extra.2' and 2 more\)$"):
         m2.load_state_dict(bad)
 
 

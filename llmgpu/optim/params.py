@@ -245,12 +245,17 @@ class FlatParams:
 
     def load_dict(self, d: Mapping[str, object], strict: bool = True):
         """Copy name → array into the master weights (NumPy or CuPy arrays, any float dtype), then
-        refresh the working copy. ``strict`` requires exactly the same set of names."""
+        refresh the working copy. ``strict`` requires exactly the same set of names (a ValueError naming the first
+        few missing and unexpected ones: weights of another model)."""
         if strict:
             missing = [n for n in self.names if n not in d]
             extra = [n for n in d if n not in self.offsets]
             if missing or extra:
-                raise KeyError(f"load_dict: missing {missing[:5]}, unexpected {extra[:5]}")
+                def few(names):
+                    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                said = ([f"{len(missing)} missing ({few(missing)})"] if missing else []) + (
+                    [f"{len(extra)} unexpected ({few(extra)})"] if extra else [])
+                raise ValueError(f"load_dict: the names are not this model's: {'; '.join(said)}")
         host = np.zeros(self.numel, dtype=np.float32)
         cur = backend.to_numpy(self.data) if not strict else None
         if cur is not None:
