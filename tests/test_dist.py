@@ -58,6 +58,25 @@ def test_bad_launcher_variables(env, needle):
         from_environ(env)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="signals and process groups as on Linux")
+def test_the_gpu_launchers_watch_names_a_killed_rank_and_exits_as_the_shell_would(tmp_path):
+    """The watcher of the GPU ranks (plain processes here): a rank killed by SIGKILL ends the run with 137, as a
+    shell says it (it exited 1), named in one line; the rank still running is stopped."""
+    from llmgpu.dist.launch import _Relay, _watch
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+             subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])]
+    said = []
+    try:
+        rc = _watch(procs, lambda line, file=None: said.append(line), str(tmp_path), _Relay(lambda: []))
+    finally:
+        for p in procs:
+            p.kill()
+    assert rc == 128 + signal.SIGKILL
+    assert said == ["llmgpu: rank 1 was killed by signal 9; stopping the other ranks"]
+    assert procs[0].poll() is not None
+
+
 def test_the_dead_rank_is_named_from_both_witnesses():
     ranks = {"100": "0", "101": "1", "102": "2"}
     hydra_1 = [("101", "9")]  # Hydra: 'PID 101 RUNNING AT ...', 'EXIT CODE: 9'
@@ -423,7 +442,7 @@ def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
     t = time.monotonic()
     stdout, stderr = p.communicate(timeout=60)
     assert time.monotonic() - t < 30  # bounded: the others do not wait for the dead rank
-    assert p.returncode != 0
+    assert p.returncode == 128 + signal.SIGKILL, p.returncode  # the shell's code, not MPICH's 9
     # the rank is named; on a loaded machine the ranks may end too close together to order, and the line says so
     named = "llmgpu: rank 1 (pid" in stderr
     assert named or re.search(r"llmgpu: one of ranks [0-9, ]*\b1\b[0-9, ]* died", stderr), stderr[-500:]

@@ -39,6 +39,7 @@ RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register t
 ERROR_MARK = "llmgpu: error: "  # how the command's error lines start (cli.main prints them with it)
 SAID_ONCE = ("llmgpu: interrupted",)  # besides error lines, what every rank prints alike: passed once
 MPICH_ABORT = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
+SIGNAL_EXIT_CODES = (9, 15)  # MPICH's exit code for a rank killed by SIGKILL or SIGTERM: the number (llmgpu exits 1, 2, 130, 143)
 
 
 def register_rank(rank: int):
@@ -173,6 +174,8 @@ def _launch_mpi(nproc, cmd, env, d, say) -> int:
     if rc not in (0, 130, 143) and not errors:  # a rank that stopped the run on an error said so (above)
         what = name_dead_rank(first, reports, watch.rank_of, rc)
         say(f"llmgpu: {what}; mpiexec stopped the other ranks of the {nproc}-rank run", file=sys.stderr)
+        if rc in SIGNAL_EXIT_CODES:  # MPICH exits with the signal's number: the shell's code for it is 128 + that
+            return 128 + rc
     return rc
 
 
@@ -216,7 +219,7 @@ def _rank_order(rank: str):
 
 
 def _how(code: int) -> str:
-    return f"was killed by signal {code - 128 if code > 128 else code}" if code in (9, 15) or code > 128 \
+    return f"was killed by signal {code - 128 if code > 128 else code}" if code in SIGNAL_EXIT_CODES or code > 128 \
         else f"exited with code {code}"
 
 
@@ -359,7 +362,7 @@ def _watch(procs, say, rank_dir, relay) -> int:
         how = f"was killed by signal {-c}" if c < 0 else _how(c)
         say(f"llmgpu: rank {r} {how}; stopping the other ranks", file=sys.stderr)
     _stop(procs)
-    return c if c > 0 else 1
+    return c if c > 0 else 128 - c  # killed by a signal: the shell's code
 
 
 class _Relay:
