@@ -382,8 +382,8 @@ def main(argv=None) -> int:
         with _ctrl_c_held():  # the imports (a second or more): NumPy, the backend, every command's modules
             errors, parser = _user_errors(), build_parser()
         return _run(parser, errors, argv)
-    except KeyboardInterrupt:  # outside the training loop (which saves and returns): nothing to save
-        print("llmgpu: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # outside the training loop (which saves and returns), or a rank's second signal
+        print(f"llmgpu: interrupted{': ' if str(e) else ''}{e}", file=sys.stderr)
         _abort_run(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
 

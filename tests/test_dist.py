@@ -385,6 +385,8 @@ def test_a_second_signal_to_one_rank_ends_the_run_at_once(tmp_path):
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 130 and time.monotonic() - t < 60, stderr[-1500:]
     assert stderr.count("llmgpu: interrupted") == 1 and "Traceback" not in stderr, stderr[-1500:]  # said once
+    assert re.search(r"llmgpu: interrupted: a second SIGINT stopped rank 1 at once (in|after) step \d+, and the run "
+                     "with it: it keeps the last checkpoint it saved", stderr), stderr[-1500:]
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] >= before  # a whole checkpoint stays
 
 

@@ -28,6 +28,16 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second signal on one of several ranks: that rank ends the whole run at once (the command line's MPI_Abort),
+    and the run keeps the last checkpoint it saved. Its text is the line the command prints."""
+
+    def __init__(self, signum: int, rank: int, step: int, in_step: bool):
+        where = f"in step {step + 1}" if in_step else f"after step {step}"
+        super().__init__(f"a second {signal.Signals(signum).name} stopped rank {rank} at once {where}, and the run "
+                         "with it: it keeps the last checkpoint it saved")
+
+
 class StopRequests:
     """SIGINT/SIGTERM handlers for the span of a ``with`` block (main thread only; elsewhere nothing is installed).
 
@@ -63,4 +73,4 @@ class StopRequests:
         return self.signum is not None
 
 
-__all__ = ["SIGNALS", "StopRequests", "exit_code"]
+__all__ = ["SIGNALS", "StopRequests", "StoppedAtOnce", "exit_code"]

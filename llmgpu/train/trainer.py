@@ -44,7 +44,7 @@ from .rundir import check_target, default_out_dir, open_run_dir, write_config
 from .sampling import check_run_sample, prompt_ids
 from .session import Log, Session, strict_json
 from .step import TrainStep
-from .stop import StopRequests
+from .stop import StoppedAtOnce, StopRequests
 from .stream import DataStream
 
 
@@ -302,7 +302,7 @@ class Trainer:
                     self._interrupted(s, s.stop.signum)
         except KeyboardInterrupt:  # a second signal (stop.py), or one raised by code other than the handler
             if self.world > 1:  # the other ranks wait in this step's collectives: end the run now (cli: MPI_Abort)
-                raise
+                raise StoppedAtOnce(s.stop.signum or signal.SIGINT, self.rank, self.step, self._in_step) from None
             self._interrupted(s, s.stop.signum or signal.SIGINT)
         s.stop.defer = self.world > 1  # one process: from here on (final save, sample) a signal stops at once
         return self._close_session(s)
