@@ -468,9 +468,9 @@ def test_a_hung_rank_makes_the_others_stop_within_the_timeout(tmp_path):
             pass
     assert time.monotonic() - t < 40
     assert p.returncode != 0
-    # the rank that gave up says so in its one line, naming itself; the launcher adds nothing to it
-    assert re.search(r"llmgpu: error: rank [01]: \w+ did not complete within 4 s: another rank died or hangs",
-                     stderr), stderr[-500:]
+    # the rank that gave up says so in its one line, naming itself and the stopped rank; the launcher adds nothing
+    assert re.search(rf"llmgpu: error: rank [01]: \w+ did not complete within 4 s: rank 2 \(pid {pid}\) is stopped "
+                     r"\(SIGSTOP or a debugger\)", stderr), stderr[-500:]
 
 
 def test_nccl_backend_on_cpu_is_one_clear_error(one_error_line):

@@ -136,6 +136,18 @@ def abort_mpi(code: int = 2) -> None:
         MPI.COMM_WORLD.Abort(code)
 
 
+def _why_no_peer() -> str:
+    """Why a collective did not complete: the ranks of this ``--nproc`` run that are stopped, where there are (a
+    hung rank is otherwise not named under MPI: mpiexec kills it with the others), else the two possibilities."""
+    from .launch import stopped_ranks
+
+    stopped = stopped_ranks()
+    if not stopped:
+        return "another rank died or hangs"
+    who = ", ".join(f"rank {r} (pid {pid})" for r, pid in stopped)
+    return f"{who} {'is' if len(stopped) == 1 else 'are'} stopped (SIGSTOP or a debugger)"
+
+
 class MPIComm(Communicator):
     """MPI collectives on NumPy arrays, each with a deadline (see the module docstring)."""
 
@@ -152,8 +164,8 @@ class MPIComm(Communicator):
         spins = 0
         while not req.Test():
             if time.monotonic() > deadline:
-                raise DistError(f"rank {self.rank}: {what} did not complete within {self.timeout:.0f} s: another "
-                                "rank died or hangs")
+                raise DistError(f"rank {self.rank}: {what} did not complete within {self.timeout:.0f} s: "
+                                + _why_no_peer())
             spins += 1
             if spins > 100:
                 time.sleep(0.0005)
@@ -324,7 +336,7 @@ class NcclComm(Communicator):
                 raise DistError(f"rank {self.rank}: NCCL reported an error while waiting for {what}: {e}") from None
             if time.monotonic() > deadline:
                 self.abort()
-                raise DistError(f"rank {self.rank}: waited {self.timeout:.0f} s for {what}: another rank died or hangs")
+                raise DistError(f"rank {self.rank}: waited {self.timeout:.0f} s for {what}: " + _why_no_peer())
             time.sleep(0.0002)
 
     def abort(self, reason: str = ""):

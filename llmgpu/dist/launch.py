@@ -49,6 +49,24 @@ def register_rank(rank: int):
         Path(d, str(rank)).write_text(str(os.getpid()))
 
 
+def stopped_ranks() -> list[tuple[int, int]]:
+    """(rank, pid) of the registered ranks of this ``--nproc`` run that are stopped (SIGSTOP or a debugger): what a
+    rank that timed out waiting for the others can name before it ends the run (nothing outside such a run)."""
+    d = os.environ.get(RANK_DIR_VAR)
+    if not d or not os.path.isdir(d):
+        return []
+    out = []
+    for f in Path(d).iterdir():
+        if f.name.isdigit():
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):  # being written
+                continue
+            if pid != os.getpid() and _is_stopped(pid):
+                out.append((int(f.name), pid))
+    return sorted(out)
+
+
 def report_rank_error(line: str):
     """Leave this rank's error line (an ``ERROR_MARK`` line, as printed) where the ``--nproc`` launcher looks,
     before the rank aborts the run (nothing outside such a run)."""
