@@ -266,7 +266,7 @@ def cmd_eval(a) -> int:
     from .train.evaluate import run_eval
 
     if a.json:
-        _check_output_file(a.json, "--json")
+        _check_output_file(a.json, "--json", replaces=EVAL_KEYS)
     result = run_eval(a.src, a.data, batch=a.batch, seq=a.seq, max_batches=a.max_batches, device=a.device,
                       dtype=a.dtype, progress=not a.quiet)
     for note in result["notes"]:  # what the evaluation chose (also in the JSON), as train says it: even with --quiet
@@ -274,17 +274,23 @@ def cmd_eval(a) -> int:
     text = json.dumps(result, indent=1)
     print(text)  # first: should writing --json fail after all, the result is not lost
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+        from .interop.hf_files import publish
+
+        publish(Path(a.json).expanduser(), lambda tmp: tmp.write_text(text + "\n"))  # whole, or not at all
     return 0
 
 
-def _check_output_file(path, flag: str, *, makes_folders: bool = False):
+def _check_output_file(path, flag: str, *, makes_folders: bool = False, replaces: tuple = ()):
     """A UsageError unless the file ``path`` can be written, checked before the work whose result it is: not a
-    directory, in a folder that exists (``makes_folders``: that can be made) and is writable."""
+    directory, in a folder that exists (``makes_folders``: that can be made) and is writable, and, where it exists,
+    empty or an earlier result of the command (a JSON object with the keys ``replaces``): a model's config.json or
+    weights, or the data, given by mistake, are not written over."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise UsageError(f"{flag} {p} is a directory: give a file name, e.g. {p / 'result.json'}")
+    if p.is_file() and p.stat().st_size and not _holds_keys(p, replaces):
+        raise UsageError(f"{flag} {p} exists and is not an earlier result of this command (a model's or the data's "
+                         "file?): it is not written over; give another path or remove it")
     folder = p.parent
     while makes_folders and not folder.exists() and folder != folder.parent:  # the nearest folder that exists
         folder = folder.parent
@@ -294,6 +300,20 @@ def _check_output_file(path, flag: str, *, makes_folders: bool = False):
         raise UsageError(f"{flag} {p}: {folder} is not a directory; give another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {p}: the directory {folder} is not writable; give another path")
+
+
+EVAL_KEYS = ("loss", "perplexity", "model", "data")  # in every eval result: an --json file eval may replace
+BENCH_KEYS = ("date", "device", "llmgpu")  # timing.results_header's, in every bench result
+
+
+def _holds_keys(path: Path, keys: tuple) -> bool:
+    """Whether ``path`` is a JSON object with every one of ``keys``."""
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read(1 << 24))
+    except (OSError, ValueError):  # unreadable, binary, too long to be a result, or not JSON
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in keys)
 
 
 def cmd_prepare(a) -> int:
@@ -365,7 +385,8 @@ def cmd_bench(a) -> int:
     from . import backend, bench
 
     if a.json:
-        _check_output_file(a.json, "--json", makes_folders=True)  # timing.save_results makes missing folders
+        # timing.save_results makes missing folders
+        _check_output_file(a.json, "--json", makes_folders=True, replaces=BENCH_KEYS)
     try:
         if bench.wants_scale_table(a):
             from .bench_scale import scale_main

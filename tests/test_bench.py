@@ -358,7 +358,8 @@ def test_bench_block_size_makes_room_for_a_longer_seq(tmp_path):
     assert json.loads(out.read_text())["model"]["block_size"] == 160
 
 
-@pytest.mark.parametrize("where, needle", [(".", "is a directory"), ("a.txt/b.json", "a.txt is not a directory")])
+@pytest.mark.parametrize("where, needle", [(".", "is a directory"), ("a.txt/b.json", "a.txt is not a directory"),
+                                           ("a.txt", "exists and is not an earlier result")])
 def test_bench_refuses_a_json_path_it_cannot_write_before_it_runs(tmp_path, monkeypatch, where, needle,
                                                                    one_error_line):
     from llmgpu import cli

@@ -117,3 +117,25 @@ def test_non_finite_hugging_face_weights_are_one_line_everywhere(tmp_path, rng, 
     assert not (tmp_path / "x").exists()
     with pytest.raises(CheckpointError, match="inf/nan"):
         llmgpu.from_pretrained(d, xp=np)
+
+
+def test_eval_json_replaces_only_an_earlier_result_and_writes_it_whole(tmp_path, hf_dir, one_error_line):
+    """``eval --json`` pointed by mistake at the model's config.json or weights, or at the data, exited 0 having
+    written the result over them (the model no longer loaded). It now writes a new file, or over an empty one or an
+    earlier result, through a temporary file; anything else is refused before the evaluation, and left as it was."""
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    run = ["eval", "--from", str(hf_dir), "--data", str(data), "--device", "cpu", "--quiet", "--max-batches", "1"]
+    for victim in (hf_dir / "config.json", hf_dir / "model.safetensors", data):
+        before = victim.read_bytes()
+        one_error_line(main([*run, "--json", str(victim)]), str(victim), "is not an earlier result of this command")
+        assert victim.read_bytes() == before
+    out = tmp_path / "eval.json"
+    assert main([*run, "--json", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert main([*run, "--json", str(out)]) == 0  # an earlier result: replaced
+    assert json.loads(out.read_text())["loss"] == first["loss"]
+    (tmp_path / "empty.json").touch()
+    assert main([*run, "--json", str(tmp_path / "empty.json")]) == 0
+    assert json.loads((tmp_path / "empty.json").read_text())["loss"] == first["loss"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == []
