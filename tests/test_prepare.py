@@ -409,3 +409,15 @@ def test_eval_refuses_a_json_path_it_cannot_write_before_it_evaluates(tmp_path, 
     (tmp_path / "a.txt").write_text("a file")
     one_error_line(main(["eval", "--from", str(tmp_path), "--data", "stdlib", "--json", str(tmp_path / where)]),
                    "--json", needle)
+
+
+def test_eval_reads_byte_shards_as_their_text_for_a_bpe_model(tmp_path, tiny_bpe, monkeypatch):
+    """prepare's byte shards hold uint16 ids: their raw memory read as text put a zero byte after every character,
+    and a GPT-2 model was evaluated on that, silently (64 tokens instead of 576 in the audit)."""
+    monkeypatch.setattr(evaluate, "get_tokenizer", lambda name, required=False: tiny_bpe)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    assert main(["prepare", str(f), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", "--val-fraction", "0",
+                 "--quiet"]) == 0
+    arrays, tok, _ = evaluate.eval_tokens(str(tmp_path / "s"), "gpt2")
+    assert tok == "gpt2" and np.concatenate(arrays).tolist() == [tiny_bpe.eot] + tiny_bpe._enc.encode_ordinary(TEXT)

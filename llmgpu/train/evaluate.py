@@ -52,9 +52,17 @@ def eval_tokens(data: str, tokenizer: str | None, val_fraction: float = VAL_FRAC
         return arrays, corpus.tokenizer, notes
     if corpus.tokenizer == "bytes" and tokenizer == "gpt2":  # text: tokenize it as prepare does, one document a file
         tok = get_tokenizer("gpt2", required=True)
-        arrays = [np.concatenate([[tok.eot], tok.encode_bytes(a.tobytes())]).astype(np.uint16) for a in arrays]
+        arrays = [np.concatenate([[tok.eot], tok.encode_bytes(_as_bytes(a, data))]).astype(np.uint16) for a in arrays]
         return arrays, "gpt2", notes
     raise DataError(f"{data} holds {corpus.tokenizer} tokens but the model reads {tokenizer} tokens")
+
+
+def _as_bytes(a, data) -> bytes:
+    """The text of an array of byte tokens, whatever its integer type (prepare's byte shards are uint16: their raw
+    memory would read as every byte followed by a zero)."""
+    if a.size and int(a.max()) > 255:
+        raise DataError(f"{data} claims byte tokens but holds ids up to {int(a.max())}")
+    return a.astype(np.uint8).tobytes()
 
 
 def evaluate(model, arrays: list, *, batch: int, seq: int, max_batches: int | None = None, progress: bool = True,
