@@ -86,6 +86,27 @@ def test_sample_refuses_non_finite_weights_and_a_nan_temperature(tmp_path, capsy
     assert "inf/nan weights" in _error_lines(capsys)[0][0]
 
 
+def test_bf16_weights_with_a_nan_are_refused_as_fp32_ones_are(tmp_path, capsys):
+    """bfloat16 (ml_dtypes) is no NumPy floating type: a bf16 checkpoint's NaN passed the check, export wrote it
+    and exited 0, and eval and sample blamed the configuration with a Python hint (allow_nonfinite=True)."""
+    from llmgpu import backend
+    from llmgpu.interop import safetensors
+
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--steps", "1", "--out", str(out)]) == 0
+    f = out / "checkpoint" / "model.safetensors"
+    weights = {k: v.astype(backend.bfloat16) for k, v in safetensors.load_file(f).items()}
+    weights["transformer.h.0.attn.c_attn.weight"][1, 2] = np.nan
+    safetensors.save_file(f, weights, safetensors.read_metadata(f))
+    capsys.readouterr()
+    for cmd in (["sample", "--from", str(out), "--device", "cpu"], ["export", "--from", str(out), "--to",
+                str(tmp_path / "x")], ["eval", "--from", str(out), "--data", "stdlib", "--device", "cpu"]):
+        assert main(cmd) == 2, cmd
+        errors, err = _error_lines(capsys)
+        assert len(errors) == 1 and "inf/nan weights (transformer.h.0.attn.c_attn.weight)" in errors[0], err
+    assert not (tmp_path / "x").exists()
+
+
 def test_weights_overwritten_with_0xff_bytes_may_be_a_damaged_file(tmp_path, capsys):
     """0xFF bytes read as NaN weights: the refusal names a damaged file, not only a diverged run."""
     out = tmp_path / "r"

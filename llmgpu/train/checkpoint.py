@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import backend
 from ..checks import is_integer
 from ..interop import safetensors
 from ..ops.flash_attention import KernelChoices, choices_unavailable
@@ -204,9 +205,10 @@ def _load_weights(path: Path) -> dict:
 
 
 def non_finite(arrays: dict) -> str | None:
-    """The name of the first array holding an inf or nan, or None."""
+    """The name of the first array holding an inf or nan, or None (bf16 included: ml_dtypes' type is no NumPy
+    floating type, and its NaNs passed)."""
     for k, v in arrays.items():
-        if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
+        if (np.issubdtype(v.dtype, np.floating) or v.dtype == backend.bfloat16) and not np.isfinite(v).all():
             return k
     return None
 
