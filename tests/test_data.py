@@ -57,6 +57,11 @@ def test_shard_roundtrip_and_header_validation(tmp_path):
     bad.write_bytes(hdr.tobytes() + raw[1024:-2])
     with pytest.raises(D.DataError, match="header says 1000 tokens"):
         D.read_shard(bad)
+    # a header of no tokens
+    hdr[2] = 0
+    bad.write_bytes(hdr.tobytes())
+    with pytest.raises(D.DataError, match="its header says it holds 0 tokens: an empty or damaged shard"):
+        D.read_shard(bad)
     # too short for a header
     bad.write_bytes(b"\0" * 100)
     with pytest.raises(D.DataError, match="shorter than"):

@@ -141,6 +141,21 @@ def test_prepare_shows_progress_and_refuses_to_write_over_shards(tmp_path, capsy
     assert main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", "--overwrite",
                  "--quiet", "--val-fraction", "0"]) == 0
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["prepare.json", "train_000000.bin"]
+    # a .bin that is no shard (a model's pickle) is in the way, --overwrite or not, and never removed
+    (tmp_path / "s" / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a zip archive")
+    for more in ([], ["--overwrite"]):
+        one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "s"), "--tokenizer", "bytes", *more]),
+                       "holds pytorch_model.bin, which is no token shard")
+    assert (tmp_path / "s" / "pytorch_model.bin").read_bytes() == b"PK\x03\x04 a zip archive"
+    # binary inputs (a shard, weights) are not tokenized as text
+    (src / "z.txt").write_bytes((tmp_path / "s" / "train_000000.bin").read_bytes())
+    one_error_line(main(["prepare", str(src / "z.txt"), "--out", str(tmp_path / "u"), "--tokenizer", "bytes"]),
+                   "z.txt is not text", "like an llm.c token shard")
+    (src / "z.txt").write_bytes(b"text, then \0\x01\x02 bytes")
+    one_error_line(main(["prepare", str(src), "--out", str(tmp_path / "u"), "--tokenizer", "bytes"]),
+                   "z.txt is not text", "it looks binary")
+    assert not (tmp_path / "u").exists()
+    (src / "z.txt").unlink()
     capsys.readouterr()
     one_error_line(main(["prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "t"), "--tokenizer",
                          "bytes"]), "nope.txt does not exist")

@@ -112,6 +112,15 @@ def need_file(path: Path, what: str, fix: str = "give a text file, a .bin shard,
     raise DataError(f"{what} {path} is {'a directory' if path.is_dir() else 'not a regular file'}: {fix}")
 
 
+def is_shard(path) -> bool:
+    """Whether the file ``path`` starts with an llm.c shard's magic number (its other checks: ``read_shard``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == int(SHARD_MAGIC).to_bytes(4, "little")
+    except OSError:
+        return False
+
+
 def read_shard(path) -> np.ndarray:
     """An llm.c shard's tokens as a read-only uint16 memmap, after checking its header."""
     path = Path(path)
@@ -126,7 +135,9 @@ def read_shard(path) -> np.ndarray:
         raise DataError(f"{path}: unsupported shard version {int(header[1])} (llmgpu reads version {SHARD_VERSION},"
                         " uint16 GPT-2 tokens)")
     n = int(header[2])
-    if n <= 0 or size != SHARD_HEADER_BYTES + 2 * n:
+    if n <= 0:
+        raise DataError(f"{path}: its header says it holds {n} tokens: an empty or damaged shard")
+    if size != SHARD_HEADER_BYTES + 2 * n:
         raise DataError(f"{path}: header says {n} tokens but the file holds {(size - SHARD_HEADER_BYTES) / 2:g}")
     return np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
 
@@ -441,5 +452,5 @@ class ValidationSplit:
 # the tokenizers and DataError live in tokenizers.py; they are still importable from here
 __all__ = ["BYTE_VOCAB", "EMBEDDED", "GPT2_VOCAB", "PREPARE_INFO", "SHARD_MAGIC", "BatchLoader", "ByteTokenizer",
            "Corpus", "DataError", "DataStream", "GPT2Tokenizer", "GPUPrefetcher", "data_files", "embedded_corpus",
-           "get_tokenizer", "load_corpus", "need_file", "read_shard", "read_text", "shard_tokenizer", "stdlib_files",
-           "ValidationSplit", "validation_loader", "write_shard"]
+           "get_tokenizer", "is_shard", "load_corpus", "need_file", "read_shard", "read_text", "shard_tokenizer",
+           "stdlib_files", "ValidationSplit", "validation_loader", "write_shard"]

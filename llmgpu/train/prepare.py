@@ -36,7 +36,7 @@ import numpy as np
 from ..checks import is_integer
 from ..version import __version__
 from .config import TrainConfig
-from .data import PREPARE_INFO, DataError, need_file, write_shard
+from .data import PREPARE_INFO, DataError, is_shard, need_file, write_shard
 from .report import Progress
 from .staging import move_in
 from .tokenizers import get_tokenizer
@@ -138,11 +138,27 @@ def input_files(inputs, out=None, notes: list | None = None) -> list[Path]:
         else:
             need_file(p, "input", "give text files, directories or globs")
             out_files.append(p)
+    for p in out_files:
+        _need_text(p)
     first: dict[Path, Path] = {}
     again = [p for p in out_files if first.setdefault(p.resolve(), p) is not p]  # named before, in order
     if again and notes is not None:
         notes.append(f"{len(again)} input file(s) named more than once ({again[0]}, ...): each is tokenized once")
     return list(first.values())
+
+
+def _need_text(p: Path):
+    """A DataError for a file that is not text: a NUL byte in its first 8 KiB (an llm.c shard, a model's weights, an
+    archive, UTF-16) would be tokenized as if it were, silently."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8192)
+    except OSError as e:
+        raise DataError(f"input {p} cannot be read: {e.strerror or e}") from None
+    if b"\0" in head:
+        what = "like an llm.c token shard (train --data reads it as it is)" if is_shard(p) else "binary"
+        raise DataError(f"input {p} is not text (a NUL byte in its first 8 KiB): it looks {what}; prepare tokenizes "
+                        "UTF-8 text files")
 
 
 def _output_files(out):
@@ -200,7 +216,12 @@ def prepare(inputs, out, *, tokenizer="gpt2", val_fraction: float = VAL_FRACTION
         raise DataError(f"the {tok.name} tokenizer has {tok.vocab_size} tokens: llm.c shards hold uint16 ids")
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
-    old = sorted(out.glob("*.bin")) + ([out / PREPARE_INFO] if (out / PREPARE_INFO).exists() else [])
+    bins = sorted(out.glob("*.bin"))
+    foreign = [p for p in bins if not is_shard(p)]
+    if foreign:  # a directory of shards is read whole (every .bin): never ours to remove, and in the way
+        raise DataError(f"--out {out} holds {foreign[0].name}, which is no token shard: train would read it with the "
+                        "shards (every .bin in the directory); give another directory")
+    old = bins + ([out / PREPARE_INFO] if (out / PREPARE_INFO).exists() else [])
     if old and not overwrite:
         raise DataError(f"--out {out} already holds shards ({old[0].name}, ...): give another directory or --overwrite")
     made = [d for d in (out, *out.parents) if not d.exists()]  # directories this call creates (removed on failure)
