@@ -9,6 +9,8 @@ installed (the GPU machine), ``transformers`` itself both ways; skipped with the
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -253,6 +255,44 @@ def test_a_sharded_directory_is_named_by_the_directory(tmp_path, rng):
     d = write_llama_dir(tmp_path / "bad", t, shards=2)
     with pytest.raises(InteropError, match=f"^{d}: 1 weight\\(s\\) missing, e.g. '{K0}'$"):
         llmgpu.from_pretrained(d, xp=np)
+
+
+def test_a_sharded_index_must_match_its_shards(tmp_path, rng):
+    """A tensor copied into a second shard loaded silently (the later read won); the index naming a shard that does
+    not hold a tensor, a tensor found elsewhere, or a weight_map of no file names were tracebacks."""
+    t = random_weights(CFG, rng)
+    good = write_llama_dir(tmp_path / "good", t, shards=2)
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))
+    in_second = next(k for k, f in index["weight_map"].items() if f == second)
+
+    def variant(name, edit_index=None, edit_shard=None):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        if edit_shard:
+            part = st.load_file(d / first)
+            edit_shard(part)
+            st.save_file(d / first, part, {"format": "pt"})
+        if edit_index:
+            idx = json.loads((d / "model.safetensors.index.json").read_text())
+            edit_index(idx["weight_map"])
+            (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+        return d
+
+    twice = variant("twice", edit_shard=lambda part: part.update({in_second: t[in_second] + 1}))
+    with pytest.raises(InteropError, match=f"'{re.escape(in_second)}' is stored twice, in {first} and in {second}"):
+        llmgpu.from_pretrained(twice, xp=np)
+    moved = variant("moved", edit_index=lambda wm: wm.update({in_second: first}))
+    with pytest.raises(InteropError, match=f"puts '{re.escape(in_second)}' in {first}, but {second} holds it"):
+        llmgpu.from_pretrained(moved, xp=np)
+    ghost = variant("ghost", edit_index=lambda wm: wm.update({"model.extra.weight": first}))
+    with pytest.raises(InteropError, match=r"names 1 tensor\(s\) that no shard holds \('model.extra.weight' in"):
+        llmgpu.from_pretrained(ghost, xp=np)
+    for i, bad in enumerate(({"a": 5}, {}, {"a": "../x.safetensors"}, ["a"])):
+        d = variant(f"bad{i}")
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises(InteropError, match="its weight_map must be a non-empty JSON object from each tensor's "):
+            llmgpu.from_pretrained(d, xp=np)
 
 
 def test_a_llama_directory_loads_into_the_fast_step_too(tmp_path, rng):

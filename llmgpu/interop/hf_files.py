@@ -76,7 +76,7 @@ def read_weights(d: Path) -> tuple[dict, list[Path]]:
     if (d / WEIGHTS_FILE).is_file():
         files = [d / WEIGHTS_FILE]
     elif (d / INDEX_FILE).is_file():
-        files = _index_files(d / INDEX_FILE)
+        return _read_shards(d / INDEX_FILE)
     elif (d / TORCH_FILE).is_file():
         files = [d / TORCH_FILE]
     else:
@@ -138,16 +138,36 @@ def _read_st(f: Path) -> dict:
         raise InteropError(str(e)) from None
 
 
-def _index_files(index: Path) -> list[Path]:
+def _read_shards(index: Path) -> tuple[dict, list[Path]]:
+    """``read_weights`` of a sharded model: every shard its index names, each tensor where the index puts it and
+    in no other shard (a copy in a second shard would win or lose by the order of reading, silently)."""
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise InteropError(f"{index} is not a readable safetensors index ({type(e).__name__}: {e})") from None
-    files = [index.parent / n for n in names]
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+        raise InteropError(f"{index}: its weight_map must be a non-empty JSON object from each tensor's name to the "
+                           "file name of its shard in this directory")
+    files = [index.parent / n for n in sorted(set(weight_map.values()))]
     for f in files:
         if not f.is_file():
             raise InteropError(f"{index} names {f.name}, which is missing")
-    return files
+    tensors, found_in = {}, {}
+    for f in files:
+        for name, t in _read_st(f).items():
+            if name in found_in:
+                raise InteropError(f"{name!r} is stored twice, in {found_in[name].name} and in {f.name}: a damaged "
+                                   "or mixed sharded model")
+            tensors[name], found_in[name] = t, f
+    for name, f in found_in.items():
+        if weight_map.get(name, f.name) != f.name:
+            raise InteropError(f"{index} puts {name!r} in {weight_map[name]}, but {f.name} holds it")
+    absent = [n for n in weight_map if n not in found_in]
+    if absent:
+        raise InteropError(f"{index} names {len(absent)} tensor(s) that no shard holds ({absent[0]!r} in "
+                           f"{weight_map[absent[0]]}, ...)")
+    return tensors, files
 
 
 def _read_torch(f: Path) -> dict:
