@@ -530,3 +530,25 @@ def test_sample_and_eval_read_a_hugging_face_directory(tmp_path, rng, capsys):
     assert main(["sample", "--from", str(out), "--prompt", "def", "--tokens", "5", "--device", "cpu", "--seed",
                  "3"]) == 0
     assert capsys.readouterr().out == a and a.startswith("def")
+
+
+def test_export_to_the_current_directory_a_link_or_below_a_file(tmp_path, monkeypatch, capsys, one_error_line):
+    """``--to .`` (an empty working directory) was a traceback ('.' has an empty name), ``--to`` a link to an empty
+    directory failed to move ('Not a directory'), and a --to below a file said only 'File exists'."""
+    out = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--batch", "2", "--seq", "16",
+                 "--eval-every", "0", "--sample-tokens", "0", "--quiet", "--no-plot", "--out", str(out)]) == 0
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["export", "--from", str(out), "--to", "."]) == 0
+    assert (here / "config.json").is_file() and not list(tmp_path.glob(".*export-tmp"))
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    assert main(["export", "--from", str(out), "--to", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and (target / "config.json").is_file()
+    (tmp_path / "a.txt").write_text("a file")
+    capsys.readouterr()
+    one_error_line(main(["export", "--from", str(out), "--to", str(tmp_path / "a.txt" / "out")]),
+                   f"{tmp_path / 'a.txt'} is a file, not a directory")

@@ -141,6 +141,9 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
+    above = next(p for p in out.absolute().parents if p.exists())  # the folders below it are made
+    if not above.is_dir():
+        raise ConfigError(f"--to {out}: {above} is a file, not a directory; give another path")
     pre = load_pretrained(src)
     check_export_target(out, pre, overwrite)
     info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__,
@@ -168,8 +171,9 @@ def _staged(out: Path, write):
     """``write(stage)`` into a new directory beside ``out``, then moved into place: a failure (a full disk) leaves
     ``out`` as it was, not a half-written export that blocks a retry (not empty) or reads as a model. A new or
     empty ``out``: one rename; one that holds files (--overwrite): ``staging.move_in``, config.json last."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.with_name(f".{out.name}.export-tmp")  # beside it: the same file system, so moving is renaming
+    real = out.resolve()  # '.' has no name to stage beside, and a link is replaced by what it points to, not itself
+    real.parent.mkdir(parents=True, exist_ok=True)
+    stage = real.with_name(f".{real.name}.export-tmp")  # beside it: the same file system, so moving is renaming
     shutil.rmtree(stage, ignore_errors=True)  # a killed export's
     try:
         (stage / "new").mkdir(parents=True)
@@ -177,11 +181,11 @@ def _staged(out: Path, write):
         try:
             write(stage / "new")
             what = "moving {} into place failed"
-            if out.is_dir() and any(out.iterdir()):
-                old = sorted({f for pattern in OLD_MODEL_FILES for f in out.glob(pattern) if f.is_file()})
-                move_in(list((stage / "new").iterdir()), out, hf.CONFIG_FILE, stage / "old", old)
+            if real.is_dir() and any(real.iterdir()):
+                old = sorted({f for pattern in OLD_MODEL_FILES for f in real.glob(pattern) if f.is_file()})
+                move_in(list((stage / "new").iterdir()), real, hf.CONFIG_FILE, stage / "old", old)
             else:
-                os.replace(stage / "new", out)  # over an empty directory too
+                os.replace(stage / "new", real)  # over an empty directory too
         except OSError as e:  # a full disk's error names no file: interop's publish() names the one being written
             name = out / Path(e.filename).name if e.filename else out
             raise InteropError(f"{what.format(name)}: {e.strerror or e}; --to {out} was left as it was (export "
