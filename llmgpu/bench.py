@@ -342,8 +342,9 @@ def bench_modes(args, arch: str, gpu: bool) -> list[str]:
     default = DEFAULT_MODES if gpu else tuple(m.replace("llmgpu-fast-graph", "llmgpu-fast") for m in DEFAULT_MODES)
     modes = [m.strip() for m in str(getattr(args, "modes", None) or ",".join(default)).split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad}" if bad else f"--modes {args.modes!r} names no mode"
+                         + f"; choose from {', '.join(MODES)}")
     return modes
 
 
@@ -488,7 +489,10 @@ def bench_main(args) -> int:
                                  "trace": monitor.trace()}
         timing.save_results(out, payload, xp=xp)
         print(f"wrote {out}")
-    return 0 if any(r.get("tokens_per_s") for r in rows) else 1
+    if not any(r.get("tokens_per_s") for r in rows):  # the table says why too; the command's one error line
+        raise ValueError("no mode ran: " + "; ".join(f"{r['mode']} {'skipped' if 'skipped' in r else 'failed'} ("
+                                                     f"{str(r.get('skipped') or r.get('error'))[:160]})" for r in rows))
+    return 0
 
 
 def main(argv=None) -> int:

@@ -266,7 +266,7 @@ def cmd_eval(a) -> int:
     from .train.evaluate import run_eval
 
     if a.json:
-        _check_output_file(a.json, "--json", replaces=EVAL_KEYS)
+        _check_output_file(a.json, "--json", replaces=(EVAL_KEYS,))
     result = run_eval(a.src, a.data, batch=a.batch, seq=a.seq, max_batches=a.max_batches, device=a.device,
                       dtype=a.dtype, progress=not a.quiet)
     for note in result["notes"]:  # what the evaluation chose (also in the JSON), as train says it: even with --quiet
@@ -283,8 +283,8 @@ def cmd_eval(a) -> int:
 def _check_output_file(path, flag: str, *, makes_folders: bool = False, replaces: tuple = ()):
     """A UsageError unless the file ``path`` can be written, checked before the work whose result it is: not a
     directory, in a folder that exists (``makes_folders``: that can be made) and is writable, and, where it exists,
-    empty or an earlier result of the command (a JSON object with the keys ``replaces``): a model's config.json or
-    weights, or the data, given by mistake, are not written over."""
+    empty or an earlier result of the command (a JSON object with every key of one of the tuples ``replaces``): a
+    model's config.json or weights, or the data, given by mistake, are not written over."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise UsageError(f"{flag} {p} is a directory: give a file name, e.g. {p / 'result.json'}")
@@ -303,17 +303,17 @@ def _check_output_file(path, flag: str, *, makes_folders: bool = False, replaces
 
 
 EVAL_KEYS = ("loss", "perplexity", "model", "data")  # in every eval result: an --json file eval may replace
-BENCH_KEYS = ("date", "device", "llmgpu")  # timing.results_header's, in every bench result
+BENCH_KEYS = (("benchmark",), ("presets",))  # a bench result, or a scale table (which merges into its file)
 
 
-def _holds_keys(path: Path, keys: tuple) -> bool:
-    """Whether ``path`` is a JSON object with every one of ``keys``."""
+def _holds_keys(path: Path, key_sets: tuple) -> bool:
+    """Whether ``path`` is a JSON object with every key of one of ``key_sets``."""
     try:
         with open(path, "rb") as f:
-            obj = json.loads(f.read(1 << 24))
+            obj = json.loads(f.read(1 << 26))
     except (OSError, ValueError):  # unreadable, binary, too long to be a result, or not JSON
         return False
-    return isinstance(obj, dict) and all(k in obj for k in keys)
+    return isinstance(obj, dict) and any(all(k in obj for k in keys) for keys in key_sets)
 
 
 def cmd_prepare(a) -> int:

@@ -336,3 +336,17 @@ def test_the_scale_table_refuses_fp8_modes_rather_than_measure_bf16():
                                          "preset per command"):
         bench_scale.scale_main(_args(device="cpu", preset="tiny,d6", modes="llmgpu-fp8-graph"), np)
     assert bench_scale._sides(_args(modes="llmgpu-fast-graph,torch-compile")) == ("llmgpu", "torch")
+
+
+def test_a_bench_where_no_mode_runs_is_one_error_line(tmp_path, one_error_line):
+    """Every mode skipped (FP8 on a CPU): exit 2 with one line saying why, after the table and the JSON (which keep
+    the reasons), not exit 1 without a word; ``--modes ,`` (no mode at all) is refused before anything runs."""
+    from llmgpu import cli
+
+    js = tmp_path / "b.json"
+    one_error_line(cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--batch", "2", "--seq", "16",
+                             "--steps", "1", "--warmup", "0", "--no-ceiling", "--modes", "llmgpu-fp8-graph",
+                             "--json", str(js)]),
+                   "no mode ran: llmgpu-fp8-graph skipped (FP8 GEMMs need a GPU")
+    assert json.loads(js.read_text())["results"][0]["skipped"]
+    one_error_line(cli.main(["bench", "--device", "cpu", "--modes", ","]), "--modes ',' names no mode; choose from")

@@ -145,7 +145,8 @@ def test_safetensors_keeps_0d_tensors_as_shape_empty(tmp_path, rng):
     assert {k: v.shape for k, v in ref.load_file(str(p)).items()}["f32"] == ()
 
 
-@pytest.mark.parametrize("how", ["truncated", "longer", "garbage", "short", "json", "offsets", "dtype"])
+@pytest.mark.parametrize("how", ["truncated", "longer", "garbage", "short", "json", "offsets", "dtype", "huge",
+                                 "float-shape", "bool-shape"])
 def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, how):
     p = st.save_file(tmp_path / "w.safetensors", {"a": np.ones(8, np.float32), "b": np.zeros(4, np.float32)})
     data = p.read_bytes()
@@ -165,10 +166,16 @@ def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, how):
         else:
             if how == "offsets":
                 header["b"]["data_offsets"] = [36, 52]  # a gap after a
+            elif how == "huge":  # 2^64 elements of 0 bytes: an int64 product wrapped to 0, then np.empty failed
+                header["b"]["shape"], header["b"]["data_offsets"] = [2**32, 2**32], [32, 32]
+                header["a"]["data_offsets"] = [0, 32]
+            elif how.endswith("shape"):  # read as 1 by int()
+                header["a"]["shape"] = [8.0] if how == "float-shape" else [8, True]
             else:
                 header["a"]["dtype"] = "F33"
             text = json.dumps(header).encode().ljust(n)
-        p.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+        body = data[8 + n:8 + n + 32] if how == "huge" else data[8 + n:]  # b holds no bytes: only a's are left
+        p.write_bytes(len(text).to_bytes(8, "little") + text + body)
     with pytest.raises(st.SafetensorsError) as e:
         st.load_file(p)
     assert str(p) in str(e.value) and "\n" not in str(e.value)
@@ -372,6 +379,9 @@ def test_export_writes_what_transformers_reads(tmp_path, rng, capsys):
         assert np.array_equal(w, want[name][:len(w)]), name
     np.testing.assert_allclose(back.forward(idx)[0], m.forward(idx)[0], rtol=1e-5, atol=1e-6)
     assert load_pretrained(d).tokenizer == "bytes"  # llmgpu.json
+    (d / "llmgpu.json").write_text("[1, 2]")  # was a TypeError from dict.update
+    with pytest.raises(InteropError, match=r"llmgpu.json is not a JSON object \(it holds a list\)"):
+        load_pretrained(d)
 
 
 def test_safetensors_package_reads_the_export(tmp_path, rng):

@@ -65,9 +65,12 @@ def read_info(d: Path) -> dict:
     if not (d / INFO_FILE).is_file():
         return {}
     try:
-        return json.loads((d / INFO_FILE).read_text())
+        info = json.loads((d / INFO_FILE).read_text())
     except (OSError, ValueError) as e:
         raise InteropError(f"{d / INFO_FILE} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(info, dict):
+        raise InteropError(f"{d / INFO_FILE} is not a JSON object (it holds a {type(info).__name__})")
+    return info
 
 
 def read_weights(d: Path) -> tuple[dict, list[Path]]:

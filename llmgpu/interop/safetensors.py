@@ -17,6 +17,7 @@ checks files written here against the ``safetensors`` package when it is install
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -114,12 +115,14 @@ def read_header(path) -> tuple[dict, dict, int]:
     for k, h in header.items():
         try:
             dt = DTYPES[h["dtype"]]
-            shape = tuple(int(s) for s in h["shape"])
-            begin, end = (int(x) for x in h["data_offsets"])
+            shape, offsets = tuple(h["shape"]), tuple(h["data_offsets"])
+            if not all(type(x) is int for x in shape + offsets):  # 1.5 and true are no sizes (int() read them as 1)
+                raise TypeError
+            begin, end = offsets
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{path}: tensor {k!r} has a bad header entry {h!r} (unknown dtype, shape or "
                                    "offsets)") from None
-        if min(shape, default=1) < 0 or end - begin != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
+        if min(shape, default=1) < 0 or end - begin != dt.itemsize * math.prod(shape):  # Python ints: no wrapping
             raise SafetensorsError(f"{path}: tensor {k!r} holds {end - begin} bytes, not the {h['dtype']} {shape} "
                                    "its header says")
         tensors[k] = (dt, shape, begin, end)
