@@ -25,7 +25,7 @@ from llmgpu.interop.hf import InteropError
 from llmgpu.model import GPT, GPTConfig
 from llmgpu.ops.layernorm import layernorm_forward
 from llmgpu.train import TrainConfig, Trainer
-from llmgpu.train.checkpoint import CheckpointError
+from llmgpu.train.checkpoint import CheckpointError, save_checkpoint
 from llmgpu.train.pretrained import load_pretrained
 
 pytestmark = pytest.mark.ch7
@@ -219,6 +219,13 @@ def test_the_layernorm_epsilon_is_the_models():
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"add_cross_attention": True}, "add_cross_attention"),
     ({"n_head": 3}, "not a usable GPT-2 shape"),
+    # wrong types are named as such, with their quotes ("false" read as true; "512" printed as 512)
+    ({"add_cross_attention": "false"}, "add_cross_attention must be true or false, got 'false'"),
+    ({"scale_attn_weights": "false"}, "scale_attn_weights must be true or false, got 'false'"),  # was accepted
+    ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false, got 0"),
+    ({"n_inner": "512"}, "n_inner '512'"),
+    ({"n_inner": True}, "n_inner True"),
+    ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon '1e-5'"),
 ])  # fmt: skip
 def test_configs_llmgpu_does_not_compute_are_refused_in_one_line(change, needle):
     with pytest.raises(InteropError, match=needle) as e:
@@ -562,3 +569,21 @@ def test_export_to_the_current_directory_a_link_or_below_a_file(tmp_path, monkey
     capsys.readouterr()
     one_error_line(main(["export", "--from", str(out), "--to", str(tmp_path / "a.txt" / "out")]),
                    f"{tmp_path / 'a.txt'} is a file, not a directory")
+
+
+def test_a_config_or_meta_that_is_a_directory_is_named_so_and_fast_must_be_a_bool(tmp_path):
+    """A config.json that is a directory (beside weights) read as an incomplete llmgpu checkpoint whose meta.json
+    "is missing"; a meta.json that is a directory was "missing" too. from_pretrained(fast="no") built a FastGPT."""
+    d = hf.export_hf(tmp_path / "hf", CFG, GPT(CFG, xp=np, seed=1).state_dict(), tokenizer="bytes")
+    with pytest.raises(TypeError, match="fast must be True or False, got 'no'"):
+        llmgpu.from_pretrained(d, xp=np, fast="no")
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    with pytest.raises(InteropError, match=f"^{d / 'config.json'} is not a file: not a Hugging Face model directory"):
+        load_pretrained(d)
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoint", model=GPT(CFG, xp=np, seed=1).state_dict(), meta={"step": 0})
+    (run / "checkpoint" / "meta.json").unlink()
+    (run / "checkpoint" / "meta.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"meta.json is not a file$"):
+        load_pretrained(run)

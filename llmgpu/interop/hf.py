@@ -80,14 +80,16 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     if c["activation_function"] not in ACTIVATIONS:
         bad(f"activation_function {c['activation_function']!r}: llmgpu's GELU is the tanh approximation "
             f"({' or '.join(ACTIVATIONS)})")
-    if c["n_inner"] not in (None, 4 * c["n_embd"]):
-        bad(f"n_inner {c['n_inner']}: llmgpu's MLP is 4 * n_embd = {4 * c['n_embd']} wide")
+    if c["n_inner"] not in (None, 4 * c["n_embd"]) or isinstance(c["n_inner"], bool):
+        bad(f"n_inner {c['n_inner']!r}: llmgpu's MLP is 4 * n_embd = {4 * c['n_embd']!r} wide")
     eps = c["layer_norm_epsilon"]
     if not isinstance(eps, (int, float)) or not math.isclose(eps, LAYER_NORM_EPSILON, rel_tol=1e-6):
-        bad(f"layer_norm_epsilon {eps}: llmgpu's LayerNorm uses {LAYER_NORM_EPSILON}")
+        bad(f"layer_norm_epsilon {eps!r}: llmgpu's LayerNorm uses {LAYER_NORM_EPSILON}")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("add_cross_attention", False)):
-        if bool(c[key]) != want:
+                      ("add_cross_attention", False), ("tie_word_embeddings", None)):
+        if not isinstance(c[key], bool):  # "false" would read as true
+            bad(f"{key} must be true or false, got {c[key]!r}")
+        if want is not None and c[key] != want:
             bad(f"{key} {c[key]}: llmgpu's attention has {key} {want}")
     try:
         return GPTConfig(n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], vocab_size=c["vocab_size"],
@@ -194,7 +196,7 @@ def load_hf(path) -> tuple[GPTConfig | LlamaConfig, dict, dict]:
         weights = hf_to_llama(tensors, cfg, where=where)
         info.update({k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None})
     else:
-        weights = hf_to_nanogpt(tensors, cfg, tied=bool(hf.get("tie_word_embeddings", True)), where=where)
+        weights = hf_to_nanogpt(tensors, cfg, tied=hf.get("tie_word_embeddings", True), where=where)  # a bool: checked
         info["tokenizer"] = "gpt2" if cfg.vocab_size == 50257 else None
     info.update(read_info(d))
     return cfg, weights, info

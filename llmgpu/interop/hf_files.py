@@ -31,10 +31,10 @@ def is_hf_dir(path) -> bool:
     """Whether ``path`` looks like a Hugging Face model directory: a ``config.json`` with a ``model_type`` or
     next to weights (an llmgpu run directory has a ``config.json`` too: its configuration record)."""
     p = Path(path)
-    if not (p / CONFIG_FILE).is_file() or (p / "meta.json").is_file():
+    if not (p / CONFIG_FILE).exists() or (p / "meta.json").is_file():
         return False
     if any((p / f).is_file() for f in (WEIGHTS_FILE, INDEX_FILE, TORCH_FILE)):
-        return True
+        return True  # check_hf_dir then says what is wrong with a config.json that is not a file
     try:
         return "model_type" in json.loads((p / CONFIG_FILE).read_text())
     except (OSError, ValueError, TypeError):
@@ -48,7 +48,9 @@ def check_hf_dir(path) -> Path:
         raise InteropError(f"{d} is not a directory: llmgpu reads local model directories and never downloads "
                            "(fetch one first, e.g. huggingface-cli download openai-community/gpt2 --local-dir gpt2)")
     if not (d / CONFIG_FILE).is_file():
-        raise InteropError(f"{d} holds no {CONFIG_FILE}: not a Hugging Face model directory")
+        raise InteropError(f"{d / CONFIG_FILE} is not a file: not a Hugging Face model directory" if
+                           (d / CONFIG_FILE).exists() else f"{d} holds no {CONFIG_FILE}: not a Hugging Face model "
+                           "directory")
     return d
 
 

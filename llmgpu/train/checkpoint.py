@@ -135,8 +135,9 @@ def find_checkpoint(path) -> Path:
             return _sibling(cand, ".old")
     for cand in (p, p / "checkpoint"):
         if (cand / META_FILE).is_file() or model_file(cand).is_file():
-            missing = MODEL_FILE if (cand / META_FILE).is_file() else META_FILE
-            raise CheckpointError(f"checkpoint {cand} is incomplete: {cand / missing} is missing")
+            missing = cand / (MODEL_FILE if (cand / META_FILE).is_file() else META_FILE)
+            raise CheckpointError(f"checkpoint {cand} is incomplete: {missing} "
+                                  + ("is not a file" if missing.exists() else "is missing"))
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
     raise CheckpointError(f"{p} holds no llmgpu checkpoint ({META_FILE} + {MODEL_FILE}, or a checkpoint/ "

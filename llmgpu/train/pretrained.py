@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import backend
+from ..checks import check_bool
 from ..interop import InteropError, hf
 from ..model import GPTConfig, LlamaConfig, family
 from ..model.llama_config import LM_HEAD
@@ -129,7 +130,8 @@ def from_pretrained(path, *, dtype="fp32", xp=None, fast: bool = False):
     ``FastLlama`` with ``fast``; bf16/fp16 on a GPU) in ``dtype`` on
     ``xp``: None (the active backend), ``numpy``/``cupy``, or 'auto', 'cpu', 'gpu' (``backend.resolve_xp``).
     Never downloads."""
-    xp = backend.resolve_xp(xp)  # before reading the weights: a bad xp= says so at once
+    xp = backend.resolve_xp(xp)  # before reading the weights: a bad xp= (or fast=) says so at once
+    check_bool("fast", fast)
     return build_model(load_pretrained(path), dtype=dtype, xp=xp, fast=fast)
 
 
