@@ -8,28 +8,24 @@ One run trains the same model on the same synthetic tokens with
 * **PyTorch** (when importable): the same GPT-2 in ``llmgpu.torch_reference`` (nanoGPT-style, flash
   SDPA), bf16 autocast, fused AdamW, the same clipping; eager and ``torch.compile``.
 
-and reports per mode the median milliseconds per optimizer step, tokens per second, MFU and peak
-memory. **MFU** (``llmgpu.perf.timing.mfu``) divides the FLOPs the model needs
-(``GPTConfig.flops_per_token``: 6·N + 12·L·C·T) per second by the bf16 GEMM ceiling *measured in the
-same run* (``mfu_ceiling``: cuBLAS 8192³); the datasheet peak is printed beside it, labelled.
-Recomputation (activation checkpointing) does not count: MFU measures useful work. The same N enters
-both frameworks, so the tokens/s ratio is the honest comparison; MFU adds how far both are from the
-hardware.
+and reports per mode the median milliseconds per optimizer step, tokens per second, MFU and peak memory. **MFU**
+(``llmgpu.perf.timing.mfu``) divides the FLOPs the model needs (``GPTConfig.flops_per_token``: 6·N + 12·L·C·T) per
+second by the bf16 GEMM ceiling *measured in the same run* (``mfu_ceiling``: cuBLAS 8192³); the datasheet peak is
+printed beside it, labelled. Recomputation (activation checkpointing) does not count: MFU measures useful work. The
+same N enters both frameworks: the tokens/s ratio compares them, MFU says how far each is from the hardware.
 
-**Fair settings.** Both frameworks train the same vocabulary: ``--pad-vocab`` defaults to 64 for both
-(50257 → 50304, what nanoGPT and llm.c train; ``FastGPT`` pads to a multiple of 64 in any case), and
-the mode ``torch-compile-unpadded`` adds PyTorch at the unpadded 50257, so the ratio to both is printed.
-PyTorch runs with the SDPA backend that is fastest on this GPU for the model's attention (flash or
-cuDNN, timed once: ``torch_reference.pick_sdpa_backend``; ``--sdpa`` forces one) and the
-``torch.compile`` mode of ``--compile-mode``.
+**Fair settings.** Both frameworks train the same vocabulary: ``--pad-vocab`` defaults to 64 for both (50257 → 50304,
+what nanoGPT and llm.c train; ``FastGPT`` pads to a multiple of 64 in any case), and the mode
+``torch-compile-unpadded`` adds PyTorch at the unpadded 50257, so the ratio to both is printed. PyTorch runs with the
+SDPA backend that is fastest on this GPU for the model's attention (flash or cuDNN, timed once:
+``torch_reference.pick_sdpa_backend``; ``--sdpa`` forces one) and the ``torch.compile`` mode of ``--compile-mode``.
 
 ``--preset gpt2,d24,d36,d48`` (several presets, or ``--scale-table``) makes the scale table instead
-(``llmgpu.bench_scale``): per preset the largest power-of-two batch that fits, tokens/s, MFU and peak
-memory for llmgpu and torch.compile side by side.
+(``llmgpu.bench_scale``): per preset the largest power-of-two batch that fits, tokens/s, MFU and peak memory for llmgpu
+and torch.compile side by side.
 
-Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the high-water mark of
-CuPy's memory pool (it keeps freed blocks cached, so after the run ``total_bytes`` is the most it
-ever held; fragmentation can make that a little more than the live peak).
+Peak memory: ``torch.cuda.max_memory_allocated`` for PyTorch; for llmgpu the high-water mark of CuPy's memory pool (it
+keeps freed blocks cached, so ``total_bytes`` after the run is the most it held: fragmentation may add a little).
 
 ``--arch llama`` (or a Llama preset: ``smollm-135m`` by default on a GPU, ``llama-tiny`` on a CPU) measures the
 Llama family, with the same modes: llmgpu's book step (``llmgpu.model.Llama``) and fast step (``FastLlama``, chapter
@@ -342,9 +338,9 @@ def bench_modes(args, arch: str, gpu: bool) -> list[str]:
     default = DEFAULT_MODES if gpu else tuple(m.replace("llmgpu-fast-graph", "llmgpu-fast") for m in DEFAULT_MODES)
     modes = [m.strip() for m in str(getattr(args, "modes", None) or ",".join(default)).split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"unknown mode(s) {bad}" if bad else f"--modes {args.modes!r} names no mode"
-                         + f"; choose from {', '.join(MODES)}")
+    if bad or not modes:  # a typo, or '--modes ,'
+        said = f"unknown mode(s) {bad}" if bad else f"--modes {args.modes!r} names no mode"
+        raise ValueError(f"{said}; choose from {', '.join(MODES)}")
     return modes
 
 
