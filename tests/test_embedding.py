@@ -490,6 +490,7 @@ def test_gpu_forward_without_positions_is_the_gather_and_nan_past_vocab_size(cp,
     """wpe=None on the GPU: wte's rows bit for bit (both kernels, vector and scalar packs); ids below 0 or from
     vocab_size up (a padded table's rows) read as NaN rows, where a plain gather read row -1 as the last row."""
     idx, wte, _, _ = _inputs(rng, 2, 5, c, 11, dtype=dtype, idx_dtype=np.int64)
+    idx %= 9
     idx[0, 1], idx[1, 3], idx[1, 4] = -1, 9, 10  # vocab_size 9: rows 9 and 10 are padding
     x = backend.to_numpy(embedding_forward(cp.asarray(idx), cp.asarray(wte), None, method=method, vocab_size=9,
                                            out=poisoned((2, 5, c), dtype, cp)))
