@@ -310,7 +310,8 @@ def _holds_keys(path: Path, key_sets: tuple) -> bool:
     """Whether ``path`` is a JSON object with every key of one of ``key_sets``."""
     try:
         with open(path, "rb") as f:
-            obj = json.loads(f.read(1 << 26))
+            head = f.read(4096)  # a model's weights are not read whole to find they are no JSON
+            obj = json.loads(head + f.read(1 << 26)) if head.lstrip().startswith(b"{") else None
     except (OSError, ValueError):  # unreadable, binary, too long to be a result, or not JSON
         return False
     return isinstance(obj, dict) and any(all(k in obj for k in keys) for keys in key_sets)
