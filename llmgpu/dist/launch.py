@@ -39,7 +39,8 @@ RANK_DIR_VAR = "LLMGPU_RANK_DIR"  # where the ranks of an --nproc run register t
 ERROR_MARK = "llmgpu: error: "  # how the command's error lines start (cli.main prints them with it)
 SAID_ONCE = ("llmgpu: interrupted",)  # besides error lines, what every rank prints alike: passed once
 MPICH_ABORT = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
-SIGNAL_EXIT_CODES = (9, 15)  # MPICH's exit code for a rank killed by SIGKILL or SIGTERM: the number (llmgpu exits 1, 2, 130, 143)
+# MPICH's exit code for a rank killed by SIGKILL or SIGTERM: the signal's number (llmgpu itself exits 1, 2, 130, 143)
+SIGNAL_EXIT_CODES = (9, 15)
 
 
 def register_rank(rank: int):
