@@ -102,6 +102,8 @@ def test_resume_api_refuses_changed_settings(tmp_path):
     Trainer(TrainConfig(**FAST, steps=3, out=out)).run(stop_at=1)
     with pytest.raises(ConfigError, match="--preset d6 .the run has tiny. cannot change"):
         Trainer(TrainConfig(resume=out, preset="d6"))
+    with pytest.raises(ConfigError, match="--val-data x.txt .the run has the default. cannot change"):  # not None
+        Trainer(TrainConfig(resume=out, val_data="x.txt"))
     t = Trainer(TrainConfig(resume=out, steps=5, log_every=1))  # what it may change it takes
     assert (t.total_steps, t.cfg.log_every, t.cfg.seq) == (5, 1, 16)
 
@@ -120,6 +122,35 @@ def test_out_of_an_existing_run_is_refused_unless_overwrite(tmp_path, capsys, on
     assert main(["train", *TINY, "--steps", "2", "--out", str(out), "--overwrite"]) == 0
     assert load_checkpoint(out)[1]["step"] == 2 and _train_steps(out) == [1, 2]
     assert (out / "keep.txt").read_text() == "mine"  # only the run's own files are replaced
+
+
+def test_out_of_a_run_without_checkpoint_or_below_a_file_says_what_works(tmp_path, capsys, one_error_line):
+    """A run that saved nothing (killed in its first step) was answered 'continue it with --resume', which then
+    found no checkpoint; an --out below a file failed after the set-up with only 'Not a directory'."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # what a run writes first
+    one_error_line(main(["train", *TINY, "--steps", "2", "--out", str(out)]),
+                   "already holds a run that saved no checkpoint: give --overwrite")
+    (tmp_path / "afile").write_text("x")
+    one_error_line(main(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "afile" / "sub")]),
+                   f"{tmp_path / 'afile'} is a file, not a directory")
+    assert main(["train", *TINY, "--steps", "1", "--out", str(out), "--overwrite"]) == 0
+
+
+def test_flags_the_run_leaves_unused_get_a_note(tmp_path, capsys):
+    """--prompt without a sample, --eval-batches without validation, --min-lr-ratio on a constant schedule and
+    --attention-kernel on the book step were taken without a word."""
+    assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r"), "--sample-tokens", "0", "--prompt",
+                 "hi", "--top-k", "5", "--eval-every", "0", "--eval-batches", "3", "--schedule", "constant",
+                 "--min-lr-ratio", "0.5", "--attention-kernel", "cudnn"]) == 0
+    err = capsys.readouterr().err
+    assert "llmgpu: note: --prompt, --top-k unused: there is no end-of-run sample (--sample-tokens 0)" in err
+    assert "llmgpu: note: --eval-batches unused: no validation runs (--eval-every 0)" in err
+    assert "llmgpu: note: --min-lr-ratio unused: a constant schedule does not decay" in err
+    assert "llmgpu: note: --attention-kernel unused: it chooses the fast step's attention" in err
+    assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "s")]) == 0
+    assert "unused" not in capsys.readouterr().err
 
 
 def test_output_errors_exit_2_with_one_line(tmp_path, capsys, one_error_line):

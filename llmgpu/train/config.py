@@ -182,7 +182,8 @@ def resume_config(saved: TrainConfig, given: TrainConfig, explicit=None) -> Trai
     explicit = explicit_fields(given) if explicit is None else set(explicit)
     bad = [k for k in sorted(explicit) if k not in RESUME_OVERRIDES and getattr(given, k) != getattr(saved, k)]
     if bad:
-        what = ", ".join(f"{flag_of(k)} {getattr(given, k)} (the run has {getattr(saved, k)})" for k in bad)
+        what = ", ".join(f"{flag_of(k)} {getattr(given, k)} (the run has "
+                         f"{'the default' if getattr(saved, k) is None else getattr(saved, k)})" for k in bad)
         accepted = ", ".join(flag_of(k) for k in RESUME_OVERRIDES if k != "resume")
         raise ConfigError(f"a resumed run keeps its settings: {what} cannot change; --resume accepts {accepted}")
     over = {k: getattr(given, k) for k in RESUME_OVERRIDES if k in explicit or k in _RESUME_ALWAYS}

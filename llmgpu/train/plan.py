@@ -28,7 +28,9 @@ from .config import (
     ConfigError,
     TrainConfig,
     compute_dtype,
+    explicit_fields,
     fast_path_available,
+    flag_of,
     model_block_size,
     resolve,
     resume_config,
@@ -111,7 +113,22 @@ def plan_config(cfg: TrainConfig, xp, *, explicit=None, saved: SavedRun | None =
         out, forked, fork_from = Path(cfg.out or default_out_dir()), False, None
         cfg = replace(cfg, out=str(out))
     resolved = resolve(cfg, xp)
+    if saved is None:
+        notes += unused_flag_notes(resolved, explicit_fields(cfg) if explicit is None else set(explicit))
     return RunPlan(resolved, out, saved is not None, forked, fork_from, notes=tuple(notes))
+
+
+def unused_flag_notes(cfg: TrainConfig, given: set) -> list[str]:
+    """A note for each group of flags the user set (``given``) that the run's other settings leave unused: taken
+    without a word, they read as if they had worked."""
+    unused = ((("prompt", "temperature", "top_k"), cfg.sample_tokens == 0, "there is no end-of-run sample "
+               "(--sample-tokens 0)"),
+              (("val_data", "eval_batches"), cfg.eval_every == 0, "no validation runs (--eval-every 0)"),
+              (("min_lr_ratio",), cfg.schedule == "constant", "a constant schedule does not decay"),
+              (("attention_kernel",), not cfg.fast, "it chooses the fast step's attention, and this run takes the "
+               "book step"))
+    return [f"{', '.join(flag_of(k) for k in keys if k in given)} unused: {why}" for keys, off, why in unused
+            if off and any(k in given for k in keys)]
 
 
 def plan_model(plan: RunPlan, *, data_vocab: int, data_tokenizer: str, saved: SavedRun | None = None,
@@ -163,4 +180,5 @@ def fitted_total_steps(cfg, step: int, per_step: float, elapsed: float, *, first
     return step + max(0, int(remaining / max(per_step, 1e-9)))
 
 
-__all__ = ["RunPlan", "SavedRun", "fitted_total_steps", "plan_config", "plan_model", "warmup_note"]
+__all__ = ["RunPlan", "SavedRun", "fitted_total_steps", "plan_config", "plan_model", "unused_flag_notes",
+           "warmup_note"]

@@ -27,7 +27,7 @@ try:
 except ImportError:  # Windows: no flock; the lock is not taken there (see run_lock)
     fcntl = None
 
-from .checkpoint import find_checkpoint, json_default
+from .checkpoint import CheckpointError, find_checkpoint, json_default
 from .config import ConfigError
 
 RUN_FILES = ("log.jsonl", "config.json", "summary.json", "loss.png", "samples.txt", "checkpoint", "checkpoint.tmp",
@@ -68,7 +68,15 @@ def check_out(out: Path, overwrite: bool):
     """A ConfigError unless a new run may write to ``out``: not a file, not another run (without --overwrite)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    above = next(p for p in out.absolute().parents if p.exists())  # the folders below it are made
+    if not above.is_dir():
+        raise ConfigError(f"--out {out}: {above} is a file, not a directory; give another path")
     if holds_run(out) and not overwrite:
+        try:
+            find_checkpoint(out)
+        except CheckpointError:  # --resume would find nothing to continue
+            raise ConfigError(f"--out {out} already holds a run that saved no checkpoint: give --overwrite to "
+                              "replace it, or another --out") from None
         raise ConfigError(f"--out {out} already holds a run: continue it with --resume {out}, or give --overwrite "
                           "to replace it")
 
