@@ -352,7 +352,7 @@ def use_cpu(xp, device: str, threads: int | None, note=print):
     that caps it (more threads than cores only wait for each other)."""
     if xp is not np:
         return
-    if device == "auto" and cupy_module() is not None:
+    if device == "auto" and requested_device() == "auto" and cupy_module() is not None:  # not LLMGPU_DEVICE=cpu
         # CuPy installed but no GPU usable: on a machine without a GPU CUDA's reason reads like a fault
         note(f"no usable GPU, so this run trains on the CPU with NumPy (expected on a machine without a GPU; "
              f"--device cpu skips the check): {gpu_unavailable_reason()}")

@@ -47,6 +47,26 @@ def test_device_override_gpu_without_gpu_raises(monkeypatch):
         backend.default_xp()
 
 
+def test_the_environment_variable_is_named_as_itself_not_as_a_flag(monkeypatch):
+    """LLMGPU_DEVICE=gpu without a GPU was reported as '--device gpu: ...', a flag the user never gave; under
+    LLMGPU_DEVICE=cpu a run still said 'no usable GPU ... (--device cpu skips the check)'."""
+    from llmgpu.train.config import ConfigError, select_xp
+
+    if backend.gpu_available():
+        pytest.skip("a GPU is present; this checks the messages given without one")
+    monkeypatch.setenv("LLMGPU_DEVICE", "gpu")
+    with pytest.raises(ConfigError, match="^LLMGPU_DEVICE=gpu but ") as e:
+        select_xp("auto")
+    assert "--device" not in str(e.value)
+    monkeypatch.setenv("LLMGPU_DEVICE", "cpu")
+    said = []
+    backend.use_cpu(np, "auto", None, said.append)
+    assert not [s for s in said if "no usable GPU" in s]
+    monkeypatch.setenv("LLMGPU_DEVICE", "auto")
+    backend.use_cpu(np, "auto", None, said.append)
+    assert backend.cupy_module() is None or [s for s in said if "no usable GPU" in s]
+
+
 def test_bad_device_value(monkeypatch):
     monkeypatch.setenv("LLMGPU_DEVICE", "tpu")
     with pytest.raises(ValueError, match="LLMGPU_DEVICE"):

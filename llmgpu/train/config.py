@@ -222,8 +222,8 @@ def select_xp(device: str = "auto"):
         return backend.select_xp(device)
     except backend.DeviceSettingError:
         raise  # about LLMGPU_DEVICE, not --device: it says so itself
-    except backend.GPUUnavailableError as e:
-        raise ConfigError(f"--device gpu: {e}") from None
+    except backend.GPUUnavailableError as e:  # --device gpu, or LLMGPU_DEVICE=gpu (which its text names)
+        raise ConfigError(f"--device gpu: {e}" if device == "gpu" else str(e)) from None
     except ValueError as e:
         raise ConfigError(f"--device: {e}") from None
 
