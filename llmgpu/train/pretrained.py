@@ -143,9 +143,7 @@ def export(src, dst, *, overwrite: bool = False) -> dict:
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--to {out} exists and is not a directory")
-    above = next(p for p in out.absolute().parents if p.exists())  # the folders below it are made
-    if not above.is_dir():
-        raise ConfigError(f"--to {out}: {above} is a file, not a directory; give another path")
+    rundir.check_parents(out, "--to")
     pre = load_pretrained(src)
     check_export_target(out, pre, overwrite)
     info = {"source": pre.source, "step": pre.meta.get("step"), "llmgpu": __version__,

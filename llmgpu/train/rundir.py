@@ -64,13 +64,18 @@ def holds_run(out: Path) -> bool:
     return out.is_dir() and any((out / f).exists() for f in RUN_FILES)
 
 
+def check_parents(out: Path, flag: str):
+    """A ConfigError when the nearest folder above ``out`` that exists is a file (the folders below it are made)."""
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"{flag} {out}: {above} is a file, not a directory; give another path")
+
+
 def check_out(out: Path, overwrite: bool):
     """A ConfigError unless a new run may write to ``out``: not a file, not another run (without --overwrite)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
-    above = next(p for p in out.absolute().parents if p.exists())  # the folders below it are made
-    if not above.is_dir():
-        raise ConfigError(f"--out {out}: {above} is a file, not a directory; give another path")
+    check_parents(out, "--out")
     if holds_run(out) and not overwrite:
         try:
             find_checkpoint(out)
